@@ -1,0 +1,188 @@
+"""Training checkpoints: written atomically, verified on load, the last K kept.
+
+Layout of one checkpoint (`<output_dir>/checkpoints/step_00000100/`):
+    model.safetensors       every model Parameter by name (fp32); with config.yaml this folder
+                            is also a "model directory" that `moetrain forward` reads
+    optimizer.safetensors   optimizer state (moments, momentum buffers) by parameter name
+    trainer_state.json      step, loss scale, data position, seed
+    config.yaml             the resolved config of the run
+    manifest.json           sha256 and size of every file above; written last
+
+Everything is written into a hidden temporary folder that is renamed into place only when
+complete, so a crash mid-write leaves the previous checkpoint as the latest complete one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def params_to_numpy(params: Iterable) -> Dict[str, np.ndarray]:
+    return {p.name: p.asnumpy() for p in params}
+
+
+def assign_from_numpy(params: Iterable, arrays: Dict[str, np.ndarray], what: str, strict: bool = True) -> None:
+    """Copy `arrays` into the Parameters of the same name, checking names and shapes."""
+    import mindspore as ms
+
+    params = list(params)
+    names = {p.name for p in params}
+    missing = sorted(names - set(arrays))
+    unexpected = sorted(set(arrays) - names)
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{what}: parameter names do not match the model: missing {missing[:8]}"
+                              f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                              f"{'...' if len(unexpected) > 8 else ''}")
+    for p in params:
+        if p.name not in arrays:
+            continue
+        value = arrays[p.name]
+        if tuple(value.shape) != tuple(p.shape):
+            raise CheckpointError(f"{what}: '{p.name}' has shape {tuple(value.shape)} in the checkpoint "
+                                  f"but {tuple(p.shape)} in the model (was it saved with another model config?)")
+        p.set_data(ms.Tensor(value, dtype=p.dtype))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class CheckpointWriter:
+    """Collects the files of one checkpoint in a temporary folder, then publishes it."""
+
+    def __init__(self, root: str, step: int):
+        self.root = root
+        self.name = f"step_{step:08d}"
+        self.tmp = os.path.join(root, f".tmp-{self.name}-{os.getpid()}")
+        if os.path.exists(self.tmp):
+            shutil.rmtree(self.tmp)
+        os.makedirs(self.tmp)
+        self.files: List[str] = []
+
+    def tensors(self, filename: str, arrays: Dict[str, np.ndarray]) -> None:
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, os.path.join(self.tmp, filename))
+        self.files.append(filename)
+
+    def json(self, filename: str, obj) -> None:
+        with open(os.path.join(self.tmp, filename), "w") as fh:
+            json.dump(obj, fh, indent=1)
+        self.files.append(filename)
+
+    def copy(self, filename: str, src: str) -> None:
+        shutil.copyfile(src, os.path.join(self.tmp, filename))
+        self.files.append(filename)
+
+    def commit(self) -> str:
+        manifest = {f: {"sha256": sha256_of(os.path.join(self.tmp, f)),
+                        "bytes": os.path.getsize(os.path.join(self.tmp, f))} for f in self.files}
+        with open(os.path.join(self.tmp, MANIFEST), "w") as fh:
+            json.dump({"files": manifest}, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        final = os.path.join(self.root, self.name)
+        if os.path.exists(final):  # re-saving a step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(self.tmp, final)
+        _fsync_dir(self.root)
+        return final
+
+
+def list_checkpoints(root: str) -> List[Tuple[int, str]]:
+    """Complete checkpoints (those with a manifest) under `root`, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if match and os.path.isfile(os.path.join(path, MANIFEST)):
+            found.append((int(match.group(1)), path))
+        elif name.startswith(".tmp-step_"):
+            warnings.warn(f"skipping incomplete checkpoint {path} (a save was interrupted)")
+    return sorted(found)
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(root: str, keep_max: int) -> None:
+    for _, path in list_checkpoints(root)[:-keep_max]:
+        shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(root):
+        if name.startswith(".tmp-step_") and not name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def verify_checkpoint(path: str) -> Dict[str, dict]:
+    """Check every file against the manifest; raise CheckpointError naming the bad file."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing "
+                              f"(the save was interrupted; resume from an earlier step)")
+    try:
+        with open(manifest_path) as fh:
+            files = json.load(fh)["files"]
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{manifest_path} is damaged: {exc}") from None
+    for name, info in files.items():
+        file_path = os.path.join(path, name)
+        if not os.path.isfile(file_path):
+            raise CheckpointError(f"checkpoint file missing: {file_path}")
+        if os.path.getsize(file_path) != info["bytes"] or sha256_of(file_path) != info["sha256"]:
+            raise CheckpointError(f"checkpoint file damaged (checksum mismatch): {file_path}; "
+                                  f"resume from an earlier checkpoint")
+    return files
+
+
+def read_tensors(path: str, filename: str) -> Dict[str, np.ndarray]:
+    return load_file(os.path.join(path, filename))
+
+
+def read_json(path: str, filename: str):
+    with open(os.path.join(path, filename)) as fh:
+        return json.load(fh)
+
+
+def resolve_resume_path(resume: str, default_root: str) -> str:
+    """`--resume` with no value: latest in the run's checkpoints; a run folder or a checkpoint."""
+    candidates = [resume] if resume else [default_root]
+    for base in candidates:
+        if os.path.isfile(os.path.join(base, MANIFEST)):
+            return base
+        for root in (os.path.join(base, "checkpoints"), base):
+            latest = latest_checkpoint(root)
+            if latest:
+                return latest
+    raise CheckpointError(f"--resume: no complete checkpoint found in {candidates[0]!r}")

@@ -1,0 +1,57 @@
+"""`moetrain` command line: train (and, as they land, convert, forward, plan)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (set GLOG_v=2 for warnings)
+
+
+def _train(args) -> int:
+    from moetrain.config import load_config
+    from moetrain.trainer import Trainer
+
+    cfg = load_config(args.config, args.set)
+    trainer = Trainer(cfg, resume=args.resume)
+    result = trainer.fit()
+    final = result["eval"]
+    if "eval_accuracy" in final:
+        print(f"final test accuracy: {final['eval_accuracy']:.4f} (eval_loss {final['eval_loss']:.4f})")
+    elif "eval_loss" in final:
+        print(f"final eval_loss: {final['eval_loss']:.4f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moetrain", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model from a YAML config")
+    train.add_argument("config", help="YAML config, e.g. configs/moe_tiny.yaml")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set optimizer.lr=3e-4 (repeatable)")
+    train.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                       help="resume from the latest complete checkpoint of the run's output dir, "
+                            "or of DIR (a run folder or one checkpoint folder)")
+    train.set_defaults(func=_train)
+    return ap
+
+
+def main(argv=None) -> int:
+    from moetrain.checkpoint.manager import CheckpointError
+    from moetrain.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError) as exc:
+        kind = "config error" if isinstance(exc, ConfigError) else "checkpoint error"
+        print(f"moetrain: {kind}: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"moetrain: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

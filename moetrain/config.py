@@ -1,0 +1,401 @@
+"""One YAML file -> typed, validated dataclasses.
+
+    cfg = load_config("configs/moe_tiny.yaml", overrides=["optimizer.lr=3e-4"])
+
+A config may name a `base:` config (path relative to itself) and override parts of it.
+Every key is checked against the dataclasses below (the `model:` section against the
+registered model's own config class); a wrong key, type or value raises `ConfigError`
+naming the file, the key path, the reason and the nearest valid key.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem, reported before any work starts."""
+
+
+def choice(default, *choices, help=""):
+    """A field restricted to `choices` (checked on load)."""
+    return field(default=default, metadata={"choices": tuple(choices), "help": help})
+
+
+# --------------------------------------------------------------------------------------------
+# Sections. Field names are the YAML keys; the ones named in the interface contract
+# (model.name, data.path, train.*, optimizer.lr, checkpoint.*, parallel.*) must not change.
+# --------------------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    type: str = choice("lm", "lm", "mnist", help="dataset kind")
+    path: str = ""                     # training data: MNIST idx folder or token-shard prefix
+    eval_path: str = ""                # evaluation data (MNIST: same folder, t10k files)
+    seq_length: int = 0                # LM sample length (0: take model.seq_length)
+    tokenizer: str = ""                # sentencepiece model the shards were made with
+    shuffle: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    data_parallel: int = 1
+    model_parallel: int = 1            # tensor parallel
+    pipeline_stage: int = 1
+    expert_parallel: int = 1
+    micro_batch_num: int = 1           # pipeline micro-batches per step (0/1: derived from batch sizes)
+    use_seq_parallel: bool = False
+    optimizer_shard: int = choice(0, 0, 1, 2, help="0 none, 1 optimizer states, 2 states and gradients")
+    recompute: str = choice("none", "none", "full", "selective")
+    mode: str = choice("manual", "manual", "auto")
+    pipeline_schedule: str = choice("1f1b", "1f1b", "gpipe")
+    pipeline_layers: Optional[List[int]] = None   # layers per stage; None: even split
+    grad_bucket_mb: float = 25.0       # gradient all-reduce bucket size ("communication fusion")
+    grad_reduce_dtype: str = choice("float32", "float32", "float16", "bfloat16")
+    moe_token_dispatcher: str = choice("alltoall", "alltoall", "allgather")
+    moe_aux_loss_scope: str = choice("micro_batch", "micro_batch", "sequence", "global")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = choice("adamw", "adamw", "adam", "sgd", "momentum", "lamb")
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    momentum: float = 0.9
+    clip_grad_norm: float = 0.0        # 0: no clipping
+
+
+@dataclass
+class LRScheduleConfig:
+    type: str = choice("constant", "constant", "cosine", "linear")
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    decay_steps: int = 0               # 0: decay over the whole run (train.steps)
+
+
+@dataclass
+class PrecisionConfig:
+    compute_dtype: str = choice("float32", "float32", "float16", "bfloat16")
+    loss_scale: str = choice("none", "none", "static", "dynamic")
+    initial_loss_scale: float = 65536.0
+    scale_window: int = 1000           # finite steps before the dynamic scale grows
+    scale_factor: float = 2.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0                     # optimizer steps; 0: use epochs
+    epochs: float = 0.0
+    global_batch_size: int = 32
+    micro_batch_size: int = 0          # 0: global_batch_size / data_parallel (no accumulation)
+    seed: int = 1234
+    output_dir: str = "runs/default"
+    device: str = choice("cpu", "cpu", "ascend", "gpu")
+    jit: bool = True                   # compile the step with ms.jit; false: PyNative, for debugging
+    eval_interval: int = 0             # steps between evaluations; 0: only at the end
+    eval_batch_size: int = 0           # 0: micro_batch_size
+    eval_max_batches: int = 0          # 0: the whole evaluation set
+
+
+@dataclass
+class CheckpointConfig:
+    save_steps: int = 0                # 0: only at the end of the run
+    keep_max: int = 3
+    save_at_end: bool = True
+    async_save: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    progress_bar: bool = True
+    tensorboard: bool = True
+    profile_steps: Optional[List[int]] = None    # [first, last] steps for mindspore.Profiler
+
+
+@dataclass
+class Config:
+    model: Any = None                  # the registered model's config dataclass
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model_module: str = ""             # user module imported first so it can register models
+    source: str = field(default="", metadata={"internal": True})
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.metadata.get("internal"):
+                continue
+            out[f.name] = _to_plain(getattr(self, f.name))
+        return out
+
+    # Derived quantities used by the trainer.
+    @property
+    def dp(self) -> int:
+        return self.parallel.data_parallel
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.train.micro_batch_size or self.train.global_batch_size // self.dp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per optimizer step on one data-parallel rank (gradient accumulation)."""
+        return self.train.global_batch_size // (self.dp * self.micro_batch_size)
+
+
+# Features whose config keys exist (interface contract) but whose implementation has not
+# landed: a non-default value stops the run with this message.
+NOT_AVAILABLE: Dict[str, str] = {
+    "parallel.model_parallel": "tensor parallelism",
+    "parallel.pipeline_stage": "pipeline parallelism",
+    "parallel.expert_parallel": "expert parallelism",
+    "parallel.use_seq_parallel": "sequence parallelism",
+    "parallel.optimizer_shard": "optimizer sharding (ZeRO)",
+    "parallel.recompute": "recompute",
+    "parallel.mode": "automatic layout search",
+    "checkpoint.async_save": "asynchronous checkpoint saving",
+    "logging.profile_steps": "the profiler window",
+}
+
+
+def _to_plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not f.metadata.get("internal")}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+def _read_yaml(path: str, chain=()) -> Dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path!r} (check the path; configs live in configs/)")
+    with open(path) as fh:
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base:
+        base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+        if os.path.abspath(base_path) in chain:
+            raise ConfigError(f"{path}: `base: {base}` makes a cycle of configs")
+        raw = _deep_merge(_read_yaml(base_path, chain + (os.path.abspath(path),)), raw)
+    return raw
+
+
+def _deep_merge(base: Dict, over: Dict) -> Dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _apply_override(raw: Dict, item: str, source: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"{source}: override {item!r} must look like key.path=value")
+    key, text = item.split("=", 1)
+    value = yaml.safe_load(text) if text.strip() else ""
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def load_config(path: str, overrides: Sequence[str] = ()) -> Config:
+    """Read `path` (following `base:`), apply `--set key=value` overrides, validate."""
+    raw = _read_yaml(path)
+    for item in overrides:
+        _apply_override(raw, item, f"{path} (--set)")
+    return config_from_dict(raw, source=path)
+
+
+def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
+    from moetrain import registry
+
+    raw = copy.deepcopy(raw)
+    registry.import_model_module(raw.get("model_module"))
+    model_raw = raw.pop("model", None)
+    if not isinstance(model_raw, dict) or "name" not in model_raw:
+        raise ConfigError(f"{source}: key 'model.name' is required: name a registered model "
+                          f"({', '.join(sorted(registry.registered_models()))})")
+    try:
+        entry = registry.get_model(model_raw["name"])
+    except KeyError as exc:
+        raise ConfigError(f"{source}: key 'model.name': {exc.args[0]}") from None
+    cfg = _build(Config, raw, "", source)
+    cfg.model = _build(entry.config_cls, model_raw, "model", source)
+    cfg.source = source
+    _validate(cfg, source)
+    return cfg
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _convert(value, tp, key: str, source: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], key, source)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: key '{key}' must be a mapping of {tp.__name__} keys, got {value!r}")
+        return _build(tp, value, key, source)
+    if origin in (list, List):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: key '{key}' must be a list, got {value!r}")
+        return [_convert(v, args[0] if args else Any, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise ConfigError(f"{source}: key '{key}' must be of type {_type_name(tp)}, got {value!r} "
+                      f"({type(value).__name__})")
+
+
+def _build(cls, raw: Dict[str, Any], prefix: str, source: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: section '{prefix}' must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = (f"did you mean '{prefix + '.' if prefix else ''}{near[0]}'?" if near
+                    else f"valid keys here: {', '.join(fields)}")
+            raise ConfigError(f"{source}: unknown key '{path}': {hint}")
+        f = fields[key]
+        converted = _convert(value, hints[key], path, source)
+        choices = f.metadata.get("choices")
+        if choices and converted not in choices:
+            near = difflib.get_close_matches(str(converted), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{source}: key '{path}' = {converted!r} is not one of "
+                              f"{', '.join(map(repr, choices))}{hint}")
+        kwargs[key] = converted
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{source}: section '{prefix or cls.__name__}': {exc}") from None
+
+
+def _validate(cfg: Config, source: str) -> None:
+    def need(ok: bool, key: str, why: str):
+        if not ok:
+            raise ConfigError(f"{source}: key '{key}': {why}")
+
+    t, p = cfg.train, cfg.parallel
+    for key in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel", "micro_batch_num"):
+        need(getattr(p, key) >= 1, f"parallel.{key}", "must be >= 1")
+    need(t.steps >= 0 and t.epochs >= 0, "train.steps", "steps and epochs must be >= 0")
+    need(t.steps > 0 or t.epochs > 0, "train.steps", "set train.steps or train.epochs to a positive number")
+    need(t.global_batch_size >= 1, "train.global_batch_size", "must be >= 1")
+    need(t.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0")
+    need(t.global_batch_size % (cfg.dp * cfg.micro_batch_size or 1) == 0 and cfg.micro_batch_size > 0,
+         "train.global_batch_size",
+         f"{t.global_batch_size} is not divisible by data_parallel ({cfg.dp}) x micro_batch_size "
+         f"({t.micro_batch_size or 'auto'}); pick sizes so that global = dp x micro x accumulation")
+    need(cfg.optimizer.lr >= 0, "optimizer.lr", "must be >= 0")
+    need(cfg.checkpoint.keep_max >= 1, "checkpoint.keep_max", "must be >= 1 (the latest checkpoint is always kept)")
+    need(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0 (0: only at the end)")
+    need(cfg.logging.log_interval >= 1, "logging.log_interval", "must be >= 1")
+    if cfg.precision.loss_scale != "none":
+        need(cfg.precision.initial_loss_scale > 0, "precision.initial_loss_scale", "must be > 0")
+    for key, feature in NOT_AVAILABLE.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        default = getattr(type(getattr(cfg, section))(), name)
+        need(value == default, key, f"{feature} is not available yet in this version of moetrain "
+             f"(set it back to {default!r})")
+
+
+def dump_config(cfg: Config, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def get_key(cfg: Config, dotted: str):
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not hasattr(node, part):
+            raise ConfigError(f"{cfg.source}: unknown key '{dotted}'")
+        node = getattr(node, part)
+    return node
+
+
+def main(argv=None) -> int:
+    """`python -m moetrain.config CONFIG [--set k=v ...] [--get key]`: validate, print."""
+    ap = argparse.ArgumentParser(prog="python -m moetrain.config")
+    ap.add_argument("config")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--get", help="print one resolved key (e.g. train.output_dir)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.get:
+            print(get_key(cfg, args.get))
+        else:
+            yaml.safe_dump(cfg.to_dict(), sys.stdout, sort_keys=False)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

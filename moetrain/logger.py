@@ -1,0 +1,121 @@
+"""Rank-0 metrics: `metrics.jsonl` (one JSON object per optimizer step), tensorboard scalars,
+a progress line with ETA. Other ranks write only their own log file (set up by the launcher)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+
+def _jsonable(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    return value
+
+
+def _scalars(record: Dict[str, Any]):
+    """Flatten a record into tensorboard scalars (expert_load -> per-layer imbalance and loads)."""
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if key == "expert_load":
+            for layer, loads in enumerate(value):
+                loads = np.asarray(loads, dtype=np.float64)
+                if loads.sum() > 0:
+                    yield f"moe/layer{layer}/max_over_mean", loads.max() / loads.mean()
+                    for e, load in enumerate(loads / loads.sum()):
+                        yield f"moe/layer{layer}/expert{e}", load
+        elif isinstance(value, (int, float)) and math.isfinite(value):
+            group = "eval" if key.startswith("eval_") else "train"
+            yield f"{group}/{key}", value
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str, total_steps: int, enabled: bool, tensorboard: bool,
+                 progress_bar: bool, log_interval: int, resume_step: int = 0):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.progress_bar = progress_bar and enabled
+        self.log_interval = log_interval
+        self.start_time = time.time()
+        self.start_step = resume_step
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.tb = None
+        if not enabled:
+            return
+        self._truncate_after(resume_step)
+        self.file = open(self.path, "a")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, forget records of steps after the checkpoint: they will be redone."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as fh:
+            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w") as fh:
+            fh.writelines(kept)
+
+    def log(self, record: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {k: _jsonable(v) for k, v in record.items()}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for tag, value in _scalars(record):
+                self.tb.add_scalar(tag, value, record["step"])
+        step = record["step"]
+        if "loss" in record and (step % self.log_interval == 0 or step == self.total_steps or step == 1):
+            self._print_line(record)
+        elif "eval_loss" in record:
+            extra = f" eval_accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""
+            print(f"[eval] step {step}: eval_loss {record['eval_loss']:.4f}{extra}", flush=True)
+
+    def _print_line(self, r: Dict[str, Any]) -> None:
+        step = r["step"]
+        elapsed = time.time() - self.start_time
+        done = step - self.start_step
+        eta = elapsed / max(1, done) * (self.total_steps - step)
+        parts = [f"step {step}/{self.total_steps}", f"loss {r['loss']:.4f}"]
+        for key in ("lm_loss", "aux_loss", "z_loss", "drop_rate"):
+            if key in r:
+                parts.append(f"{key} {r[key]:.4g}")
+        if "expert_load" in r:
+            ratios = [max(l) / (sum(l) / len(l)) for l in r["expert_load"] if sum(l) > 0]
+            if ratios:
+                parts.append(f"load_max/mean {max(ratios):.2f}")
+        parts += [f"lr {r['lr']:.3g}", f"gnorm {r['grad_norm']:.3g}"]
+        if "loss_scale" in r:
+            parts.append(f"scale {r['loss_scale']:.0f}")
+        rate = r.get("tokens_per_s") or r.get("samples_per_s")
+        unit = "tok/s" if "tokens_per_s" in r else "samples/s"
+        parts.append(f"{rate:.0f} {unit}")
+        if self.progress_bar:
+            width = 20
+            filled = int(width * step / max(1, self.total_steps))
+            parts.insert(0, "[" + "#" * filled + "." * (width - filled) + "]")
+            parts.append(f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+        print(" | ".join(parts), flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+def print_rank0(rank: int, *args) -> None:
+    if rank == 0:
+        print(*args, flush=True)
+        sys.stdout.flush()
