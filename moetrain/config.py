@@ -203,7 +203,12 @@ def _read_yaml(path: str, chain=()) -> Dict[str, Any]:
         base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
         if os.path.abspath(base_path) in chain:
             raise ConfigError(f"{path}: `base: {base}` makes a cycle of configs")
-        raw = _deep_merge(_read_yaml(base_path, chain + (os.path.abspath(path),)), raw)
+        base_raw = _read_yaml(base_path, chain + (os.path.abspath(path),))
+        # Naming another model replaces the base's model section instead of merging into it.
+        new_model = raw.get("model", {}) if isinstance(raw.get("model"), dict) else {}
+        if "name" in new_model and new_model["name"] != base_raw.get("model", {}).get("name"):
+            base_raw.pop("model", None)
+        raw = _deep_merge(base_raw, raw)
     return raw
 
 
