@@ -357,6 +357,9 @@ def _validate(cfg: Config, source: str) -> None:
     need(cfg.checkpoint.keep_max >= 1, "checkpoint.keep_max", "must be >= 1 (the latest checkpoint is always kept)")
     need(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0 (0: only at the end)")
     need(cfg.logging.log_interval >= 1, "logging.log_interval", "must be >= 1")
+    need(not (t.device == "cpu" and cfg.precision.compute_dtype == "bfloat16"), "precision.compute_dtype",
+         "bfloat16 has no compute kernels on the CPU backend (MindSpore 2.10); use float16 or float32 on CPU, "
+         "bfloat16 on Ascend")
     if cfg.precision.loss_scale != "none":
         need(cfg.precision.initial_loss_scale > 0, "precision.initial_loss_scale", "must be > 0")
     for key, feature in NOT_AVAILABLE.items():

@@ -98,3 +98,8 @@ def test_resolved_config_round_trips(tmp_path):
     again = load_config(out)
     assert again.to_dict() == cfg.to_dict()
     assert config_from_dict(cfg.to_dict()).optimizer.lr == 0.25
+
+
+def test_bf16_on_cpu_is_refused_before_work():
+    msg = error_of(MNIST, ["precision.compute_dtype=bfloat16"])
+    assert "precision.compute_dtype" in msg and "float16" in msg and "CPU" in msg

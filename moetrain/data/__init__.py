@@ -37,6 +37,7 @@ def build_datasets(cfg):
 
     seq = data.seq_length or getattr(cfg.model, "seq_length", 0)
     vocab = getattr(cfg.model, "vocab_size", None)
-    train = build_lm_dataset(data.path, seq, vocab)
-    evaluation = build_lm_dataset(data.eval_path, seq, vocab) if data.eval_path else None
+    tokenizer = data.tokenizer or None
+    train = build_lm_dataset(data.path, seq, vocab, tokenizer_path=tokenizer)
+    evaluation = build_lm_dataset(data.eval_path, seq, vocab, tokenizer_path=tokenizer) if data.eval_path else None
     return train, evaluation

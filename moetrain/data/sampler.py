@@ -44,6 +44,8 @@ class GlobalBatchSampler:
 
     def rank_batch(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """This data-parallel rank's contiguous slice of the global batch."""
+        if self.global_batch_size % dp_size:
+            raise ValueError(f"global batch {self.global_batch_size} is not divisible by {dp_size} data-parallel ranks")
         per_rank = self.global_batch_size // dp_size
         return self.global_batch(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
 

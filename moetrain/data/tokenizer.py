@@ -1,0 +1,109 @@
+"""SentencePiece tokenizer: training with fixed special ids, and a thin encode/decode wrapper.
+
+Special ids are the same in every model this project trains, so data, configs and models can
+rely on them: unk=0, bos=1, eos=2, pad=3 (pieces <unk>, <s>, </s>, <pad>). User special tokens
+(`special_tokens`) follow at 4, 5, ... in the order given. Normalisation is off ("identity",
+whitespace kept), so `decode(encode(text)) == text` for any text made of characters seen in
+training; unseen characters become unk unless the model was trained with byte fallback.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable, List, Sequence
+
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def train_tokenizer(input_files: Sequence[str], model_prefix: str, vocab_size: int,
+                    model_type: str = "bpe", special_tokens: Sequence[str] = (),
+                    byte_fallback: bool = False, character_coverage: float = 1.0) -> str:
+    """Train a SentencePiece model on the lines of `input_files`; returns `model_prefix + '.model'`.
+
+    Training is deterministic (one thread, every line used), so the same inputs give a
+    byte-identical model and therefore the same checksum in the token shards.
+    """
+    import sentencepiece as spm
+
+    if model_type not in ("bpe", "unigram"):
+        raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    for path in input_files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer training input {path!r} does not exist")
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"tokenizer training input {path!r} is empty")
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    try:
+        spm.SentencePieceTrainer.train(
+            input=list(input_files), model_prefix=model_prefix, vocab_size=vocab_size,
+            model_type=model_type, character_coverage=character_coverage,
+            byte_fallback=byte_fallback, user_defined_symbols=list(special_tokens),
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            input_sentence_size=0, shuffle_input_sentence=False, num_threads=1,
+            minloglevel=2)
+    except RuntimeError as e:  # e.g. "Vocabulary size too high (X). Please set it to a value <= Y."
+        raise ValueError(f"sentencepiece could not train on {list(input_files)} with "
+                         f"vocab_size={vocab_size}: {e}") from e
+    return model_prefix + ".model"
+
+
+class Tokenizer:
+    """A trained SentencePiece model; `checksum` (sha256 of the file) identifies it in data shards."""
+
+    def __init__(self, model_path: str):
+        import sentencepiece as spm
+
+        self.path = os.fspath(model_path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(
+                f"tokenizer model {self.path!r} does not exist; train one with "
+                f"tools/train_tokenizer.py or fix the path (config key data.tokenizer)")
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.load(self.path)
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"{self.path!r} is not a valid sentencepiece model ({e}); "
+                             f"retrain it with tools/train_tokenizer.py") from e
+        self.checksum = file_sha256(self.path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def unk_id(self) -> int:
+        return self._sp.unk_id()
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self._sp.pad_id()
+
+    def encode(self, text: str) -> List[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: List[str], num_threads: int = -1) -> List[List[int]]:
+        """Encode many texts at once in C++ (`num_threads=-1`: all cores)."""
+        return self._sp.encode(texts, num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))

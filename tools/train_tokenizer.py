@@ -1,0 +1,41 @@
+"""Train a SentencePiece tokenizer with this project's fixed special ids.
+
+    python tools/train_tokenizer.py --input corpus.txt --model-prefix data/tok --vocab-size 2048
+
+writes data/tok.model (what config key data.tokenizer points at) and data/tok.vocab.
+Ids: unk=0, bos=1, eos=2, pad=3, then --special-tokens in order, then learned pieces.
+The model file records the --input and --model-prefix strings, so regenerate it with the same
+command from the same directory to get the same sha256 (shards store it to detect mismatches).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from moetrain.data.tokenizer import Tokenizer, train_tokenizer
+
+
+def main(argv=None) -> Tokenizer:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True, help="UTF-8 text files, one sentence a line")
+    parser.add_argument("--model-prefix", required=True, help="output path without .model")
+    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    parser.add_argument("--special-tokens", nargs="*", default=[],
+                        help="extra pieces that are never split, ids 4, 5, ...")
+    parser.add_argument("--byte-fallback", action="store_true",
+                        help="encode characters unseen in training as UTF-8 bytes instead of unk (+256 pieces)")
+    parser.add_argument("--character-coverage", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    model_path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, args.model_type,
+                                 args.special_tokens, args.byte_fallback, args.character_coverage)
+    tokenizer = Tokenizer(model_path)
+    print(f"{model_path}: vocab_size={tokenizer.vocab_size} unk={tokenizer.unk_id} bos={tokenizer.bos_id} "
+          f"eos={tokenizer.eos_id} pad={tokenizer.pad_id} sha256={tokenizer.checksum} "
+          f"({time.perf_counter() - start:.1f} s)")
+    return tokenizer
+
+
+if __name__ == "__main__":
+    main()
