@@ -34,14 +34,36 @@ def build_parser() -> argparse.ArgumentParser:
                        help="resume from the latest complete checkpoint of the run's output dir, "
                             "or of DIR (a run folder or one checkpoint folder)")
     train.set_defaults(func=_train)
+
+    forward = sub.add_parser("forward", help="fp32 logits of a batch of token ids from a model directory",
+                             add_help=False)
+    forward.set_defaults(func=_delegate("moetrain.forward", "main"))
+    convert = sub.add_parser("convert", help="checkpoint interchange: hf-import, hf-export")
+    conv = convert.add_subparsers(dest="conversion", required=True)
+    conv.add_parser("hf-import", help="Mixtral/Llama-format HF_DIR -> moetrain model directory",
+                    add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.hf", "main_import"))
+    conv.add_parser("hf-export", help="moetrain model directory -> Mixtral/Llama format",
+                    add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.hf", "main_export"))
     return ap
+
+
+def _delegate(module: str, function: str):
+    """Sub-commands whose own argument parser lives with their implementation."""
+    def run(args) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), function)(args.rest)
+    return run
 
 
 def main(argv=None) -> int:
     from moetrain.checkpoint.manager import CheckpointError
     from moetrain.config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if rest and args.command == "train":
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     try:
         return args.func(args)
     except (ConfigError, CheckpointError) as exc:

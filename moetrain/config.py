@@ -258,10 +258,21 @@ def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
     except KeyError as exc:
         raise ConfigError(f"{source}: key 'model.name': {exc.args[0]}") from None
     cfg = _build(Config, raw, "", source)
-    cfg.model = _build(entry.config_cls, model_raw, "model", source)
+    cfg.model = model_config_from_dict(model_raw, source)
     cfg.source = source
     _validate(cfg, source)
     return cfg
+
+
+def model_config_from_dict(model_raw: Dict[str, Any], source: str = "<dict>"):
+    """The registered model's config dataclass from a `model:` mapping, fully validated."""
+    from moetrain import registry
+
+    try:
+        entry = registry.get_model(model_raw["name"])
+    except KeyError as exc:
+        raise ConfigError(f"{source}: key 'model.name': {exc.args[0]}") from None
+    return _build(entry.config_cls, model_raw, "model", source)
 
 
 def _type_name(tp) -> str:

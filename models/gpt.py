@@ -1,0 +1,148 @@
+"""Dense decoder-only transformer with the Llama architecture ("gpt").
+
+Pre-norm blocks `x + attention(norm(x))`, `x + swiglu(norm(x))`, RoPE, grouped-query
+attention, a final RMSNorm and an (optionally tied) LM head. Parameter names:
+
+    embed.weight
+    layers.{i}.attention_norm.weight
+    layers.{i}.attention.{wq,wk,wv,wo}.weight
+    layers.{i}.ffn_norm.weight
+    layers.{i}.mlp.{w_gate,w_up,w_down}.weight
+    final_norm.weight
+    lm_head.weight                      (absent with tie_embeddings)
+
+They map one-to-one onto Hugging Face Llama names (`moetrain/checkpoint/hf.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, RMSNorm,
+                             SwiGLUMLP, compute_dtype_of)
+from moetrain.registry import register_model
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    name: str = "gpt"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: Optional[int] = None   # None: num_heads (plain multi-head attention)
+    ffn_hidden_size: int
+    seq_length: int                      # maximum number of positions (RoPE table, causal mask)
+    head_dim: Optional[int] = None       # None: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    scale_output_init: bool = True       # init wo / w_down with init_std / sqrt(2 num_layers) (GPT-2)
+    compute_dtype: str = "float32"       # matmul dtype; weights, norms, softmax, loss stay fp32
+
+    def __post_init__(self):
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "seq_length"):
+            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        _require(self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim is None:
+            _require(self.hidden_size % self.num_heads == 0, "num_heads",
+                     f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}), "
+                     f"or set model.head_dim explicitly")
+            self.head_dim = self.hidden_size // self.num_heads
+        _require(self.head_dim >= 2 and self.head_dim % 2 == 0, "head_dim",
+                 f"RoPE needs an even head_dim >= 2, got {self.head_dim}")
+        _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
+        _require(self.init_std > 0, "init_std", f"must be > 0, got {self.init_std}")
+        _require(self.compute_dtype in COMPUTE_DTYPES, "compute_dtype",
+                 f"{self.compute_dtype!r} is not one of {sorted(COMPUTE_DTYPES)}")
+
+    @property
+    def output_init_std(self) -> float:
+        return self.init_std / (2 * self.num_layers) ** 0.5 if self.scale_output_init else self.init_std
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"model.{key}: {why}")
+
+
+def build_attention(cfg: GPTConfig) -> Attention:
+    return Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.seq_length,
+                     cfg.rope_theta, cfg.init_std, cfg.output_init_std, cfg.compute_dtype)
+
+
+class TransformerBlock(nn.Cell):
+    """Pre-norm attention + SwiGLU block; input and output fp32 `[B, S, H]`."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention = build_attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, cfg.output_init_std,
+                             cfg.compute_dtype)
+
+    def construct(self, x):
+        h = x + self.attention(self.attention_norm(x)).astype(ms.float32)
+        return h + self.mlp(self.ffn_norm(h)).astype(ms.float32)
+
+
+@register_model("gpt", config=GPTConfig)
+class GPT(nn.Cell):
+    """`construct(input_ids, labels) -> (loss, {"lm_loss"})`; `logits(input_ids) -> fp32 [B, S, V]`."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.max_positions = cfg.seq_length
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
+        self.layers = nn.CellList([self.build_block(i) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.tie_embeddings = cfg.tie_embeddings
+        if cfg.tie_embeddings:
+            self.tied_head_matmul = ops.MatMul(transpose_b=True)
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype)
+        self.compute_dtype = compute_dtype_of(cfg.compute_dtype)
+        self.cross_entropy = CrossEntropy()
+
+    def build_block(self, layer_index: int) -> nn.Cell:
+        return TransformerBlock(self.cfg)
+
+    def output_logits(self, h):
+        """Final norm and LM head: fp32 hidden `[B, S, H]` -> fp32 logits `[B, S, V]`."""
+        h = self.final_norm(h)
+        if self.tie_embeddings:
+            batch, seq_len = h.shape[0], h.shape[1]
+            weight = self.embed.weight
+            if self.compute_dtype != ms.float32:
+                h = h.astype(self.compute_dtype)
+                weight = weight.astype(self.compute_dtype)
+            logits = self.tied_head_matmul(h.reshape(batch * seq_len, -1), weight).reshape(batch, seq_len, -1)
+        else:
+            logits = self.lm_head(h)
+        return logits.astype(ms.float32)
+
+    def check_length(self, input_ids):
+        if input_ids.shape[-1] > self.max_positions:
+            raise ValueError(f"input has {input_ids.shape[-1]} tokens per sequence but the model was built "
+                             f"for at most model.seq_length={self.max_positions}")
+
+    def logits(self, input_ids):
+        self.check_length(input_ids)
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output_logits(h)
+
+    def construct(self, input_ids, labels):
+        loss = self.cross_entropy(self.logits(input_ids), labels)
+        return loss, {"lm_loss": loss}

@@ -1,0 +1,117 @@
+"""The "model directory": the portable form of a trained model.
+
+    <dir>/config.yaml         a moetrain config (at least its `model:` section)
+    <dir>/model.safetensors   every Parameter of the model (trainable or not), keyed by its
+                              name from `model.parameters_and_names()`, fp32
+
+Training checkpoints have this form too, so `moetrain forward` and `moetrain convert` read
+either. Files are written under a temporary name and renamed into place; the weights go
+first, so a directory whose config.yaml exists is complete.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Tuple
+
+import numpy as np
+import yaml
+from safetensors.numpy import load_file, save_file
+
+CONFIG_FILE = "config.yaml"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _model_section(config_dict: Dict[str, Any], where: str) -> Dict[str, Any]:
+    model = config_dict.get("model") if isinstance(config_dict, dict) else None
+    if not isinstance(model, dict) or "name" not in model:
+        raise ValueError(f"{where}: the config has no `model:` section with a `name` key "
+                         f"(a model directory's config.yaml needs at least `model: {{name: ..., ...}}`)")
+    return model
+
+
+def save_model_dir(out_dir: str, config_dict: Dict[str, Any], state: Dict[str, np.ndarray]) -> None:
+    """Write `config_dict` (a moetrain config with a `model:` section) and `state` (name -> array)."""
+    _model_section(config_dict, out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    arrays = {name: np.ascontiguousarray(value, dtype=np.float32 if np.issubdtype(value.dtype, np.floating)
+                                         else value.dtype)
+              for name, value in state.items()}
+    weights = os.path.join(out_dir, WEIGHTS_FILE)
+    save_file(arrays, weights + ".tmp", metadata={"format": "np"})
+    os.replace(weights + ".tmp", weights)
+    config = os.path.join(out_dir, CONFIG_FILE)
+    with open(config + ".tmp", "w") as fh:
+        yaml.safe_dump(config_dict, fh, sort_keys=False)
+    os.replace(config + ".tmp", config)
+
+
+def load_model_dir(model_dir: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+    """`(config_dict, state)` of a model directory (or a training checkpoint folder)."""
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not os.path.isfile(os.path.join(model_dir, name)):
+            raise FileNotFoundError(f"{model_dir!r} is not a model directory: {name} is missing (expected "
+                                    f"{CONFIG_FILE} and {WEIGHTS_FILE}, as written by training checkpoints "
+                                    f"or `moetrain convert hf-import`)")
+    with open(os.path.join(model_dir, CONFIG_FILE)) as fh:
+        config_dict = yaml.safe_load(fh) or {}
+    _model_section(config_dict, os.path.join(model_dir, CONFIG_FILE))
+    return config_dict, load_file(os.path.join(model_dir, WEIGHTS_FILE))
+
+
+def model_state(model) -> Dict[str, np.ndarray]:
+    """Every Parameter of `model` as fp32 numpy, keyed by its name."""
+    return {name: param.asnumpy().astype(np.float32, copy=False) for name, param in model.parameters_and_names()}
+
+
+def load_model_state(model, state: Dict[str, np.ndarray], strict: bool = True):
+    """Copy `state` into `model`'s Parameters of the same names.
+
+    Shapes must match. With `strict`, the names must match exactly; otherwise only the common
+    names are loaded. Returns `(missing, unexpected)` name lists."""
+    import mindspore as ms
+
+    params = dict(model.parameters_and_names())
+    missing = sorted(set(params) - set(state))
+    unexpected = sorted(set(state) - set(params))
+    mismatched = [f"{name}: checkpoint {tuple(state[name].shape)} vs model {tuple(param.shape)}"
+                  for name, param in params.items()
+                  if name in state and tuple(state[name].shape) != tuple(param.shape)]
+    problems = []
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {missing}")
+    if strict and unexpected:
+        problems.append(f"not in the model: {unexpected}")
+    if mismatched:
+        problems.append(f"shape mismatches: {mismatched}")
+    if problems:
+        raise ValueError("the checkpoint does not fit the model (was it written for another model config?); "
+                         + "; ".join(problems))
+    for name, param in params.items():
+        if name in state:
+            param.set_data(ms.Tensor(np.asarray(state[name]), dtype=param.dtype))
+    return missing, unexpected
+
+
+def build_config_from_dict(model_dict: Dict[str, Any]):
+    """The registered model's config dataclass from a `model:` dict (validated like a YAML config)."""
+    from moetrain.config import model_config_from_dict
+
+    return model_config_from_dict(model_dict, "model directory config.yaml")
+
+
+def build_model_from_dict(model_dict: Dict[str, Any]):
+    """A freshly initialised model from a `model:` dict."""
+    from moetrain.registry import get_model
+
+    return get_model(model_dict["name"]).cls(build_config_from_dict(model_dict))
+
+
+def load_model(model_dir: str):
+    """`(model, config_dict)`: the model of a model directory with its weights loaded."""
+    from moetrain.registry import import_model_module
+
+    config_dict, state = load_model_dir(model_dir)
+    import_model_module(config_dict.get("model_module"))   # a user model registered outside models/
+    model = build_model_from_dict(config_dict["model"])
+    load_model_state(model, state, strict=True)
+    return model, config_dict
