@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     forward = sub.add_parser("forward", help="fp32 logits of a batch of token ids from a model directory",
                              add_help=False)
     forward.set_defaults(func=_delegate("moetrain.forward", "main"))
+    sub.add_parser("plan", help="parameters, FLOPs, memory and communication of a config's layout; --search",
+                   add_help=False).set_defaults(func=_delegate("moetrain.plan", "main"))
     convert = sub.add_parser("convert", help="checkpoint interchange: hf-import, hf-export")
     conv = convert.add_subparsers(dest="conversion", required=True)
     conv.add_parser("hf-import", help="Mixtral/Llama-format HF_DIR -> moetrain model directory",

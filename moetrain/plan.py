@@ -1,0 +1,900 @@
+"""`moetrain plan`: what a training layout costs, before any device is touched, and the layout search.
+
+    result = plan(cfg, world_size=8, device="ascend910b")   # PlanResult: params, FLOPs, memory, comm, time
+    print(format_plan(result))
+    layout, search = choose_layout(cfg, world_size=8)       # the fastest layout that fits (parallel.mode: auto)
+
+Everything is closed-form arithmetic on the model config (docs/plan.md has every formula and its
+source): parameters exactly as the built model holds them; FLOPs = 6 x active matmul params +
+attention; memory per device of the most loaded pipeline stage (weights, gradients, optimizer
+states with ZeRO, activations after Korthikanti et al. 2022 adapted to SwiGLU/GQA/MoE); bytes each
+parallel dimension moves per step; and a cost model (compute at a sustained fraction of peak,
+communication at the device profile's bandwidths, the 1F1B bubble) for step time and MFU.
+
+Rank order assumed for link placement: tensor-parallel ranks innermost, then expert-parallel (a
+slice of data parallel), then data parallel, pipeline stages outermost.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import itertools
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from moetrain.devices import GiB, DeviceProfile, get_device
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+FP32 = 4
+OPTIMIZER_FP32_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "momentum": 1, "sgd": 0}
+RECOMPUTE_MODES = ("none", "selective", "full")
+MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragmentation, workspace peaks
+THROUGHPUT_TIE = 0.005      # layouts within 0.5 % of the best throughput count as equally fast
+CPU_CONFIG = "configs/moe_tiny_8p.yaml"
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run: the message lists every problem, each with its fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# What is planned: the model's shape, the training job, the layout
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Arch:
+    """The shape numbers of a `gpt` / `moe_gpt` model config that the formulas use."""
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    tied: bool
+    moe_layers: Tuple[int, ...] = ()
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    capacity_factor: float = 0.0
+
+    @classmethod
+    def of(cls, model_cfg) -> "Arch":
+        required = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "head_dim")
+        missing = [key for key in required if not hasattr(model_cfg, key)]
+        if missing:
+            raise LayoutError(f"the planner models Llama-style transformers (model.name gpt or moe_gpt); "
+                              f"model {getattr(model_cfg, 'name', model_cfg)!r} lacks {', '.join(missing)}")
+        arch = dict(vocab=model_cfg.vocab_size, hidden=model_cfg.hidden_size, layers=model_cfg.num_layers,
+                    heads=model_cfg.num_heads, kv_heads=model_cfg.num_kv_heads or model_cfg.num_heads,
+                    head_dim=model_cfg.head_dim, ffn=model_cfg.ffn_hidden_size, tied=model_cfg.tie_embeddings)
+        moe = getattr(model_cfg, "moe", None)
+        if moe is not None:
+            arch.update(moe_layers=tuple(model_cfg.moe_layers), experts=moe.num_experts, top_k=moe.top_k,
+                        expert_ffn=moe.ffn_hidden_size, shared_ffn=moe.shared_hidden_size,
+                        capacity_factor=float(moe.capacity_factor))
+        return cls(**arch)
+
+    @property
+    def attention_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @functools.cached_property
+    def attention_params(self) -> int:            # wq, wk, wv, wo
+        return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.attention_width * self.hidden
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layer_set
+
+    @functools.cached_property
+    def moe_layer_set(self) -> frozenset:
+        return frozenset(self.moe_layers)
+
+    @property
+    def routed_rows_per_token(self) -> float:
+        """Expert-buffer rows per token: top_k assignments, padded to capacity when there is one."""
+        return self.top_k * (self.capacity_factor if self.capacity_factor > 0 else 1.0)
+
+
+@dataclass(frozen=True)
+class Job:
+    """The training settings, besides the layout, that costs depend on."""
+    model: object                     # GPTConfig / MoEGPTConfig
+    seq_length: int
+    global_batch_size: int            # sequences per optimizer step
+    compute_dtype: str = "float32"    # matmul / activation dtype
+    grad_dtype: str = "float32"       # dtype gradients are accumulated and reduced in
+    optimizer: str = "adamw"
+
+    @classmethod
+    def of(cls, cfg) -> "Job":
+        return cls(model=cfg.model, seq_length=cfg.data.seq_length or cfg.model.seq_length,
+                   global_batch_size=cfg.train.global_batch_size, compute_dtype=cfg.precision.compute_dtype,
+                   grad_dtype=cfg.parallel.grad_reduce_dtype, optimizer=cfg.optimizer.name)
+
+    # Derived once per job: the layout search costs thousands of layouts of the same model.
+    @functools.cached_property
+    def arch(self) -> "Arch":
+        return Arch.of(self.model)
+
+    @functools.cached_property
+    def params(self) -> "ParamCount":
+        return parameter_counts(self.model)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    micro_batch_size: int = 1                 # sequences per micro-batch per data-parallel rank
+    num_micro_batches: int = 1                # per optimizer step (accumulation = pipeline micro-batches)
+    zero: int = 0                             # 0 none, 1 optimizer states, 2 + gradients
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    pipeline_layers: Optional[Tuple[int, ...]] = None
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def of(cls, cfg) -> "Layout":
+        p, t = cfg.parallel, cfg.train
+        dp = p.data_parallel
+        if t.micro_batch_size:
+            micro = t.micro_batch_size
+            count = max(1, t.global_batch_size // (dp * micro))
+            if p.micro_batch_num > 1 and p.micro_batch_num != count:
+                raise LayoutError(f"parallel.micro_batch_num ({p.micro_batch_num}) disagrees with "
+                                  f"train.global_batch_size / (data_parallel x train.micro_batch_size) = "
+                                  f"{t.global_batch_size} / ({dp} x {micro}); set one of them only")
+        elif p.micro_batch_num > 1:
+            count = p.micro_batch_num
+            micro = max(1, t.global_batch_size // (dp * count))
+        else:
+            count, micro = 1, max(1, t.global_batch_size // dp)
+        return cls(dp=dp, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel, micro_batch_size=micro,
+                   num_micro_batches=count, zero=p.optimizer_shard, recompute=p.recompute,
+                   sequence_parallel=p.use_seq_parallel, schedule=p.pipeline_schedule,
+                   pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None)
+
+    def parallel_settings(self) -> Dict[str, object]:
+        """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
+        return {"data_parallel": self.dp, "model_parallel": self.tp, "pipeline_stage": self.pp,
+                "expert_parallel": self.ep, "micro_batch_num": self.num_micro_batches,
+                "use_seq_parallel": self.sequence_parallel, "optimizer_shard": self.zero,
+                "recompute": self.recompute, "mode": "manual", "pipeline_schedule": self.schedule,
+                "pipeline_layers": list(self.pipeline_layers) if self.pipeline_layers else None}
+
+    def describe(self) -> str:
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} ep{self.ep} zero{self.zero} "
+                f"recompute={self.recompute} micro={self.micro_batch_size}x{self.num_micro_batches}")
+
+
+def apply_layout(cfg, layout: Layout):
+    """A copy of `cfg` set to run `layout` (its parallel.* keys and train.micro_batch_size)."""
+    new = copy.deepcopy(cfg)
+    for key, value in layout.parallel_settings().items():
+        setattr(new.parallel, key, value)
+    new.train.micro_batch_size = layout.micro_batch_size
+    return new
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters and FLOPs
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamCount:
+    total: int          # every Parameter of the built model, the non-trainable expert_bias included
+    trainable: int
+    active: int         # used by one token: dense parts, router, shared experts, top_k routed experts
+    matmul_active: int  # active params that enter a matmul (FLOPs): no embedding lookup, norms, bias
+    embedding: int
+    expert: int         # routed-expert weights (all experts)
+
+
+def parameter_counts(model_cfg) -> ParamCount:
+    a = Arch.of(model_cfg)
+    h = a.hidden
+    embedding = a.vocab * h
+    head = 0 if a.tied else a.vocab * h
+    total = embedding + head + h                                   # + final norm
+    matmul = a.vocab * h                                           # the LM head (tied or not)
+    expert = frozen = inactive = 0
+    for layer in range(a.layers):
+        total += a.attention_params + 2 * h                        # + attention_norm, ffn_norm
+        matmul += a.attention_params
+        if a.is_moe(layer):
+            routed = 3 * h * a.expert_ffn * a.experts
+            total += a.experts * h + routed + 3 * h * a.shared_ffn + a.experts     # router ... expert_bias
+            matmul += a.experts * h + 3 * h * a.expert_ffn * a.top_k + 3 * h * a.shared_ffn
+            expert += routed
+            frozen += a.experts
+            inactive += 3 * h * a.expert_ffn * (a.experts - a.top_k)
+        else:
+            total += 3 * h * a.ffn
+            matmul += 3 * h * a.ffn
+    return ParamCount(total=total, trainable=total - frozen, active=total - inactive, matmul_active=matmul,
+                      embedding=embedding, expert=expert)
+
+
+def count_parameters(model_cfg) -> Tuple[int, int]:
+    """`(total, active)`; total == `sum(p.size for p in model.get_parameters())` of the built model
+    (expert_bias included: it is saved and held in memory, though not trained)."""
+    counts = parameter_counts(model_cfg)
+    return counts.total, counts.active
+
+
+def attention_flops_per_token(arch: Arch, seq_length: int) -> float:
+    """Training FLOPs of QK^T and AV per token over all layers: 3 x 2 matmuls x 2 x S x a x d_head
+    (the full S x S matrix, as in PaLM's MFU; a causal kernel skips half)."""
+    return 12 * arch.layers * arch.attention_width * seq_length
+
+
+def flops_per_token(model_cfg, seq_length: int) -> float:
+    """Model training FLOPs per token: 6 x active matmul params + 12 L (a d_head) S."""
+    return 6 * parameter_counts(model_cfg).matmul_active + attention_flops_per_token(Arch.of(model_cfg), seq_length)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problems(job: Job, layout: Layout, world_size: Optional[int] = None) -> List[str]:
+    """Every reason `layout` cannot run `job` (empty when it can), each naming the keys and a fix."""
+    a, L = job.arch, layout
+    problems = []
+
+    def need(ok: bool, message: str):
+        if not ok:
+            problems.append(message)
+
+    for key, value in (("data_parallel", L.dp), ("model_parallel", L.tp), ("pipeline_stage", L.pp),
+                       ("expert_parallel", L.ep), ("micro_batch_num", L.num_micro_batches)):
+        need(value >= 1, f"parallel.{key} must be >= 1, got {value}")
+    if problems:
+        return problems
+    world = world_size or L.world
+    need(L.world == world,
+         f"data_parallel ({L.dp}) x model_parallel ({L.tp}) x pipeline_stage ({L.pp}) = {L.world} devices, but "
+         f"the world size is {world}: "
+         + (f"set data_parallel to {world // (L.tp * L.pp)}" if world % (L.tp * L.pp) == 0
+            else f"model_parallel x pipeline_stage must divide {world}") + " (or run `moetrain plan --search`)")
+    if not a.moe_layers:
+        need(L.ep == 1, f"parallel.expert_parallel ({L.ep}) > 1 needs a MoE model; set it to 1")
+    else:
+        need(L.dp % L.ep == 0, f"parallel.expert_parallel ({L.ep}) must divide data_parallel ({L.dp}): expert-"
+             f"parallel groups are carved out of the data-parallel group; use one of {_divisors(L.dp)}")
+        need(a.experts % L.ep == 0, f"model.moe.num_experts ({a.experts}) is not divisible by "
+             f"parallel.expert_parallel ({L.ep}): every rank must hold as many experts; use one of "
+             f"{[e for e in _divisors(a.experts) if L.dp % e == 0]}")
+        need(a.expert_ffn % L.tp == 0, f"model.moe.ffn_hidden_size ({a.expert_ffn}) is not divisible by "
+             f"parallel.model_parallel ({L.tp}) (experts are split along their FFN width)")
+        need(a.shared_ffn % L.tp == 0, f"the shared-expert FFN width ({a.shared_ffn}) is not divisible by "
+             f"parallel.model_parallel ({L.tp})")
+    need(a.heads % L.tp == 0, f"model.num_heads ({a.heads}) is not divisible by parallel.model_parallel ({L.tp}); "
+         f"use one of {_divisors(a.heads)}")
+    need(a.kv_heads % L.tp == 0, f"model.num_kv_heads ({a.kv_heads}) is not divisible by parallel.model_parallel "
+         f"({L.tp}): each tensor-parallel rank needs whole K/V heads; use one of {_divisors(a.kv_heads)}")
+    need(a.ffn % L.tp == 0 or len(a.moe_layers) == a.layers, f"model.ffn_hidden_size ({a.ffn}) is not "
+         f"divisible by parallel.model_parallel ({L.tp})")
+    need(a.vocab % L.tp == 0, f"model.vocab_size ({a.vocab}) is not divisible by parallel.model_parallel "
+         f"({L.tp}) (the embedding and LM head are split by vocabulary); pad the vocabulary")
+    if L.sequence_parallel:
+        need(L.tp > 1, "parallel.use_seq_parallel needs model_parallel > 1 (it shards along the sequence "
+             "what tensor parallelism replicates); set it to false")
+        need(job.seq_length % L.tp == 0, f"sequence length {job.seq_length} is not divisible by "
+             f"parallel.model_parallel ({L.tp}), which sequence parallelism needs")
+    if L.pipeline_layers:
+        need(len(L.pipeline_layers) == L.pp and sum(L.pipeline_layers) == a.layers
+             and min(L.pipeline_layers) >= 1,
+             f"parallel.pipeline_layers {list(L.pipeline_layers)} must list {L.pp} stages of >= 1 layers "
+             f"summing to model.num_layers ({a.layers})")
+    else:
+        need(a.layers % L.pp == 0, f"model.num_layers ({a.layers}) is not divisible by parallel.pipeline_stage "
+             f"({L.pp}); use one of {_divisors(a.layers)} or set parallel.pipeline_layers")
+    need(L.pp == 1 or L.num_micro_batches >= L.pp,
+         f"{L.num_micro_batches} micro-batch(es) per step cannot keep {L.pp} pipeline stages busy: need "
+         f"micro_batch_num >= pipeline_stage (raise train.global_batch_size or lower train.micro_batch_size)")
+    per_rank = L.micro_batch_size * L.num_micro_batches
+    need(L.micro_batch_size >= 1 and L.dp * per_rank == job.global_batch_size,
+         f"train.global_batch_size ({job.global_batch_size}) != data_parallel ({L.dp}) x micro-batch size "
+         f"({L.micro_batch_size}) x micro-batches ({L.num_micro_batches}); pick sizes so that "
+         f"global = dp x micro x accumulation")
+    need(L.zero in (0, 1, 2), f"parallel.optimizer_shard must be 0, 1 or 2, got {L.zero}")
+    need(L.recompute in RECOMPUTE_MODES, f"parallel.recompute must be one of {RECOMPUTE_MODES}, got {L.recompute!r}")
+    need(job.optimizer in OPTIMIZER_FP32_STATES, f"optimizer.name {job.optimizer!r} is not one of "
+         f"{sorted(OPTIMIZER_FP32_STATES)}")
+    return problems
+
+
+def validate_layout(job: Job, layout: Layout, world_size: Optional[int] = None) -> None:
+    problems = layout_problems(job, layout, world_size)
+    if problems:
+        raise LayoutError(f"layout {layout.describe()} cannot run:\n  - " + "\n  - ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------
+# Per-stage costs
+# --------------------------------------------------------------------------------------------
+def stage_layer_lists(arch: Arch, layout: Layout) -> List[List[int]]:
+    sizes = layout.pipeline_layers or [arch.layers // layout.pp] * layout.pp
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(layout.pp)]
+
+
+def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int
+                     ) -> Tuple[float, float]:
+    """`(stored, attention_probs)`: bytes one layer keeps for backward for `tokens` tokens of one
+    micro-batch, without recompute. Korthikanti et al. (2022) term by term, for this model: fp32
+    residual and norms, no dropout, GQA, SwiGLU, MoE. Terms outside the tensor-parallel region
+    are split by tp only under sequence parallelism."""
+    h, d, t = arch.hidden, dtype_bytes, layout.tp
+    outside = t if layout.sequence_parallel else 1
+    # attention: norm input (fp32) + QKV input; Q, K, V and the output O
+    attention = ((FP32 + d) * tokens * h / outside
+                 + d * tokens * arch.head_dim * (2 * arch.heads + 2 * arch.kv_heads) / t)
+    probs = d * arch.heads * seq_length * tokens / t            # softmax output, a x S x S per sequence
+    if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up
+        ffn = (FP32 + d) * tokens * h / outside + 4 * d * tokens * arch.ffn / t
+    else:         # the MoE block sees all tokens (gathered under sequence parallelism)
+        rows = tokens * arch.routed_rows_per_token
+        ffn = (2 * FP32 * tokens * h / outside                  # norm input, router input (fp32)
+               + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
+               + 2 * d * rows * h                               # dispatched expert input, expert output
+               + 4 * d * rows * arch.expert_ffn / t)            # expert SwiGLU
+        if arch.shared_ffn:
+            ffn += d * tokens * h / outside + 4 * d * tokens * arch.shared_ffn / t
+    return attention + ffn, probs
+
+
+@dataclass
+class StageCost:
+    stage: int
+    layers: int
+    params: int                 # parameters held by one device of this stage
+    memory: Dict[str, float]    # weights, gradients, optimizer, activations, runtime -> bytes
+    activations_by_recompute: Dict[str, float]
+    comm_bytes: Dict[str, float]         # per step, per device
+    comm_seconds: Dict[str, float]
+    compute_seconds_per_micro_batch: float
+    comm_seconds_per_micro_batch: float  # tp / sp / ep / pp: on the critical path
+    dp_seconds: float                    # gradient sync, overlapped with the last backward
+
+    @property
+    def total_memory(self) -> float:
+        return sum(self.memory.values())
+
+
+def _bandwidth(device: DeviceProfile, span: int) -> float:
+    """A group of consecutive-enough ranks stays on the fast links while it fits in one node."""
+    return device.intra_node_bandwidth if span <= device.devices_per_node else device.inter_node_bandwidth
+
+
+def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stage: int, layer_ids: List[int]
+                ) -> StageCost:
+    L, h, s = layout, arch.hidden, job.seq_length
+    t, first, last = L.tp, stage == 0, stage == L.pp - 1
+    d = DTYPE_BYTES[job.compute_dtype]
+    weight_bytes = d                             # 16-bit compute: 16-bit weights, fp32 master in the optimizer
+    grad_bytes = DTYPE_BYTES[job.grad_dtype]
+    state_bytes = FP32 * OPTIMIZER_FP32_STATES[job.optimizer] + (FP32 if weight_bytes < FP32 else 0)
+    edp = L.dp // L.ep                           # data-parallel group of an expert's replicas
+
+    # ---- parameters held by one device of this stage
+    dense = expert = frozen = 0.0
+    for layer in layer_ids:
+        dense += arch.attention_params / t + 2 * h
+        if arch.is_moe(layer):
+            dense += arch.experts * h + 3 * h * arch.shared_ffn / t
+            expert += 3 * h * arch.expert_ffn * arch.experts / (L.ep * t)
+            frozen += arch.experts
+        else:
+            dense += 3 * h * arch.ffn / t
+    if first:
+        dense += arch.vocab * h / t
+    if last:
+        dense += h + (arch.vocab * h / t if not arch.tied or L.pp > 1 else 0)
+    zero_grads = (L.dp, edp) if L.zero >= 2 else (1, 1)
+    zero_states = (L.dp, edp) if L.zero >= 1 else (1, 1)
+    memory = {
+        "weights": (dense + expert) * weight_bytes + frozen * FP32,
+        "gradients": (dense / zero_grads[0] + expert / zero_grads[1]) * grad_bytes,
+        "optimizer": (dense / zero_states[0] + expert / zero_states[1]) * state_bytes,
+    }
+
+    # ---- activations of the micro-batches in flight (1F1B: stage i holds pp - i of them)
+    tokens = L.micro_batch_size * s
+    if L.pp == 1:
+        in_flight = 1
+    elif L.schedule == "gpipe":
+        in_flight = L.num_micro_batches
+    else:
+        in_flight = min(L.pp - stage, L.num_micro_batches)
+    per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d) for i in layer_ids]
+    outside = t if L.sequence_parallel else 1
+    layer_input = FP32 * tokens * h / outside
+    logits = (2 * FP32 * tokens * arch.vocab / t + (FP32 + d) * tokens * h / outside) if last else 0.0
+    working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
+    by_mode = {
+        "none": in_flight * sum(stored + probs for stored, probs in per_layer),
+        "selective": in_flight * sum(stored for stored, _ in per_layer),
+        "full": in_flight * layer_input * len(layer_ids) + working_set,
+    }
+    by_mode = {mode: value + in_flight * logits for mode, value in by_mode.items()}
+    memory["activations"] = by_mode[L.recompute]
+    memory["runtime"] = device.runtime_bytes
+
+    # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work)
+    flops_per_token = 0.0
+    for layer in layer_ids:
+        matmul = arch.attention_params + (arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k
+                                          + 3 * h * arch.shared_ffn if arch.is_moe(layer) else 3 * h * arch.ffn)
+        attention = 4 * arch.attention_width * s           # forward QK^T and AV per token
+        flops_per_token += 6 * matmul + 3 * attention
+        if L.recompute == "full":
+            flops_per_token += 2 * matmul + attention
+        elif L.recompute == "selective":
+            flops_per_token += attention
+    if last:
+        flops_per_token += 6 * arch.vocab * h
+    peak = device.peak(job.compute_dtype) / (L.world if device.shared_host else 1)
+    compute = tokens * flops_per_token / t / (peak * device.compute_efficiency)
+
+    # ---- communication (bytes per device)
+    # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/parallel/comm.py):
+    # all-gather and reduce-scatter move 2x the native bytes, all-to-all 2 x ep x.
+    gather_factor = 2 if device.emulated_collectives else 1
+    a2a_factor = 2 * L.ep if device.emulated_collectives else 1
+    full = L.recompute == "full"
+    per_mb = {"tp": 0.0, "sp": 0.0, "ep": 0.0, "pp": 0.0}
+    if t > 1:
+        collectives = len(layer_ids) * (10 + 4 * full if L.sequence_parallel else 4 + 2 * full) + first + last
+        size = tokens * h * d
+        if L.sequence_parallel:        # all-gathers / reduce-scatters of the sequence shards
+            per_mb["sp"] = collectives * (t - 1) / t * size * gather_factor
+        else:                          # all-reduces of the row-parallel outputs and column-parallel input grads
+            per_mb["tp"] = collectives * 2 * (t - 1) / t * size
+    if L.ep > 1:
+        moe_layers = sum(arch.is_moe(i) for i in layer_ids)
+        rows = tokens * arch.routed_rows_per_token
+        per_mb["ep"] = moe_layers * (4 + 2 * full) * (L.ep - 1) / L.ep * rows * h * d * a2a_factor
+    if L.pp > 1:
+        per_mb["pp"] = ((not first) + (not last)) * layer_input    # activation forward, gradient backward
+    spans = {"tp": t, "sp": t, "ep": t * L.ep, "pp": L.world}
+    comm_bytes = {dim: per_mb[dim] * L.num_micro_batches for dim in per_mb}
+    comm_seconds = {dim: comm_bytes[dim] / _bandwidth(device, spans[dim]) for dim in per_mb}
+
+    def sync_bytes(params: float, group: int) -> float:
+        if group == 1:
+            return 0.0
+        if L.zero == 0:
+            return 2 * (group - 1) / group * params * grad_bytes
+        return (group - 1) / group * params * (grad_bytes + weight_bytes) * gather_factor
+    dense_sync, expert_sync = sync_bytes(dense, L.dp), sync_bytes(expert, edp)
+    comm_bytes["dp"] = dense_sync + expert_sync
+    dp_seconds = (dense_sync + expert_sync) / _bandwidth(device, t * L.dp)
+    comm_seconds["dp"] = dp_seconds
+    return StageCost(stage=stage, layers=len(layer_ids), params=int(dense + expert + frozen), memory=memory,
+                     activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
+                     compute_seconds_per_micro_batch=compute,
+                     comm_seconds_per_micro_batch=sum(comm_seconds[dim] for dim in per_mb) / L.num_micro_batches,
+                     dp_seconds=dp_seconds)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+@dataclass
+class PlanResult:
+    job: Job
+    layout: Layout
+    device: DeviceProfile
+    params: ParamCount
+    model_flops_per_token: float
+    hardware_flops_per_token: float      # with recompute
+    tokens_per_step: int
+    stages: List[StageCost]
+    peak_stage: int                      # the most loaded stage (memory)
+    capacity_bytes: float                # device memory per rank
+    usable_bytes: float                  # what the plan may fill: (capacity - runtime) x MEMORY_SAFETY
+    step_seconds: float
+    compute_seconds: float               # step = compute + bubble + exposed communication
+    bubble_seconds: float
+    exposed_comm_seconds: float
+    tokens_per_second: float
+    mfu: float
+    source: str = ""
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def memory(self) -> Dict[str, float]:
+        return self.stages[self.peak_stage].memory
+
+    @property
+    def total_memory(self) -> float:
+        return self.stages[self.peak_stage].total_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.total_memory - self.device.runtime_bytes <= self.usable_bytes
+
+    @property
+    def comm_bytes(self) -> Dict[str, float]:
+        """Per dimension, the most any device moves per step."""
+        return {dim: max(stage.comm_bytes[dim] for stage in self.stages) for dim in self.stages[0].comm_bytes}
+
+    @property
+    def comm_seconds(self) -> Dict[str, float]:
+        return {dim: max(stage.comm_seconds[dim] for stage in self.stages) for dim in self.stages[0].comm_seconds}
+
+    @property
+    def total_comm_bytes(self) -> float:
+        return sum(self.comm_bytes.values())
+
+
+def plan_layout(job: Job, layout: Layout, device: Union[str, DeviceProfile] = "cpu", world_size=None,
+                source: str = "") -> PlanResult:
+    """Plan `job` on `layout`; raises LayoutError if the layout is invalid."""
+    validate_layout(job, layout, world_size)
+    return _plan_valid_layout(job, layout, get_device(device), source)
+
+
+def _plan_valid_layout(job: Job, layout: Layout, device: DeviceProfile, source: str = "") -> PlanResult:
+    arch = job.arch
+    stages = [_stage_cost(job, arch, layout, device, i, layers)
+              for i, layers in enumerate(stage_layer_lists(arch, layout))]
+    peak_stage = max(range(len(stages)), key=lambda i: stages[i].total_memory)
+    capacity = device.memory_bytes / (layout.world if device.shared_host else 1)
+    usable = (capacity - device.runtime_bytes) * MEMORY_SAFETY
+
+    # The slowest stage paces the pipeline: (m + pp - 1) micro-batch slots, pp - 1 of them bubble.
+    pacing = max(stages, key=lambda st: st.compute_seconds_per_micro_batch + st.comm_seconds_per_micro_batch)
+    slot = pacing.compute_seconds_per_micro_batch + pacing.comm_seconds_per_micro_batch
+    # Gradient sync overlaps the backward (~2/3 of the compute) of the last micro-batch.
+    exposed_dp = max(max(0.0, st.dp_seconds - 2 / 3 * st.compute_seconds_per_micro_batch) for st in stages)
+    step = (layout.num_micro_batches + layout.pp - 1) * slot + exposed_dp
+    bubble = (layout.pp - 1) * slot
+    compute = layout.num_micro_batches * pacing.compute_seconds_per_micro_batch
+
+    params = job.params
+    attention = attention_flops_per_token(arch, job.seq_length)
+    model_flops = 6 * params.matmul_active + attention
+    extra = {"none": 0.0, "selective": attention / 3,
+             "full": 2 * (params.matmul_active - arch.vocab * arch.hidden) + attention / 3}[layout.recompute]
+    tokens = job.global_batch_size * job.seq_length
+    peak_total = device.peak(job.compute_dtype) * (1 if device.shared_host else layout.world)
+    notes = []
+    if arch.moe_layers:
+        notes.append("MoE costs assume balanced routing (every expert gets top_k x tokens / experts)")
+    if device.shared_host:
+        notes.append(f"all {layout.world} ranks share one host: memory and FLOP/s per rank are the host's / "
+                     f"{layout.world}")
+    return PlanResult(job=job, layout=layout, device=device, params=params, model_flops_per_token=model_flops,
+                      hardware_flops_per_token=model_flops + extra, tokens_per_step=tokens, stages=stages,
+                      peak_stage=peak_stage, capacity_bytes=capacity, usable_bytes=usable, step_seconds=step,
+                      compute_seconds=compute, bubble_seconds=bubble, exposed_comm_seconds=step - compute - bubble,
+                      tokens_per_second=tokens / step, mfu=model_flops * tokens / step / peak_total,
+                      source=source, notes=notes)
+
+
+def load_plan_config(path: str, overrides: Sequence[str] = ()):
+    """`load_config` that accepts parallel layouts whose trainer support has not landed yet:
+    planning them is the point."""
+    from moetrain import config as config_module
+
+    saved = dict(config_module.NOT_AVAILABLE)
+    for key in [k for k in saved if k.startswith("parallel.")]:
+        del config_module.NOT_AVAILABLE[key]
+    try:
+        return config_module.load_config(path, overrides)
+    finally:
+        config_module.NOT_AVAILABLE.clear()
+        config_module.NOT_AVAILABLE.update(saved)
+
+
+def _device_of(cfg, device) -> DeviceProfile:
+    return get_device(device if device is not None else cfg.train.device)
+
+
+def plan(cfg, world_size: Optional[int] = None, device=None) -> PlanResult:
+    """Plan the layout `cfg` names (or, with `parallel.mode: auto`, the one `choose_layout` picks)
+    on `world_size` devices (default: dp x tp x pp of the config) of `device` (default: train.device)."""
+    if cfg.parallel.mode == "auto":
+        world = world_size or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
+        return choose_layout(cfg, world, device)[1].chosen
+    return plan_layout(Job.of(cfg), Layout.of(cfg), _device_of(cfg, device), world_size, source=cfg.source)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout search (the counterpart of MindSpore's AUTO_PARALLEL cost-model search)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Candidate:
+    layout: Layout
+    status: str                  # chosen | invalid | does not fit | slower
+    reason: str
+    result: Optional[PlanResult] = None
+    problems: List[str] = field(default_factory=list)     # of an invalid candidate
+
+
+@dataclass
+class LayoutSearch:
+    world_size: int
+    device: DeviceProfile
+    chosen: PlanResult
+    candidates: List[Candidate]
+
+    def with_status(self, status: str) -> List[Candidate]:
+        return [c for c in self.candidates if c.status == status]
+
+    def __str__(self) -> str:
+        return format_search(self)
+
+
+def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
+    """Every dp x tp x pp = world, ep, micro-batching, ZeRO level, recompute and sequence-parallel
+    combination worth costing (ZeRO levels are all the same layout when dp = 1)."""
+    arch = job.arch
+    layouts = []
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            eps = _divisors(world_size) if arch.moe_layers else [1]
+            per_rank = job.global_batch_size // dp if job.global_batch_size % dp == 0 else 1
+            for ep, count, zero, recompute, sp in itertools.product(
+                    [e for e in eps if e <= dp], _divisors(per_rank), (0, 1, 2) if dp > 1 else (0,),
+                    RECOMPUTE_MODES, (False, True) if tp > 1 else (False,)):
+                layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, micro_batch_size=max(1, per_rank // count),
+                                      num_micro_batches=count, zero=zero, recompute=recompute,
+                                      sequence_parallel=sp))
+    return layouts
+
+
+def _tie_key(result: PlanResult):
+    L = result.layout
+    return (result.total_comm_bytes, L.zero, RECOMPUTE_MODES.index(L.recompute), L.tp, L.pp,
+            L.sequence_parallel, -L.micro_batch_size, L.ep)
+
+
+def choose_layout(cfg, world_size: int, device=None) -> Tuple[Dict[str, object], LayoutSearch]:
+    """The fastest valid layout of `cfg`'s model and batch on `world_size` devices that fits in
+    memory (ties within 0.5 %: less communication, then the simpler layout). Returns its
+    `parallel.*` settings (apply them with `apply_layout`, which also sets train.micro_batch_size)
+    and the search report, which lists every rejected candidate and why."""
+    device = _device_of(cfg, device)
+    job = Job.of(cfg)
+    candidates, fitting = [], []
+    for layout in candidate_layouts(job, world_size):
+        problems = layout_problems(job, layout, world_size)
+        if problems:
+            candidates.append(Candidate(layout, "invalid", " | ".join(problems), problems=problems))
+            continue
+        result = _plan_valid_layout(job, layout, device, source=cfg.source)
+        if not result.fits:
+            need = result.total_memory - device.runtime_bytes
+            candidates.append(Candidate(layout, "does not fit", f"{need / GiB:.2f} GiB > "
+                                        f"{result.usable_bytes / GiB:.2f} GiB usable", result))
+            continue
+        fitting.append(result)
+    if not fitting:
+        unfit = [c for c in candidates if c.result is not None]
+        if not unfit:
+            raise LayoutError(f"no layout of {world_size} devices is valid for this model and batch; e.g. "
+                              f"{candidates[0].layout.describe()}: {candidates[0].reason}")
+        smallest = min(unfit, key=lambda c: c.result.total_memory)
+        raise LayoutError(f"no layout of {world_size} x {device.name} fits in memory; the smallest, "
+                          f"{smallest.layout.describe()}, needs {smallest.reason}: use more devices, a smaller "
+                          f"micro-batch or sequence, or a smaller model")
+    best_speed = max(r.tokens_per_second for r in fitting)
+    near = [r for r in fitting if r.tokens_per_second >= best_speed * (1 - THROUGHPUT_TIE)]
+    chosen = min(near, key=_tie_key)
+    tied = {id(r) for r in near}
+    for result in fitting:
+        if result is chosen:
+            candidates.append(Candidate(result.layout, "chosen", "fastest that fits", result))
+        elif id(result) in tied:
+            candidates.append(Candidate(result.layout, "slower", f"as fast within {THROUGHPUT_TIE:.1%} "
+                                        f"({result.tokens_per_second:,.0f} tokens/s) but more communication or "
+                                        f"a more complex layout", result))
+        else:
+            candidates.append(Candidate(result.layout, "slower", f"{result.tokens_per_second:,.0f} tokens/s < "
+                                        f"{chosen.tokens_per_second:,.0f}", result))
+    return chosen.layout.parallel_settings(), LayoutSearch(world_size, device, chosen, candidates)
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------
+def _count(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}FLOP"
+    return f"{n:.0f} FLOP"
+
+
+def _gib(n: float) -> str:
+    """Fixed-width bytes: GiB, or MiB / KiB for the tiny models."""
+    for unit, scale in (("GiB", GiB), ("MiB", 1024 ** 2)):
+        if n >= 0.1 * scale or unit == "MiB" and n >= 0.1 * 1024:
+            return f"{n / scale:8.2f} {unit}"
+    return f"{n / 1024:8.2f} KiB"
+
+
+def format_plan(result: PlanResult) -> str:
+    r, L, a, job, dev = result, result.layout, result.job.arch, result.job, result.device
+    p = r.params
+    d = DTYPE_BYTES[job.compute_dtype]
+    by_mode = r.stages[r.peak_stage].activations_by_recompute
+    states = {2: "m+v", 1: "momentum", 0: "no states"}[OPTIMIZER_FP32_STATES[job.optimizer]]
+    rule = "-" * 92
+    lines = [f"moetrain plan{': ' + r.source if r.source else ''} on {L.world} x {dev.name} ({dev.description})",
+             rule,
+             f" model        {getattr(job.model, 'name', '?')}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads "
+             f"({a.kv_heads} kv, head_dim {a.head_dim}), ffn {a.ffn}, vocab {a.vocab}, seq {job.seq_length}"
+             f"{', tied embeddings' if a.tied else ''}"]
+    if a.moe_layers:
+        shared = f", shared ffn {a.shared_ffn}" if a.shared_ffn else ""
+        capacity = f", capacity factor {a.capacity_factor:g}" if a.capacity_factor else ", dropless"
+        lines.append(f"              MoE: {len(a.moe_layers)} of {a.layers} layers, {a.experts} experts top-{a.top_k}, "
+                     f"expert ffn {a.expert_ffn}{shared}{capacity}")
+    lines += [
+        f" layout       dp {L.dp} x tp {L.tp} x pp {L.pp} = {L.world} devices; ep {L.ep}"
+        + (f" ({a.experts // L.ep} experts/device)" if a.moe_layers else "")
+        + f"; ZeRO-{L.zero}; recompute {L.recompute}; sequence parallel {'on' if L.sequence_parallel else 'off'}"
+        + (f"; {L.schedule}" if L.pp > 1 else ""),
+        f" batch        {job.global_batch_size} sequences x {job.seq_length} = {r.tokens_per_step:,} tokens/step; "
+        f"{L.num_micro_batches} micro-batch(es) of {L.micro_batch_size} per dp rank; {job.compute_dtype} compute",
+        rule,
+        f" parameters   total {_count(p.total)} ({p.total:,}; trainable {p.trainable:,}); active per token "
+        f"{_count(p.active)} ({p.active / p.total:.1%}); per device {_count(r.stages[r.peak_stage].params)}",
+        f" FLOPs/token  {_flops(r.model_flops_per_token)} = 6 x {_count(p.matmul_active)} active matmul params "
+        f"+ 12 L (a d_head) S = {_flops(attention_flops_per_token(a, job.seq_length))}; with recompute "
+        f"{_flops(r.hardware_flops_per_token)}",
+        rule,
+        f" memory per device, stage {r.peak_stage} of {L.pp} (the most loaded)",
+        f"   weights ({'fp32' if d == FP32 else job.compute_dtype})".ljust(56) + _gib(r.memory["weights"]),
+        f"   gradients ({job.grad_dtype}{', ZeRO-2' if L.zero >= 2 else ''})".ljust(56)
+        + _gib(r.memory["gradients"]),
+        f"   optimizer ({job.optimizer}: fp32 {states}{' + master' if d < FP32 else ''}, ZeRO-{L.zero})".ljust(56)
+        + _gib(r.memory["optimizer"]),
+        f"   activations (recompute {L.recompute})".ljust(56) + _gib(r.memory["activations"])
+        + "    [" + ", ".join(f"{mode} {_gib(by_mode[mode]).strip()}" for mode in RECOMPUTE_MODES) + "]",
+        f"   runtime (framework, workspace)".ljust(56) + _gib(r.memory["runtime"]),
+        f"   total".ljust(56) + _gib(r.total_memory)
+        + f"    of {r.capacity_bytes / GiB:.2f} GiB: {'FITS' if r.fits else 'DOES NOT FIT'} (usable "
+        f"{r.usable_bytes / GiB:.2f} GiB = {MEMORY_SAFETY:.0%} of what the runtime leaves)",
+        rule,
+        f" communication per step per device".ljust(56) + "  volume        time   link",
+    ]
+    names = {"dp": f"dp gradients ({'all-reduce' if L.zero == 0 else 'ZeRO reduce-scatter + all-gather'})",
+             "tp": "tp all-reduces", "sp": "sp all-gather / reduce-scatter", "pp": "pp activations p2p",
+             "ep": "ep all-to-all (dispatch + combine)"}
+    spans = {"dp": L.tp * L.dp, "tp": L.tp, "sp": L.tp, "pp": L.world, "ep": L.tp * L.ep}
+    for dim in ("dp", "tp", "sp", "pp", "ep"):
+        volume = r.comm_bytes[dim]
+        link = "intra-node" if spans[dim] <= dev.devices_per_node else "inter-node"
+        lines.append(f"   {names[dim]}".ljust(56) + (f"{_gib(volume)} {r.comm_seconds[dim]:9.3f} s   {link}"
+                                                         if volume else "       -"))
+    lines += [
+        rule,
+        f" step time    {r.step_seconds:.3f} s = compute {r.compute_seconds:.3f} s + pipeline "
+        f"bubble {r.bubble_seconds:.3f} s + exposed communication {r.exposed_comm_seconds:.3f} s",
+        f" throughput   {r.tokens_per_second:,.0f} tokens/s ({r.tokens_per_second / L.world:,.0f} per device); "
+        f"MFU {r.mfu:.1%} (cost model: {dev.compute_efficiency:.0%} of {dev.peak(job.compute_dtype) / 1e12:g} "
+        f"TFLOP/s sustained)",
+    ]
+    lines += [f" note         {note}" for note in r.notes]
+    return "\n".join(lines)
+
+
+def format_search(search: LayoutSearch, show: int = 8) -> str:
+    chosen = search.chosen
+    lines = [f"layout search: {len(search.candidates)} candidates on {search.world_size} x {search.device.name}",
+             f"  chosen       {chosen.layout.describe()}: {chosen.tokens_per_second:,.0f} tokens/s, "
+             f"MFU {chosen.mfu:.1%}, {chosen.total_memory / GiB:.2f} GiB of {chosen.capacity_bytes / GiB:.2f}"]
+    for status in ("slower", "does not fit", "invalid"):
+        group = search.with_status(status)
+        if status == "slower":
+            group.sort(key=lambda c: -c.result.tokens_per_second)
+        elif status == "does not fit":
+            group.sort(key=lambda c: c.result.total_memory)
+        lines.append(f"  {status}: {len(group)}")
+        if status == "invalid":       # one line per kind of reason (numbers aside), with an example
+            by_kind: Dict[str, List[str]] = {}
+            for c in group:
+                for reason in c.problems:
+                    by_kind.setdefault(re.sub(r"\d+", "#", reason), []).append(reason)
+            for reasons in sorted(by_kind.values(), key=len, reverse=True)[:show]:
+                text = reasons[0] if len(reasons[0]) <= 120 else reasons[0][:117] + "..."
+                lines.append(f"    {len(reasons):5d} x {text}")
+            continue
+        for c in group[:show]:
+            lines.append(f"    {c.layout.describe():<58} {c.reason}")
+        if len(group) > show:
+            lines.append(f"    ... {len(group) - show} more")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points for the launcher and the CLI
+# --------------------------------------------------------------------------------------------
+def device_available(backend: str) -> bool:
+    """Whether this machine has the `train.device` backend (without importing MindSpore)."""
+    if backend == "cpu":
+        return True
+    if backend == "ascend":
+        return bool(os.environ.get("ASCEND_HOME_PATH")) or shutil.which("npu-smi") is not None
+    if backend == "gpu":
+        return shutil.which("nvidia-smi") is not None
+    return False
+
+
+def explain_cannot_run_here(cfg) -> Optional[str]:
+    """None when this machine has `cfg`'s device; otherwise the plan of the config and why it
+    cannot start here (the launcher prints it instead of starting workers)."""
+    backend = cfg.train.device
+    if device_available(backend):
+        return None
+    try:
+        table = format_plan(plan(cfg))
+    except (LayoutError, ValueError) as exc:
+        table = f"(no plan: {exc})"
+    probe = {"ascend": "no ASCEND_HOME_PATH and no npu-smi", "gpu": "no nvidia-smi"}.get(backend, "unknown device")
+    return (f"{table}\n\n{cfg.source or 'this config'} is laid out for train.device: {backend}, which this "
+            f"machine does not have ({probe}); the plan above is what it would cost there. To train on this "
+            f"CPU machine use {CPU_CONFIG}.")
+
+
+def main(argv=None) -> int:
+    """`moetrain plan CONFIG [--world N] [--device NAME] [--search] [--set K=V ...]`.
+    Exit status: 0 fits, 1 does not fit, 2 bad config or layout."""
+    from moetrain.config import ConfigError
+
+    ap = argparse.ArgumentParser(prog="moetrain plan", description="parameters, FLOPs, memory, communication "
+                                 "and step time of a config's layout; --search picks the best layout")
+    ap.add_argument("config")
+    ap.add_argument("--world", type=int, default=None, help="number of devices (default: dp x tp x pp of the config)")
+    ap.add_argument("--device", default=None, help="device profile: ascend910b, gpu_a100, gpu_h100, cpu "
+                    "(default: from train.device)")
+    ap.add_argument("--search", action="store_true", help="search the layouts of --world devices")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_plan_config(args.config, args.set)
+        if args.search:
+            world = args.world or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
+            _, search = choose_layout(cfg, world, args.device)
+            print(format_search(search))
+            print()
+            result = search.chosen
+        else:
+            result = plan(cfg, args.world, args.device)
+        print(format_plan(result))
+    except (ConfigError, LayoutError, ValueError) as exc:
+        print(f"moetrain plan: {exc}", file=sys.stderr)
+        return 2
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""`moetrain plan`: parameter counts against built models, memory / FLOPs / communication against
+hand arithmetic, layout validation, the layout search, the 910B production config and the CLI."""
+import dataclasses
+import os
+
+import pytest
+
+from moetrain.devices import GiB, DeviceProfile, get_device
+from moetrain.plan import (THROUGHPUT_TIE, Job, Layout, LayoutError, _tie_key, apply_layout, choose_layout,
+                           count_parameters, explain_cannot_run_here, flops_per_token, format_plan, layout_problems,
+                           load_plan_config, main, parameter_counts, plan, plan_layout)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+MOE_1B = os.path.join(CONFIGS, "moe_1b.yaml")
+
+# A device whose only job is to make memory arithmetic exact: no runtime reserve, no emulation.
+EXACT = DeviceProfile(name="exact", description="test device", memory_bytes=1024 * GiB,
+                      peak_flops={"float32": 1e12, "bfloat16": 1e12}, compute_efficiency=1.0,
+                      intra_node_bandwidth=1e10, inter_node_bandwidth=1e9, devices_per_node=8, runtime_bytes=0)
+
+
+def tiny_gpt(**over):
+    from models.gpt import GPTConfig
+
+    kw = dict(vocab_size=32, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, ffn_hidden_size=16,
+              seq_length=4)
+    kw.update(over)
+    return GPTConfig(**kw)
+
+
+def tiny_moe(moe=None, **over):
+    from models.moe_gpt import MoEGPTConfig
+    from moetrain.moe.config import MoEConfig
+
+    moe_kw = dict(num_experts=8, top_k=2, ffn_hidden_size=16)
+    moe_kw.update(moe or {})
+    kw = dict(vocab_size=64, hidden_size=16, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=32,
+              seq_length=16, moe=MoEConfig(**moe_kw))
+    kw.update(over)
+    return MoEGPTConfig(**kw)
+
+
+def tiny_moe_cfg(world=8, **train):
+    """A full Config of a tiny MoE (as `moetrain plan` would load it)."""
+    from moetrain.config import config_from_dict
+
+    raw = {"model": {"name": "moe_gpt", "vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4,
+                     "num_kv_heads": 2, "ffn_hidden_size": 64, "seq_length": 32,
+                     "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}},
+           "train": {"steps": 1, "global_batch_size": 16, **train},
+           "parallel": {"data_parallel": world}}
+    return config_from_dict(raw, source="tiny_moe")
+
+
+def built_counts(model_cfg):
+    import mindspore as ms
+
+    from moetrain.registry import get_model
+
+    ms.set_context(device_target="CPU")
+    model = get_model(model_cfg.name).cls(model_cfg)
+    return (sum(p.size for p in model.get_parameters()), sum(p.size for p in model.trainable_params()))
+
+
+# ------------------------------------------------------------------------------- parameters
+@pytest.mark.parametrize("model_cfg", [
+    tiny_gpt(), tiny_gpt(tie_embeddings=True, num_kv_heads=2, head_dim=6),
+    tiny_moe(), tiny_moe({"num_shared_experts": 2, "top_k": 3}, first_k_dense=1, moe_layer_freq=2, num_layers=5),
+    tiny_moe({"num_shared_experts": 1, "shared_ffn_hidden_size": 24}, tie_embeddings=True),
+], ids=["gpt", "gpt_tied_headdim", "moe", "moe_dense_first_shared", "moe_tied_shared_width"])
+def test_parameter_count_equals_built_model(model_cfg):
+    counts = parameter_counts(model_cfg)
+    total, trainable = built_counts(model_cfg)
+    assert count_parameters(model_cfg)[0] == counts.total == total
+    assert counts.trainable == trainable              # the difference is the frozen expert_bias
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny.yaml", "moe_tiny.yaml", "moe_tiny_8p.yaml"])
+def test_parameter_count_of_shipped_tiny_configs(name):
+    path = os.path.join(CONFIGS, name)
+    if not os.path.exists(path):
+        pytest.skip(f"{name} is not in this checkout")
+    cfg = load_plan_config(path)
+    assert count_parameters(cfg.model)[0] == built_counts(cfg.model)[0]
+
+
+def test_active_parameters_and_flops_by_hand():
+    cfg = tiny_moe({"num_shared_experts": 1}, first_k_dense=1)        # layer 0 dense, 1-3 MoE
+    h, E, k, F, Fs, V, L, S = 16, 8, 2, 16, 16, 64, 4, 16
+    attention = h * 4 * 4 + 2 * h * 2 * 4 + 4 * 4 * h                # wq, wk+wv (2 kv heads of 4), wo
+    dense_layer = attention + 2 * h + 3 * h * 32
+    moe_layer_active = attention + 2 * h + E * h + k * 3 * h * F + 3 * h * Fs + E
+    active = V * h * 2 + h + dense_layer + 3 * moe_layer_active
+    total = active + 3 * (E - k) * 3 * h * F
+    assert count_parameters(cfg) == (total, active)
+    matmul = V * h + attention * L + 3 * h * 32 + 3 * (E * h + k * 3 * h * F + 3 * h * Fs)
+    assert flops_per_token(cfg, S) == 6 * matmul + 12 * L * h * S
+
+
+# ------------------------------------------------------------------------------- memory, comm
+def hand_job(global_batch=4):
+    return Job(model=tiny_gpt(), seq_length=4, global_batch_size=global_batch)
+
+
+def test_memory_and_comm_of_a_small_layout_by_hand():
+    # tiny_gpt: embed 256, layer = attention 192 (wq 64, wk 32, wv 32, wo 64) + norms 16 + mlp 384 = 592,
+    # final norm 8, head 256 -> 1704 parameters, fp32 everywhere, AdamW.
+    assert count_parameters(tiny_gpt())[0] == 1704
+    r = plan_layout(hand_job(), Layout(dp=2, micro_batch_size=1, num_micro_batches=2, zero=1), EXACT)
+    assert r.memory["weights"] == 1704 * 4
+    assert r.memory["gradients"] == 1704 * 4
+    assert r.memory["optimizer"] == 1704 * 8 / 2                    # m + v, ZeRO-1 over dp = 2
+    # One layer, 4 tokens, hidden 8: norm inputs + matmul inputs 2 x (4 + 4) x 4 x 8 = 512,
+    # Q K V O 4 x 4 x 4 x (2 + 1 + 1 + 2) = 384, probs 4 B x 2 heads x 4 x 4 = 128, MLP 4 x 4 x 4 x 16 = 1024.
+    layer = 512 + 384 + 128 + 1024
+    logits = 2 * 4 * 4 * 32 + (4 + 4) * 4 * 8                      # fp32 logits + CE grad, final norm/head inputs
+    by_mode = r.stages[0].activations_by_recompute
+    assert by_mode["none"] == 2 * layer + logits == r.memory["activations"]
+    assert by_mode["selective"] == 2 * (layer - 128) + logits
+    assert by_mode["full"] == 2 * 4 * 4 * 8 + layer + logits       # layer inputs + one layer recomputed
+    assert r.comm_bytes["dp"] == (2 - 1) / 2 * 1704 * (4 + 4)      # reduce-scatter grads + all-gather weights
+    assert r.model_flops_per_token == 6 * (2 * (192 + 384) + 256) + 12 * 2 * 8 * 4
+    # ZeRO-0 all-reduces the same bytes: 2 (dp - 1) / dp x grads
+    assert plan_layout(hand_job(), Layout(dp=2, micro_batch_size=1, num_micro_batches=2), EXACT
+                       ).comm_bytes["dp"] == 1704 * 4
+
+
+def test_pipeline_stages_by_hand():
+    # pp = 2, 2 micro-batches: stage 0 (embed + layer 0) holds 2 in flight under 1F1B, stage 1 one.
+    r = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2), EXACT)
+    layer, logits = 2048, 1280
+    s0, s1 = r.stages
+    assert s0.activations_by_recompute["none"] == 2 * layer
+    assert s1.activations_by_recompute["none"] == layer + logits
+    assert s0.memory["weights"] == (256 + 592) * 4 and s1.memory["weights"] == (592 + 8 + 256) * 4
+    assert r.peak_stage == 0 and r.total_memory == (256 + 592) * 16 + 2 * layer
+    assert s0.comm_bytes["pp"] == 2 * 4 * 4 * 8                     # one fp32 [4, 8] send per micro-batch
+    gpipe = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2,
+                                                         schedule="gpipe"), EXACT)
+    assert gpipe.stages[1].activations_by_recompute["none"] == 2 * (layer + logits)
+
+
+def test_zero_and_recompute_shrink_memory():
+    job = Job(model=tiny_moe(), seq_length=16, global_batch_size=16, compute_dtype="bfloat16")
+    base = dict(dp=8, ep=2, micro_batch_size=2, num_micro_batches=1)
+    z0, z1, z2 = (plan_layout(job, Layout(zero=z, **base), "ascend910b") for z in (0, 1, 2))
+    # Dense states shard over dp = 8, expert states over the expert-data-parallel group dp / ep = 4.
+    stage = z0.stages[0]
+    expert = 3 * 16 * 16 * 8 / 2 * 4                               # 4 MoE layers of 4 local experts
+    dense = stage.params - expert - 4 * 8                           # expert_bias is frozen
+    assert z0.memory["optimizer"] == (dense + expert) * 12          # bf16 weights: fp32 master + m + v
+    assert z1.memory["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12 / 4)
+    assert z1.memory["gradients"] == z0.memory["gradients"]
+    assert z2.memory["gradients"] == pytest.approx(dense * 4 / 8 + expert * 4 / 4)
+    # Without experts the ZeRO-1 optimizer is exactly 1/dp of ZeRO-0.
+    dense_job = Job(model=tiny_gpt(), seq_length=4, global_batch_size=8)
+    o0, o1 = (plan_layout(dense_job, Layout(dp=8, zero=z), EXACT).memory["optimizer"] for z in (0, 1))
+    assert o1 == o0 / 8
+    acts = [plan_layout(job, Layout(recompute=m, **base), "ascend910b").memory["activations"]
+            for m in ("none", "selective", "full")]
+    assert acts[0] > acts[1] > acts[2]
+
+
+def test_sequence_and_tensor_parallel_split_activations():
+    job = Job(model=tiny_moe(), seq_length=16, global_batch_size=4)
+    one = plan_layout(job, Layout(dp=1, micro_batch_size=4), EXACT).memory["activations"]
+    tp = plan_layout(job, Layout(dp=1, tp=2, micro_batch_size=4), EXACT)
+    sp = plan_layout(job, Layout(dp=1, tp=2, micro_batch_size=4, sequence_parallel=True), EXACT)
+    assert one > tp.memory["activations"] > sp.memory["activations"] > one / 2 - 1
+    assert tp.comm_bytes["tp"] > 0 and tp.comm_bytes["sp"] == 0 and sp.comm_bytes["sp"] > 0
+
+
+def test_expert_all_to_all_volume():
+    job = Job(model=tiny_moe(), seq_length=16, global_batch_size=16)
+    r = plan_layout(job, Layout(dp=4, ep=4, micro_batch_size=2, num_micro_batches=2), EXACT)
+    tokens = 2 * 16
+    # dispatch + combine, forward and backward, 4 MoE layers, 2 micro-batches, fp32
+    assert r.comm_bytes["ep"] == 2 * 4 * 4 * (4 - 1) / 4 * tokens * 2 * 16 * 4
+    emulated = plan_layout(job, Layout(dp=4, ep=4, micro_batch_size=2, num_micro_batches=2), "cpu")
+    assert emulated.comm_bytes["ep"] == r.comm_bytes["ep"] * 2 * 4   # all-to-all as an all-reduce on CPU
+
+
+# ------------------------------------------------------------------------------- validation
+def test_validation_messages():
+    job = Job(model=tiny_moe({"num_experts": 6}), seq_length=16, global_batch_size=16)
+    problems = layout_problems(job, Layout(dp=2, tp=8, pp=3, ep=4, micro_batch_size=3, num_micro_batches=2),
+                               world_size=32)
+    text = "\n".join(problems)
+    assert "= 48 devices, but the world size is 32" in text
+    assert "parallel.expert_parallel (4) must divide data_parallel (2)" in text
+    assert "model.moe.num_experts (6) is not divisible by parallel.expert_parallel (4)" in text
+    assert "model.num_heads (4) is not divisible by parallel.model_parallel (8)" in text
+    assert "model.num_kv_heads (2) is not divisible by parallel.model_parallel (8)" in text
+    assert "model.num_layers (4) is not divisible by parallel.pipeline_stage (3)" in text
+    assert "2 micro-batch(es) per step cannot keep 3 pipeline stages busy" in text
+    assert "train.global_batch_size (16) != data_parallel (2) x micro-batch size (3) x micro-batches (2)" in text
+    with pytest.raises(LayoutError, match="use_seq_parallel needs model_parallel > 1"):
+        plan_layout(job, Layout(dp=16, sequence_parallel=True), EXACT)
+    dense = Job(model=tiny_gpt(), seq_length=4, global_batch_size=4)
+    assert layout_problems(dense, Layout(dp=4, ep=2)) == [
+        "parallel.expert_parallel (2) > 1 needs a MoE model; set it to 1"]
+
+
+def test_plan_of_config_checks_world_size():
+    cfg = tiny_moe_cfg(world=8)
+    with pytest.raises(LayoutError, match=r"= 8 devices, but the world size is 16: set data_parallel to 16"):
+        plan(cfg, world_size=16)
+    assert plan(cfg).layout.world == 8
+
+
+# ------------------------------------------------------------------------------- search
+def test_choose_layout_tiny_moe_world_8():
+    cfg = tiny_moe_cfg()
+    settings, search = choose_layout(cfg, 8, device="cpu")
+    chosen = search.chosen
+    assert chosen.fits and layout_problems(Job.of(cfg), chosen.layout, 8) == []
+    assert settings["data_parallel"] * settings["model_parallel"] * settings["pipeline_stage"] == 8
+    assert settings == chosen.layout.parallel_settings() and settings["mode"] == "manual"
+    invalid = search.with_status("invalid")
+    assert invalid and all(c.problems for c in invalid)
+    assert any("model.num_kv_heads (2) is not divisible by parallel.model_parallel (4)" in c.reason for c in invalid)
+    slower = search.with_status("slower")
+    best = max(c.result.tokens_per_second for c in slower + search.with_status("chosen"))
+    assert slower and chosen.tokens_per_second >= best * (1 - THROUGHPUT_TIE)
+    for c in slower:     # slower, or as fast but with more communication / a more complex layout
+        assert (c.result.tokens_per_second < best * (1 - THROUGHPUT_TIE)) or _tie_key(c.result) > _tie_key(chosen)
+    text = str(search)
+    assert "chosen" in text and "invalid:" in text and "slower:" in text
+    # The config, set to the chosen layout, plans to the same numbers.
+    assert plan(apply_layout(cfg, chosen.layout), device="cpu").step_seconds == pytest.approx(chosen.step_seconds)
+
+
+def test_memory_forces_sharding():
+    # Big vocabulary, short sequences: model states dominate, so only sharding makes it fit.
+    cfg = tiny_moe_cfg(global_batch_size=8)
+    cfg.model.vocab_size = 65536
+    roomy = dataclasses.replace(EXACT, memory_bytes=64 * GiB)
+    _, free = choose_layout(cfg, 8, device=roomy)
+    assert free.chosen.layout.zero == 0 and free.chosen.layout.recompute == "none"
+    replicated = plan_layout(Job.of(cfg), Layout(dp=8, micro_batch_size=1), roomy).total_memory
+    tight = dataclasses.replace(EXACT, memory_bytes=replicated * 0.6 / 0.9)
+    _, search = choose_layout(cfg, 8, device=tight)
+    L = search.chosen.layout
+    assert search.chosen.fits and (L.zero >= 1 or L.tp * L.pp * L.ep > 1)
+    unfit = search.with_status("does not fit")
+    plain = [c for c in unfit if (c.layout.zero, c.layout.tp, c.layout.pp, c.layout.ep) == (0, 1, 1, 1)]
+    assert len(plain) == 3               # the replicated layout (1 sequence per rank) in every recompute mode
+    assert all("GiB >" in c.reason and "GiB usable" in c.reason for c in plain)
+    with pytest.raises(LayoutError, match="fits in memory"):
+        choose_layout(cfg, 8, device=dataclasses.replace(EXACT, memory_bytes=1e6))
+
+
+# ------------------------------------------------------------------------------- production config
+def test_moe_1b_fits_one_910b_node():
+    cfg = load_plan_config(MOE_1B)
+    r = plan(cfg)
+    assert r.device.name == "ascend910b" and r.layout.world == 8
+    assert 0.9e9 <= r.params.total <= 1.2e9 and r.params.active < 0.4 * r.params.total
+    assert (r.layout.ep, r.layout.zero, r.layout.recompute, cfg.precision.compute_dtype) == (8, 1, "selective",
+                                                                                           "bfloat16")
+    assert r.fits and r.total_memory < 64 * GiB
+    # Selective recompute drops exactly the bf16 attention probabilities: 16 layers x 16 heads x S^2 x 4 seqs.
+    by_mode = r.stages[0].activations_by_recompute
+    assert by_mode["none"] - by_mode["selective"] == 16 * 2 * 16 * 4096 ** 2 * 4
+    table = format_plan(r)
+    for text in ("FITS", "ep all-to-all", "MFU", "1,018,", "ZeRO-1"):
+        assert text in table
+
+
+def test_moe_1b_32p_plans_on_four_nodes():
+    path = os.path.join(CONFIGS, "moe_1b_32p.yaml")
+    r = plan(load_plan_config(path))
+    assert r.layout.world == 32 and r.fits
+    assert r.comm_seconds["dp"] > 0 and "inter-node" in format_plan(r)
+
+
+def test_explain_cannot_run_here(monkeypatch):
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    message = explain_cannot_run_here(load_plan_config(MOE_1B))
+    assert "train.device: ascend" in message and "configs/moe_tiny_8p.yaml" in message and "FITS" in message
+    monkeypatch.setenv("ASCEND_HOME_PATH", "/usr/local/Ascend")
+    assert explain_cannot_run_here(load_plan_config(MOE_1B)) is None
+    assert explain_cannot_run_here(tiny_moe_cfg()) is None                # cpu
+
+
+def test_cli(capsys):
+    assert main([MOE_1B]) == 0
+    out = capsys.readouterr().out
+    assert "8 x ascend910b" in out and "FITS" in out
+    assert main([MOE_1B, "--set", "train.micro_batch_size=16", "--set", "parallel.recompute=none"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main([MOE_1B, "--world", "16"]) == 2
+    assert "set data_parallel to 16" in capsys.readouterr().err
+    assert main([MOE_1B, "--device", "gpu_h100", "--search", "--world", "8"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "layout search" in out and "8 x gpu_h100" in out
+    with pytest.raises(ValueError, match="did you mean 'gpu_h100'"):
+        get_device("gpu_h10")
