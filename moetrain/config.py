@@ -102,6 +102,7 @@ class TrainConfig:
     seed: int = 1234
     output_dir: str = "runs/default"
     device: str = choice("cpu", "cpu", "ascend", "gpu")
+    stop_after: int = 0                # end this invocation after this many steps (time-sliced jobs); 0: run to the end
     jit: bool = True                   # compile the step with ms.jit; false: PyNative, for debugging
     eval_interval: int = 0             # steps between evaluations; 0: only at the end
     eval_batch_size: int = 0           # 0: micro_batch_size
@@ -168,7 +169,6 @@ NOT_AVAILABLE: Dict[str, str] = {
     "parallel.pipeline_stage": "pipeline parallelism",
     "parallel.expert_parallel": "expert parallelism",
     "parallel.use_seq_parallel": "sequence parallelism",
-    "parallel.optimizer_shard": "optimizer sharding (ZeRO)",
     "parallel.recompute": "recompute",
     "parallel.mode": "automatic layout search",
     "checkpoint.async_save": "asynchronous checkpoint saving",

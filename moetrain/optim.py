@@ -23,11 +23,13 @@ def decays(param: Parameter) -> bool:
 
 
 class Optimizer(nn.Cell):
-    def __init__(self, params: Sequence[Parameter], cfg: OptimizerConfig):
+    def __init__(self, params: Sequence[Parameter], cfg: OptimizerConfig, decay_flags=None):
         super().__init__(auto_prefix=False)
         self.params = ParameterTuple(params)
         self.cfg = cfg
-        self.weight_decays = tuple(cfg.weight_decay if decays(p) else 0.0 for p in params)
+        # decay_flags: for flattened shards (ZeRO), whether the full parameter decays
+        flags = decay_flags if decay_flags is not None else [decays(p) for p in params]
+        self.weight_decays = tuple(cfg.weight_decay if flag else 0.0 for flag in flags)
 
     def zeros_like_params(self, prefix: str) -> ParameterTuple:
         return self.params.clone(prefix=prefix, init="zeros")
@@ -40,8 +42,8 @@ class Optimizer(nn.Cell):
 class AdamW(Optimizer):
     """Adam with decoupled weight decay; `decoupled=False` gives Adam with L2 in the gradient."""
 
-    def __init__(self, params, cfg: OptimizerConfig, decoupled: bool = True):
-        super().__init__(params, cfg)
+    def __init__(self, params, cfg: OptimizerConfig, decoupled: bool = True, decay_flags=None):
+        super().__init__(params, cfg, decay_flags)
         self.exp_avg = self.zeros_like_params("adam_m")
         self.exp_avg_sq = self.zeros_like_params("adam_v")
         self.decoupled = decoupled
@@ -71,8 +73,8 @@ class AdamW(Optimizer):
 class SGD(Optimizer):
     """Plain SGD (`momentum=0`) or SGD with heavy-ball momentum, L2 weight decay."""
 
-    def __init__(self, params, cfg: OptimizerConfig, momentum: float = 0.0):
-        super().__init__(params, cfg)
+    def __init__(self, params, cfg: OptimizerConfig, momentum: float = 0.0, decay_flags=None):
+        super().__init__(params, cfg, decay_flags)
         self.momentum = momentum
         self.velocity = self.zeros_like_params("momentum") if momentum else None
 
@@ -92,8 +94,8 @@ class SGD(Optimizer):
 class LAMB(Optimizer):
     """LAMB (You et al. 2019): Adam direction scaled per tensor by ||w|| / ||update||."""
 
-    def __init__(self, params, cfg: OptimizerConfig):
-        super().__init__(params, cfg)
+    def __init__(self, params, cfg: OptimizerConfig, decay_flags=None):
+        super().__init__(params, cfg, decay_flags)
         self.exp_avg = self.zeros_like_params("lamb_m")
         self.exp_avg_sq = self.zeros_like_params("lamb_v")
 
@@ -116,17 +118,17 @@ class LAMB(Optimizer):
         return lr
 
 
-def build_optimizer(params, cfg: OptimizerConfig) -> Optimizer:
+def build_optimizer(params, cfg: OptimizerConfig, decay_flags=None) -> Optimizer:
     if cfg.name == "adamw":
-        return AdamW(params, cfg)
+        return AdamW(params, cfg, decay_flags=decay_flags)
     if cfg.name == "adam":
-        return AdamW(params, cfg, decoupled=False)
+        return AdamW(params, cfg, decoupled=False, decay_flags=decay_flags)
     if cfg.name == "sgd":
-        return SGD(params, cfg)
+        return SGD(params, cfg, decay_flags=decay_flags)
     if cfg.name == "momentum":
-        return SGD(params, cfg, momentum=cfg.momentum)
+        return SGD(params, cfg, momentum=cfg.momentum, decay_flags=decay_flags)
     if cfg.name == "lamb":
-        return LAMB(params, cfg)
+        return LAMB(params, cfg, decay_flags=decay_flags)
     raise ValueError(f"unknown optimizer.name {cfg.name!r}")
 
 

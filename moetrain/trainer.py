@@ -72,11 +72,7 @@ def build_model(cfg: Config):
 
 
 def _init_parallel(cfg: Config):
-    try:
-        from moetrain.parallel.topology import init_parallel
-    except ImportError:  # TEMP until the topology lands
-        from types import SimpleNamespace
-        return SimpleNamespace(rank=0, dp=1, dp_rank=0, world_size=1)
+    from moetrain.parallel.topology import init_parallel
 
     p = cfg.parallel
     return init_parallel(dp=p.data_parallel, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel)
@@ -89,7 +85,7 @@ class Trainer:
 
         from moetrain.checkpoint import manager as ckpt
         from moetrain.data import GlobalBatchSampler, build_datasets
-        from moetrain.optim import build_optimizer
+        from moetrain.parallel.data_parallel import OptimizerStep
 
         self.cfg = cfg
         t = cfg.train
@@ -109,20 +105,21 @@ class Trainer:
 
         ms.set_seed(t.seed)
         self.model = build_model(cfg)
-        self.optimizer = build_optimizer(self.model.trainable_params(), cfg.optimizer)
+        self.opt_step = OptimizerStep(self.model.trainable_params(), cfg.optimizer, cfg.parallel, self.pctx,
+                                      cfg.optimizer.clip_grad_norm, t.jit)
         self.scaler = LossScaler(cfg.precision.loss_scale, cfg.precision.initial_loss_scale,
                                  cfg.precision.scale_window, cfg.precision.scale_factor)
         self.step = 0
         self.n_micro = cfg.num_micro_batches
         self.micro_batch_size = cfg.micro_batch_size
 
-        model, optimizer, clip = self.model, self.optimizer, cfg.optimizer.clip_grad_norm
+        model = self.model
 
         def forward(scale, *batch):
             loss, stats = model(*batch)
             return loss * scale, loss, stats
 
-        grad_fn = ms.value_and_grad(forward, None, optimizer.params, has_aux=True)
+        grad_fn = ms.value_and_grad(forward, None, self.opt_step.params, has_aux=True)
 
         def grad_step(scale, *batch):
             (_, loss, stats), grads = grad_fn(scale, *batch)
@@ -131,25 +128,11 @@ class Trainer:
         def accumulate(acc, grads):
             return tuple(a + g for a, g in zip(acc, grads))
 
-        def prepare(grads, inv_scale):
-            grads = tuple(g * inv_scale for g in grads)
-            finite = ms.amp.all_finite(grads)
-            norm = ops.sqrt(sum((g.astype(ms.float32) ** 2).sum() for g in grads))
-            if clip > 0:
-                factor = ops.minimum(clip / (norm + 1e-6), 1.0)
-                grads = tuple(g * factor for g in grads)
-            return grads, norm, finite
-
         def evaluate(*batch):
             return model(*batch)
 
-        def apply(grads, lr, step):
-            return optimizer(grads, lr, step)
-
         wrap = ms.jit if t.jit else (lambda fn: fn)
-        self._grad_step, self._accumulate, self._prepare = wrap(grad_step), wrap(accumulate), wrap(prepare)
-        self._apply, self._evaluate = wrap(apply), wrap(evaluate)
-        self._grad_sync = self._build_grad_sync()
+        self._grad_step, self._accumulate, self._evaluate = wrap(grad_step), wrap(accumulate), wrap(evaluate)
 
         if resume_path:
             self.load(resume_path)
@@ -166,13 +149,6 @@ class Trainer:
                     + (f"; resumed from {resume_path} at step {self.step}" if resume_path else ""))
 
     # ------------------------------------------------------------------------------------------
-    def _build_grad_sync(self):
-        if self.pctx.dp == 1:
-            return lambda grads: grads
-        from moetrain.parallel.data_parallel import GradientReducer
-
-        return GradientReducer(self.optimizer.params, self.pctx, self.cfg.parallel)
-
     def _micro_batches(self, step: int):
         from moetrain.data import fetch
 
@@ -195,19 +171,15 @@ class Trainer:
             grads = micro_grads if grads is None else self._accumulate(ms.mutable(grads), ms.mutable(micro_grads))
             losses.append(loss)
             stats.append(micro_stats)
-        grads = self._grad_sync(grads)
-        inv_scale = ms.Tensor(1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp), ms.float32)
-        grads, grad_norm, finite = self._prepare(ms.mutable(grads), inv_scale)
-        finite = bool(finite)
-        if finite:
-            self._apply(ms.mutable(grads), ms.Tensor(lr, ms.float32), ms.Tensor(step + 1, ms.int32))
+        inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp)
+        grad_norm, finite = self.opt_step(grads, lr, step + 1, inv_scale)
         record = self._reduce_stats(losses, stats)
         if finite and hasattr(self.model, "update_expert_bias") and "expert_load" in record:
             self.model.update_expert_bias(np.asarray(record["expert_load"]))
         self.scaler.update(finite)
         elapsed = time.perf_counter() - start
         self.step += 1
-        record.update(step=self.step, lr=lr, grad_norm=float(grad_norm), step_time_s=elapsed)
+        record.update(step=self.step, lr=lr, grad_norm=grad_norm, step_time_s=elapsed)
         if self.cfg.precision.loss_scale != "none":
             record.update(loss_scale=self.scaler.scale, skipped=not finite)
         samples = self.cfg.train.global_batch_size
@@ -271,19 +243,38 @@ class Trainer:
         return record
 
     # ------------------------------------------------------------------------------------------
-    def save(self) -> str:
-        from moetrain.checkpoint import manager as ckpt
+    def _optimizer_file(self) -> str:
+        """ZeRO shards differ per rank; otherwise every rank holds the same optimizer state."""
+        return f"optimizer-rank{self.rank:05d}.safetensors" if self.opt_step.level else "optimizer.safetensors"
 
-        writer = ckpt.CheckpointWriter(self.ckpt_root, self.step)
-        writer.tensors("model.safetensors", ckpt.params_to_numpy(self.model.get_parameters()))
-        writer.tensors("optimizer.safetensors", ckpt.params_to_numpy(self.optimizer.state_parameters()))
-        writer.json("trainer_state.json", {
-            "step": self.step, "loss_scale": self.scaler.state(), "seed": self.cfg.train.seed,
-            "consumed_samples": self.step * self.cfg.train.global_batch_size,
-            "epoch": self.sampler.epoch_of(self.step), "world_size": self.pctx.world_size})
-        writer.copy("config.yaml", os.path.join(self.out, "resolved_config.yaml"))
-        path = writer.commit()
-        ckpt.prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_max)
+    def save(self) -> str:
+        """All ranks write into one temporary folder; rank 0 publishes it after a barrier."""
+        from moetrain.checkpoint import manager as ckpt
+        from moetrain.parallel import comm
+
+        distributed = self.pctx.world_size > 1
+        writer = ckpt.CheckpointWriter(self.ckpt_root, self.step, suffix="job" if distributed else None,
+                                       create=self.rank == 0)
+        if distributed:
+            comm.barrier()
+        if self.rank == 0:
+            writer.tensors("model.safetensors", ckpt.params_to_numpy(self.model.get_parameters()))
+            writer.json("trainer_state.json", {
+                "step": self.step, "loss_scale": self.scaler.state(), "seed": self.cfg.train.seed,
+                "consumed_samples": self.step * self.cfg.train.global_batch_size,
+                "epoch": self.sampler.epoch_of(self.step), "world_size": self.pctx.world_size,
+                "optimizer_shard": self.opt_step.level})
+            writer.copy("config.yaml", os.path.join(self.out, "resolved_config.yaml"))
+        if self.rank == 0 or self.opt_step.level:
+            writer.tensors(self._optimizer_file(), ckpt.params_to_numpy(self.opt_step.state_parameters()))
+        path = os.path.join(self.ckpt_root, writer.name)
+        if distributed:
+            comm.barrier()
+        if self.rank == 0:
+            path = writer.commit()
+            ckpt.prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_max)
+        if distributed:
+            comm.barrier()
         return path
 
     def load(self, path: str) -> None:
@@ -303,9 +294,16 @@ class Trainer:
                 + ", ".join(f"model.{k} (checkpoint {saved_model.get(k)!r}, config {current.get(k)!r})" for k in diff))
         ckpt.assign_from_numpy(self.model.get_parameters(), ckpt.read_tensors(path, "model.safetensors"),
                                f"{path}/model.safetensors")
-        ckpt.assign_from_numpy(self.optimizer.state_parameters(), ckpt.read_tensors(path, "optimizer.safetensors"),
-                               f"{path}/optimizer.safetensors")
         state = ckpt.read_json(path, "trainer_state.json")
+        if (state.get("world_size", 1), state.get("optimizer_shard", 0)) != (self.pctx.world_size, self.opt_step.level) \
+                and self.opt_step.level + state.get("optimizer_shard", 0) > 0:
+            raise ckpt.CheckpointError(
+                f"{path} holds ZeRO-{state.get('optimizer_shard', 0)} optimizer shards of {state.get('world_size', 1)} "
+                f"ranks; resuming with ZeRO-{self.opt_step.level} on {self.pctx.world_size} ranks needs resharding, "
+                f"which is not available yet: resume with the saved layout")
+        optimizer_file = self._optimizer_file()
+        ckpt.assign_from_numpy(self.opt_step.state_parameters(), ckpt.read_tensors(path, optimizer_file),
+                               f"{path}/{optimizer_file}")
         self.step = state["step"]
         self.scaler.load(state["loss_scale"])
 
@@ -315,10 +313,13 @@ class Trainer:
         cfg = self.cfg
         last, last_eval = {}, {}
         save_steps, eval_interval = cfg.checkpoint.save_steps, cfg.train.eval_interval
-        while self.step < self.total_steps:
+        end = self.total_steps
+        if cfg.train.stop_after:
+            end = min(end, self.step + cfg.train.stop_after)
+        while self.step < end:
             last = self.train_step()
             self.logger.log(last)
-            if eval_interval and self.step % eval_interval == 0 and self.step < self.total_steps:
+            if eval_interval and self.step % eval_interval == 0 and self.step < end:
                 last_eval = self.evaluate()
                 self.logger.log(last_eval)
             if save_steps and self.step % save_steps == 0:

@@ -43,10 +43,11 @@ def test_gradient_accumulation_equals_one_large_batch(mnist_overrides, tmp_path,
 
 
 def test_resume_continues_exactly(mnist_overrides, tmp_path):
+    mnist_overrides = mnist_overrides + ["lr_schedule.warmup_steps=0"]  # cosine from step 0: lr depends on train.steps
     straight = tmp_path / "straight"
     make_trainer(mnist_overrides + [f"train.output_dir={straight}", "train.steps=6"]).fit()
     split = tmp_path / "split"
-    make_trainer(mnist_overrides + [f"train.output_dir={split}", "train.steps=3"]).fit()
+    make_trainer(mnist_overrides + [f"train.output_dir={split}", "train.steps=6", "train.stop_after=3"]).fit()
     resumed = make_trainer(mnist_overrides + [f"train.output_dir={split}", "train.steps=6"], resume="")
     assert resumed.step == 3
     resumed.fit()

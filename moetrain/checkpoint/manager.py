@@ -80,31 +80,31 @@ def _fsync_dir(path: str) -> None:
 class CheckpointWriter:
     """Collects the files of one checkpoint in a temporary folder, then publishes it."""
 
-    def __init__(self, root: str, step: int):
+    def __init__(self, root: str, step: int, suffix: Optional[str] = None, create: bool = True):
+        """`suffix` names the temporary folder (default: this pid); in a multi-process save every rank
+        uses the same suffix, rank 0 creates the folder (`create`) and commits after a barrier."""
         self.root = root
         self.name = f"step_{step:08d}"
-        self.tmp = os.path.join(root, f".tmp-{self.name}-{os.getpid()}")
-        if os.path.exists(self.tmp):
-            shutil.rmtree(self.tmp)
-        os.makedirs(self.tmp)
-        self.files: List[str] = []
+        self.tmp = os.path.join(root, f".tmp-{self.name}-{suffix or os.getpid()}")
+        if create:
+            if os.path.exists(self.tmp):
+                shutil.rmtree(self.tmp)
+            os.makedirs(self.tmp)
 
     def tensors(self, filename: str, arrays: Dict[str, np.ndarray]) -> None:
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, os.path.join(self.tmp, filename))
-        self.files.append(filename)
 
     def json(self, filename: str, obj) -> None:
         with open(os.path.join(self.tmp, filename), "w") as fh:
             json.dump(obj, fh, indent=1)
-        self.files.append(filename)
 
     def copy(self, filename: str, src: str) -> None:
         shutil.copyfile(src, os.path.join(self.tmp, filename))
-        self.files.append(filename)
 
     def commit(self) -> str:
+        files = sorted(f for f in os.listdir(self.tmp) if f != MANIFEST)  # every rank's files
         manifest = {f: {"sha256": sha256_of(os.path.join(self.tmp, f)),
-                        "bytes": os.path.getsize(os.path.join(self.tmp, f))} for f in self.files}
+                        "bytes": os.path.getsize(os.path.join(self.tmp, f))} for f in files}
         with open(os.path.join(self.tmp, MANIFEST), "w") as fh:
             json.dump({"files": manifest}, fh, indent=1)
             fh.flush()
@@ -140,8 +140,8 @@ def latest_checkpoint(root: str) -> Optional[str]:
 def prune_checkpoints(root: str, keep_max: int) -> None:
     for _, path in list_checkpoints(root)[:-keep_max]:
         shutil.rmtree(path, ignore_errors=True)
-    for name in os.listdir(root):
-        if name.startswith(".tmp-step_") and not name.endswith(f"-{os.getpid()}"):
+    for name in os.listdir(root):  # leftovers of interrupted saves
+        if name.startswith(".tmp-step_"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 

@@ -1,0 +1,631 @@
+"""Differentiable collectives on topology `Group`s, usable in PyNative and inside `ms.jit`.
+
+Two families, both with hand-written backwards (`nn.Cell.bprop`):
+
+* Collectives whose backward is the true derivative of the SUM of all ranks' losses:
+  `all_reduce` (bwd all_reduce), `all_gather` (bwd reduce_scatter), `reduce_scatter`
+  (bwd all_gather), `all_to_all` (bwd the reverse all_to_all), `all_to_all_v` (bwd with the counts
+  swapped), `broadcast` and `send_recv` (bwd: the sum of every receiver's gradient lands on the
+  source, zero elsewhere).
+* Megatron tensor-parallel region mappings, for a loss that is replicated over the group:
+  `copy_to_region` (fwd identity, bwd all-reduce), `reduce_from_region` (fwd all-reduce, bwd
+  identity), `scatter_to_region` / `gather_from_region` along an axis, and for sequence parallelism
+  `reduce_scatter_to_sequence` (bwd all-gather) / `gather_from_sequence` (bwd reduce-scatter).
+
+On a group of one rank every op is the identity and nothing is added to the graph.
+
+Backends (`backend_name()`): on CPU MindSpore has AllReduce in sub-groups but no AllGather /
+ReduceScatter / AlltoAll / Send / Receive there, so every op is derived from a SUM AllReduce in the
+group ("emulated"): each rank writes its contribution into its own slot of a zero buffer, the
+AllReduce assembles all slots everywhere, each rank reads what it needs. Values equal the native
+ops exactly (x + 0 == x). On Ascend/GPU ("native") the MindSpore primitives are called; that path
+cannot run on this project's CPU machines and is UNVERIFIED. `MOETRAIN_COMM_BACKEND=emulated`
+forces the emulation anywhere.
+
+Byte counters: each op adds, when it runs, the bytes this rank sends to a per-group-kind counter
+(a float64 Parameter updated inside the graph, so `ms.jit` graphs count every execution, loops
+included). Columns: forward and backward, each for the native algorithm (ring: all_reduce
+2(n-1)/n·S, all_gather (n-1)·S_shard, reduce_scatter and all_to_all (n-1)/n·S, ...) and for what
+the CPU emulation really all-reduces (2(n-1)/n·buffer). MindSpore forbids Parameter updates inside a
+custom bprop, so an op's backward volume is added when its forward runs; read it with
+``backward=True`` for training steps. See `CommLedger`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common import dtype as mstype
+from mindspore.ops import ReduceOp
+
+from moetrain.parallel.topology import Group
+
+COUNTER_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "embedding", "other")
+COUNTER_COLUMNS = ("fwd_native", "fwd_emulated", "bwd_native", "bwd_emulated")
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend selection
+# ---------------------------------------------------------------------------------------------
+def backend_name() -> str:
+    """'emulated' (derived from AllReduce; CPU) or 'native' (MindSpore primitives; Ascend/GPU)."""
+    forced = os.environ.get("MOETRAIN_COMM_BACKEND", "auto").lower()
+    if forced not in ("auto", "native", "emulated"):
+        raise ValueError(f"MOETRAIN_COMM_BACKEND={forced!r}: use auto, native or emulated")
+    if forced != "auto":
+        return forced
+    return "emulated" if ms.get_context("device_target") == "CPU" else "native"
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte counters
+# ---------------------------------------------------------------------------------------------
+class _ByteCounter(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.bytes = Parameter(Tensor(np.zeros((len(COUNTER_KINDS), len(COUNTER_COLUMNS)), np.float64)),
+                               name="moetrain_comm_bytes", requires_grad=False)
+        self.add = ops.AssignAdd()
+
+    def construct(self, delta):
+        return self.add(self.bytes, delta)
+
+
+_COUNTER = _ByteCounter()
+
+
+def _ring(n: int, nbytes: float) -> float:
+    """Bytes one rank sends in a ring all-reduce of `nbytes`."""
+    return 2.0 * (n - 1) / n * nbytes
+
+
+def _traffic_row(fwd: Tuple[float, float], bwd: Tuple[float, float], kind: str) -> Tensor:
+    """[kinds, columns] increment for one call: (native, emulated) bytes forward and backward."""
+    delta = np.zeros((len(COUNTER_KINDS), len(COUNTER_COLUMNS)), np.float64)
+    delta[COUNTER_KINDS.index(kind) if kind in COUNTER_KINDS else -1] = (*fwd, *bwd)
+    return Tensor(delta)
+
+
+def byte_counters() -> Dict[str, Dict[str, int]]:
+    """Cumulative bytes per group kind and column since the process started."""
+    values = _COUNTER.bytes.asnumpy()
+    return {kind: {col: int(values[i, j]) for j, col in enumerate(COUNTER_COLUMNS)}
+            for i, kind in enumerate(COUNTER_KINDS)}
+
+
+class CommLedger:
+    """Bytes this rank sends in the comm ops executed inside the block, per group kind.
+
+        with comm.CommLedger() as ledger:
+            loss, grads = train_step(batch)        # jitted or not, any number of calls
+        ledger.bytes_by_group(backward=True)       # {'tp': ..., 'ep': ...} native volume
+
+    A trainer that calls its step function k times per optimizer step gets bytes per step from
+    one ledger around the k calls (or k x one call, the volume does not depend on data).
+    """
+
+    def __enter__(self) -> "CommLedger":
+        self._start = _COUNTER.bytes.asnumpy().copy()
+        self._delta = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._delta = _COUNTER.bytes.asnumpy() - self._start
+
+    def _table(self) -> np.ndarray:
+        if self._delta is None:
+            raise RuntimeError("CommLedger is read after its `with` block has ended")
+        return self._delta
+
+    def bytes_by_group(self, *, backward: bool = True, emulated: bool = False) -> Dict[str, int]:
+        """Forward (+ backward) bytes per kind; `emulated=True` gives what the CPU emulation moved."""
+        table = self._table()
+        cols = [1 if emulated else 0] + ([3 if emulated else 2] if backward else [])
+        return {kind: int(round(table[i, cols].sum())) for i, kind in enumerate(COUNTER_KINDS)
+                if table[i, cols].sum() > 0}
+
+    def summary(self) -> str:
+        table = self._table()
+        lines = [f"{'group':<10}" + "".join(f"{c:>15}" for c in COUNTER_COLUMNS)]
+        for i, kind in enumerate(COUNTER_KINDS):
+            if table[i].any():
+                lines.append(f"{kind:<10}" + "".join(f"{int(v):>15,}" for v in table[i]))
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape helpers (graph-safe: shapes and ranks are compile-time constants). They use primitives
+# (ops.Split, ops.Squeeze, ...) because the functional forms (ops.split, ops.squeeze, ops.zeros)
+# fail inside a custom bprop under ms.jit in MindSpore 2.10 ("The func graph is empty").
+# ---------------------------------------------------------------------------------------------
+def _zeros(shape, dtype):
+    return ops.Zeros()(shape, dtype)
+
+
+def _slot_buffer(x, slot: int, n: int):
+    """[n, *x.shape], x in row `slot`, exact zeros elsewhere (zero padding: no 0*x, which would
+    turn an inf into nan in every slot). The ops are the same on every rank, only the pad widths
+    differ: see "Same graph on every rank" in the module notes."""
+    pads = ((slot, n - 1 - slot),) + ((0, 0),) * len(x.shape)
+    return ops.Pad(pads)(ops.ExpandDims()(x, 0))
+
+
+def _keep_if(x, keep: bool):
+    """x, or exact zeros of its shape, through the same ops either way."""
+    return _row(_slot_buffer(x, 0 if keep else 1, 2), 0, 0)
+
+
+def _merge_leading(y, axis: int):
+    """[n, d0, ..., d_axis, ...] -> the n blocks concatenated along `axis` of the block."""
+    ndim = len(y.shape)
+    perm = tuple(range(1, axis + 1)) + (0,) + tuple(range(axis + 1, ndim))
+    y = ops.Transpose()(y, perm)
+    shape = y.shape
+    return ops.Reshape()(y, shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2:])
+
+
+def _split_leading(x, axis: int, n: int):
+    """Inverse of `_merge_leading`: n equal chunks along `axis` stacked on a new leading axis."""
+    shape = x.shape
+    y = ops.Reshape()(x, shape[:axis] + (n, shape[axis] // n) + shape[axis + 1:])
+    perm = (axis,) + tuple(range(axis)) + tuple(range(axis + 1, len(shape) + 1))
+    return ops.Transpose()(y, perm)
+
+
+def _chunk(x, axis: int, n: int, index: int):
+    return ops.Split(axis, n)(x)[index]
+
+
+def _row(everything, index: int, axis: int):
+    """Slice `index` of `axis`, that axis removed."""
+    return ops.Squeeze(axis)(ops.Split(axis, everything.shape[axis])(everything)[index])
+
+
+# ---------------------------------------------------------------------------------------------
+# Op cells: one per (op, group, input shape and dtype, parameters), built in Python (also when
+# first met while `ms.jit` compiles), so validation and byte formulas are plain Python.
+# construct = forward, bprop = the adjoint.
+# ---------------------------------------------------------------------------------------------
+class _GroupOp(nn.Cell):
+    def __init__(self, group: Group, shape, dtype):
+        super().__init__()
+        self.n, self.rank = group.size, group.rank_in_group
+        self.where = f"{group.kind} group {group.ranks}"
+        self.native = backend_name() == "native"
+        self.sum = ops.AllReduce(ReduceOp.SUM, group.name)
+        if self.native:  # UNVERIFIED: needs Ascend/GPU
+            self.gather_prim = ops.AllGather(group.name)
+            self.scatter_prim = ops.ReduceScatter(ReduceOp.SUM, group.name)
+        self.shape = tuple(shape)
+        self.itemsize = mstype.type_size_in_bytes(dtype)
+        self.nbytes = float(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+        self.kind = group.kind
+
+    def _set_traffic(self, fwd: Tuple[float, float], bwd: Tuple[float, float]) -> None:
+        self.traffic = _traffic_row(fwd, bwd, self.kind)
+
+    def _axis(self, what: str, axis: int, divisible: bool = False) -> int:
+        ndim = len(self.shape)
+        if not -ndim <= axis < ndim:
+            raise ValueError(f"{what}: axis {axis} is out of range for a tensor of shape {self.shape}")
+        axis %= ndim
+        if divisible and self.shape[axis] % self.n:
+            raise ValueError(f"{what}: dimension {axis} of shape {self.shape} is not divisible by the "
+                             f"{self.n} ranks of the {self.where}; pad it or choose sizes that divide evenly")
+        return axis
+
+    def _all_gather(self, x, axis: int):
+        if self.native:
+            if axis == 0:
+                return self.gather_prim(x)
+            return _merge_leading(ops.Reshape()(self.gather_prim(ops.ExpandDims()(x, 0)), (self.n,) + x.shape), axis)
+        return _merge_leading(self.sum(_slot_buffer(x, self.rank, self.n)), axis)
+
+    def _reduce_scatter(self, x, axis: int):
+        if self.native:
+            if axis == 0:
+                return self.scatter_prim(x)
+            return _row(self.scatter_prim(_split_leading(x, axis, self.n)), 0, 0)
+        return _chunk(self.sum(x), axis, self.n, self.rank)
+
+    def _only_on(self, x, rank: int):
+        return _keep_if(x, self.rank == rank)
+
+
+class _AllReduce(_GroupOp):
+    def __init__(self, group, shape, dtype):
+        super().__init__(group, shape, dtype)
+        ring = _ring(self.n, self.nbytes)
+        self._set_traffic((ring, ring), (ring, ring))
+
+    def construct(self, x):
+        return self.sum(x)
+
+    def bprop(self, x, out, dout):
+        return (self.sum(dout),)
+
+
+class _AllGather(_GroupOp):
+    def __init__(self, group, shape, dtype, axis):
+        super().__init__(group, shape, dtype)
+        self.axis = self._axis("all_gather", axis)
+        n, size = self.n, self.nbytes   # size: the local shard
+        self._set_traffic(((n - 1) * size, _ring(n, n * size)), ((n - 1) * size, _ring(n, n * size)))
+
+    def construct(self, x):
+        return self._all_gather(x, self.axis)
+
+    def bprop(self, x, out, dout):
+        return (self._reduce_scatter(dout, self.axis),)
+
+
+class _ReduceScatter(_GroupOp):
+    def __init__(self, group, shape, dtype, axis):
+        super().__init__(group, shape, dtype)
+        self.axis = self._axis("reduce_scatter", axis, divisible=True)
+        n, size = self.n, self.nbytes   # size: the full input; the backward gathers size/n shards
+        self._set_traffic(((n - 1) / n * size, _ring(n, size)), ((n - 1) / n * size, _ring(n, size)))
+
+    def construct(self, x):
+        return self._reduce_scatter(x, self.axis)
+
+    def bprop(self, x, out, dout):
+        return (self._all_gather(dout, self.axis),)
+
+
+class _AllToAll(_GroupOp):
+    def __init__(self, group, shape, dtype, split_axis, concat_axis):
+        super().__init__(group, shape, dtype)
+        self.split_axis = self._axis("all_to_all", split_axis, divisible=True)
+        self.concat_axis = self._axis("all_to_all", concat_axis)
+        n, size = self.n, self.nbytes   # the emulation all-reduces an [n, n, size/n] buffer
+        self._set_traffic(((n - 1) / n * size, _ring(n, n * size)), ((n - 1) / n * size, _ring(n, n * size)))
+        if self.native:  # UNVERIFIED
+            self.forward_prim = ops.AlltoAll(n, self.split_axis, self.concat_axis, group.name)
+            self.backward_prim = ops.AlltoAll(n, self.concat_axis, self.split_axis, group.name)
+
+    def _exchange(self, x, split_axis, concat_axis):
+        # buffer[src, dst] = chunk `dst` of rank `src`; after the sum, column `rank` is my inbox
+        outbox = _split_leading(x, split_axis, self.n)
+        everything = self.sum(_slot_buffer(outbox, self.rank, self.n))
+        return _merge_leading(_row(everything, self.rank, 1), concat_axis)
+
+    def construct(self, x):
+        if self.native:
+            return self.forward_prim(x)
+        return self._exchange(x, self.split_axis, self.concat_axis)
+
+    def bprop(self, x, out, dout):
+        if self.native:
+            return (self.backward_prim(dout),)
+        return (self._exchange(dout, self.concat_axis, self.split_axis),)
+
+
+class _AllToAllV(_GroupOp):
+    def __init__(self, group, shape, dtype, send_counts, recv_counts, max_count):
+        super().__init__(group, shape, dtype)
+        n, me = self.n, self.rank
+        if len(self.shape) == 0:
+            raise ValueError("all_to_all_v: x must have a leading row axis, got a scalar")
+        if len(send_counts) != n or len(recv_counts) != n:
+            raise ValueError(f"all_to_all_v: need {n} send and {n} recv counts for the {self.where}, "
+                             f"got {len(send_counts)} and {len(recv_counts)}")
+        if min(send_counts + recv_counts) < 0:
+            raise ValueError(f"all_to_all_v: counts must be >= 0, got send {send_counts} recv {recv_counts}")
+        if sum(send_counts) != self.shape[0]:
+            raise ValueError(f"all_to_all_v: send_counts {send_counts} sum to {sum(send_counts)} but x has "
+                             f"{self.shape[0]} rows")
+        if send_counts[me] != recv_counts[me]:
+            raise ValueError(f"all_to_all_v: rank {me} of the {self.where} sends {send_counts[me]} rows to "
+                             f"itself but expects {recv_counts[me]}")
+        largest = max(send_counts + recv_counts)
+        self.capacity = largest if max_count is None else int(max_count)
+        if self.capacity < largest:
+            raise ValueError(f"all_to_all_v: max_count={max_count} is below this rank's largest count {largest}")
+        self.send_counts, self.recv_counts = send_counts, recv_counts
+        self.forward_plan = self._plan(send_counts, recv_counts)
+        self.backward_plan = self._plan(recv_counts, send_counts)
+        row_elems = int(np.prod(self.shape[1:], dtype=np.int64))
+        row = float(row_elems * self.itemsize)
+        emulated = _ring(n, n * n * self.capacity * row)
+        self._set_traffic((sum(c for j, c in enumerate(send_counts) if j != me) * row, emulated),
+                          (sum(c for i, c in enumerate(recv_counts) if i != me) * row, emulated))
+        self.use_native_v = self.native and ms.get_context("device_target") == "Ascend"
+        if self.use_native_v:  # UNVERIFIED: AlltoAllV exists on Ascend only
+            self.prim = ops.AlltoAllV(group.name)
+            self.send_numel = [c * row_elems for c in send_counts]
+            self.recv_numel = [c * row_elems for c in recv_counts]
+
+    def _plan(self, send_counts, recv_counts):
+        """Row indices, built once in Python: which input rows fill the [n, capacity] outbox (the
+        appended zero row pads), and which inbox rows form the output."""
+        pad_row, start, outbox = sum(send_counts), 0, []
+        for count in send_counts:
+            outbox += list(range(start, start + count)) + [pad_row] * (self.capacity - count)
+            start += count
+        inbox = [src * self.capacity + k for src, count in enumerate(recv_counts) for k in range(count)]
+        return Tensor(np.array(outbox, np.int32)), Tensor(np.array(inbox, np.int32))
+
+    def _exchange(self, x, plan):
+        rest = x.shape[1:]
+        padded = ops.Concat(0)((x, _zeros((1,) + rest, x.dtype)))
+        outbox = ops.Reshape()(ops.Gather()(padded, plan[0], 0), (self.n, self.capacity) + rest)
+        inbox = _row(self.sum(_slot_buffer(outbox, self.rank, self.n)), self.rank, 1)   # [src, capacity, ...]
+        return ops.Gather()(ops.Reshape()(inbox, (self.n * self.capacity,) + rest), plan[1], 0)
+
+    def construct(self, x):
+        if self.use_native_v:
+            y = self.prim(ops.Reshape()(x, (-1,)), self.send_numel, self.recv_numel)
+            return ops.Reshape()(y, (sum(self.recv_counts),) + x.shape[1:])
+        return self._exchange(x, self.forward_plan)
+
+    def bprop(self, x, out, dout):
+        if self.use_native_v:
+            y = self.prim(ops.Reshape()(dout, (-1,)), self.recv_numel, self.send_numel)
+            return (ops.Reshape()(y, x.shape),)
+        return (self._exchange(dout, self.backward_plan),)
+
+
+class _Broadcast(_GroupOp):
+    """Also the emulated point-to-point: every member gets the source's tensor."""
+
+    def __init__(self, group, shape, dtype, src, op_name="broadcast", dst=None):
+        super().__init__(group, shape, dtype)
+        if not 0 <= src < self.n:
+            raise ValueError(f"{op_name}: source rank {src} is not a rank of the {self.where} (0..{self.n - 1})")
+        self.src = src
+        n, size = self.n, self.nbytes
+        if dst is None:   # total (n-1)·S leaves the source's tree; counted per rank on average
+            self._set_traffic(((n - 1) / n * size, _ring(n, size)), ((n - 1) / n * size, _ring(n, size)))
+        else:
+            self._set_traffic((size if self.rank == src else 0.0, _ring(n, size)),
+                              (size if self.rank == dst else 0.0, _ring(n, size)))
+        if self.native and dst is None:  # UNVERIFIED: root_rank is a global rank
+            self.prim = ops.Broadcast(group.global_rank(src), group.name)
+
+    def construct(self, x):
+        if self.native:
+            return self.prim((x,))[0]
+        return self.sum(self._only_on(x, self.src))
+
+    def bprop(self, x, out, dout):
+        return (self._only_on(self.sum(dout), self.src),)
+
+
+class _SendRecvNative(_Broadcast):
+    """UNVERIFIED (Ascend/GPU): Send on `src`, Receive on `dst`; the source keeps its tensor."""
+
+    def __init__(self, group, shape, dtype, src, dst):
+        super().__init__(group, shape, dtype, src, "send_recv", dst)
+        self.dst = dst
+        if self.rank == src:
+            self.send = ops.Send(0, dst, group.name, group.name)
+            self.recv_grad = ops.Receive(1, dst, list(shape), dtype, group.name, group.name)
+        elif self.rank == dst:
+            self.recv = ops.Receive(0, src, list(shape), dtype, group.name, group.name)
+            self.send_grad = ops.Send(1, src, group.name, group.name)
+
+    def construct(self, x):
+        if self.rank == self.src:
+            return ops.Depend()(x, self.send(x))
+        if self.rank == self.dst:
+            return self.recv(x)
+        return x
+
+    def bprop(self, x, out, dout):
+        if self.rank == self.src:
+            return (dout + self.recv_grad(dout),)
+        if self.rank == self.dst:
+            return (ops.Depend()(ops.ZerosLike()(dout), self.send_grad(dout)),)
+        return (dout,)
+
+
+class _CopyToRegion(_GroupOp):
+    def __init__(self, group, shape, dtype):
+        super().__init__(group, shape, dtype)
+        ring = _ring(self.n, self.nbytes)
+        self._set_traffic((0.0, 0.0), (ring, ring))
+
+    def construct(self, x):
+        return x
+
+    def bprop(self, x, out, dout):
+        return (self.sum(dout),)
+
+
+class _ReduceFromRegion(_GroupOp):
+    def __init__(self, group, shape, dtype):
+        super().__init__(group, shape, dtype)
+        ring = _ring(self.n, self.nbytes)
+        self._set_traffic((ring, ring), (0.0, 0.0))
+
+    def construct(self, x):
+        return self.sum(x)
+
+    def bprop(self, x, out, dout):
+        return (dout,)
+
+
+class _ScatterToRegion(_GroupOp):
+    def __init__(self, group, shape, dtype, axis):
+        super().__init__(group, shape, dtype)
+        self.axis = self._axis("scatter_to_region", axis, divisible=True)
+        n, size = self.n, self.nbytes   # the backward gathers the size/n gradient chunks
+        self._set_traffic((0.0, 0.0), ((n - 1) / n * size, _ring(n, size)))
+
+    def construct(self, x):
+        return _chunk(x, self.axis, self.n, self.rank)
+
+    def bprop(self, x, out, dout):
+        return (self._all_gather(dout, self.axis),)
+
+
+class _GatherFromRegion(_GroupOp):
+    def __init__(self, group, shape, dtype, axis):
+        super().__init__(group, shape, dtype)
+        self.axis = self._axis("gather_from_region", axis)
+        n, size = self.n, self.nbytes
+        self._set_traffic(((n - 1) * size, _ring(n, n * size)), (0.0, 0.0))
+
+    def construct(self, x):
+        return self._all_gather(x, self.axis)
+
+    def bprop(self, x, out, dout):
+        return (_chunk(dout, self.axis, self.n, self.rank),)
+
+
+def _send_recv_cell(group, shape, dtype, src, dst):
+    if backend_name() == "native":
+        return _SendRecvNative(group, shape, dtype, src, dst)
+    return _Broadcast(group, shape, dtype, src, "send_recv", dst)
+
+
+_OP_CELLS = {cls.__name__: cls for cls in (_AllReduce, _AllGather, _ReduceScatter, _AllToAll, _AllToAllV,
+                                            _Broadcast, _CopyToRegion, _ReduceFromRegion,
+                                            _ScatterToRegion, _GatherFromRegion)}
+_OP_CELLS["_SendRecv"] = _send_recv_cell
+
+
+@functools.lru_cache(maxsize=None)
+def _op(op: str, group: Group, shape, dtype, params=()):
+    """The cell of one call signature, cached so PyNative calls stay cheap. Under ms.jit this runs in
+    Python while the graph is parsed; the op is named by a string because passing a class object
+    through that path fails in MindSpore 2.10 (KeyError '__input_0__')."""
+    return _OP_CELLS[op](group, shape, dtype, *params)
+
+
+def _run(cell: _GroupOp, x):
+    """Run one op between two uses of the counter Parameter. Parameter reads and updates are
+    side effects that MindSpore keeps in program order, so the forward collectives of a jitted
+    graph run in program order too, the same on every rank, instead of in whatever order the
+    scheduler picks for independent nodes."""
+    x = ops.Depend()(x, _COUNTER.bytes)
+    y = cell(x)
+    _COUNTER(ops.Depend()(cell.traffic, y))
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+def all_reduce(x, group: Group):
+    """Sum over the group. Backward: all_reduce of the gradients."""
+    if group.size == 1:
+        return x
+    return _run(_op("_AllReduce", group, x.shape, x.dtype), x)
+
+
+def all_gather(x, group: Group, axis: int = 0):
+    """Concatenate every rank's `x` along `axis` in rank order. Backward: reduce_scatter."""
+    if group.size == 1:
+        return x
+    return _run(_op("_AllGather", group, x.shape, x.dtype, (axis,)), x)
+
+
+def reduce_scatter(x, group: Group, axis: int = 0):
+    """Sum over the group; rank i keeps chunk i along `axis`. Backward: all_gather."""
+    if group.size == 1:
+        return x
+    return _run(_op("_ReduceScatter", group, x.shape, x.dtype, (axis,)), x)
+
+
+def all_to_all(x, group: Group, split_axis: int = 0, concat_axis: int = 0):
+    """Chunk j of `x` along split_axis goes to rank j; the received chunks are concatenated along
+    concat_axis in source-rank order. Backward: the reverse all_to_all."""
+    if group.size == 1:
+        return x
+    return _run(_op("_AllToAll", group, x.shape, x.dtype, (split_axis, concat_axis)), x)
+
+
+def all_to_all_v(x, send_counts: Sequence[int], recv_counts: Sequence[int], group: Group,
+                 max_count: Optional[int] = None):
+    """Rows ``x[sum(send_counts[:j]) : ... + send_counts[j]]`` go to rank j; the rows from rank i
+    arrive in source order, recv_counts[i] of them. Counts are Python ints (static shapes).
+    Backward: the same exchange with the counts swapped.
+
+    The CPU emulation all-reduces an [n, n, max_count, ...] buffer whose shape must agree on all
+    ranks: `max_count` is the largest count anywhere in the group. By default it is the largest of
+    this rank's own counts, which is right whenever every rank has the same largest count.
+    """
+    if group.size == 1:
+        return x
+    counts = (tuple(send_counts), tuple(recv_counts), max_count)
+    return _run(_op("_AllToAllV", group, x.shape, x.dtype, counts), x)
+
+
+def broadcast(x, src_rank_in_group: int, group: Group):
+    """Every rank gets the tensor of rank `src_rank_in_group`. Backward: the gradients of all ranks
+    summed onto the source, zero on the others."""
+    if group.size == 1:
+        return x
+    return _run(_op("_Broadcast", group, x.shape, x.dtype, (src_rank_in_group,)), x)
+
+
+def send_recv(x, src: int, dst: int, group: Group):
+    """Point-to-point from rank `src` to rank `dst` (ranks in `group`, normally a 2-rank pipeline
+    neighbour group; both call it). `dst` gets the source's tensor, its own `x` being only a shape
+    and dtype placeholder; `src` gets `x` back. Backward: `dst`'s gradient goes back and is added to
+    `src`'s; the placeholder's gradient is zero. On CPU: an AllReduce where only `src` contributes."""
+    if group.size == 1:
+        return x
+    if src == dst:
+        raise ValueError(f"send_recv: src and dst are both rank {src} of the {group.kind} group {group.ranks}")
+    return _run(_op("_SendRecv", group, x.shape, x.dtype, (src, dst)), x)
+
+
+def copy_to_region(x, group: Group):
+    """Megatron f: identity forward, all-reduce of the gradients backward (column-parallel input)."""
+    if group.size == 1:
+        return x
+    return _run(_op("_CopyToRegion", group, x.shape, x.dtype), x)
+
+
+def reduce_from_region(x, group: Group):
+    """Megatron g: all-reduce forward, identity backward (row-parallel output)."""
+    if group.size == 1:
+        return x
+    return _run(_op("_ReduceFromRegion", group, x.shape, x.dtype), x)
+
+
+def scatter_to_region(x, group: Group, axis: int = -1):
+    """Keep this rank's chunk along `axis`; backward all-gathers the gradient chunks."""
+    if group.size == 1:
+        return x
+    return _run(_op("_ScatterToRegion", group, x.shape, x.dtype, (axis,)), x)
+
+
+def gather_from_region(x, group: Group, axis: int = -1):
+    """All-gather along `axis`; backward keeps this rank's chunk of the replicated gradient."""
+    if group.size == 1:
+        return x
+    return _run(_op("_GatherFromRegion", group, x.shape, x.dtype, (axis,)), x)
+
+
+def reduce_scatter_to_sequence(x, group: Group, axis: int = 0):
+    """Sequence parallel: sum the partial outputs, keep this rank's sequence chunk; backward all-gathers."""
+    return reduce_scatter(x, group, axis)
+
+
+def gather_from_sequence(x, group: Group, axis: int = 0):
+    """Sequence parallel: gather the whole sequence; backward reduce-scatters (the consumer is a
+    tensor-parallel layer whose per-rank input gradients are partial sums)."""
+    return all_gather(x, group, axis)
+
+
+def barrier(group: Optional[Group] = None) -> None:
+    """Block until every rank of `group` (default: the world) gets here. PyNative only (host sync)."""
+    from mindspore.communication import GlobalComm, get_group_size
+
+    if group is None:
+        if not GlobalComm.INITED or get_group_size() == 1:
+            return
+        name = GlobalComm.WORLD_COMM_GROUP
+    elif group.size == 1:
+        return
+    else:
+        name = group.name
+    ops.AllReduce(ReduceOp.SUM, name)(Tensor(np.ones(1, np.float32))).asnumpy()

@@ -1,0 +1,298 @@
+"""Process topology: who is who in a dp x tp x pp job with experts carved out of dp.
+
+Rank layout (Megatron order, tensor-parallel ranks adjacent so they share a node):
+
+    global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+Expert parallelism splits each data-parallel group: ``ep_rank = dp_rank % ep``. The ``ep`` group
+holds ``ep`` consecutive dp ranks (they exchange tokens in AllToAll); the ``edp`` group (expert
+data parallel, size ``dp / ep``) holds the dp ranks with the same ``ep_rank``, i.e. the replicas of
+the same experts, which all-reduce expert gradients.
+
+Groups (kind -> members of this rank's group):
+
+    world      every rank
+    tp         same (dp, pp)                 tensor-parallel collectives
+    dp         same (tp, pp)                 dense-gradient all-reduce
+    pp         same (dp, tp)                 all pipeline stages of one model replica
+    ep         same (tp, pp, dp_rank // ep)  expert all-to-all
+    edp        same (tp, pp, ep_rank)        expert-gradient all-reduce
+    embedding  first and last stage of the same (dp, tp)   tied embeddings
+    pp_next / pp_prev   this stage and its neighbour       point-to-point activations
+
+A group of one rank is never created and every communication op on it is the identity.
+`ParallelContext.build` is pure Python (any rank's view can be computed anywhere, for tests);
+`init_parallel` starts MindSpore's communication and creates the groups this rank belongs to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+# Kinds in the order groups are created; every rank walks this order identically.
+GROUP_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "embedding", "pp_next", "pp_prev")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot run; the message says what, the numbers and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """A communication group as seen by one rank.
+
+    ``ranks`` are global ranks in ascending order; ``rank_in_group`` is this rank's index in them.
+    ``kind`` is the byte-counter bucket (``pp_next``/``pp_prev`` count as ``pp``). ``name`` is the
+    MindSpore communicator name; groups with the same members share one communicator.
+    """
+
+    kind: str
+    ranks: Tuple[int, ...]
+    rank_in_group: int
+    name: str
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_trivial(self) -> bool:
+        return len(self.ranks) == 1
+
+    def global_rank(self, rank_in_group: int) -> int:
+        return self.ranks[rank_in_group]
+
+
+def single_group(kind: str, rank: int = 0) -> Group:
+    return Group(kind, (rank,), 0, f"single_{rank}")
+
+
+def communicator_name(ranks: Sequence[int]) -> str:
+    """Deterministic name from the member list, so every member derives the same one."""
+    joined = "_".join(str(r) for r in ranks)
+    if len(joined) <= 96:
+        return f"moe_g{joined}"
+    return f"moe_h{hashlib.sha1(joined.encode()).hexdigest()[:20]}_n{len(ranks)}"
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_layout(world_size: int, dp: int, tp: int, pp: int, ep: int = 1, *,
+                    num_layers: Optional[int] = None, num_heads: Optional[int] = None,
+                    num_kv_heads: Optional[int] = None, num_experts: Optional[int] = None,
+                    global_batch_size: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                    micro_batch_num: Optional[int] = None) -> None:
+    """Raise `LayoutError` listing every problem of the layout (one per line); return None if fine."""
+    sizes = {"world_size": world_size, "dp": dp, "tp": tp, "pp": pp, "ep": ep}
+    bad = [f"{k}={v!r}" for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    if bad:
+        raise LayoutError(f"parallel sizes must be positive integers, got {', '.join(bad)}")
+    problems: List[str] = []
+    if dp * tp * pp != world_size:
+        fix = (f"use dp={world_size // (tp * pp)}" if world_size % (tp * pp) == 0
+               else f"choose tp*pp dividing {world_size}")
+        problems.append(f"world size {world_size} != dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}: {fix}, "
+                        f"or launch {dp * tp * pp} processes")
+    if dp % ep:
+        problems.append(f"expert parallel ep={ep} must divide data parallel dp={dp} (expert groups are "
+                        f"carved out of the dp ranks): choose ep in {_divisors(dp)}")
+    if num_experts is not None and num_experts % ep:
+        problems.append(f"num_experts={num_experts} is not divisible by ep={ep}: every ep rank must hold "
+                        f"the same number of experts; choose ep in "
+                        f"{sorted(set(_divisors(num_experts)) & set(_divisors(dp)))}")
+    for what, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if count is not None and count % tp:
+            problems.append(f"{what}={count} is not divisible by tensor parallel tp={tp}: each tp rank owns "
+                            f"whole heads; choose tp in {_divisors(count)}")
+    if num_layers is not None and num_layers % pp:
+        problems.append(f"num_layers={num_layers} cannot be split evenly into pp={pp} pipeline stages: "
+                        f"choose pp in {_divisors(num_layers)} (or give per-stage layer counts)")
+    if micro_batch_num is not None and pp > 1 and micro_batch_num < pp:
+        problems.append(f"micro_batch_num={micro_batch_num} is smaller than the pp={pp} pipeline stages: "
+                        f"the pipeline never fills; use micro_batch_num >= {pp}")
+    if global_batch_size is not None:
+        if micro_batch_size is not None:
+            per_step = dp * micro_batch_size
+            if global_batch_size % per_step:
+                problems.append(f"global_batch_size={global_batch_size} is not divisible by dp*micro_batch_size"
+                                f" = {dp}*{micro_batch_size} = {per_step}: use a multiple of {per_step}")
+            elif micro_batch_num is not None and global_batch_size != per_step * micro_batch_num:
+                problems.append(f"global_batch_size={global_batch_size} != dp*micro_batch_size*micro_batch_num"
+                                f" = {dp}*{micro_batch_size}*{micro_batch_num} = {per_step * micro_batch_num}:"
+                                f" set micro_batch_num={global_batch_size // per_step}")
+        elif micro_batch_num is not None and global_batch_size % (dp * micro_batch_num):
+            per_step = dp * micro_batch_num
+            problems.append(f"global_batch_size={global_batch_size} is not divisible by dp*micro_batch_num"
+                            f" = {dp}*{micro_batch_num} = {per_step}: use a multiple of {per_step}")
+    if problems:
+        raise LayoutError(f"invalid parallel layout (world={world_size}, dp={dp}, tp={tp}, pp={pp}, ep={ep}):\n  "
+                          + "\n  ".join(problems))
+
+
+def global_rank_of(dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int) -> int:
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's coordinates and groups. Build with `ParallelContext.build` or `init_parallel`."""
+
+    world_size: int
+    rank: int
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    groups: Dict[str, Group] = field(repr=False)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def build(cls, world_size: int, rank: int, dp: int, tp: int = 1, pp: int = 1, ep: int = 1) -> "ParallelContext":
+        """Pure layout computation (no MindSpore): coordinates and member lists of every group."""
+        validate_layout(world_size, dp, tp, pp, ep)
+        if not 0 <= rank < world_size:
+            raise LayoutError(f"rank {rank} is outside the world of {world_size} ranks")
+        tp_rank, rest = rank % tp, rank // tp
+        dp_rank, pp_rank = rest % dp, rest // dp
+        ep_rank, ep_block = dp_rank % ep, dp_rank // ep
+
+        def ranks(dps=(dp_rank,), tps=(tp_rank,), pps=(pp_rank,)) -> Tuple[int, ...]:
+            return tuple(sorted(global_rank_of(d, t, p, dp, tp) for p in pps for d in dps for t in tps))
+
+        members = {
+            "world": tuple(range(world_size)),
+            "tp": ranks(tps=range(tp)),
+            "dp": ranks(dps=range(dp)),
+            "pp": ranks(pps=range(pp)),
+            "ep": ranks(dps=range(ep_block * ep, ep_block * ep + ep)),
+            "edp": ranks(dps=range(ep_rank, dp, ep)),
+            "embedding": ranks(pps=sorted({0, pp - 1})) if pp_rank in (0, pp - 1) else (rank,),
+            "pp_next": ranks(pps=(pp_rank, pp_rank + 1)) if pp_rank + 1 < pp else (rank,),
+            "pp_prev": ranks(pps=(pp_rank - 1, pp_rank)) if pp_rank > 0 else (rank,),
+        }
+        groups = {}
+        for kind in GROUP_KINDS:
+            member_ranks = members[kind]
+            bucket = "pp" if kind in ("pp_next", "pp_prev") else kind
+            groups[kind] = Group(bucket, member_ranks, member_ranks.index(rank), communicator_name(member_ranks))
+        return cls(world_size, rank, dp, tp, pp, ep, groups)
+
+    @classmethod
+    def single(cls) -> "ParallelContext":
+        """One process, no `init()`: every group is trivial and every op the identity."""
+        return cls.build(1, 0, 1, 1, 1, 1)
+
+    # ---- coordinates --------------------------------------------------------------------
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.dp)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def group(self, kind: str) -> Group:
+        if kind not in self.groups:
+            raise KeyError(f"unknown group kind {kind!r}; known: {list(GROUP_KINDS)}")
+        return self.groups[kind]
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: dp {self.dp_rank}/{self.dp} tp {self.tp_rank}/{self.tp} "
+                f"pp {self.pp_rank}/{self.pp} ep {self.ep_rank}/{self.ep} edp {self.edp_rank}/{self.edp}")
+
+    # ---- communicators ------------------------------------------------------------------
+    def communicators_to_create(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(name, ranks) this rank must create, in the deterministic order all ranks follow.
+
+        The world group exists after `init()`; trivial groups never get a communicator; a member list
+        shared by several kinds (e.g. dp and edp when ep == 1) is created once.
+        """
+        seen, order = set(), []
+        for kind in GROUP_KINDS:
+            g = self.groups[kind]
+            if g.is_trivial or g.size == self.world_size or g.name in seen:
+                continue
+            seen.add(g.name)
+            order.append((g.name, g.ranks))
+        return order
+
+    def with_world_name(self, world_name: str) -> "ParallelContext":
+        """Point groups spanning all ranks at the backend's world communicator (no create_group)."""
+        groups = {k: (dataclasses.replace(g, name=world_name) if g.size == self.world_size and not g.is_trivial
+                      else g) for k, g in self.groups.items()}
+        return dataclasses.replace(self, groups=groups)
+
+
+def launched_world_size() -> int:
+    """World size announced by msrun (MS_WORKER_NUM) or a rank-table launch (RANK_SIZE); 1 otherwise."""
+    for var in ("MS_WORKER_NUM", "RANK_SIZE"):
+        value = os.environ.get(var)
+        if value:
+            return int(value)
+    return 1
+
+
+def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 1, *,
+                  verbose: bool = True) -> ParallelContext:
+    """Start MindSpore communication when launched with several processes and create every group.
+
+    ``dp=None`` takes the rest of the world (world / (tp * pp)). Call after selecting the device
+    (``ms.set_device``); all ranks must call it with the same sizes.
+    """
+    world = launched_world_size()
+    if dp is None:
+        if world % (tp * pp):
+            raise LayoutError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; cannot derive dp")
+        dp = world // (tp * pp)
+    if world == 1:
+        if dp * tp * pp != 1:
+            raise LayoutError(f"layout dp={dp} tp={tp} pp={pp} needs {dp * tp * pp} processes but this one was "
+                              f"not started by msrun (MS_WORKER_NUM is unset): launch with "
+                              f"run_scripts/run_distributed.sh --nproc {dp * tp * pp} CONFIG")
+        return ParallelContext.single()
+
+    from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
+
+    if not GlobalComm.INITED:
+        init()
+    real_world, rank = get_group_size(), get_rank()
+    if real_world != world:
+        raise LayoutError(f"the launcher announced {world} processes but the communicator has {real_world}")
+    ctx = ParallelContext.build(world, rank, dp, tp, pp, ep).with_world_name(GlobalComm.WORLD_COMM_GROUP)
+    for name, ranks in ctx.communicators_to_create():
+        create_group(name, list(ranks))
+    if verbose and rank == 0:
+        from moetrain.parallel import comm
+
+        print(f"moetrain.parallel: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep}; "
+              f"communication backend: {comm.backend_name()}", flush=True)
+    return ctx
