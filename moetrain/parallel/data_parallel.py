@@ -26,6 +26,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from moetrain.optim import build_optimizer, decays
 from moetrain.parallel import comm
+from moetrain.parallel.sharding import shard_spec
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -72,19 +73,23 @@ class OptimizerStep:
         if self.level == 0:
             self.optimizer = build_optimizer(self.params, optimizer_cfg)
             # each gradient is held identically by every rank of its reduction group
-            self.replicas = [g.size for g in self.groups]
+            self.replicas = [g.size * self._tp_copies(p) for p, g in zip(self.params, self.groups)]
         else:
             self.shard_sizes = [math.ceil(int(np.prod(p.shape)) / g.size) for p, g in zip(self.params, self.groups)]
             self.masters = [Parameter(Tensor(self._own_slice(p.asnumpy(), i)), name=f"zero_master.{p.name}")
                             for i, p in enumerate(self.params)]
             self.optimizer = build_optimizer(self.masters, optimizer_cfg,
                                              decay_flags=[decays(p) for p in self.params])
-            self.replicas = [1] * len(self.params)
+            self.replicas = [self._tp_copies(p) for p in self.params]
         wrap = ms.jit if jit else (lambda fn: fn)
         self._sync_and_prepare = wrap(self._sync_and_prepare_impl)
         self._apply = wrap(self._apply_impl)
 
     # ---- helpers --------------------------------------------------------------------------
+    def _tp_copies(self, param) -> int:
+        """A parameter not sliced over the tensor-parallel group has a copy on each of its ranks."""
+        return 1 if shard_spec(param).group_kind == "tp" else self.pctx.tp
+
     def _own_slice(self, array: np.ndarray, i: int) -> np.ndarray:
         size, group = self.shard_sizes[i], self.groups[i]
         flat = np.zeros(size * group.size, np.float32)
