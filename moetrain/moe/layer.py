@@ -1,0 +1,108 @@
+"""The MoE feed-forward layer: route -> dispatch -> experts -> combine (+ shared experts)."""
+from __future__ import annotations
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from moetrain.layers import SwiGLUMLP
+from moetrain.moe.config import MoEConfig
+from moetrain.moe.dispatcher import build_dispatcher
+from moetrain.moe.experts import GroupedExperts
+from moetrain.moe.losses import load_balancing_loss, tokens_per_expert, z_loss
+from moetrain.moe.router import TopKRouter
+
+
+class MoELayer(nn.Cell):
+    """Mixture-of-Experts SwiGLU FFN (Mixtral / DeepSeek-V2/V3 / Qwen-MoE style).
+
+    `construct(x)` takes `[T, H]` (tokens flattened) or `[B, S, H]` and returns `(y, stats)`, `y`
+    shaped like `x`. The sequence-level aux loss needs the sequence boundaries, so it is computed
+    only for `[B, S, H]` input (0 for `[T, H]`, and an error if `seq_aux_loss_coeff > 0`).
+    `stats` (fp32 tensors): "aux_loss", "seq_aux_loss", "z_loss" (unweighted; the model adds
+    `weighted_aux(stats)`), "expert_load" `[E]` (assignments per expert, before dropping),
+    "dropped" (assignments dropped by capacity) and "routed" (`T * top_k`).
+
+    Parameters: `router.weight [E, H]`, `experts.w_gate/w_up [E, H, F]`, `experts.w_down [E, F, H]`,
+    `shared_experts.{w_gate,w_up,w_down}.weight` (HF `[out, in]` layout) when
+    `num_shared_experts > 0`, and `expert_bias [E]` (not trained by gradients; the trainer moves
+    it with `update_expert_bias` when `bias_update_rate > 0`, otherwise it stays zero).
+    """
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig, init_std: float = 0.02, compute_dtype=ms.float32):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.needs_sequences = cfg.seq_aux_loss_coeff > 0
+        self.router = TopKRouter(hidden_size, cfg, init_std)
+        self.dispatcher = build_dispatcher(cfg.dispatcher, cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+        self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.ffn_hidden_size, init_std, compute_dtype)
+        self.shared_experts = None
+        if cfg.num_shared_experts > 0:
+            self.shared_experts = SwiGLUMLP(hidden_size, cfg.shared_hidden_size, init_std, init_std, compute_dtype)
+        self.expert_bias = Parameter(Tensor(np.zeros(cfg.num_experts, np.float32)), name="expert_bias",
+                                     requires_grad=False)
+        self.aux_loss_terms = tuple((key, float(coeff)) for key, coeff in (
+            ("aux_loss", cfg.aux_loss_coeff), ("seq_aux_loss", cfg.seq_aux_loss_coeff),
+            ("z_loss", cfg.z_loss_coeff)) if coeff > 0)
+
+    def construct(self, x):
+        if x.ndim not in (2, 3):
+            raise ValueError(f"MoELayer: x must be [tokens, hidden] or [batch, seq, hidden], got shape {x.shape}")
+        if x.ndim == 2 and self.needs_sequences:
+            raise ValueError(f"MoELayer: seq_aux_loss_coeff > 0 needs the sequence boundaries; pass x as "
+                             f"[batch, seq, hidden] instead of the flattened shape {x.shape}")
+        tokens = x.reshape(-1, x.shape[-1])
+        topk_idx, topk_weight, probs, logits = self.router(tokens, self.expert_bias)
+        expert_input, state = self.dispatcher.dispatch(tokens, topk_idx, topk_weight)
+        expert_output = self.experts(expert_input, state.get("block_expert"))
+        y = self.dispatcher.combine(expert_output, state)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(tokens)
+        stats = self._routing_stats(x, topk_idx, probs, logits, state)
+        return y.astype(x.dtype).reshape(x.shape), stats
+
+    def _routing_stats(self, x, topk_idx, probs, logits, state):
+        num_experts, top_k = self.num_experts, self.top_k
+        num_tokens = topk_idx.shape[0]
+        expert_load = state["tokens_per_expert"]
+        aux_loss = load_balancing_loss(probs.mean(0), expert_load / num_tokens, num_experts, top_k)
+        if x.ndim == 3:
+            batch, seq_len = x.shape[0], x.shape[1]
+            seq_load = tokens_per_expert(topk_idx.reshape(batch, seq_len, top_k), num_experts)
+            seq_probs_mean = probs.reshape(batch, seq_len, num_experts).mean(1)
+            seq_aux_loss = load_balancing_loss(seq_probs_mean, seq_load / seq_len, num_experts, top_k)
+        else:
+            seq_aux_loss = ops.zeros((), ms.float32)
+        return {
+            "aux_loss": aux_loss,
+            "seq_aux_loss": seq_aux_loss,
+            "z_loss": z_loss(logits),
+            "expert_load": expert_load,
+            "dropped": state["dropped"],
+            "routed": ops.full((), num_tokens * top_k, dtype=ms.float32),
+        }
+
+    def weighted_aux(self, stats):
+        """`sum coeff * loss` over the auxiliary losses with a non-zero coefficient (fp32 scalar)."""
+        total = ops.zeros((), ms.float32)
+        for key, coeff in self.aux_loss_terms:
+            total = total + coeff * stats[key]
+        return total
+
+
+def update_expert_bias(bias: np.ndarray, load: np.ndarray, rate: float) -> np.ndarray:
+    """DeepSeek-V3 aux-loss-free balancing step: `bias + rate * sign(mean(load) - load)`.
+
+    Raises the bias of under-loaded experts and lowers it for over-loaded ones. `load` is the
+    per-expert assignment count of the layer over the (global) batch; any positive scaling of it
+    (counts or fractions, one rank or all) gives the same step. Returns a new fp32 array."""
+    bias = np.asarray(bias, dtype=np.float32)
+    load = np.asarray(load, dtype=np.float64)
+    if bias.ndim != 1 or load.shape != bias.shape:
+        raise ValueError(f"update_expert_bias: bias and load must both be [num_experts]; got bias "
+                         f"{bias.shape} and load {load.shape}")
+    if rate < 0:
+        raise ValueError(f"update_expert_bias: rate must be >= 0, got {rate}")
+    return (bias + rate * np.sign(load.mean() - load)).astype(np.float32)
