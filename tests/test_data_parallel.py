@@ -1,0 +1,102 @@
+"""Data parallel and ZeRO under msrun on CPU reproduce one-process training."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from conftest import SHARED_DATA
+from distributed import run_workers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MNIST_CFG = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
+WORKER = "tests/workers/train_worker.py"
+
+pytestmark = pytest.mark.distributed
+
+
+def overrides(data, steps=5, **extra):
+    base = {"data.path": data, "model.hidden_size": 32, "train.epochs": 0, "train.steps": steps,
+            "train.global_batch_size": 32, "train.eval_batch_size": 32, "lr_schedule.warmup_steps": 0,
+            "logging.tensorboard": "false", "logging.progress_bar": "false", "checkpoint.save_at_end": "false",
+            "optimizer.clip_grad_norm": 0.5, "optimizer.weight_decay": 0.01}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def one_process(tmp_path, args):
+    from moetrain.config import load_config
+    from moetrain.trainer import Trainer
+
+    out = tmp_path / "single"
+    trainer = Trainer(load_config(MNIST_CFG, list(args) + [f"train.output_dir={out}"]))
+    result = trainer.fit()
+    return metrics(out), trainer, result
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if "loss" in r]
+
+
+def distributed(nproc, args, timeout=240):
+    run = run_workers(WORKER, nproc, [MNIST_CFG, *args], timeout=timeout).check()
+    return metrics(os.path.join(run.out_dir, "run")), run.json_results()
+
+
+def assert_same_training(a, b, rtol=1e-5):
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=rtol)
+    np.testing.assert_allclose([r["grad_norm"] for r in a], [r["grad_norm"] for r in b], rtol=1e-4)
+
+
+def test_dp4_reproduces_one_process_with_and_without_accumulation(tiny_mnist, tmp_path):
+    args = overrides(tiny_mnist, **{"optimizer.name": "adamw"})
+    single, _, single_result = one_process(tmp_path, args)
+    dp4, ranks = distributed(4, args + ["parallel.data_parallel=4"])
+    assert_same_training(single, dp4)
+    assert {r["dp"] for r in ranks} == {4}
+    assert ranks[0]["eval"]["eval_accuracy"] == pytest.approx(single_result["eval"]["eval_accuracy"], abs=1e-6)
+    # 4 ranks x 2 micro-batches of 4 samples = the same 32-sample global batch
+    dp4_accum, _ = distributed(4, args + ["parallel.data_parallel=4", "train.micro_batch_size=4"])
+    assert_same_training(single, dp4_accum)
+
+
+def test_zero1_and_zero2_reproduce_data_parallel_and_shard_optimizer_state(tiny_mnist, tmp_path):
+    args = overrides(tiny_mnist)
+    single, trainer, _ = one_process(tmp_path, args)
+    unsharded = trainer.opt_step.optimizer_state_bytes()
+    for level in (1, 2):
+        dp4, ranks = distributed(4, args + ["parallel.data_parallel=4", f"parallel.optimizer_shard={level}"])
+        assert_same_training(single, dp4)
+        # AdamW keeps m and v (fp32) for each rank's ceil(n / 4)-element shard of every parameter
+        expected = sum(2 * 4 * math.ceil(n / 4) for n in ranks[0]["param_sizes"])
+        for r in ranks:
+            assert r["optimizer_state_bytes"] == expected
+        assert expected / unsharded == pytest.approx(0.25, rel=2e-3)
+
+
+MNIST_DIR = os.path.join(SHARED_DATA, "mnist")
+
+
+@pytest.mark.skipif(not os.path.isdir(MNIST_DIR), reason="real MNIST not at ../shared/data/mnist")
+def test_mnist_four_workers_with_run_script_match_one_process(tmp_path):
+    """The classic: MNIST on 4 data-parallel workers started by run_scripts/run_distributed.sh."""
+    import subprocess
+
+    args = [f"data.path={MNIST_DIR}", "train.epochs=0", "train.steps=150", "logging.tensorboard=false",
+            "checkpoint.save_at_end=false", "train.eval_batch_size=1000"]
+    single, _, single_result = one_process(tmp_path, args)
+    out = tmp_path / "dp4"
+    cmd = ["bash", os.path.join(ROOT, "run_scripts", "run_distributed.sh"), "--nproc", "4",
+           os.path.join(ROOT, "configs", "mnist_mlp_4p.yaml")]
+    for a in args + [f"train.output_dir={out}"]:
+        cmd += ["--set", a]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dp4 = metrics(out)
+    assert_same_training(single, dp4, rtol=1e-4)
+    final = [json.loads(l) for l in open(out / "metrics.jsonl") if "eval_accuracy" in l][-1]
+    assert final["eval_accuracy"] == pytest.approx(single_result["eval"]["eval_accuracy"], abs=2e-3)
+    assert final["eval_accuracy"] > 0.9
+    assert os.path.isdir(out / "logs") and len(os.listdir(out / "logs")) >= 4
