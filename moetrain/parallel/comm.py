@@ -14,6 +14,13 @@ Two families, both with hand-written backwards (`nn.Cell.bprop`):
 
 On a group of one rank every op is the identity and nothing is added to the graph.
 
+Same graph on every rank: under `ms.jit`, independent collectives run in an order MindSpore picks
+from the graph, so ranks whose graphs differ can issue them in different orders and deadlock
+(measured). The emulation therefore builds identical ops on every rank (only constants such as
+pad widths and slice indices differ), and every forward op sits between a read and an update of
+the byte-counter Parameter, side effects MindSpore keeps in program order. Callers must not branch
+on the rank around collectives inside a jitted function either.
+
 Backends (`backend_name()`): on CPU MindSpore has AllReduce in sub-groups but no AllGather /
 ReduceScatter / AlltoAll / Send / Receive there, so every op is derived from a SUM AllReduce in the
 group ("emulated"): each rank writes its contribution into its own slot of a zero buffer, the
@@ -102,7 +109,7 @@ class CommLedger:
 
         with comm.CommLedger() as ledger:
             loss, grads = train_step(batch)        # jitted or not, any number of calls
-        ledger.bytes_by_group(backward=True)       # {'tp': ..., 'ep': ...} native volume
+        ledger.bytes_by_group(backward=True)       # {'tp': ..., 'ep': ...}, native volume
 
     A trainer that calls its step function k times per optimizer step gets bytes per step from
     one ledger around the k calls (or k x one call, the volume does not depend on data).
@@ -118,11 +125,13 @@ class CommLedger:
 
     def _table(self) -> np.ndarray:
         if self._delta is None:
-            raise RuntimeError("CommLedger is read after its `with` block has ended")
+            raise RuntimeError("CommLedger is read before its `with` block has ended; read it after the block")
         return self._delta
 
-    def bytes_by_group(self, *, backward: bool = True, emulated: bool = False) -> Dict[str, int]:
-        """Forward (+ backward) bytes per kind; `emulated=True` gives what the CPU emulation moved."""
+    def bytes_by_group(self, *, backward: bool, emulated: bool = False) -> Dict[str, int]:
+        """Bytes per group kind of the forward ops, plus their backward if `backward` (say which:
+        the ledger cannot tell a training step from a forward-only call); `emulated=True` gives
+        what the CPU emulation moved instead of the native algorithms' volume."""
         table = self._table()
         cols = [1 if emulated else 0] + ([3 if emulated else 2] if backward else [])
         return {kind: int(round(table[i, cols].sum())) for i, kind in enumerate(COUNTER_KINDS)
@@ -375,8 +384,10 @@ class _Broadcast(_GroupOp):
 
     def __init__(self, group, shape, dtype, src, op_name="broadcast", dst=None):
         super().__init__(group, shape, dtype)
-        if not 0 <= src < self.n:
-            raise ValueError(f"{op_name}: source rank {src} is not a rank of the {self.where} (0..{self.n - 1})")
+        for role, rank in (("source", src), ("destination", dst)):
+            if rank is not None and not 0 <= rank < self.n:
+                raise ValueError(f"{op_name}: {role} rank {rank} is not a rank of the {self.where} "
+                                 f"(ranks in the group: 0..{self.n - 1})")
         self.src = src
         n, size = self.n, self.nbytes
         if dst is None:   # total (n-1)·S leaves the source's tree; counted per rank on average

@@ -138,7 +138,7 @@ def global_rank_of(dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int) -
     return tp_rank + tp * (dp_rank + dp * pp_rank)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # hashed by identity: `groups` is a dict
 class ParallelContext:
     """This rank's coordinates and groups. Build with `ParallelContext.build` or `init_parallel`."""
 

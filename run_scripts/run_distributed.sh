@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Launch a moetrain job on this node: N msrun workers under moetrain's watchdog
+# (python -m moetrain.parallel.launch), which stops the whole job when any rank fails.
+#
+#   run_scripts/run_distributed.sh --nproc N CONFIG [--set key=value ...] [--resume [DIR]]
+#   (multi-node: add --nnodes K --node-rank R --master-addr A --master-port P; see run_multinode.sh)
+#
+# Per-rank logs go to <train.output_dir>/logs/worker_<rank>.log (rank 0's is echoed here).
+# Environment:
+#   MASTER_PORT          scheduler port (default: a free one; required with several nodes)
+#   MOETRAIN_ENTRY       command run on every rank before CONFIG (default: python -m moetrain.cli train),
+#                        e.g. MOETRAIN_ENTRY="python my_script.py"
+#   MOETRAIN_OUTPUT_DIR  output folder to use instead of the config's train.output_dir
+#   MOETRAIN_DEVICE      device to use instead of the config's train.device (cpu, ascend, gpu)
+#   MOETRAIN_TIMEOUT     kill the job after this many seconds
+#   MOETRAIN_COMPILE_CACHE=1  MindSpore compile cache in <train.output_dir>/compile_cache (off by default:
+#                        2.10 refuses to cache a jitted function that returns a dict, as the trainer's does)
+set -euo pipefail
+
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+
+NPROC="" NNODES=1 NODE_RANK=0 MASTER_ADDR="127.0.0.1" PORT="${MASTER_PORT:-}"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nproc) NPROC="$2"; shift 2 ;;
+    --nnodes) NNODES="$2"; shift 2 ;;
+    --node-rank) NODE_RANK="$2"; shift 2 ;;
+    --master-addr) MASTER_ADDR="$2"; shift 2 ;;
+    --master-port) PORT="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    --*) echo "run_distributed.sh: unknown option $1 (launcher options go before CONFIG)" >&2; usage >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+if [[ -z "$NPROC" || $# -lt 1 ]]; then
+  echo "run_distributed.sh: need --nproc N and a CONFIG" >&2; usage >&2; exit 2
+fi
+CONFIG="$1"; shift
+TRAIN_ARGS=("$@")
+
+# The --set overrides, to resolve output_dir and device exactly as the trainer will.
+SETS=()
+for ((i = 0; i < ${#TRAIN_ARGS[@]}; i++)); do
+  if [[ "${TRAIN_ARGS[i]}" == "--set" && $((i + 1)) -lt ${#TRAIN_ARGS[@]} ]]; then
+    SETS+=(--set "${TRAIN_ARGS[i + 1]}")
+  fi
+done
+
+config_value() {  # KEY FALLBACK: the resolved config value, or FALLBACK if moetrain.config is absent
+  if python -c "import moetrain.config" 2>/dev/null; then
+    python -m moetrain.config "$CONFIG" ${SETS[@]+"${SETS[@]}"} --get "$1"   # on a bad config: prints why, fails
+  else
+    echo "$2"
+  fi
+}
+OUT="${MOETRAIN_OUTPUT_DIR:-}"
+DEVICE="${MOETRAIN_DEVICE:-}"
+if [[ -z "$OUT" ]]; then OUT="$(config_value train.output_dir runs)"; fi
+if [[ -z "$DEVICE" ]]; then DEVICE="$(config_value train.device cpu)"; fi
+
+read -r -a ENTRY <<< "${MOETRAIN_ENTRY:-python -m moetrain.cli train}"
+if [[ "${MOETRAIN_COMPILE_CACHE:-0}" == "1" ]]; then
+  export MS_COMPILER_CACHE_ENABLE=1
+  export MS_COMPILER_CACHE_PATH="$OUT/compile_cache"
+fi
+
+LAUNCH=(python -m moetrain.parallel.launch --nproc "$NPROC" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+        --master-addr "$MASTER_ADDR" --log-dir "$OUT/logs")
+if [[ -n "$PORT" ]]; then LAUNCH+=(--master-port "$PORT"); fi
+if [[ -n "${MOETRAIN_TIMEOUT:-}" ]]; then LAUNCH+=(--timeout "$MOETRAIN_TIMEOUT"); fi
+# Core binding pays off with one accelerator per process; CPU workers share the cores.
+if [[ "$DEVICE" != "cpu" ]]; then LAUNCH+=(--bind-core); fi
+
+echo "run_distributed.sh: $((NPROC * NNODES)) ranks ($NPROC on node $NODE_RANK of $NNODES), device $DEVICE, logs in $OUT/logs" >&2
+exec "${LAUNCH[@]}" -- "${ENTRY[@]}" "$CONFIG" ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"}

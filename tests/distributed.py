@@ -1,0 +1,121 @@
+"""Run msrun jobs from pytest through moetrain's launcher.
+
+    run = run_workers("tests/workers/comm_worker.py", nproc=4, timeout=150)
+    run.check()                         # raises with the launcher's report if the job failed
+    results = run.json_results()        # [rank_0.json, rank_1.json, ...] written by the workers
+
+A worker script receives its output folder as first argument and writes rank_<r>.json / .npz
+there. Jobs run in their own folder (`job_dir`, e.g. pytest's `tmp_path`; default a new temporary
+folder), which is also the working directory (MindSpore drops rank_*/ IR dumps there); after each
+job every process that still mentions that folder is killed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def require_msrun() -> None:
+    if shutil.which("msrun") is None:
+        pytest.skip("msrun (installed with mindspore) is not on PATH; distributed tests need it")
+
+
+@dataclass
+class WorkerRun:
+    returncode: int
+    output: str              # the launcher's stdout and stderr
+    out_dir: str
+    log_dir: str
+    seconds: float
+    leftovers: List[int] = field(default_factory=list)   # pids that had to be killed afterwards
+
+    def check(self) -> "WorkerRun":
+        if self.returncode != 0:
+            raise AssertionError(f"distributed job failed with exit code {self.returncode}:\n{self.report()}")
+        return self
+
+    def report(self) -> str:
+        return "\n".join(line for line in self.output.splitlines() if not line.startswith(("[WARNING]", "[INFO]")))
+
+    def json_results(self) -> List[Dict]:
+        return [json.load(open(p)) for p in self._rank_files(".json")]
+
+    def npz_results(self) -> List[Dict[str, np.ndarray]]:
+        return [dict(np.load(p)) for p in self._rank_files(".npz")]
+
+    def worker_log(self, rank: int) -> str:
+        with open(os.path.join(self.log_dir, f"worker_{rank}.log"), errors="replace") as f:
+            return f.read()
+
+    def _rank_files(self, suffix: str) -> List[str]:
+        names = sorted((n for n in os.listdir(self.out_dir) if n.startswith("rank_") and n.endswith(suffix)),
+                       key=lambda n: int(n[5:-len(suffix)]))
+        return [os.path.join(self.out_dir, n) for n in names]
+
+
+def launcher_command(script: str, nproc: int, job_dir: str, args: Sequence[str] = (),
+                     launcher_args: Sequence[str] = (), timeout: Optional[float] = None) -> List[str]:
+    """The command line that launches `script` on `nproc` local ranks with outputs in `job_dir`."""
+    cmd = [sys.executable, "-m", "moetrain.parallel.launch", "--nproc", str(nproc),
+           "--log-dir", os.path.join(job_dir, "logs"), "--tail", "none", *launcher_args]
+    if timeout is not None:
+        cmd += ["--timeout", str(timeout)]
+    script = script if os.path.isabs(script) else os.path.join(REPO, script)
+    return cmd + ["--", "python", script, os.path.join(job_dir, "out"), *args]
+
+
+def kill_leftovers(token: str) -> List[int]:
+    """Kill (by pid) every process whose command line mentions `token`, a job's unique folder
+    (pass it with a trailing separator so that /tmp/job1/ does not match /tmp/job10/)."""
+    import psutil
+
+    killed = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid != os.getpid() and token in " ".join(proc.info["cmdline"] or ()):
+            try:
+                proc.kill()
+                killed.append(proc.pid)
+            except psutil.NoSuchProcess:
+                pass
+    return killed
+
+
+def new_job_dir() -> str:
+    return tempfile.mkdtemp(prefix="moetrain-dist-")
+
+
+def run_workers(script: str, nproc: int, args: Sequence[str] = (), timeout: float = 180, *,
+                launcher_args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
+                job_dir: Optional[str] = None) -> WorkerRun:
+    """Launch `script` on `nproc` ranks and wait (the launcher enforces `timeout`; a backstop kills
+    the launcher's process group 60 s later)."""
+    require_msrun()
+    job_dir = job_dir or new_job_dir()
+    os.makedirs(os.path.join(job_dir, "out"), exist_ok=True)
+    cmd = launcher_command(script, nproc, job_dir, args, launcher_args, timeout)
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=job_dir, env={**os.environ, **(env or {})}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout + 60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n[tests.distributed] launcher still running {timeout + 60:.0f} s after start: killed"
+    seconds = time.time() - start
+    leftovers = kill_leftovers(os.path.join(job_dir, ""))
+    return WorkerRun(proc.returncode, output, os.path.join(job_dir, "out"), os.path.join(job_dir, "logs"),
+                     seconds, leftovers)

@@ -1,0 +1,171 @@
+"""Rank layout, groups and layout validation of moetrain.parallel.topology (pure Python)."""
+import itertools
+
+import pytest
+
+from moetrain.parallel.topology import (GROUP_KINDS, LayoutError, ParallelContext, init_parallel,
+                                        launched_world_size, validate_layout)
+
+LAYOUTS = [  # dp, tp, pp, ep
+    (1, 1, 1, 1), (4, 1, 1, 2), (2, 2, 2, 1), (4, 2, 2, 2), (2, 1, 4, 2), (8, 1, 1, 4), (1, 4, 2, 1),
+]
+
+
+def naive_coordinates(dp, tp, pp, ep):
+    """rank -> coordinates by enumerating the Megatron order (tp fastest, then dp, then pp)."""
+    coords, rank = {}, 0
+    for p in range(pp):
+        for d in range(dp):
+            for t in range(tp):
+                coords[rank] = {"tp": t, "dp": d, "pp": p, "ep": d % ep, "ep_block": d // ep}
+                rank += 1
+    return coords
+
+
+def naive_members(kind, rank, coords, pp):
+    """Members of `rank`'s group of `kind`: the ranks that share the coordinates the kind fixes."""
+    me = coords[rank]
+    same = {"tp": ("dp", "pp"), "dp": ("tp", "pp"), "pp": ("dp", "tp"),
+            "ep": ("tp", "pp", "ep_block"), "edp": ("tp", "pp", "ep")}
+    if kind == "world":
+        return tuple(sorted(coords))
+    if kind in same:
+        return tuple(sorted(r for r, c in coords.items() if all(c[k] == me[k] for k in same[kind])))
+    if kind == "embedding":
+        if me["pp"] not in (0, pp - 1):
+            return (rank,)
+        return tuple(sorted(r for r, c in coords.items()
+                            if c["dp"] == me["dp"] and c["tp"] == me["tp"] and c["pp"] in (0, pp - 1)))
+    step = 1 if kind == "pp_next" else -1
+    if not 0 <= me["pp"] + step < pp:
+        return (rank,)
+    return tuple(sorted(r for r, c in coords.items() if c["dp"] == me["dp"] and c["tp"] == me["tp"]
+                        and c["pp"] in (me["pp"], me["pp"] + step)))
+
+
+@pytest.mark.parametrize("dp, tp, pp, ep", LAYOUTS)
+def test_coordinates_and_groups_match_a_naive_enumeration(dp, tp, pp, ep):
+    world = dp * tp * pp
+    coords = naive_coordinates(dp, tp, pp, ep)
+    for rank in range(world):
+        ctx = ParallelContext.build(world, rank, dp, tp, pp, ep)
+        c = coords[rank]
+        assert (ctx.tp_rank, ctx.dp_rank, ctx.pp_rank, ctx.ep_rank) == (c["tp"], c["dp"], c["pp"], c["ep"])
+        assert ctx.edp_rank == c["ep_block"] and ctx.edp == dp // ep
+        assert ctx.is_first_stage == (c["pp"] == 0) and ctx.is_last_stage == (c["pp"] == pp - 1)
+        for kind in GROUP_KINDS:
+            group = ctx.group(kind)
+            assert group.ranks == naive_members(kind, rank, coords, pp), (kind, rank)
+            assert group.ranks[group.rank_in_group] == rank
+            assert group.kind == ("pp" if kind.startswith("pp_") else kind)
+
+
+def test_megatron_formula_on_a_16_rank_layout():
+    # dp=4 tp=2 pp=2 ep=2: rank 13 = tp 1 + 2 * (dp 2 + 4 * pp 1)
+    ctx = ParallelContext.build(16, 13, dp=4, tp=2, pp=2, ep=2)
+    assert (ctx.tp_rank, ctx.dp_rank, ctx.pp_rank, ctx.ep_rank, ctx.edp_rank) == (1, 2, 1, 0, 1)
+    assert ctx.group("tp").ranks == (12, 13)
+    assert ctx.group("dp").ranks == (9, 11, 13, 15)
+    assert ctx.group("pp").ranks == (5, 13)
+    assert ctx.group("ep").ranks == (13, 15)          # dp ranks 2, 3
+    assert ctx.group("edp").ranks == (9, 13)          # dp ranks 0, 2 (ep_rank 0)
+    assert ctx.group("embedding").ranks == (5, 13)    # first and last stage
+    assert ctx.group("pp_prev").ranks == (5, 13) and ctx.group("pp_next").is_trivial
+
+
+@pytest.mark.parametrize("dp, tp, pp, ep", LAYOUTS)
+def test_groups_of_a_kind_partition_the_world(dp, tp, pp, ep):
+    world = dp * tp * pp
+    ctxs = [ParallelContext.build(world, r, dp, tp, pp, ep) for r in range(world)]
+    for kind, size in (("tp", tp), ("dp", dp), ("pp", pp), ("ep", ep), ("edp", dp // ep)):
+        groups = {c.group(kind).ranks for c in ctxs}
+        assert sorted(itertools.chain.from_iterable(groups)) == list(range(world)), kind
+        assert {len(g) for g in groups} == {size}, kind
+
+
+@pytest.mark.parametrize("dp, tp, pp, ep", LAYOUTS)
+def test_communicator_creation_is_consistent_across_ranks(dp, tp, pp, ep):
+    world = dp * tp * pp
+    plans = {r: ParallelContext.build(world, r, dp, tp, pp, ep).communicators_to_create() for r in range(world)}
+    members_of = {}
+    for rank, plan in plans.items():
+        names = [name for name, _ in plan]
+        assert len(names) == len(set(names)), "a communicator is created twice"
+        for name, ranks in plan:
+            assert rank in ranks and 1 < len(ranks) < world
+            assert members_of.setdefault(name, ranks) == ranks, "one name, two member lists"
+    for name, ranks in members_of.items():   # every member creates it ...
+        assert all(name in dict(plans[r]) for r in ranks)
+    for a, b in itertools.combinations(range(world), 2):   # ... and shared ones in the same order
+        order_a = [n for n, _ in plans[a] if n in dict(plans[b])]
+        order_b = [n for n, _ in plans[b] if n in dict(plans[a])]
+        assert order_a == order_b, (a, b)
+
+
+def test_world_spanning_groups_use_the_world_communicator():
+    ctx = ParallelContext.build(4, 1, dp=4, tp=1, pp=1, ep=4).with_world_name("mccl_world_group")
+    assert ctx.group("dp").name == ctx.group("ep").name == ctx.group("world").name == "mccl_world_group"
+    assert ctx.group("tp").name != "mccl_world_group"   # trivial
+    assert ctx.communicators_to_create() == []
+
+
+def test_single_process_context():
+    ctx = ParallelContext.single()
+    assert (ctx.world_size, ctx.rank, ctx.dp, ctx.dp_rank) == (1, 0, 1, 0)
+    assert all(ctx.group(k).is_trivial and ctx.group(k).ranks == (0,) for k in GROUP_KINDS)
+    with pytest.raises(KeyError, match="unknown group kind 'mp'"):
+        ctx.group("mp")
+
+
+def test_init_parallel_without_a_launcher(monkeypatch):
+    for var in ("MS_WORKER_NUM", "RANK_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert launched_world_size() == 1
+    assert init_parallel(dp=1).world_size == 1
+    assert init_parallel().dp == 1
+    with pytest.raises(LayoutError, match=r"needs 4 processes but this one was not started by msrun.*--nproc 4"):
+        init_parallel(dp=2, tp=2)
+    monkeypatch.setenv("MS_WORKER_NUM", "6")
+    assert launched_world_size() == 6
+    with pytest.raises(LayoutError, match="world size 6 is not divisible by tp\\*pp = 4\\*1"):
+        init_parallel(tp=4)
+
+
+@pytest.mark.parametrize("kwargs, messages", [
+    (dict(world_size=8, dp=2, tp=2, pp=1),
+     ["world size 8 != dp*tp*pp = 2*2*1 = 4: use dp=4, or launch 4 processes"]),
+    (dict(world_size=6, dp=1, tp=4, pp=1), ["choose tp*pp dividing 6"]),
+    (dict(world_size=6, dp=6, tp=1, pp=1, ep=4), ["ep=4 must divide data parallel dp=6", "choose ep in [1, 2, 3, 6]"]),
+    (dict(world_size=4, dp=4, tp=1, pp=1, ep=4, num_experts=6),
+     ["num_experts=6 is not divisible by ep=4", "choose ep in [1, 2]"]),
+    (dict(world_size=4, dp=1, tp=4, pp=1, num_heads=6), ["num_heads=6 is not divisible by tensor parallel tp=4"]),
+    (dict(world_size=4, dp=1, tp=4, pp=1, num_heads=8, num_kv_heads=2),
+     ["num_kv_heads=2 is not divisible by tensor parallel tp=4", "choose tp in [1, 2]"]),
+    (dict(world_size=4, dp=1, tp=1, pp=4, num_layers=6), ["num_layers=6 cannot be split evenly into pp=4",
+                                                         "choose pp in [1, 2, 3, 6]"]),
+    (dict(world_size=4, dp=1, tp=1, pp=4, micro_batch_num=2), ["micro_batch_num=2 is smaller than the pp=4",
+                                                              "use micro_batch_num >= 4"]),
+    (dict(world_size=4, dp=4, tp=1, pp=1, global_batch_size=30, micro_batch_size=2),
+     ["global_batch_size=30 is not divisible by dp*micro_batch_size = 4*2 = 8: use a multiple of 8"]),
+    (dict(world_size=4, dp=4, tp=1, pp=1, global_batch_size=32, micro_batch_size=2, micro_batch_num=2),
+     ["global_batch_size=32 != dp*micro_batch_size*micro_batch_num = 4*2*2 = 16: set micro_batch_num=4"]),
+    (dict(world_size=2, dp=2, tp=1, pp=1, global_batch_size=10, micro_batch_num=4),
+     ["global_batch_size=10 is not divisible by dp*micro_batch_num = 2*4 = 8"]),
+    (dict(world_size=0, dp=1, tp=1, pp=1), ["parallel sizes must be positive integers, got world_size=0"]),
+    (dict(world_size=4, dp=2.0, tp=2, pp=1), ["got dp=2.0"]),
+])
+def test_layout_validation_messages(kwargs, messages):
+    with pytest.raises(LayoutError) as info:
+        validate_layout(**kwargs)
+    for message in messages:
+        assert message in str(info.value)
+
+
+def test_layout_validation_lists_every_problem_and_accepts_good_layouts():
+    with pytest.raises(LayoutError) as info:
+        validate_layout(8, 2, 2, 1, 4, num_heads=3, num_layers=5)
+    text = str(info.value)
+    assert text.count("\n") == 3 and "world size 8" in text and "ep=4" in text and "num_heads=3" in text
+    validate_layout(16, 4, 2, 2, 2, num_layers=8, num_heads=8, num_kv_heads=2, num_experts=8,
+                    global_batch_size=64, micro_batch_size=2, micro_batch_num=8)
+    validate_layout(4, 1, 1, 4, micro_batch_num=4, global_batch_size=8)

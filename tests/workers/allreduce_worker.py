@@ -1,0 +1,48 @@
+"""Worker of tests/test_launch.py: a few world all_reduces, then optionally fail on one rank.
+
+    python tests/workers/allreduce_worker.py OUT_DIR [--fail-rank R --fail-mode kill|raise] [--steps N]
+
+Each rank writes OUT_DIR/rank_<r>.json ({rank, world, sums}); a failing rank first writes
+OUT_DIR/failure.json with the time it fails, in the middle of the collective loop.
+"""
+import argparse
+import json
+import os
+import signal
+import time
+
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir")
+    ap.add_argument("--fail-rank", type=int, default=-1)
+    ap.add_argument("--fail-mode", choices=["kill", "raise"], default="kill")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+
+    import mindspore as ms
+
+    ms.set_device("CPU")
+    from moetrain.parallel import comm
+    from moetrain.parallel.topology import init_parallel
+
+    ctx = init_parallel()
+    world = ctx.group("world")
+    sums = []
+    for step in range(args.steps):
+        if ctx.rank == args.fail_rank and step == 1:
+            with open(os.path.join(args.out_dir, "failure.json"), "w") as f:
+                json.dump({"rank": ctx.rank, "time": time.time()}, f)
+            if args.fail_mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"rank {ctx.rank} fails on purpose at step {step}")
+        value = comm.all_reduce(ms.Tensor(np.full((4,), ctx.rank + step, np.float32)), world)
+        sums.append(float(value.asnumpy()[0]))
+    with open(os.path.join(args.out_dir, f"rank_{ctx.rank}.json"), "w") as f:
+        json.dump({"rank": ctx.rank, "world": ctx.world_size, "sums": sums}, f)
+
+
+if __name__ == "__main__":
+    main()
