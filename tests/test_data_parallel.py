@@ -60,6 +60,10 @@ def test_dp4_reproduces_one_process_with_and_without_accumulation(tiny_mnist, tm
     # 4 ranks x 2 micro-batches of 4 samples = the same 32-sample global batch
     dp4_accum, _ = distributed(4, args + ["parallel.data_parallel=4", "train.micro_batch_size=4"])
     assert_same_training(single, dp4_accum)
+    # fp16 gradient compression for the reduction: close, not identical
+    dp4_fp16, _ = distributed(4, args + ["parallel.data_parallel=4", "parallel.grad_reduce_dtype=float16"])
+    np.testing.assert_allclose([r["loss"] for r in single], [r["loss"] for r in dp4_fp16], rtol=1e-3)
+    assert [r["loss"] for r in single] != [r["loss"] for r in dp4_fp16]
 
 
 def test_zero1_and_zero2_reproduce_data_parallel_and_shard_optimizer_state(tiny_mnist, tmp_path):
