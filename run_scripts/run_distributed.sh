@@ -53,6 +53,19 @@ config_value() {  # KEY FALLBACK: the resolved config value, or FALLBACK if moet
     echo "$2"
   fi
 }
+# Pre-flight: a config laid out for a device this machine lacks (e.g. Ascend 910B) stops here,
+# before any worker starts, with its plan table and the CPU config that can run.
+if [[ -z "${MOETRAIN_DEVICE:-}" && -z "${MOETRAIN_ENTRY:-}" ]]; then
+  python - "$CONFIG" ${SETS[@]+"${SETS[@]}"} <<'PY' || exit 3
+import sys
+from moetrain.plan import explain_cannot_run_here, load_plan_config
+overrides = [a for a in sys.argv[2:] if a != "--set"]
+message = explain_cannot_run_here(load_plan_config(sys.argv[1], overrides))
+if message:
+    print(message, file=sys.stderr)
+    sys.exit(1)
+PY
+fi
 OUT="${MOETRAIN_OUTPUT_DIR:-}"
 DEVICE="${MOETRAIN_DEVICE:-}"
 if [[ -z "$OUT" ]]; then OUT="$(config_value train.output_dir runs)"; fi

@@ -298,3 +298,21 @@ def test_cli(capsys):
     assert "layout search" in out and "8 x gpu_h100" in out
     with pytest.raises(ValueError, match="did you mean 'gpu_h100'"):
         get_device("gpu_h10")
+
+
+def test_run_8p_on_moe_1b_stops_before_workers_on_a_machine_without_ascend():
+    """The production command prints the plan and the CPU alternative instead of starting msrun."""
+    import os
+    import subprocess
+
+    from moetrain.plan import device_available
+
+    if device_available("ascend"):
+        pytest.skip("this machine has Ascend: the production command would really start")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(["bash", "run_scripts/run_8p.sh", "configs/moe_1b.yaml"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3
+    assert "FITS" in proc.stderr and "8 x ascend910b" in proc.stderr
+    assert "configs/moe_tiny_8p.yaml" in proc.stderr
+    assert "ranks" not in proc.stderr.split("\n")[-2]   # the launcher's "N ranks ... logs in" line never came
