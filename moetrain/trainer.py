@@ -60,7 +60,12 @@ def setup_device(device: str) -> None:
     import mindspore as ms
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    ms.set_device({"cpu": "CPU", "ascend": "Ascend", "gpu": "GPU"}[device])
+    target = {"cpu": "CPU", "ascend": "Ascend", "gpu": "GPU"}[device]
+    try:
+        ms.set_device(target)
+    except RuntimeError:  # the runtime already started (an earlier trainer in this process)
+        if ms.get_context("device_target") != target:
+            raise
 
 
 def build_model(cfg: Config):
