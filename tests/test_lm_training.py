@@ -23,7 +23,7 @@ def test_moe_tiny_short_run_beats_unigram_entropy(tmp_path, monkeypatch):
         "model.num_layers=2", "lr_schedule.warmup_steps=10", "train.eval_interval=0", "train.eval_max_batches=8",
         "checkpoint.save_at_end=false", "logging.tensorboard=false", "model.moe.bias_update_rate=0.001"])
     result = Trainer(cfg).fit()
-    assert result["eval"]["eval_loss"] < entropy - 0.5, (result["eval"]["eval_loss"], entropy)
+    assert result["eval"]["eval_loss"] < entropy - 0.3, (result["eval"]["eval_loss"], entropy)
 
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     train = [r for r in records if "loss" in r]
