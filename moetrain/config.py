@@ -154,26 +154,15 @@ class Config:
 
     @property
     def micro_batch_size(self) -> int:
-        return self.train.micro_batch_size or self.train.global_batch_size // self.dp
+        """train.micro_batch_size; if 0, derived from parallel.micro_batch_num (pipeline micro-batches)."""
+        if self.train.micro_batch_size:
+            return self.train.micro_batch_size
+        return self.train.global_batch_size // (self.dp * max(1, self.parallel.micro_batch_num))
 
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches per optimizer step on one data-parallel rank (gradient accumulation)."""
         return self.train.global_batch_size // (self.dp * self.micro_batch_size)
-
-
-# Features whose config keys exist (interface contract) but whose implementation has not
-# landed: a non-default value stops the run with this message.
-NOT_AVAILABLE: Dict[str, str] = {
-    "parallel.model_parallel": "tensor parallelism",
-    "parallel.pipeline_stage": "pipeline parallelism",
-    "parallel.expert_parallel": "expert parallelism",
-    "parallel.use_seq_parallel": "sequence parallelism",
-    "parallel.recompute": "recompute",
-    "parallel.mode": "automatic layout search",
-    "checkpoint.async_save": "asynchronous checkpoint saving",
-    "logging.profile_steps": "the profiler window",
-}
 
 
 def _to_plain(value):
@@ -364,21 +353,25 @@ def _validate(cfg: Config, source: str) -> None:
          "train.global_batch_size",
          f"{t.global_batch_size} is not divisible by data_parallel ({cfg.dp}) x micro_batch_size "
          f"({t.micro_batch_size or 'auto'}); pick sizes so that global = dp x micro x accumulation")
+    if p.micro_batch_num > 1:
+        need(t.micro_batch_size == 0 or cfg.num_micro_batches == p.micro_batch_num, "parallel.micro_batch_num",
+             f"{p.micro_batch_num} disagrees with train.global_batch_size / (data_parallel x train.micro_batch_size)"
+             f" = {t.global_batch_size} / ({cfg.dp} x {t.micro_batch_size}); set only one of the two")
+        need(t.global_batch_size % (cfg.dp * p.micro_batch_num) == 0, "parallel.micro_batch_num",
+             f"train.global_batch_size ({t.global_batch_size}) is not divisible by data_parallel ({cfg.dp}) x "
+             f"micro_batch_num ({p.micro_batch_num})")
     need(cfg.optimizer.lr >= 0, "optimizer.lr", "must be >= 0")
     need(cfg.checkpoint.keep_max >= 1, "checkpoint.keep_max", "must be >= 1 (the latest checkpoint is always kept)")
     need(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0 (0: only at the end)")
     need(cfg.logging.log_interval >= 1, "logging.log_interval", "must be >= 1")
+    window = cfg.logging.profile_steps
+    need(window is None or (len(window) == 2 and 1 <= window[0] <= window[1]), "logging.profile_steps",
+         f"must be [first, last] optimizer steps with 1 <= first <= last (e.g. [3, 5]), got {window!r}")
     need(not (t.device == "cpu" and cfg.precision.compute_dtype == "bfloat16"), "precision.compute_dtype",
          "bfloat16 has no compute kernels on the CPU backend (MindSpore 2.10); use float16 or float32 on CPU, "
          "bfloat16 on Ascend")
     if cfg.precision.loss_scale != "none":
         need(cfg.precision.initial_loss_scale > 0, "precision.initial_loss_scale", "must be > 0")
-    for key, feature in NOT_AVAILABLE.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        default = getattr(type(getattr(cfg, section))(), name)
-        need(value == default, key, f"{feature} is not available yet in this version of moetrain "
-             f"(set it back to {default!r})")
 
 
 def dump_config(cfg: Config, path: str) -> None:

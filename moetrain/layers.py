@@ -20,6 +20,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
+from moetrain import kernels
+
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
 
@@ -74,15 +76,25 @@ class Embedding(nn.Cell):
 
 
 class RMSNorm(nn.Cell):
-    """`x / sqrt(mean(x^2) + eps) * weight`, computed and returned in fp32."""
+    """`x / sqrt(mean(x^2) + eps) * weight`, computed and returned in fp32.
+
+    With `moetrain.kernels` available this is one fused kernel each way (measured ~10x less CPU
+    time than the ~18 MindSpore ops of forward and backward at [2048, 256])."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__()
         self.weight = Parameter(initializer("ones", (hidden_size,), ms.float32), name="weight")
         self.eps = eps
+        self.fused = None
+        if kernels.available():
+            from moetrain.kernels.ops import FusedRMSNorm
+
+            self.fused, self.eps_tensor = FusedRMSNorm(), Tensor([eps], ms.float32)
 
     def construct(self, x):
         x = x.astype(ms.float32)
+        if self.fused is not None:
+            return self.fused(x, self.weight, self.eps_tensor)
         variance = ops.mean(ops.square(x), -1, keep_dims=True)
         return x * ops.rsqrt(variance + self.eps) * self.weight
 
@@ -168,7 +180,11 @@ class Attention(nn.Cell):
 
     GQA without repeating K/V: the query heads sharing one K/V head are laid out as one
     `[group * S, head_dim]` block, so one batched matmul per K/V head covers the group
-    (query head `h` uses K/V head `h // group`, as in HF `repeat_kv`)."""
+    (query head `h` uses K/V head `h // group`, as in HF `repeat_kv`).
+
+    With `moetrain.kernels` available and fp32 compute, `core` is the fused causal-attention kernel
+    instead: it reads q, k, v in the projection layout `[B, S, heads, head_dim]` (no transposes,
+    no mask tensor) and skips the key blocks above the diagonal."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_positions: int, rope_theta: float = 10000.0, init_std: float = 0.02,
@@ -179,7 +195,13 @@ class Attention(nn.Cell):
         self.wv = Linear(hidden_size, num_kv_heads * head_dim, init_std, compute_dtype)
         self.wo = Linear(num_heads * head_dim, hidden_size, output_init_std, compute_dtype)
         self.rope = RotaryEmbedding(head_dim, max_positions, rope_theta)
-        self.core = CausalAttentionCore(compute_dtype)
+        self.fused = kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
+        if self.fused:
+            from moetrain.kernels.ops import FusedCausalAttention
+
+            self.core = FusedCausalAttention()
+        else:
+            self.core = CausalAttentionCore(compute_dtype)
         # Positions for the causal mask, built per call: a stored [S, S] mask is 4 GB at 32k.
         self.positions = Tensor(np.arange(max_positions, dtype=np.int32))
         self.head_dim = head_dim
@@ -190,6 +212,9 @@ class Attention(nn.Cell):
         q = self.rope(self.wq(x).reshape(batch, seq_len, -1, self.head_dim))
         k = self.rope(self.wk(x).reshape(batch, seq_len, -1, self.head_dim))
         v = self.wv(x).reshape(batch, seq_len, -1, self.head_dim)
+        if self.fused:
+            out = self.core(q * self.scale, k, v)                          # [B, S, n, d]
+            return self.wo(out.reshape(batch, seq_len, -1))
         num_kv_heads = k.shape[2]
         group = q.shape[2] // num_kv_heads
         # [B, S, n, d] -> [B, n, S, d]; query heads of one K/V group become one row block.

@@ -113,7 +113,7 @@ class Job:
 
     @classmethod
     def of(cls, cfg) -> "Job":
-        return cls(model=cfg.model, seq_length=cfg.data.seq_length or cfg.model.seq_length,
+        return cls(model=cfg.model, seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", 0),
                    global_batch_size=cfg.train.global_batch_size, compute_dtype=cfg.precision.compute_dtype,
                    grad_dtype=cfg.parallel.grad_reduce_dtype, optimizer=cfg.optimizer.name)
 
@@ -591,18 +591,10 @@ def _plan_valid_layout(job: Job, layout: Layout, device: DeviceProfile, source: 
 
 
 def load_plan_config(path: str, overrides: Sequence[str] = ()):
-    """`load_config` that accepts parallel layouts whose trainer support has not landed yet:
-    planning them is the point."""
-    from moetrain import config as config_module
+    """The config to plan (`load_config`; kept as the planner's entry point)."""
+    from moetrain.config import load_config
 
-    saved = dict(config_module.NOT_AVAILABLE)
-    for key in [k for k in saved if k.startswith("parallel.")]:
-        del config_module.NOT_AVAILABLE[key]
-    try:
-        return config_module.load_config(path, overrides)
-    finally:
-        config_module.NOT_AVAILABLE.clear()
-        config_module.NOT_AVAILABLE.update(saved)
+    return load_config(path, overrides)
 
 
 def _device_of(cfg, device) -> DeviceProfile:

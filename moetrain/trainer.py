@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import time
 from typing import Dict, Optional, Tuple
 
@@ -83,6 +84,84 @@ def _init_parallel(cfg: Config):
     return init_parallel(dp=p.data_parallel, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel)
 
 
+def mfu_terms(cfg: Config, seq_length: int, world_size: int) -> Optional[Tuple[float, float]]:
+    """`(model FLOPs per token, peak FLOP/s of the whole job)` for the `mfu` metric: FLOPs from
+    `moetrain.plan.flops_per_token` (6 x active matmul params + attention), peak from the device
+    profile (`moetrain.devices`; ranks of a shared CPU host share its peak). None when the planner
+    does not model this model (e.g. the MNIST MLP) or device."""
+    from moetrain.devices import get_device
+    from moetrain.plan import LayoutError, flops_per_token
+
+    if not seq_length:
+        return None
+    try:
+        device = get_device(cfg.train.device)
+        peak = device.peak(cfg.precision.compute_dtype) * (1 if device.shared_host else world_size)
+        return flops_per_token(cfg.model, seq_length), peak
+    except (LayoutError, ValueError):
+        return None
+
+
+class ProfilerWindow:
+    """`logging.profile_steps: [first, last]`: mindspore.Profiler over those optimizer steps
+    (1-based, as `step` in metrics.jsonl), written to `<output_dir>/profile` and analysed when the
+    window closes (per-op times: FRAMEWORK/cpu_op_type_info_*.csv on CPU)."""
+
+    def __init__(self, steps, output_dir: str, device: str):
+        self.first, self.last = steps if steps else (0, -1)
+        self.path = os.path.join(output_dir, "profile")
+        self.device = device
+        self.profiler = None
+
+    def before_step(self, step: int) -> None:
+        if self.profiler is None and self.first <= step <= self.last:
+            import mindspore as ms
+            from mindspore.profiler import ProfilerActivity
+
+            activities = [ProfilerActivity.CPU] + {"ascend": [ProfilerActivity.NPU],
+                                                   "gpu": [ProfilerActivity.GPU]}.get(self.device, [])
+            self.profiler = ms.Profiler(output_path=self.path, activities=activities)
+
+    def after_step(self, step: int) -> None:
+        if self.profiler is not None and step >= self.last:
+            self.close()
+
+    def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler.analyse()
+            self.profiler, self.first = None, self.last + 1   # one window per run
+
+
+def resolve_auto_layout(cfg: Config, world_size: Optional[int] = None):
+    """`parallel.mode: auto`: the layout `moetrain.plan.choose_layout` picks for the launched world
+    size (dp/tp/pp/ep, ZeRO level, recompute, micro-batches), applied to a copy of `cfg` and
+    validated again. Returns `(cfg, search)`; `search` is None for `mode: manual`."""
+    if cfg.parallel.mode != "auto":
+        return cfg, None
+    import copy
+
+    from moetrain.config import _validate as validate
+    from moetrain.parallel.topology import launched_world_size
+    from moetrain.plan import Arch, LayoutError, apply_layout, choose_layout
+
+    world = world_size or launched_world_size()
+    try:
+        Arch.of(cfg.model)
+    except LayoutError as exc:   # e.g. the MNIST MLP: data parallel is its only layout
+        chosen = copy.deepcopy(cfg)
+        chosen.parallel.mode, chosen.parallel.data_parallel = "manual", world
+        if cfg.train.global_batch_size % (world * max(1, cfg.train.micro_batch_size)):
+            chosen.train.micro_batch_size = 0   # the user's micro-batch does not divide: one per rank and step
+        print(f"moetrain: parallel.mode=auto: {exc}; running data parallel over {world} rank(s)", flush=True)
+        validate(chosen, f"{cfg.source} (parallel.mode=auto: data_parallel={world})")
+        return chosen, None
+    _, search = choose_layout(cfg, world)
+    chosen = apply_layout(cfg, search.chosen.layout)
+    validate(chosen, f"{cfg.source} (parallel.mode=auto chose {search.chosen.layout.describe()})")
+    return chosen, search
+
+
 class Trainer:
     def __init__(self, cfg: Config, resume: Optional[str] = None):
         import mindspore as ms
@@ -91,10 +170,17 @@ class Trainer:
         from moetrain.checkpoint import manager as ckpt
         from moetrain.data import GlobalBatchSampler, build_datasets
         from moetrain.parallel.data_parallel import OptimizerStep
+        from moetrain.parallel.expert_parallel import parallelize_moe
+        from moetrain.parallel.plans import parallelize_model
 
+        cfg, self.layout_search = resolve_auto_layout(cfg)
         self.cfg = cfg
         t = cfg.train
         setup_device(t.device)
+        if cfg.parallel.pipeline_stage > 1:   # before any collective runs
+            from moetrain.parallel.pipeline import allow_slow_neighbours
+
+            allow_slow_neighbours()
         self.pctx = _init_parallel(cfg)
         self.rank = self.pctx.rank
         self.out = t.output_dir
@@ -109,9 +195,22 @@ class Trainer:
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 0)
 
         ms.set_seed(t.seed)
-        self.model = build_model(cfg)
+        # every rank builds the whole model (same seed, same weights), then keeps its tp slices
+        self.model = parallelize_model(build_model(cfg), cfg, self.pctx)
+        # MoE layers: keep this rank's E/ep experts, expert-parallel dispatcher, aux-loss scope
+        self.forward_communicates_over_dp = parallelize_moe(self.model, cfg.parallel, self.pctx) > 0 and (
+            self.pctx.ep > 1 or cfg.parallel.moe_aux_loss_scope == "global")
+        if self.pctx.pp > 1:   # pipeline parallel: keep this rank's stage; the other layers are freed
+            from moetrain.parallel.pipeline import build_pipeline_stage
+
+            self.model = build_pipeline_stage(self.model, cfg, self.pctx)
         self.opt_step = OptimizerStep(self.model.trainable_params(), cfg.optimizer, cfg.parallel, self.pctx,
                                       cfg.optimizer.clip_grad_norm, t.jit)
+        self.pipeline = None
+        if self.pctx.pp > 1:   # runs the micro-batches through the stages (1F1B / GPipe)
+            from moetrain.parallel.pipeline import Pipeline
+
+            self.pipeline = Pipeline(self.model, self.opt_step, cfg, self.pctx, self.tokens_per_sample)
         self.scaler = LossScaler(cfg.precision.loss_scale, cfg.precision.initial_loss_scale,
                                  cfg.precision.scale_window, cfg.precision.scale_factor)
         self.step = 0
@@ -144,8 +243,15 @@ class Trainer:
         self.is_logger = self.rank == 0
         if self.is_logger:
             dump_config(cfg, os.path.join(self.out, "resolved_config.yaml"))
+            if self.layout_search is not None:   # parallel.mode: auto: what was chosen, what was rejected and why
+                with open(os.path.join(self.out, "layout_search.txt"), "w") as fh:
+                    fh.write(str(self.layout_search) + "\n")
+                print_rank0(self.rank, f"moetrain: parallel.mode=auto chose {self.layout_search.chosen.layout.describe()} "
+                            f"(candidates and reasons: {self.out}/layout_search.txt)")
         self.logger = MetricsLogger(self.out, self.total_steps, self.is_logger, cfg.logging.tensorboard,
                                     cfg.logging.progress_bar, cfg.logging.log_interval, self.step)
+        self.mfu_terms = mfu_terms(cfg, self.tokens_per_sample, self.pctx.world_size)
+        self.profiler_window = ProfilerWindow(cfg.logging.profile_steps, self.out, t.device)
         print_rank0(self.rank, f"moetrain: model {cfg.model.name} with "
                     f"{sum(int(np.prod(p.shape)) for p in self.model.trainable_params()):,} parameters; "
                     f"{self.total_steps} steps of {t.global_batch_size} samples "
@@ -170,15 +276,19 @@ class Trainer:
         lr = self.lr_at(step)
         scale = ms.Tensor(self.scaler.scale, ms.float32)
         start = time.perf_counter()
-        grads, losses, stats = None, [], []
-        for batch in self._micro_batches(step):
-            loss, micro_stats, micro_grads = self._grad_step(scale, *(ms.Tensor(b) for b in batch))
-            grads = micro_grads if grads is None else self._accumulate(ms.mutable(grads), ms.mutable(micro_grads))
-            losses.append(loss)
-            stats.append(micro_stats)
+        if self.pipeline is not None:   # pipeline parallel: the schedule runs every micro-batch
+            batches = [tuple(ms.Tensor(b) for b in batch) for batch in self._micro_batches(step)]
+            grads, values = self.pipeline.train_step(batches, scale, SUMMED_STATS)
+        else:
+            grads, losses, stats = None, [], []
+            for batch in self._micro_batches(step):
+                loss, micro_stats, micro_grads = self._grad_step(scale, *(ms.Tensor(b) for b in batch))
+                grads = micro_grads if grads is None else self._accumulate(ms.mutable(grads), ms.mutable(micro_grads))
+                losses.append(loss)
+                stats.append(micro_stats)
         inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp)
         grad_norm, finite = self.opt_step(grads, lr, step + 1, inv_scale)
-        record = self._reduce_stats(losses, stats)
+        record = self._reduce_stats(losses, stats) if self.pipeline is None else self._reduce_over_dp(values)
         if finite and hasattr(self.model, "update_expert_bias") and "expert_load" in record:
             self.model.update_expert_bias(np.asarray(record["expert_load"]))
         self.scaler.update(finite)
@@ -192,6 +302,10 @@ class Trainer:
             record["tokens_per_s"] = samples * self.tokens_per_sample / elapsed
         else:
             record["samples_per_s"] = samples / elapsed
+        if self.mfu_terms is not None:
+            flops_per_token, peak = self.mfu_terms
+            record["mfu"] = record["tokens_per_s"] * flops_per_token / peak
+        record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         return record
 
     def _reduce_stats(self, losses, stats) -> Dict:
@@ -200,6 +314,10 @@ class Trainer:
         for key in stats[0]:
             arrays = [s[key].asnumpy().astype(np.float64) for s in stats]
             values[key] = np.sum(arrays, 0) if key in SUMMED_STATS else np.mean(arrays, 0)
+        return self._reduce_over_dp(values)
+
+    def _reduce_over_dp(self, values) -> Dict:
+        """Sum (SUMMED_STATS) or average this rank's step values over the data-parallel ranks."""
         if self.pctx.dp > 1:
             from moetrain.parallel.data_parallel import reduce_host_values
 
@@ -227,11 +345,18 @@ class Trainer:
         starts = list(range(0, n, batch_size))
         if self.cfg.train.eval_max_batches:
             starts = starts[:self.cfg.train.eval_max_batches]
+        if self.forward_communicates_over_dp:   # ep / global aux loss: equal batch shapes and counts on all dp ranks
+            starts = [s for s in starts if s + batch_size <= n]
+            starts = starts[:len(starts) - len(starts) % self.pctx.dp]
         starts = starts[self.pctx.dp_rank::self.pctx.dp]  # evaluation shared among dp ranks
         loss_sum = correct = count = 0.0
         for start in starts:
             indices = np.arange(start, min(n, start + batch_size))
-            loss, stats = self._evaluate(*(ms.Tensor(b) for b in fetch(self.eval_set, indices)))
+            batch = tuple(ms.Tensor(b) for b in fetch(self.eval_set, indices))
+            if self.pipeline is not None:
+                loss, stats = self.pipeline.evaluate_batch(batch), {}
+            else:
+                loss, stats = self._evaluate(*batch)
             loss_sum += float(loss) * len(indices)
             count += len(indices)
             if "correct" in stats:
@@ -248,69 +373,65 @@ class Trainer:
         return record
 
     # ------------------------------------------------------------------------------------------
-    def _optimizer_file(self) -> str:
-        """ZeRO shards differ per rank; otherwise every rank holds the same optimizer state."""
-        return f"optimizer-rank{self.rank:05d}.safetensors" if self.opt_step.level else "optimizer.safetensors"
+    def _checkpoint_tensors(self):
+        from moetrain.checkpoint import distributed
+
+        return distributed.local_tensors(self.model, self.opt_step, self.pctx)
 
     def save(self) -> str:
-        """All ranks write into one temporary folder; rank 0 publishes it after a barrier."""
-        from moetrain.checkpoint import manager as ckpt
-        from moetrain.parallel import comm
+        """Every rank writes the shards it alone holds; rank 0 adds metadata.json and publishes the
+        folder (see `moetrain.checkpoint.distributed`). Returns the checkpoint's path."""
+        from moetrain.checkpoint import distributed
 
-        distributed = self.pctx.world_size > 1
-        writer = ckpt.CheckpointWriter(self.ckpt_root, self.step, suffix="job" if distributed else None,
-                                       create=self.rank == 0)
-        if distributed:
-            comm.barrier()
-        if self.rank == 0:
-            writer.tensors("model.safetensors", ckpt.params_to_numpy(self.model.get_parameters()))
-            writer.json("trainer_state.json", {
-                "step": self.step, "loss_scale": self.scaler.state(), "seed": self.cfg.train.seed,
-                "consumed_samples": self.step * self.cfg.train.global_batch_size,
-                "epoch": self.sampler.epoch_of(self.step), "world_size": self.pctx.world_size,
-                "optimizer_shard": self.opt_step.level})
-            writer.copy("config.yaml", os.path.join(self.out, "resolved_config.yaml"))
-        if self.rank == 0 or self.opt_step.level:
-            writer.tensors(self._optimizer_file(), ckpt.params_to_numpy(self.opt_step.state_parameters()))
-        path = os.path.join(self.ckpt_root, writer.name)
-        if distributed:
-            comm.barrier()
-        if self.rank == 0:
-            path = writer.commit()
-            ckpt.prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_max)
-        if distributed:
-            comm.barrier()
-        return path
+        if getattr(self, "_checkpointer", None) is None:
+            self._checkpointer = distributed.ShardedCheckpointer(self.ckpt_root, self.pctx, self.cfg.checkpoint.keep_max,
+                                                                 self.cfg.checkpoint.async_save)
+        t = self.cfg.train
+        metadata = {
+            "format": distributed.FORMAT, "step": self.step,
+            "layout": distributed.layout_of(self.pctx, self.opt_step.level),
+            "trainer_state": {"step": self.step, "loss_scale": self.scaler.state(), "seed": t.seed,
+                              "global_batch_size": t.global_batch_size,
+                              "consumed_samples": self.step * t.global_batch_size,
+                              "epoch": self.sampler.epoch_of(self.step)},
+            "config": self.cfg.to_dict()}
+        return self._checkpointer.save(self.step, self._checkpoint_tensors(), metadata,
+                                       os.path.join(self.out, "resolved_config.yaml"))
+
+    def wait_for_checkpoint(self) -> None:
+        """Finish a pending asynchronous save (`checkpoint.async_save`) and raise its error, if any."""
+        if getattr(self, "_checkpointer", None) is not None:
+            self._checkpointer.wait()
 
     def load(self, path: str) -> None:
+        """Resume from `path`, saved on any layout: each tensor is reassembled and re-sliced for this rank."""
         import yaml
 
-        from moetrain.checkpoint import manager as ckpt
+        from moetrain.checkpoint import distributed
+        from moetrain.checkpoint.manager import CheckpointError
 
-        ckpt.verify_checkpoint(path)
+        reader = distributed.CheckpointReader(path)
         with open(os.path.join(path, "config.yaml")) as fh:
-            saved_model = yaml.safe_load(fh).get("model", {})
+            saved_model = (yaml.safe_load(fh) or {}).get("model", {})
         current = self.cfg.to_dict()["model"]
         diff = sorted(k for k in set(saved_model) | set(current)
                       if k != "compute_dtype" and saved_model.get(k) != current.get(k))
         if diff:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint {path} was saved with another model config; mismatching keys: "
                 + ", ".join(f"model.{k} (checkpoint {saved_model.get(k)!r}, config {current.get(k)!r})" for k in diff))
-        ckpt.assign_from_numpy(self.model.get_parameters(), ckpt.read_tensors(path, "model.safetensors"),
-                               f"{path}/model.safetensors")
-        state = ckpt.read_json(path, "trainer_state.json")
-        if (state.get("world_size", 1), state.get("optimizer_shard", 0)) != (self.pctx.world_size, self.opt_step.level) \
-                and self.opt_step.level + state.get("optimizer_shard", 0) > 0:
-            raise ckpt.CheckpointError(
-                f"{path} holds ZeRO-{state.get('optimizer_shard', 0)} optimizer shards of {state.get('world_size', 1)} "
-                f"ranks; resuming with ZeRO-{self.opt_step.level} on {self.pctx.world_size} ranks needs resharding, "
-                f"which is not available yet: resume with the saved layout")
-        optimizer_file = self._optimizer_file()
-        ckpt.assign_from_numpy(self.opt_step.state_parameters(), ckpt.read_tensors(path, optimizer_file),
-                               f"{path}/{optimizer_file}")
-        self.step = state["step"]
-        self.scaler.load(state["loss_scale"])
+        state = reader.trainer_state
+        saved_batch = state.get("global_batch_size", self.cfg.train.global_batch_size)
+        if saved_batch != self.cfg.train.global_batch_size:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with train.global_batch_size={saved_batch}, the config says "
+                f"{self.cfg.train.global_batch_size}: the data position and schedule are counted in steps of "
+                f"that batch; resume with train.global_batch_size={saved_batch}")
+        distributed.load_into(reader, self._checkpoint_tensors(), holds_whole_model=self.pctx.pp == 1)
+        reader.close()
+        self.step = reader.step
+        if "loss_scale" in state:
+            self.scaler.load(state["loss_scale"])
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> Dict:
@@ -322,17 +443,21 @@ class Trainer:
         if cfg.train.stop_after:
             end = min(end, self.step + cfg.train.stop_after)
         while self.step < end:
+            self.profiler_window.before_step(self.step + 1)
             last = self.train_step()
+            self.profiler_window.after_step(self.step)
             self.logger.log(last)
             if eval_interval and self.step % eval_interval == 0 and self.step < end:
                 last_eval = self.evaluate()
                 self.logger.log(last_eval)
             if save_steps and self.step % save_steps == 0:
                 self.save()
+        self.profiler_window.close()   # a window past the last step ends here
         if self.eval_set is not None:
             last_eval = self.evaluate()
             self.logger.log(last_eval)
         if cfg.checkpoint.save_at_end and not (save_steps and self.step % save_steps == 0):
             self.save()
+        self.wait_for_checkpoint()   # an asynchronous save is published before fit returns
         self.logger.close()
         return {"train": last, "eval": last_eval}

@@ -84,11 +84,6 @@ def test_batch_sizes_must_divide():
     assert "train.global_batch_size" in msg and "not divisible" in msg
 
 
-def test_feature_not_built_yet_is_refused_clearly():
-    msg = error_of(MNIST, ["parallel.mode=auto"])
-    assert "parallel.mode" in msg and "not available yet" in msg
-
-
 def test_resolved_config_round_trips(tmp_path):
     from moetrain.config import config_from_dict, dump_config
 

@@ -316,3 +316,55 @@ def test_run_8p_on_moe_1b_stops_before_workers_on_a_machine_without_ascend():
     assert "FITS" in proc.stderr and "8 x ascend910b" in proc.stderr
     assert "configs/moe_tiny_8p.yaml" in proc.stderr
     assert "run_distributed.sh:" not in proc.stderr      # the launcher's "N ranks ... logs in" line never came
+
+
+# ------------------------------------------------------------------------------- parallel.mode: auto
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["gpt_tiny", "moe_tiny"])
+def test_auto_mode_picks_a_layout_that_validates_and_fits(name, world):
+    from moetrain.config import load_config
+    from moetrain.parallel.topology import validate_layout
+    from moetrain.trainer import resolve_auto_layout
+
+    cfg = load_config(os.path.join(CONFIGS, f"{name}.yaml"), ["parallel.mode=auto"])
+    chosen, search = resolve_auto_layout(cfg, world)
+    layout = Layout.of(chosen)
+    assert chosen.parallel.mode == "manual" and layout == search.chosen.layout and layout.world == world
+    assert layout_problems(Job.of(chosen), layout, world) == []
+    validate_layout(world, layout.dp, layout.tp, layout.pp, layout.ep)
+    result = plan(chosen, world_size=world)
+    assert result.fits and result.step_seconds == pytest.approx(search.chosen.step_seconds)
+    assert chosen.dp * chosen.micro_batch_size * chosen.num_micro_batches == cfg.train.global_batch_size
+    assert cfg.parallel.mode == "auto"                         # the loaded config is left as it was
+
+
+def test_auto_mode_trains_with_the_chosen_layout(tmp_path):
+    import json
+
+    from moetrain.config import load_config
+    from moetrain.trainer import Trainer
+
+    out = tmp_path / "run"
+    cfg = load_config(os.path.join(CONFIGS, "moe_tiny.yaml"),
+                      ["parallel.mode=auto", "train.steps=2", f"train.output_dir={out}", "train.eval_interval=0",
+                       "data.eval_path=", "checkpoint.save_at_end=false", "logging.tensorboard=false",
+                       "logging.progress_bar=false", "model.num_layers=2", "model.seq_length=32"])
+    trainer = Trainer(cfg)
+    assert trainer.cfg.parallel.mode == "manual" and trainer.layout_search is not None
+    trainer.fit()
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    resolved = (out / "resolved_config.yaml").read_text()
+    assert "mode: manual" in resolved                          # a resume runs the chosen layout as is
+    assert "chosen" in (out / "layout_search.txt").read_text()
+
+
+def test_auto_mode_on_a_model_the_planner_does_not_model_runs_data_parallel(capsys):
+    from moetrain.config import load_config
+    from moetrain.trainer import resolve_auto_layout
+
+    cfg = load_config(os.path.join(CONFIGS, "mnist_mlp.yaml"), ["parallel.mode=auto"])
+    chosen, search = resolve_auto_layout(cfg, 4)
+    assert search is None and chosen.parallel.mode == "manual" and chosen.dp == 4
+    assert chosen.dp * chosen.micro_batch_size * chosen.num_micro_batches == cfg.train.global_batch_size
+    assert "running data parallel over 4 rank(s)" in capsys.readouterr().out

@@ -1,12 +1,8 @@
 """Training checkpoints: written atomically, verified on load, the last K kept.
 
-Layout of one checkpoint (`<output_dir>/checkpoints/step_00000100/`):
-    model.safetensors       every model Parameter by name (fp32); with config.yaml this folder
-                            is also a "model directory" that `moetrain forward` reads
-    optimizer.safetensors   optimizer state (moments, momentum buffers) by parameter name
-    trainer_state.json      step, loss scale, data position, seed
-    config.yaml             the resolved config of the run
-    manifest.json           sha256 and size of every file above; written last
+One checkpoint is a folder `<output_dir>/checkpoints/step_00000100/`; what the files in it hold
+(every rank's shards, metadata.json) is described in `moetrain.checkpoint.distributed`.
+`manifest.json` (sha256 and size of every other file) is written last.
 
 Everything is written into a hidden temporary folder that is renamed into place only when
 complete, so a crash mid-write leaves the previous checkpoint as the latest complete one.
@@ -22,7 +18,7 @@ import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -40,32 +36,6 @@ def sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
-def params_to_numpy(params: Iterable) -> Dict[str, np.ndarray]:
-    return {p.name: p.asnumpy() for p in params}
-
-
-def assign_from_numpy(params: Iterable, arrays: Dict[str, np.ndarray], what: str, strict: bool = True) -> None:
-    """Copy `arrays` into the Parameters of the same name, checking names and shapes."""
-    import mindspore as ms
-
-    params = list(params)
-    names = {p.name for p in params}
-    missing = sorted(names - set(arrays))
-    unexpected = sorted(set(arrays) - names)
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"{what}: parameter names do not match the model: missing {missing[:8]}"
-                              f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                              f"{'...' if len(unexpected) > 8 else ''}")
-    for p in params:
-        if p.name not in arrays:
-            continue
-        value = arrays[p.name]
-        if tuple(value.shape) != tuple(p.shape):
-            raise CheckpointError(f"{what}: '{p.name}' has shape {tuple(value.shape)} in the checkpoint "
-                                  f"but {tuple(p.shape)} in the model (was it saved with another model config?)")
-        p.set_data(ms.Tensor(value, dtype=p.dtype))
-
-
 def _fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -80,11 +50,13 @@ def _fsync_dir(path: str) -> None:
 class CheckpointWriter:
     """Collects the files of one checkpoint in a temporary folder, then publishes it."""
 
-    def __init__(self, root: str, step: int, suffix: Optional[str] = None, create: bool = True):
+    def __init__(self, root: str, step: int, suffix: Optional[str] = None, create: bool = True,
+                 final_name: Optional[str] = None):
         """`suffix` names the temporary folder (default: this pid); in a multi-process save every rank
-        uses the same suffix, rank 0 creates the folder (`create`) and commits after a barrier."""
+        uses the same suffix, rank 0 creates the folder (`create`) and commits after a barrier.
+        `final_name` replaces `step_NNNNNNNN` (offline conversions writing to a chosen folder)."""
         self.root = root
-        self.name = f"step_{step:08d}"
+        self.name = final_name or f"step_{step:08d}"
         self.tmp = os.path.join(root, f".tmp-{self.name}-{suffix or os.getpid()}")
         if create:
             if os.path.exists(self.tmp):
@@ -101,10 +73,13 @@ class CheckpointWriter:
     def copy(self, filename: str, src: str) -> None:
         shutil.copyfile(src, os.path.join(self.tmp, filename))
 
-    def commit(self) -> str:
+    def commit(self, known: Optional[Dict[str, dict]] = None) -> str:
+        """Write the manifest of every file in the folder and publish it. `known`: checksums the
+        writing ranks computed already (`{file: {"sha256", "bytes"}}`), so they are not read again."""
+        known = known or {}
         files = sorted(f for f in os.listdir(self.tmp) if f != MANIFEST)  # every rank's files
-        manifest = {f: {"sha256": sha256_of(os.path.join(self.tmp, f)),
-                        "bytes": os.path.getsize(os.path.join(self.tmp, f))} for f in files}
+        manifest = {f: known.get(f) or {"sha256": sha256_of(os.path.join(self.tmp, f)),
+                                        "bytes": os.path.getsize(os.path.join(self.tmp, f))} for f in files}
         with open(os.path.join(self.tmp, MANIFEST), "w") as fh:
             json.dump({"files": manifest}, fh, indent=1)
             fh.flush()
@@ -145,34 +120,39 @@ def prune_checkpoints(root: str, keep_max: int) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def verify_checkpoint(path: str) -> Dict[str, dict]:
-    """Check every file against the manifest; raise CheckpointError naming the bad file."""
+def read_manifest(path: str) -> Dict[str, dict]:
+    """`{file: {"sha256", "bytes"}}` of a complete checkpoint; raise CheckpointError if incomplete."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing "
                               f"(the save was interrupted; resume from an earlier step)")
     try:
         with open(manifest_path) as fh:
-            files = json.load(fh)["files"]
+            return json.load(fh)["files"]
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{manifest_path} is damaged: {exc}") from None
-    for name, info in files.items():
+
+
+def verify_files(path: str, manifest: Dict[str, dict], names: Iterable[str]) -> None:
+    """Check the named files against the manifest; raise CheckpointError naming the bad file."""
+    for name in names:
         file_path = os.path.join(path, name)
+        info = manifest.get(name)
+        if info is None:
+            raise CheckpointError(f"{file_path} is not listed in {os.path.join(path, MANIFEST)} "
+                                  f"(the checkpoint is inconsistent; resume from an earlier one)")
         if not os.path.isfile(file_path):
-            raise CheckpointError(f"checkpoint file missing: {file_path}")
+            raise CheckpointError(f"checkpoint file missing: {file_path}; resume from an earlier checkpoint")
         if os.path.getsize(file_path) != info["bytes"] or sha256_of(file_path) != info["sha256"]:
             raise CheckpointError(f"checkpoint file damaged (checksum mismatch): {file_path}; "
                                   f"resume from an earlier checkpoint")
-    return files
 
 
-def read_tensors(path: str, filename: str) -> Dict[str, np.ndarray]:
-    return load_file(os.path.join(path, filename))
-
-
-def read_json(path: str, filename: str):
-    with open(os.path.join(path, filename)) as fh:
-        return json.load(fh)
+def verify_checkpoint(path: str) -> Dict[str, dict]:
+    """Check every file of a checkpoint against its manifest; returns the manifest."""
+    manifest = read_manifest(path)
+    verify_files(path, manifest, manifest)
+    return manifest
 
 
 def resolve_resume_path(resume: str, default_root: str) -> str:

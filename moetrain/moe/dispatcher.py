@@ -1,6 +1,6 @@
 """Token dispatchers: move routed tokens into an expert-major buffer and combine the results back.
 
-Interface shared by every dispatcher (the expert-parallel AllToAll one will implement it too):
+Interface shared by every dispatcher (the expert-parallel ones in `moe/ep_dispatcher.py` too):
 
     expert_input, state = dispatcher.dispatch(x [T, H], topk_idx [T, k], topk_weight [T, k])
     expert_output = experts(expert_input, state.get("block_expert"))
@@ -13,8 +13,12 @@ Interface shared by every dispatcher (the expert-parallel AllToAll one will impl
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import mindspore as ms
 from mindspore import nn, ops
 
+from moetrain import kernels
 from moetrain.moe.permutation import (assignment_rows, block_layout, capacity_rows, expert_capacity,
                                       num_padded_blocks, permute, sort_by_expert, unpermute)
 
@@ -23,18 +27,26 @@ DEFAULT_BLOCK_SIZE = 128
 
 
 class SortDispatcher(nn.Cell):
-    """Single-device dispatcher: stable sort by expert id, then one of two static-shape layouts.
+    """Single-device dispatcher: stable sort by expert id, then one of three static-shape layouts.
 
-    * dropless (`capacity_factor == 0`): each expert's tokens are padded to whole blocks of
-      `block_size` rows; `G = floor((T k + E (block_size - 1)) / block_size)` blocks always
-      suffice, so nothing is ever dropped, for at most E blocks of padding.
+    * exact dropless (`capacity_factor == 0`, `block_size == 1`): the `T k` assignment rows sorted
+      by expert, `[T k, 1, H]` with `block_expert` the expert of each row; the experts run one
+      grouped GEMM per expert (`moetrain.kernels`), so there is no padding at all.
+    * dropless blocks (`capacity_factor == 0`, `block_size > 1`): each expert's tokens are padded
+      to whole blocks of `block_size` rows; `G = floor((T k + E (block_size - 1)) / block_size)`
+      blocks always suffice, so nothing is ever dropped, for at most E blocks of padding.
     * capacity (`capacity_factor > 0`): `[E, C, H]` with `C = ceil(capacity_factor * T k / E)`;
       each expert keeps its first C assignments in token order and drops the rest.
+
+    `block_size=None` picks 1 where the grouped GEMM kernel is available (CPU with a C++
+    compiler) and `DEFAULT_BLOCK_SIZE` otherwise.
     """
 
     def __init__(self, num_experts: int, top_k: int, capacity_factor: float = 0.0,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
+                 block_size: Optional[int] = None):
         super().__init__()
+        if block_size is None:
+            block_size = 1 if kernels.available() else DEFAULT_BLOCK_SIZE
         if block_size < 1:
             raise ValueError(f"SortDispatcher: block_size must be >= 1, got {block_size}")
         self.num_experts = num_experts
@@ -46,6 +58,12 @@ class SortDispatcher(nn.Cell):
         num_tokens, hidden = x.shape
         order, slot_expert, slot_rank, tokens_per_expert = sort_by_expert(topk_idx.reshape(-1), self.num_experts)
         state = {"tokens_per_expert": tokens_per_expert.astype(topk_weight.dtype), "topk_weight": topk_weight}
+        if self.capacity_factor == 0 and self.block_size == 1:
+            # Slot i is buffer row i: a plain gather in, the inverse permutation out.
+            state["block_expert"] = slot_expert
+            state["dropped"] = ops.zeros((), topk_weight.dtype)
+            state["assignment_row"] = assignment_rows(order, ops.arange(order.shape[0], dtype=ms.int32))
+            return ops.gather(x, order // self.top_k, 0).reshape(-1, 1, hidden), state
         if self.capacity_factor > 0:
             capacity = expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor)
             num_groups, group_rows = self.num_experts, capacity

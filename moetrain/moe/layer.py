@@ -12,6 +12,10 @@ from moetrain.moe.dispatcher import build_dispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.losses import load_balancing_loss, tokens_per_expert, z_loss
 from moetrain.moe.router import TopKRouter
+from moetrain.parallel import comm
+
+# Token sets the Switch aux loss can balance over (config key parallel.moe_aux_loss_scope).
+AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global")
 
 
 class MoELayer(nn.Cell):
@@ -28,6 +32,10 @@ class MoELayer(nn.Cell):
     `shared_experts.{w_gate,w_up,w_down}.weight` (HF `[out, in]` layout) when
     `num_shared_experts > 0`, and `expert_bias [E]` (not trained by gradients; the trainer moves
     it with `update_expert_bias` when `bias_update_rate > 0`, otherwise it stays zero).
+
+    Expert parallelism (`moetrain.parallel.expert_parallel`) swaps in an expert-parallel
+    `dispatcher`, slices `experts` to the local ones and picks the aux loss's token set with
+    `set_aux_loss_scope`.
     """
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, init_std: float = 0.02, compute_dtype=ms.float32):
@@ -35,6 +43,7 @@ class MoELayer(nn.Cell):
         self.cfg = cfg
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.needs_sequences = cfg.seq_aux_loss_coeff > 0
+        self.aux_loss_scope, self.balance_group = "micro_batch", None
         self.router = TopKRouter(hidden_size, cfg, init_std)
         self.dispatcher = build_dispatcher(cfg.dispatcher, cfg.num_experts, cfg.top_k, cfg.capacity_factor)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.ffn_hidden_size, init_std, compute_dtype)
@@ -47,12 +56,26 @@ class MoELayer(nn.Cell):
             ("aux_loss", cfg.aux_loss_coeff), ("seq_aux_loss", cfg.seq_aux_loss_coeff),
             ("z_loss", cfg.z_loss_coeff)) if coeff > 0)
 
+    def set_aux_loss_scope(self, scope: str, group=None) -> None:
+        """Tokens the Switch `aux_loss` balances: this call's ("micro_batch"), each sequence's
+        ("sequence", mean over sequences; needs `[B, S, H]` input), or the same micro-batch of
+        every rank of `group` ("global": per-expert probability sums and counts are all-reduced
+        over the data-parallel group, so every rank gets the loss of the whole batch, and the
+        all-reduce's backward gives each rank's router the full gradient of it)."""
+        if scope not in AUX_LOSS_SCOPES:
+            raise ValueError(f"parallel.moe_aux_loss_scope: {scope!r} is not one of {AUX_LOSS_SCOPES}")
+        if scope == "global" and group is None:
+            raise ValueError("MoELayer.set_aux_loss_scope: the 'global' scope needs the data-parallel group")
+        self.aux_loss_scope, self.balance_group = scope, group
+        self.needs_sequences = self.cfg.seq_aux_loss_coeff > 0 or scope == "sequence"
+
     def construct(self, x):
         if x.ndim not in (2, 3):
             raise ValueError(f"MoELayer: x must be [tokens, hidden] or [batch, seq, hidden], got shape {x.shape}")
         if x.ndim == 2 and self.needs_sequences:
-            raise ValueError(f"MoELayer: seq_aux_loss_coeff > 0 needs the sequence boundaries; pass x as "
-                             f"[batch, seq, hidden] instead of the flattened shape {x.shape}")
+            raise ValueError(f"MoELayer: seq_aux_loss_coeff > 0 or the 'sequence' aux loss scope needs the "
+                             f"sequence boundaries; pass x as [batch, seq, hidden] instead of the flattened "
+                             f"shape {x.shape}")
         tokens = x.reshape(-1, x.shape[-1])
         topk_idx, topk_weight, probs, logits = self.router(tokens, self.expert_bias)
         expert_input, state = self.dispatcher.dispatch(tokens, topk_idx, topk_weight)
@@ -67,7 +90,6 @@ class MoELayer(nn.Cell):
         num_experts, top_k = self.num_experts, self.top_k
         num_tokens = topk_idx.shape[0]
         expert_load = state["tokens_per_expert"]
-        aux_loss = load_balancing_loss(probs.mean(0), expert_load / num_tokens, num_experts, top_k)
         if x.ndim == 3:
             batch, seq_len = x.shape[0], x.shape[1]
             seq_load = tokens_per_expert(topk_idx.reshape(batch, seq_len, top_k), num_experts)
@@ -75,6 +97,12 @@ class MoELayer(nn.Cell):
             seq_aux_loss = load_balancing_loss(seq_probs_mean, seq_load / seq_len, num_experts, top_k)
         else:
             seq_aux_loss = ops.zeros((), ms.float32)
+        if self.aux_loss_scope == "sequence":
+            aux_loss = seq_aux_loss
+        elif self.aux_loss_scope == "global":
+            aux_loss = self._global_aux_loss(probs, expert_load, num_tokens)
+        else:
+            aux_loss = load_balancing_loss(probs.mean(0), expert_load / num_tokens, num_experts, top_k)
         return {
             "aux_loss": aux_loss,
             "seq_aux_loss": seq_aux_loss,
@@ -83,6 +111,14 @@ class MoELayer(nn.Cell):
             "dropped": state["dropped"],
             "routed": ops.full((), num_tokens * top_k, dtype=ms.float32),
         }
+
+    def _global_aux_loss(self, probs, expert_load, num_tokens: int):
+        """Switch loss over the micro-batches of all ranks of `balance_group` (equal sizes)."""
+        group, num_experts = self.balance_group, self.num_experts
+        local = ops.concat([probs.sum(0), ops.stop_gradient(expert_load.astype(ms.float32))])
+        probs_sum, load = ops.split(comm.all_reduce(local, group), [num_experts, num_experts])
+        tokens = num_tokens * group.size
+        return load_balancing_loss(probs_sum / tokens, load / tokens, num_experts, self.top_k)
 
     def weighted_aux(self, stats):
         """`sum coeff * loss` over the auxiliary losses with a non-zero coefficient (fp32 scalar)."""

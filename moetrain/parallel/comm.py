@@ -520,6 +520,47 @@ def _run(cell: _GroupOp, x):
     return y
 
 
+class _CountedAllToAll(nn.Cell):
+    """`comm`'s all-to-all along axis 0 of `x [n, R, ...]` (chunk j to rank j, chunk i of the
+    result from rank i; the backward is the same exchange of the gradient), booking as native
+    volume only the rows that carry data.
+
+    `all_to_all` would book the whole padded buffer; here the caller passes how many rows
+    (`x[i, j]` sub-tensors) go to and come from other ranks, so the native columns hold what an
+    exact-count AlltoAllV moves (data-dependent, so a tensor, not a constant of the cell). The
+    ordering (counter read before, written after) is `_run`'s.
+    """
+
+    def __init__(self, group: Group, shape, dtype, differentiable: bool):
+        super().__init__()
+        n = group.size
+        itemsize = mstype.type_size_in_bytes(dtype)
+        self.exchange = _op("_AllToAll", group, tuple(shape), dtype, (0, 0))
+        self.row_bytes = float(np.prod(shape[2:], dtype=np.int64) * itemsize)
+        # the emulation all-reduces an [n, n, ...] buffer: a ring moves 2 (n - 1) / n of it
+        emulated = 2.0 * (n - 1) * float(np.prod(shape, dtype=np.int64)) * itemsize
+        self.emulated = Tensor(np.array([emulated, emulated if differentiable else 0.0], np.float64))
+        column = np.zeros((len(COUNTER_KINDS), 1), np.float64)
+        column[COUNTER_KINDS.index(group.kind), 0] = 1.0
+        self.kind_column = Tensor(column)
+
+    def construct(self, x, rows_sent, rows_received):
+        x = ops.Depend()(x, _COUNTER.bytes)
+        y = self.exchange(x)
+        fwd_emulated, bwd_emulated = ops.split(self.emulated, 1)
+        native = ops.stop_gradient(ops.stack([rows_sent, rows_received]).astype(ms.float64) * self.row_bytes)
+        fwd_native, bwd_native = ops.split(native, 1)
+        columns = ops.concat([fwd_native, fwd_emulated, bwd_native, bwd_emulated]).reshape(1, 4)
+        _COUNTER(ops.Depend()(self.kind_column * columns, y))
+        return y
+
+
+@functools.lru_cache(maxsize=None)
+def _counted_all_to_all(group: Group, shape, dtype, differentiable: bool) -> _CountedAllToAll:
+    """One cell per call signature (built in Python, also while `ms.jit` parses), as `_op`."""
+    return _CountedAllToAll(group, shape, dtype, differentiable)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------------------
@@ -566,6 +607,16 @@ def all_to_all_v(x, send_counts: Sequence[int], recv_counts: Sequence[int], grou
         return x
     counts = (tuple(send_counts), tuple(recv_counts), max_count)
     return _run(_op("_AllToAllV", group, x.shape, x.dtype, counts), x)
+
+
+def all_to_all_counted(x, group: Group, rows_sent, rows_received, differentiable: bool = True):
+    """`all_to_all(x, group)` along axis 0 of a padded buffer `x [n, R, ...]` whose byte counters
+    book only the rows that carry data: `rows_sent` / `rows_received` (scalar tensors) count the
+    `x[i, j]` rows that go to / come from other ranks (the backward's volume is the reverse).
+    Expert-parallel token dispatch uses it: buffers are padded to a bound, payloads are not."""
+    if group.size == 1:
+        return x
+    return _counted_all_to_all(group, x.shape, x.dtype, differentiable)(x, rows_sent, rows_received)
 
 
 def broadcast(x, src_rank_in_group: int, group: Group):

@@ -11,8 +11,10 @@ parameters":
                                              all-gather the updated shards into the parameters
 
 Expert parameters (`.experts.` in the name) are reduced over their expert-data-parallel group,
-every other parameter over the data-parallel group. Gradients are SUMMED over replicas here; the
-trainer's `inv_scale` divides by dp (and by micro-batches and the loss scale).
+every other parameter over the data-parallel group. Parameters flagged sequence-parallel (norm
+weights that saw only this rank's sequence chunk) first get their gradients summed over tp.
+Gradients are SUMMED over replicas here; the trainer's `inv_scale` divides by dp (and by
+micro-batches and the loss scale).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from moetrain.optim import build_optimizer, decays
 from moetrain.parallel import comm
 from moetrain.parallel.sharding import shard_spec
+from moetrain.parallel.tensor_parallel import is_sequence_parallel
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -70,6 +73,8 @@ class OptimizerStep:
         self.groups = [pctx.group(k) for k in self.kinds]
         self.buckets = make_buckets(self.params, self.kinds, parallel_cfg.grad_bucket_mb * 2 ** 20)
         self.world = pctx.group("world")
+        self.tp_group = pctx.group("tp")
+        self.tp_summed = [i for i, p in enumerate(self.params) if is_sequence_parallel(p)]
         if self.level == 0:
             self.optimizer = build_optimizer(self.params, optimizer_cfg)
             # each gradient is held identically by every rank of its reduction group
@@ -119,8 +124,20 @@ class OptimizerStep:
         sizes = [self.shard_sizes[i] if self.level == 2 else int(np.prod(grads[i].shape)) for i in bucket]
         return ops.split(flat, sizes)
 
+    def _sum_over_tp(self, grads):
+        """Sequence parallel: add the tp ranks' gradients of the parameters used on sequence chunks."""
+        if not self.tp_summed or self.tp_group.size == 1:
+            return grads
+        flat = comm.all_reduce(ops.concat([grads[i].reshape(-1) for i in self.tp_summed]), self.tp_group)
+        out = list(grads)
+        pieces = ops.split(flat, [int(np.prod(grads[i].shape)) for i in self.tp_summed])
+        for i, piece in zip(self.tp_summed, pieces):
+            out[i] = piece.reshape(grads[i].shape)
+        return out
+
     # ---- the step -------------------------------------------------------------------------
     def _sync_and_prepare_impl(self, grads, inv_scale):
+        grads = self._sum_over_tp(grads)
         out = list(grads)
         for bucket in self.buckets:
             for i, piece in zip(bucket, self._reduce_bucket(grads, bucket)):

@@ -1,0 +1,632 @@
+"""Sharded training checkpoints: every rank writes what it alone holds; any layout reads them back.
+
+One checkpoint folder (`<output_dir>/checkpoints/step_NNNNNNNN/`):
+
+    metadata.json                      step, trainer state, resolved config, parallel layout and, for
+                                       every tensor, its global shape and where each piece sits
+    model.safetensors                  the whole model when nothing slices it (tp = pp = ep = 1); with
+                                       config.yaml the folder is then also a model directory
+    model-rankNNNNN.safetensors        otherwise: the model pieces that rank writes
+    optimizer.safetensors              optimizer state when it is neither sliced nor ZeRO-sharded
+    optimizer-rankNNNNN.safetensors    otherwise: the optimizer pieces that rank writes
+    config.yaml                        the resolved config of the run
+    manifest.json                      sha256 and size of every file; written last (completeness marker)
+
+Tensor keys do not depend on the layout: a model tensor is its Parameter name; an optimizer moment
+is `<state prefix>.<parameter name>` (`adam_m.layers.0.attn.wq.weight`) at any ZeRO level; ZeRO's
+fp32 masters are `zero_master.<parameter name>` (at level 0 the parameter is its own master).
+
+A piece is the tensor a rank holds: a `ShardSpec` slice of the global tensor (tensor / expert
+parallel, see `moetrain.parallel.sharding`) and, under ZeRO, the `flat` range [start, stop) of that
+slice's flattened elements (the padding past the end is not saved). Inside a shard file a piece is
+stored under its key. Replicas are written once, by the first holder: rank 0 of the parameter's
+reduction group (dp, or edp for expert parameters) and tensor-parallel rank 0 unless the tensor is
+sliced over tp. Loading assembles each tensor's global value from its pieces, then cuts out what
+this rank holds in its own layout, so dp, tp, pp, ep and the ZeRO level may all change on resume.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from moetrain.checkpoint.manager import (MANIFEST, CheckpointError, CheckpointWriter, prune_checkpoints,
+                                         read_manifest, sha256_of, verify_files)
+from moetrain.parallel.sharding import ShardSpec
+
+METADATA = "metadata.json"
+FORMAT = "moetrain-sharded-v1"
+MASTER_PREFIX = "zero_master."
+PARTS = ("model", "optimizer")
+_INDEX = "pieces-rank{rank:05d}.json"    # one rank's piece list; merged into metadata.json by rank 0
+ASYNC_COMMIT_TIMEOUT_S = 600.0          # rank 0 waits this long for the other ranks' files (async save)
+
+
+# ------------------------------------------------------------------------------------------------
+# What one rank holds
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class LocalTensor:
+    """One tensor held by this rank, and where it sits in its global tensor."""
+
+    key: str                                  # layout-independent name (see the module docstring)
+    part: str                                 # "model" or "optimizer"
+    spec: ShardSpec                           # the tp/ep slice of the global tensor
+    flat: Optional[Tuple[int, int]] = None    # ZeRO: [start, stop) of the slice's flattened elements
+    group_kind: str = "dp"                    # reduction group whose ranks hold replicas (dp or edp)
+    writes: bool = True                       # this rank saves it (the first of its replicas)
+    param: Any = None                         # the Parameter to save from and load into
+    fallback: Optional[str] = None            # key to load when `key` is absent (a master from its parameter)
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        return (self.flat[1] - self.flat[0],) if self.flat else self.spec.local_shape()
+
+    def valid_count(self) -> int:
+        """Elements that are real data (the ZeRO padding past the end of the slice is not)."""
+        if not self.flat:
+            return int(np.prod(self.local_shape))
+        return max(0, min(self.flat[1], int(np.prod(self.spec.local_shape()))) - self.flat[0])
+
+
+def first_replica(pctx, spec: ShardSpec, group_kind: str, zero_sharded: bool) -> bool:
+    """Whether this rank is the one that writes a tensor (replicas are identical: write once)."""
+    if spec.group_kind != "tp" and pctx.tp_rank != 0:     # a copy on every tensor-parallel rank
+        return False
+    if zero_sharded:                                      # every group member holds another range
+        return True
+    return pctx.group(group_kind).rank_in_group == 0
+
+
+def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
+    """Every model and optimizer tensor this rank holds (`opt_step`: `OptimizerStep`)."""
+    from moetrain.parallel.data_parallel import reduction_group_kind
+    from moetrain.parallel.sharding import shard_spec
+
+    out = []
+    for param in model.get_parameters():
+        spec, kind = shard_spec(param), reduction_group_kind(param)
+        out.append(LocalTensor(param.name, "model", spec, None, kind, first_replica(pctx, spec, kind, False), param))
+    index = {p.name: i for i, p in enumerate(opt_step.params)}
+    bases = sorted((p.name for p in opt_step.optimizer.params), key=len, reverse=True)
+    for state in opt_step.state_parameters():
+        base = next((b for b in bases if state.name == b or state.name.endswith("." + b)), None)
+        if base is None:
+            raise CheckpointError(f"optimizer state {state.name!r} belongs to no parameter, so a sharded "
+                                  f"checkpoint cannot place it; keep per-parameter optimizer state only")
+        prefix = state.name[:-len(base)].rstrip(".")
+        zero = base.startswith(MASTER_PREFIX)
+        name = base[len(MASTER_PREFIX):] if zero else base
+        i = index[name]
+        param, group = opt_step.params[i], opt_step.groups[i]
+        spec, kind = shard_spec(param), opt_step.kinds[i]
+        flat = None
+        if zero:
+            size = opt_step.shard_sizes[i]
+            flat = (group.rank_in_group * size, (group.rank_in_group + 1) * size)
+        key = f"{prefix}.{name}" if prefix else (MASTER_PREFIX + name if zero else name)
+        out.append(LocalTensor(key, "optimizer", spec, flat, kind, first_replica(pctx, spec, kind, zero), state,
+                               fallback=name if key.startswith(MASTER_PREFIX) else None))
+    return out
+
+
+def layout_of(pctx, optimizer_shard: int) -> Dict[str, int]:
+    return {"world_size": pctx.world_size, "dp": pctx.dp, "tp": pctx.tp, "pp": pctx.pp, "ep": pctx.ep,
+            "optimizer_shard": optimizer_shard}
+
+
+def whole_parts(layout: Dict[str, int], tensors: Iterable[LocalTensor]) -> Dict[str, bool]:
+    """Per part: nothing in it is sliced, so only rank 0 writes it and it is named `<part>.safetensors`."""
+    unsliced = layout["tp"] == layout["pp"] == layout["ep"] == 1
+    out = {part: unsliced for part in PARTS}
+    for t in tensors:
+        if t.spec.axis is not None or t.flat:
+            out[t.part] = False
+    return out
+
+
+def shard_file(part: str, rank: int, whole: bool) -> str:
+    return f"{part}.safetensors" if whole else f"{part}-rank{rank:05d}.safetensors"
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving
+# ------------------------------------------------------------------------------------------------
+def host_copy(t: LocalTensor) -> np.ndarray:
+    """What a rank saves of `t`: its value without the ZeRO padding (a host copy, safe to write later)."""
+    value = t.param.asnumpy()
+    return value.reshape(-1)[:t.valid_count()].copy() if t.flat else value.copy()
+
+
+def _piece_json(t: LocalTensor, filename: str, value: np.ndarray) -> Dict[str, Any]:
+    return {"key": t.key, "part": t.part, "file": filename, "global_shape": list(t.spec.global_shape),
+            "dtype": str(value.dtype), "group": t.group_kind, "axis": t.spec.axis, "index": t.spec.index,
+            "count": t.spec.count, "slice_kind": t.spec.group_kind,
+            "flat": [t.flat[0], t.flat[0] + int(value.size)] if t.flat else None}
+
+
+def write_rank_pieces(writer: CheckpointWriter, rank: int, items: Sequence[Tuple[LocalTensor, np.ndarray]],
+                      whole: Dict[str, bool]) -> None:
+    """Write one rank's pieces (host copies) into its shard files, then its piece index (last)."""
+    files, pieces = {}, []
+    for part in PARTS:
+        arrays = {t.key: v for t, v in items if t.part == part and v.size}
+        if not arrays:
+            continue
+        filename = shard_file(part, rank, whole[part])
+        writer.tensors(filename, arrays)
+        path = os.path.join(writer.tmp, filename)
+        files[filename] = {"sha256": sha256_of(path), "bytes": os.path.getsize(path)}
+        pieces += [_piece_json(t, filename, v) for t, v in items if t.part == part and v.size]
+    index_path = os.path.join(writer.tmp, _INDEX.format(rank=rank))
+    with open(index_path + ".tmp", "w") as fh:
+        json.dump({"rank": rank, "files": files, "pieces": pieces}, fh)
+    os.replace(index_path + ".tmp", index_path)      # its presence says: this rank is done
+
+
+def merge_indices(folder: str, world_size: int) -> Tuple[Dict[str, dict], Dict[str, dict]]:
+    """(tensors, file checksums) from every rank's piece index; the index files are removed."""
+    tensors: Dict[str, dict] = {}
+    checksums: Dict[str, dict] = {}
+    for rank in range(world_size):
+        path = os.path.join(folder, _INDEX.format(rank=rank))
+        with open(path) as fh:
+            index = json.load(fh)
+        checksums.update(index["files"])
+        for piece in index["pieces"]:
+            entry = tensors.setdefault(piece["key"], {"part": piece["part"], "global_shape": piece["global_shape"],
+                                                      "dtype": piece["dtype"], "group": piece["group"],
+                                                      "pieces": []})
+            if entry["global_shape"] != piece["global_shape"]:
+                raise CheckpointError(f"{piece['key']}: rank {rank} holds a piece of global shape "
+                                      f"{piece['global_shape']}, another rank of {entry['global_shape']}")
+            entry["pieces"].append({k: piece[k] for k in ("file", "axis", "index", "count", "slice_kind", "flat")})
+    for rank in range(world_size):
+        os.remove(os.path.join(folder, _INDEX.format(rank=rank)))
+    problems = [p for key, entry in sorted(tensors.items()) for p in coverage_problems(key, entry)]
+    if problems:
+        raise CheckpointError("the ranks' pieces do not cover every tensor: " + "; ".join(problems[:8]))
+    return dict(sorted(tensors.items())), checksums
+
+
+def coverage_problems(key: str, entry: Dict[str, Any]) -> List[str]:
+    """What is missing for `key` to be reassembled from its pieces (empty list: complete)."""
+    pieces = entry["pieces"]
+    if not pieces:
+        return [f"{key}: no pieces"]
+    slicings = {(p["axis"], p["count"]) for p in pieces}
+    if len(slicings) != 1:
+        return [f"{key}: pieces sliced in different ways {sorted(slicings, key=str)}"]
+    (axis, count), = slicings
+    problems = []
+    for index in range(count if axis is not None else 1):
+        mine = [p for p in pieces if p["index"] == index or axis is None]
+        if not mine:
+            problems.append(f"{key}: slice {index} of {count} along axis {axis} is missing")
+            continue
+        if any(p["flat"] is None for p in mine):
+            continue
+        numel = int(np.prod(_slice_shape(entry["global_shape"], axis, count)))
+        covered = np.zeros(numel, bool)
+        for p in mine:
+            covered[p["flat"][0]:p["flat"][1]] = True
+        if not covered.all():
+            first = int(np.argmin(covered))
+            problems.append(f"{key}: elements from {first} of slice {index} ({numel} elements) are in no piece")
+    return problems
+
+
+def _slice_shape(global_shape, axis, count) -> Tuple[int, ...]:
+    shape = list(global_shape)
+    if axis is not None:
+        shape[axis] //= count
+    return tuple(shape)
+
+
+def _slice_region(global_shape, axis, index, count) -> Tuple[slice, ...]:
+    if axis is None:
+        return tuple(slice(None) for _ in global_shape)
+    size = global_shape[axis] // count
+    return tuple(slice(index * size, (index + 1) * size) if d == axis else slice(None)
+                 for d in range(len(global_shape)))
+
+
+def finish_checkpoint(writer: CheckpointWriter, world_size: int, metadata: Dict[str, Any], config_file: str) -> str:
+    """Rank 0, once every rank's pieces are written: metadata.json, config.yaml, manifest, publish."""
+    tensors, checksums = merge_indices(writer.tmp, world_size)
+    writer.json(METADATA, {**metadata, "tensors": tensors})
+    writer.copy("config.yaml", config_file)
+    return writer.commit(known=checksums)
+
+
+class ShardedCheckpointer:
+    """Saves one rank's share of every checkpoint; rank 0 completes and publishes it.
+
+    With `async_save`, `save` only takes host copies of this rank's tensors (a few ms) and a
+    background thread writes them; rank 0's thread waits for every rank's piece index (a file, so no
+    collective runs off the main thread), then publishes. The next `save` (or `wait`) first finishes
+    the previous one and re-raises its error, if any."""
+
+    def __init__(self, root: str, pctx, keep_max: int, async_save: bool = False):
+        self.root, self.pctx, self.keep_max, self.async_save = root, pctx, keep_max, async_save
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def save(self, step: int, tensors: Sequence[LocalTensor], metadata: Dict[str, Any], config_file: str) -> str:
+        from moetrain.parallel import comm
+
+        self.wait()
+        rank, world = self.pctx.rank, self.pctx.world_size
+        distributed = world > 1
+        writer = CheckpointWriter(self.root, step, suffix="job" if distributed else None, create=rank == 0)
+        if distributed:
+            comm.barrier()      # the folder exists before anyone writes into it
+        whole = whole_parts(metadata["layout"], tensors)
+        items = [(t, host_copy(t)) for t in tensors if t.writes]
+        final = os.path.join(self.root, writer.name)
+        if self.async_save:
+            self._thread = threading.Thread(target=self._background, name=f"checkpoint-{writer.name}",
+                                            args=(writer, items, whole, metadata, config_file))
+            self._thread.start()
+            return final
+        write_rank_pieces(writer, rank, items, whole)
+        if distributed:
+            comm.barrier()
+        if rank == 0:
+            final = finish_checkpoint(writer, world, metadata, config_file)
+            prune_checkpoints(self.root, self.keep_max)
+        if distributed:
+            comm.barrier()
+        return final
+
+    def _background(self, writer, items, whole, metadata, config_file) -> None:
+        try:
+            write_rank_pieces(writer, self.pctx.rank, items, whole)
+            if self.pctx.rank == 0:
+                self._wait_for_ranks(writer.tmp)
+                finish_checkpoint(writer, self.pctx.world_size, metadata, config_file)
+                prune_checkpoints(self.root, self.keep_max)
+        except BaseException as exc:  # re-raised on the main thread by wait()
+            self._error = exc
+            print(f"moetrain: asynchronous save of {writer.name} failed: {exc!r}", file=sys.stderr, flush=True)
+
+    def _wait_for_ranks(self, folder: str) -> None:
+        deadline = time.monotonic() + ASYNC_COMMIT_TIMEOUT_S
+        missing = list(range(self.pctx.world_size))
+        while missing:
+            missing = [r for r in missing if not os.path.isfile(os.path.join(folder, _INDEX.format(rank=r)))]
+            if missing and time.monotonic() > deadline:
+                raise CheckpointError(f"ranks {missing} did not finish writing {folder} within "
+                                      f"{ASYNC_COMMIT_TIMEOUT_S:.0f} s; the checkpoint stays incomplete")
+            if missing:
+                time.sleep(0.05)
+
+    def wait(self) -> None:
+        """Finish the pending asynchronous save; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"the previous asynchronous checkpoint save failed: {error!r}") from error
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------
+class CheckpointReader:
+    """A sharded checkpoint, or a model directory (config.yaml + model.safetensors, as step 0)."""
+
+    def __init__(self, path: str):
+        from moetrain.checkpoint.model_dir import CONFIG_FILE, WEIGHTS_FILE
+
+        self.path = path
+        self._handles: Dict[str, Any] = {}
+        self._verified: set = set()
+        meta_path = os.path.join(path, METADATA)
+        if os.path.isfile(meta_path):
+            self.manifest = read_manifest(path)
+            self.verify([METADATA])
+            with open(meta_path) as fh:
+                self.metadata = json.load(fh)
+            if self.metadata.get("format") != FORMAT:
+                raise CheckpointError(f"{meta_path}: unknown format {self.metadata.get('format')!r} "
+                                      f"(this moetrain reads {FORMAT})")
+        elif os.path.isfile(os.path.join(path, "trainer_state.json")):
+            raise CheckpointError(f"{path} was written by an older moetrain (trainer_state.json, no {METADATA}); "
+                                  f"its format is not readable any more: retrain, or consolidate it with that version")
+        elif os.path.isfile(os.path.join(path, WEIGHTS_FILE)) and os.path.isfile(os.path.join(path, CONFIG_FILE)):
+            self.manifest = None
+            self.metadata = _model_dir_metadata(path)
+        else:
+            raise CheckpointError(f"{path} is neither a checkpoint ({METADATA} + {MANIFEST}) nor a model "
+                                  f"directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+        self.tensors: Dict[str, dict] = self.metadata["tensors"]
+
+    @property
+    def step(self) -> int:
+        return int(self.metadata.get("step", 0))
+
+    @property
+    def trainer_state(self) -> Dict[str, Any]:
+        return self.metadata.get("trainer_state", {})
+
+    def keys(self, part: Optional[str] = None) -> List[str]:
+        return [k for k, e in self.tensors.items() if part is None or e["part"] == part]
+
+    def files_of(self, keys: Iterable[str]) -> List[str]:
+        return sorted({p["file"] for k in keys for p in self.tensors[k]["pieces"]})
+
+    def verify(self, files: Iterable[str]) -> None:
+        """Check `files` against the manifest (size and sha256); the error names the bad file."""
+        if self.manifest is not None:
+            new = [name for name in files if name not in self._verified]
+            verify_files(self.path, self.manifest, new)
+            self._verified.update(new)
+
+    def _read(self, filename: str, key: str) -> np.ndarray:
+        from safetensors import safe_open
+
+        self.verify([filename])
+        if filename not in self._handles:
+            self._handles[filename] = safe_open(os.path.join(self.path, filename), framework="np")
+        return self._handles[filename].get_tensor(key)
+
+    def global_tensor(self, key: str) -> np.ndarray:
+        """The whole tensor, reassembled from its pieces."""
+        entry = self.tensors.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.path} has no tensor {key!r}")
+        problems = coverage_problems(key, entry)
+        if problems:
+            raise CheckpointError(f"{self.path}: " + "; ".join(problems))
+        shape = tuple(entry["global_shape"])
+        out = np.zeros(shape, entry["dtype"])
+        flat_buffers: Dict[int, np.ndarray] = {}
+        for piece in entry["pieces"]:
+            axis, index, count = piece["axis"], piece["index"], piece["count"]
+            region = _slice_region(shape, axis, index, count)
+            value = self._read(piece["file"], key)
+            if piece["flat"] is None:
+                out[region] = value.reshape(_slice_shape(shape, axis, count))
+            else:
+                buffer = flat_buffers.setdefault(index, np.zeros(int(np.prod(_slice_shape(shape, axis, count))),
+                                                                 entry["dtype"]))
+                buffer[piece["flat"][0]:piece["flat"][1]] = value.reshape(-1)
+        for index, buffer in flat_buffers.items():
+            piece = entry["pieces"][0]
+            out[_slice_region(shape, piece["axis"], index, piece["count"])] = \
+                buffer.reshape(_slice_shape(shape, piece["axis"], piece["count"]))
+        return out
+
+    def local_value(self, t: LocalTensor) -> np.ndarray:
+        """What `t`'s rank holds of the saved tensor, in its own layout (slice, then ZeRO range)."""
+        key = t.key if t.key in self.tensors else t.fallback
+        saved_shape = tuple(self.tensors[key]["global_shape"])
+        if saved_shape != tuple(t.spec.global_shape):
+            raise CheckpointError(f"{self.path}: '{key}' has shape {saved_shape} in the checkpoint but "
+                                  f"{tuple(t.spec.global_shape)} in the model (was it saved with another model "
+                                  f"config?)")
+        value = t.spec.slice_of(self.global_tensor(key))
+        if not t.flat:
+            return value
+        out = np.zeros(t.flat[1] - t.flat[0], value.dtype)
+        valid = t.valid_count()
+        out[:valid] = value.reshape(-1)[t.flat[0]:t.flat[0] + valid]
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _model_dir_metadata(path: str) -> Dict[str, Any]:
+    """A model directory read as a step-0 checkpoint holding one whole piece per model tensor."""
+    import yaml
+    from safetensors import safe_open
+
+    from moetrain.checkpoint.model_dir import CONFIG_FILE, WEIGHTS_FILE
+
+    with open(os.path.join(path, CONFIG_FILE)) as fh:
+        config = yaml.safe_load(fh) or {}
+    tensors = {}
+    with safe_open(os.path.join(path, WEIGHTS_FILE), framework="np") as fh:
+        for key in fh.keys():
+            sl = fh.get_slice(key)
+            tensors[key] = {"part": "model", "global_shape": list(sl.get_shape()), "group": "dp",
+                            "dtype": str(fh.get_tensor(key).dtype),
+                            "pieces": [{"file": WEIGHTS_FILE, "axis": None, "index": 0, "count": 1,
+                                        "slice_kind": "", "flat": None}]}
+    return {"format": FORMAT, "step": 0, "trainer_state": {}, "config": config, "layout": None,
+            "tensors": dict(sorted(tensors.items()))}
+
+
+def load_into(reader: CheckpointReader, tensors: Sequence[LocalTensor], holds_whole_model: bool) -> bool:
+    """Copy the checkpoint into this rank's Parameters, resharding to their layout.
+
+    Every model tensor must be in the checkpoint with its global shape; the error lists each
+    mismatch. A checkpoint without optimizer state (e.g. converted from a model directory) leaves the
+    optimizer fresh; returns whether optimizer state was loaded. `holds_whole_model`: this rank has
+    every model tensor (no pipeline stages), so tensors the model lacks are reported too."""
+    import mindspore as ms
+
+    model = [t for t in tensors if t.part == "model"]
+    saved_model = set(reader.keys("model"))
+    missing = sorted(t.key for t in model if t.key not in saved_model)
+    unexpected = sorted(saved_model - {t.key for t in model}) if holds_whole_model else []
+    problems = ([f"missing from the checkpoint: {missing}"] if missing else []) + \
+               ([f"not in the model: {unexpected}"] if unexpected else [])
+    problems += [f"shape mismatch: {t.key}: checkpoint {tuple(reader.tensors[t.key]['global_shape'])} vs model "
+                 f"{tuple(t.spec.global_shape)}"
+                 for t in model if t.key in saved_model
+                 and tuple(reader.tensors[t.key]["global_shape"]) != tuple(t.spec.global_shape)]
+    if problems:
+        raise CheckpointError(f"{reader.path} does not fit the model (was it written for another model "
+                              f"config?): " + "; ".join(problems))
+    # without saved optimizer state the optimizer stays fresh, but ZeRO masters follow the loaded weights
+    with_optimizer = bool(reader.keys("optimizer"))
+    wanted = model + [t for t in tensors if t.part == "optimizer" and (with_optimizer or t.fallback)]
+    missing = [t.key for t in wanted if t.key not in reader.tensors and t.fallback not in reader.tensors]
+    if missing:
+        raise CheckpointError(f"{reader.path} lacks optimizer state {missing[:8]}{'...' if len(missing) > 8 else ''} "
+                              f"(saved with another optimizer.name?)")
+    reader.verify(reader.files_of({t.key if t.key in reader.tensors else t.fallback for t in wanted}))
+    for t in wanted:
+        value = reader.local_value(t)
+        if tuple(value.shape) != tuple(t.param.shape):
+            raise CheckpointError(f"{reader.path}: {t.key} resharded to {tuple(value.shape)} but this rank's "
+                                  f"tensor is {tuple(t.param.shape)}")
+        t.param.set_data(ms.Tensor(value, dtype=t.param.dtype))
+    return with_optimizer
+
+
+# ------------------------------------------------------------------------------------------------
+# Offline: consolidate, reshard, model directory -> checkpoint
+# ------------------------------------------------------------------------------------------------
+def consolidate(src: str, out_dir: str) -> Dict[str, np.ndarray]:
+    """Write the model of checkpoint `src` (any layout) as one model directory; returns its state."""
+    from moetrain.checkpoint.model_dir import save_model_dir
+
+    reader = CheckpointReader(src)
+    reader.verify(reader.files_of(reader.keys("model")))
+    state = {key: reader.global_tensor(key) for key in reader.keys("model")}
+    save_model_dir(out_dir, reader.metadata["config"], state)
+    return state
+
+
+def parse_layout(text: str) -> Dict[str, int]:
+    """`dp=4,tp=2,pp=1,ep=1,zero=1` (omitted sizes are 1, zero is 0) -> a validated layout dict."""
+    from moetrain.parallel.topology import LayoutError, validate_layout
+
+    sizes = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "zero": 0}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in sizes or not value.strip().isdigit():
+            raise ValueError(f"--to-layout: bad item {item!r}; expected e.g. dp=4,tp=2,pp=1,ep=2,zero=1 "
+                             f"with names {list(sizes)}")
+        sizes[name] = int(value)
+    if sizes["zero"] not in (0, 1, 2):
+        raise ValueError(f"--to-layout: zero={sizes['zero']} must be 0, 1 or 2")
+    world = sizes["dp"] * sizes["tp"] * sizes["pp"]
+    try:
+        validate_layout(world, sizes["dp"], sizes["tp"], sizes["pp"], sizes["ep"])
+    except LayoutError as exc:
+        raise ValueError(f"--to-layout {text!r}: {exc}") from None
+    return {"world_size": world, "dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"], "ep": sizes["ep"],
+            "optimizer_shard": sizes["zero"]}
+
+
+def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int) -> List[LocalTensor]:
+    """The tensors rank `rank` of `layout` would hold, from the saved tensors' slicing rules."""
+    from moetrain.parallel.topology import ParallelContext
+
+    pctx = ParallelContext.build(layout["world_size"], rank, layout["dp"], layout["tp"], layout["pp"], layout["ep"])
+    zero = layout["optimizer_shard"] > 0
+    out = []
+    for key, entry in reader.tensors.items():
+        if key.startswith(MASTER_PREFIX) and not zero:
+            continue                                  # at ZeRO 0 the parameter is its own master
+        piece = entry["pieces"][0]
+        kind = piece["slice_kind"]
+        count = {"tp": pctx.tp, "ep": pctx.ep}.get(kind, piece["count"]) if piece["axis"] is not None else 1
+        index = {"tp": pctx.tp_rank, "ep": pctx.ep_rank}.get(kind, 0) if piece["axis"] is not None else 0
+        if count > 1 and entry["global_shape"][piece["axis"]] % count:
+            raise CheckpointError(f"{key}: dimension {piece['axis']} of {tuple(entry['global_shape'])} cannot be "
+                                  f"split into {kind}={count} equal slices; choose a {kind} size that divides it")
+        spec = ShardSpec(tuple(entry["global_shape"]), piece["axis"] if count > 1 else None, index, count,
+                         kind if count > 1 else "")
+        flat = None
+        if zero and entry["part"] == "optimizer":
+            group = pctx.group(entry["group"])
+            size = -(-int(np.prod(spec.local_shape())) // group.size)
+            flat = (group.rank_in_group * size, (group.rank_in_group + 1) * size)
+        out.append(LocalTensor(key, entry["part"], spec, flat, entry["group"],
+                               first_replica(pctx, spec, entry["group"], flat is not None)))
+    if zero:   # saved without ZeRO masters: each trainable parameter's master starts as the parameter
+        trainable = {k.split(".", 1)[1] for k in reader.keys("optimizer") if "." in k}
+        for t in [t for t in out if t.part == "model" and t.key in trainable
+                  and MASTER_PREFIX + t.key not in reader.tensors]:
+            group = pctx.group(t.group_kind)
+            size = -(-int(np.prod(t.spec.local_shape())) // group.size)
+            out.append(LocalTensor(MASTER_PREFIX + t.key, "optimizer", t.spec,
+                                   (group.rank_in_group * size, (group.rank_in_group + 1) * size), t.group_kind,
+                                   first_replica(pctx, t.spec, t.group_kind, True), fallback=t.key))
+    return out
+
+
+def reshard(src: str, out_path: str, layout: Dict[str, int]) -> str:
+    """Rewrite checkpoint (or model directory) `src` as the checkpoint `layout` would have saved.
+
+    Loading reshards by itself; this only pre-splits the files. Tensor slicing axes come from the
+    saved pieces, so a checkpoint with nothing sliced over tp (or ep) cannot be split over tp (ep)
+    here (resume with the new layout directly instead); pipeline stages are assigned by the model,
+    so the output has pp = 1 (any saved pp is fine)."""
+    reader = CheckpointReader(src)
+    saved = reader.metadata.get("layout") or {"tp": 1, "pp": 1, "ep": 1}
+    kinds = {p["slice_kind"] for e in reader.tensors.values() for p in e["pieces"] if p["axis"] is not None}
+    for kind in ("tp", "ep"):
+        if layout[kind] > 1 and kind not in kinds:
+            raise CheckpointError(f"{src} has no tensor sliced over {kind} (saved with {kind}={saved.get(kind, 1)}), "
+                                  f"so the slicing axes are unknown offline: resume with {kind}={layout[kind]} "
+                                  f"directly, the checkpoint is resharded at load")
+    if layout["pp"] > 1:
+        raise CheckpointError(f"pipeline stages are assigned by the model, so offline conversion writes pp=1 "
+                              f"only: resume with pp={layout['pp']} directly (the checkpoint is resharded at load)")
+    metadata = {k: v for k, v in reader.metadata.items() if k != "tensors"}
+    metadata["layout"] = layout
+    root, name = os.path.split(os.path.abspath(out_path))
+    writer = CheckpointWriter(root, reader.step, final_name=name)
+    per_rank = [_target_tensors(reader, layout, rank) for rank in range(layout["world_size"])]
+    whole = whole_parts(layout, per_rank[0])
+    for rank, tensors in enumerate(per_rank):
+        items = [(t, reader.local_value(t)[:t.valid_count()] if t.flat else reader.local_value(t))
+                 for t in tensors if t.writes]
+        write_rank_pieces(writer, rank, items, whole)
+    config_file = os.path.join(src, "config.yaml")
+    return finish_checkpoint(writer, layout["world_size"], metadata, config_file)
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line (tools/convert_ckpt.py; `moetrain convert reshard|consolidate`)
+# ------------------------------------------------------------------------------------------------
+def main(argv=None, mode: Optional[str] = None) -> int:
+    prog = {None: "tools/convert_ckpt.py", "reshard": "moetrain convert reshard",
+            "consolidate": "moetrain convert consolidate"}[mode]
+    ap = argparse.ArgumentParser(prog=prog, description="Reshard a training checkpoint onto another parallel "
+                                 "layout, or consolidate it into one model directory.")
+    ap.add_argument("src", help="checkpoint folder (checkpoints/step_NNNNNNNN) or, with --to-layout, a model "
+                                "directory (config.yaml + model.safetensors)")
+    ap.add_argument("out", help="folder to write (must not exist)")
+    if mode is None:
+        what = ap.add_mutually_exclusive_group(required=True)
+        what.add_argument("--consolidate", action="store_true",
+                          help="write config.yaml + model.safetensors (for forward / hf-export)")
+        what.add_argument("--to-layout", metavar="SPEC", help="e.g. dp=4,tp=1,ep=1,zero=1")
+    elif mode == "reshard":
+        ap.add_argument("--to-layout", metavar="SPEC", required=True, help="e.g. dp=4,tp=1,ep=1,zero=1")
+    args = ap.parse_args(argv)
+    if os.path.exists(args.out):
+        raise ValueError(f"{args.out} exists; choose a new output folder")
+    if mode == "consolidate" or getattr(args, "consolidate", False):
+        state = consolidate(args.src, args.out)
+        print(f"wrote {len(state)} tensors ({sum(v.size for v in state.values()):,} values) to {args.out}")
+    else:
+        layout = parse_layout(args.to_layout)
+        path = reshard(args.src, args.out, layout)
+        print(f"wrote {path} for {layout['world_size']} ranks (dp={layout['dp']} tp={layout['tp']} "
+              f"pp={layout['pp']} ep={layout['ep']} ZeRO-{layout['optimizer_shard']})")
+    return 0
+
+
+def main_reshard(argv=None) -> int:
+    return main(argv, "reshard")
+
+
+def main_consolidate(argv=None) -> int:
+    return main(argv, "consolidate")

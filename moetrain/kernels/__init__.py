@@ -1,0 +1,104 @@
+"""Fused CPU kernels (MindSpore AOT custom ops) and their builder.
+
+The C++ sources next to this file are compiled once per source version with the system C++
+compiler into a cache folder (`$MOETRAIN_KERNEL_CACHE`, default `~/.cache/moetrain/kernels`) and
+linked against the oneDNN library that ships with MindSpore, whose `dnnl_sgemm` does the matrix
+products. `available()` says whether the kernels can be used here (CPU device target, a compiler,
+the library); callers fall back to plain MindSpore ops when it is False, so nothing depends on a
+compiler being installed. `MOETRAIN_DISABLE_KERNELS=1` turns them off (for A/B measurements).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# source -> extra compiler flags. The elementwise kernels need -ffast-math for vectorised expf and
+# are built for this CPU (-march=native; the CPU model is part of the cache key).
+ELEMENTWISE_FLAGS = ("-march=native", "-ffast-math")
+SOURCES = {"grouped_gemm.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
+           "attention.cc": ELEMENTWISE_FLAGS}
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _mindspore_lib_dir() -> str:
+    import mindspore
+
+    return os.path.join(os.path.dirname(mindspore.__file__), "lib")
+
+
+def _cache_dir() -> str:
+    return os.environ.get("MOETRAIN_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moetrain",
+                                                                    "kernels")
+
+
+@functools.lru_cache(maxsize=None)
+def library_path() -> str:
+    """Path of the compiled kernel library, building it first if this source version has no build yet.
+    Raises KernelBuildError (with the compiler output) when it cannot be built."""
+    import mindspore
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
+    lib_dir = _mindspore_lib_dir()
+    if not os.path.isfile(os.path.join(lib_dir, "libdnnl.so.3")):
+        raise KernelBuildError(f"libdnnl.so.3 not found in {lib_dir} (this MindSpore build has no oneDNN)")
+    digest = hashlib.sha256(f"{mindspore.__version__} {compiler} {_cpu_model()} {SOURCES}".encode())
+    for name in SOURCES:
+        with open(os.path.join(HERE, name), "rb") as fh:
+            digest.update(fh.read())
+    target = os.path.join(_cache_dir(), f"moetrain_kernels_{digest.hexdigest()[:16]}.so")
+    if os.path.isfile(target):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    # Build in a private folder, then rename: concurrent builders (data-parallel workers) are safe.
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as build_dir:
+        objects = []
+        for name, flags in SOURCES.items():
+            objects.append(os.path.join(build_dir, name + ".o"))
+            _run([compiler, "-O3", "-std=c++17", "-fPIC", "-pthread", *flags, "-c", os.path.join(HERE, name),
+                  "-o", objects[-1]])
+        library = os.path.join(build_dir, "kernels.so")
+        _run([compiler, "-shared", "-pthread", "-o", library, *objects, f"-L{lib_dir}", "-l:libdnnl.so.3",
+              f"-Wl,-rpath,{lib_dir}"])
+        os.replace(library, target)
+    return target
+
+
+def _run(command) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise KernelBuildError(f"building the moetrain CPU kernels failed:\n{' '.join(command)}\n{result.stderr}")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """True when the kernels can run here: CPU target, not disabled, and the library builds."""
+    import mindspore as ms
+
+    if os.environ.get("MOETRAIN_DISABLE_KERNELS", "0") not in ("", "0"):
+        return False
+    if ms.get_context("device_target") != "CPU":
+        return False
+    try:
+        library_path()
+    except KernelBuildError:
+        return False
+    return True

@@ -1,0 +1,181 @@
+// Causal grouped-query attention, softmax(q k^T + causal mask) v, straight from the projection
+// layout (no transposes), with the causal structure exploited: row block [r0, r1) only multiplies
+// keys [0, r1). fp32; q is pre-scaled by 1/sqrt(head_dim) by the caller.
+//
+//   CausalAttentionForward   q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, D] -> o [B, S, Hq, D]
+//   CausalAttentionBackward  q, k, v, o, do -> flat [dq (B S Hq D) | dk (B S Hkv D) | dv (B S Hkv D)]
+//
+// Query head h reads key/value head h / (Hq / Hkv) (Hugging Face repeat_kv). The backward
+// recomputes the probabilities block by block (FlashAttention style) instead of storing [S, S]
+// per head, and uses rowsum(dP * P) = rowsum(dO * O). One output per kernel: MindSpore's C++
+// shape inference for AOT ops covers one output, so the three gradients travel packed.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+                          int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+
+namespace {
+
+constexpr int64_t kBlock = 64;   // query rows per block
+
+int NumThreads() {
+  static const int threads = [] {
+    const char *env = std::getenv("MOETRAIN_KERNEL_THREADS");
+    int n = env ? std::atoi(env) : static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, n);
+  }();
+  return threads;
+}
+
+// fn(first_unit, end_unit) over `units` independent work units split evenly over the threads.
+template <typename Fn>
+void ParallelUnits(int64_t units, Fn fn) {
+  const int parts = static_cast<int>(std::min<int64_t>(NumThreads(), units));
+  std::vector<std::thread> workers;
+  for (int p = 1; p < parts; ++p) workers.emplace_back(fn, units * p / parts, units * (p + 1) / parts);
+  fn(0, units / parts);
+  for (auto &w : workers) w.join();
+}
+
+struct Dims {
+  int64_t batch, seq, q_heads, kv_heads, dim;
+  int64_t q_stride() const { return q_heads * dim; }    // between consecutive positions
+  int64_t kv_stride() const { return kv_heads * dim; }
+};
+
+bool ReadDims(int *ndims, int64_t **shapes, const char **dtypes, int inputs, Dims *d) {
+  for (int i = 0; i < inputs; ++i)
+    if (ndims[i] != 4 || std::strcmp(dtypes[i], "float32") != 0) return false;
+  *d = {shapes[0][0], shapes[0][1], shapes[0][2], shapes[1][2], shapes[0][3]};
+  if (d->kv_heads < 1 || d->q_heads % d->kv_heads) return false;
+  for (int i = 1; i < 3; ++i)
+    if (shapes[i][0] != d->batch || shapes[i][1] != d->seq || shapes[i][2] != d->kv_heads || shapes[i][3] != d->dim)
+      return false;
+  return true;
+}
+
+// probs[i, :cols] = causal softmax of scores rows [r0, r0 + rows) over keys [0, cols): key j is
+// visible to query r0 + i when j <= r0 + i; hidden entries become 0.
+void CausalSoftmax(float *probs, int64_t rows, int64_t cols, int64_t r0) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float *row = probs + i * cols;
+    const int64_t visible = r0 + i + 1;
+    float top = row[0];
+    for (int64_t j = 1; j < visible; ++j) top = std::max(top, row[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < visible; ++j) {
+      row[j] = std::exp(row[j] - top);
+      sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
+    for (int64_t j = visible; j < cols; ++j) row[j] = 0.0f;
+  }
+}
+
+// Scores and probabilities of query rows [r0, r1) of one head against keys [0, r1).
+void BlockProbs(const Dims &d, const float *q_head, const float *k_head, int64_t r0, int64_t r1, float *probs) {
+  dnnl_sgemm('N', 'T', r1 - r0, r1, d.dim, 1.0f, q_head + r0 * d.q_stride(), d.q_stride(), k_head, d.kv_stride(),
+             0.0f, probs, r1);
+  CausalSoftmax(probs, r1 - r0, r1, r0);
+}
+
+}  // namespace
+
+extern "C" std::vector<int64_t> CausalAttentionForwardInferShape(int *ndims, int64_t **shapes, void *extra) {
+  return std::vector<int64_t>(shapes[0], shapes[0] + ndims[0]);
+}
+extern "C" std::vector<int64_t> CausalAttentionBackwardInferShape(int *ndims, int64_t **shapes, void *extra) {
+  const int64_t q = shapes[0][0] * shapes[0][1] * shapes[0][2] * shapes[0][3];
+  const int64_t kv = shapes[1][0] * shapes[1][1] * shapes[1][2] * shapes[1][3];
+  return {q + 2 * kv};
+}
+extern "C" int CausalAttentionForwardInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+extern "C" int CausalAttentionBackwardInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+
+extern "C" int CausalAttentionForward(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                      void *stream, void *extra) {
+  Dims d;
+  if (nparam != 4 || !ReadDims(ndims, shapes, dtypes, 3, &d)) return 1;
+  const float *q = static_cast<const float *>(params[0]), *k = static_cast<const float *>(params[1]);
+  const float *v = static_cast<const float *>(params[2]);
+  float *o = static_cast<float *>(params[3]);
+  const int64_t group = d.q_heads / d.kv_heads;
+  ParallelUnits(d.batch * d.q_heads, [&](int64_t first, int64_t end) {
+    std::vector<float> probs(kBlock * d.seq);
+    for (int64_t unit = first; unit < end; ++unit) {
+      const int64_t b = unit / d.q_heads, h = unit % d.q_heads;
+      const float *q_head = q + b * d.seq * d.q_stride() + h * d.dim;
+      const int64_t kv_offset = b * d.seq * d.kv_stride() + (h / group) * d.dim;
+      float *o_head = o + b * d.seq * d.q_stride() + h * d.dim;
+      for (int64_t r0 = 0; r0 < d.seq; r0 += kBlock) {
+        const int64_t r1 = std::min(d.seq, r0 + kBlock);
+        BlockProbs(d, q_head, k + kv_offset, r0, r1, probs.data());
+        dnnl_sgemm('N', 'N', r1 - r0, d.dim, r1, 1.0f, probs.data(), r1, v + kv_offset, d.kv_stride(), 0.0f,
+                   o_head + r0 * d.q_stride(), d.q_stride());
+      }
+    }
+  });
+  return 0;
+}
+
+extern "C" int CausalAttentionBackward(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                       void *stream, void *extra) {
+  Dims d;
+  if (nparam != 6 || !ReadDims(ndims, shapes, dtypes, 5, &d)) return 1;
+  for (int i = 3; i < 5; ++i)
+    if (shapes[i][0] != d.batch || shapes[i][1] != d.seq || shapes[i][2] != d.q_heads || shapes[i][3] != d.dim)
+      return 1;
+  const float *q = static_cast<const float *>(params[0]), *k = static_cast<const float *>(params[1]);
+  const float *v = static_cast<const float *>(params[2]), *o = static_cast<const float *>(params[3]);
+  const float *dout = static_cast<const float *>(params[4]);
+  float *dq = static_cast<float *>(params[5]);
+  float *dk = dq + d.batch * d.seq * d.q_stride();
+  float *dv = dk + d.batch * d.seq * d.kv_stride();
+  const int64_t group = d.q_heads / d.kv_heads;
+  // A unit is one (batch, kv head): it owns that slice of dk / dv, accumulated over its query heads.
+  ParallelUnits(d.batch * d.kv_heads, [&](int64_t first, int64_t end) {
+    std::vector<float> probs(kBlock * d.seq), dprobs(kBlock * d.seq), delta(kBlock);
+    for (int64_t unit = first; unit < end; ++unit) {
+      const int64_t b = unit / d.kv_heads, kvh = unit % d.kv_heads;
+      const int64_t kv_offset = b * d.seq * d.kv_stride() + kvh * d.dim;
+      for (int64_t s = 0; s < d.seq; ++s) {
+        std::memset(dk + kv_offset + s * d.kv_stride(), 0, d.dim * sizeof(float));
+        std::memset(dv + kv_offset + s * d.kv_stride(), 0, d.dim * sizeof(float));
+      }
+      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const int64_t q_offset = b * d.seq * d.q_stride() + h * d.dim;
+        for (int64_t r0 = 0; r0 < d.seq; r0 += kBlock) {
+          const int64_t r1 = std::min(d.seq, r0 + kBlock), rows = r1 - r0;
+          const int64_t row_offset = q_offset + r0 * d.q_stride();
+          BlockProbs(d, q + q_offset, k + kv_offset, r0, r1, probs.data());
+          // dP = dO V^T; dS = P * (dP - rowsum(dO * O))
+          dnnl_sgemm('N', 'T', rows, r1, d.dim, 1.0f, dout + row_offset, d.q_stride(), v + kv_offset, d.kv_stride(),
+                     0.0f, dprobs.data(), r1);
+          for (int64_t i = 0; i < rows; ++i) {
+            const float *do_row = dout + row_offset + i * d.q_stride(), *o_row = o + row_offset + i * d.q_stride();
+            float dot = 0.0f;
+            for (int64_t c = 0; c < d.dim; ++c) dot += do_row[c] * o_row[c];
+            float *dp = dprobs.data() + i * r1;
+            const float *p = probs.data() + i * r1;
+            for (int64_t j = 0; j < r1; ++j) dp[j] = p[j] * (dp[j] - dot);
+          }
+          // dQ = dS K; dK += dS^T Q; dV += P^T dO
+          dnnl_sgemm('N', 'N', rows, d.dim, r1, 1.0f, dprobs.data(), r1, k + kv_offset, d.kv_stride(), 0.0f,
+                     dq + row_offset, d.q_stride());
+          dnnl_sgemm('T', 'N', r1, d.dim, rows, 1.0f, dprobs.data(), r1, q + row_offset, d.q_stride(), 1.0f,
+                     dk + kv_offset, d.kv_stride());
+          dnnl_sgemm('T', 'N', r1, d.dim, rows, 1.0f, probs.data(), r1, dout + row_offset, d.q_stride(), 1.0f,
+                     dv + kv_offset, d.kv_stride());
+        }
+      }
+    }
+  });
+  return 0;
+}

@@ -1,0 +1,147 @@
+// Grouped matrix products for MoE experts on CPU: row n of the token matrix is multiplied by
+// the weight matrix of expert row_expert[n]. Every maximal run of rows with the same expert is one
+// dnnl_sgemm call (oneDNN ships with MindSpore), so sorted rows (the dropless dispatcher's layout)
+// cost one GEMM per expert per thread: no padding rows and no per-block weight copies.
+//
+// MindSpore AOT kernel ABI (ops.Custom(func_type="aot")): params holds the inputs, then the
+// outputs; a non-zero return value fails the op. `<Kernel>InferShape` / `<Kernel>InferType` are the
+// C++ shape and dtype inference MindSpore calls (they keep working where a graph is compiled
+// without the Python primitive, e.g. a jit graph returning a dict).
+//
+//   GroupedMatmulNN  x [N, K], w [E, K, F], row_expert [N] -> y [N, F]   y_n  = x_n @ w[e_n]
+//   GroupedMatmulNT  g [N, F], w [E, K, F], row_expert [N] -> y [N, K]   y_n  = g_n @ w[e_n]^T
+//   GroupedMatmulTN  x [N, K], g [N, F], row_expert [N], w [E, K, F] -> y [E, K, F]
+//                    y[e] = sum over rows n of expert e of x_n^T g_n (w: only its shape is read)
+//
+// Work is split over MOETRAIN_KERNEL_THREADS threads (default: the hardware threads): by rows for
+// NN/NT, by output columns for TN, so threads never write the same element.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+                          int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+
+namespace {
+
+int NumThreads() {
+  static const int threads = [] {
+    const char *env = std::getenv("MOETRAIN_KERNEL_THREADS");
+    int n = env ? std::atoi(env) : static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, n);
+  }();
+  return threads;
+}
+
+template <typename Fn>
+void ParallelFor(int parts, Fn fn) {
+  if (parts <= 1) {
+    fn(0);
+    return;
+  }
+  std::vector<std::thread> workers;
+  for (int p = 1; p < parts; ++p) workers.emplace_back(fn, p);
+  fn(0);
+  for (auto &w : workers) w.join();
+}
+
+bool IsType(const char *dtype, const char *want) { return std::strcmp(dtype, want) == 0; }
+
+// Calls fn(first_row, end_row, expert) for each run of equal experts inside rows [begin, end).
+template <typename Fn>
+bool ForEachRun(const int32_t *row_expert, int64_t begin, int64_t end, int64_t num_experts, Fn fn) {
+  int64_t start = begin;
+  for (int64_t r = begin + 1; r <= end; ++r) {
+    if (r == end || row_expert[r] != row_expert[start]) {
+      int64_t e = row_expert[start];
+      if (e < 0 || e >= num_experts) return false;
+      fn(start, r, e);
+      start = r;
+    }
+  }
+  return true;
+}
+
+// Shared by NN and NT: y[rows] = a[rows] @ op(w[e]) with rows split over threads.
+int RowGrouped(void **params, int64_t **shapes, bool transpose_w) {
+  const float *a = static_cast<const float *>(params[0]);
+  const float *w = static_cast<const float *>(params[1]);
+  const int32_t *row_expert = static_cast<const int32_t *>(params[2]);
+  float *y = static_cast<float *>(params[3]);
+  const int64_t rows = shapes[0][0], a_cols = shapes[0][1];
+  const int64_t num_experts = shapes[1][0], k = shapes[1][1], f = shapes[1][2];
+  const int64_t y_cols = transpose_w ? k : f;
+  if (a_cols != (transpose_w ? f : k) || shapes[2][0] != rows) return 1;
+  const int parts = static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, rows / 32)));
+  std::vector<char> ok(parts, 1);
+  ParallelFor(parts, [&](int p) {
+    const int64_t begin = rows * p / parts, end = rows * (p + 1) / parts;
+    ok[p] = ForEachRun(row_expert, begin, end, num_experts, [&](int64_t r0, int64_t r1, int64_t e) {
+      dnnl_sgemm('N', transpose_w ? 'T' : 'N', r1 - r0, y_cols, a_cols, 1.0f, a + r0 * a_cols, a_cols,
+                 w + e * k * f, f, 0.0f, y + r0 * y_cols, y_cols);
+    });
+  });
+  return std::all_of(ok.begin(), ok.end(), [](char v) { return v; }) ? 0 : 2;
+}
+
+}  // namespace
+
+extern "C" std::vector<int64_t> GroupedMatmulNNInferShape(int *ndims, int64_t **shapes, void *extra) {
+  return {shapes[0][0], shapes[1][2]};
+}
+extern "C" std::vector<int64_t> GroupedMatmulNTInferShape(int *ndims, int64_t **shapes, void *extra) {
+  return {shapes[0][0], shapes[1][1]};
+}
+extern "C" std::vector<int64_t> GroupedMatmulTNInferShape(int *ndims, int64_t **shapes, void *extra) {
+  return {shapes[3][0], shapes[3][1], shapes[3][2]};
+}
+extern "C" int GroupedMatmulNNInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+extern "C" int GroupedMatmulNTInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+extern "C" int GroupedMatmulTNInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+
+extern "C" int GroupedMatmulNN(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                               void *stream, void *extra) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1 || !IsType(dtypes[0], "float32") ||
+      !IsType(dtypes[1], "float32") || !IsType(dtypes[2], "int32"))
+    return 1;
+  return RowGrouped(params, shapes, false);
+}
+
+extern "C" int GroupedMatmulNT(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                               void *stream, void *extra) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1 || !IsType(dtypes[0], "float32") ||
+      !IsType(dtypes[1], "float32") || !IsType(dtypes[2], "int32"))
+    return 1;
+  return RowGrouped(params, shapes, true);
+}
+
+extern "C" int GroupedMatmulTN(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                               void *stream, void *extra) {
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || ndims[4] != 3 ||
+      !IsType(dtypes[0], "float32") || !IsType(dtypes[1], "float32") || !IsType(dtypes[2], "int32"))
+    return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  const float *g = static_cast<const float *>(params[1]);
+  const int32_t *row_expert = static_cast<const int32_t *>(params[2]);
+  float *y = static_cast<float *>(params[4]);
+  const int64_t rows = shapes[0][0], k = shapes[0][1], f = shapes[1][1];
+  const int64_t num_experts = shapes[4][0];
+  if (shapes[1][0] != rows || shapes[2][0] != rows || shapes[4][1] != k || shapes[4][2] != f) return 1;
+  // Columns in multiples of 16 floats (one AVX-512 register) per thread.
+  const int parts = static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, f / 16)));
+  std::vector<char> ok(parts, 1);
+  ParallelFor(parts, [&](int p) {
+    const int64_t c0 = (f / 16) * p / parts * 16, c1 = p + 1 == parts ? f : (f / 16) * (p + 1) / parts * 16;
+    for (int64_t e = 0; e < num_experts; ++e)
+      for (int64_t i = 0; i < k; ++i) std::memset(y + (e * k + i) * f + c0, 0, (c1 - c0) * sizeof(float));
+    // beta = 1: an expert may own several runs when rows are not sorted.
+    ok[p] = ForEachRun(row_expert, 0, rows, num_experts, [&](int64_t r0, int64_t r1, int64_t e) {
+      dnnl_sgemm('T', 'N', k, c1 - c0, r1 - r0, 1.0f, x + r0 * k, k, g + r0 * f + c0, f, 1.0f,
+                 y + e * k * f + c0, f);
+    });
+  });
+  return std::all_of(ok.begin(), ok.end(), [](char v) { return v; }) ? 0 : 2;
+}

@@ -1,0 +1,100 @@
+// SwiGLU on the fused gate|up projection: one pass forward, one pass backward, instead of the
+// five to seven elementwise ops MindSpore runs for silu(gate) * up and its gradient.
+//
+//   SwiGLUForward   gu [R, 2F] (gate = gu[:, :F], up = gu[:, F:]) -> h [R, F] = silu(gate) * up
+//   SwiGLUBackward  gu [R, 2F], dh [R, F] -> dgu [R, 2F]:
+//                   dgate = dh * up * s * (1 + gate * (1 - s)), dup = dh * gate * s, s = sigmoid(gate)
+//
+// Leading dimensions are flattened into R. Compiled with -ffast-math so that expf vectorises; the
+// exponent is clamped so that no intermediate is infinite, and a NaN input still yields NaN output
+// (it enters every product), which the loss-scaling overflow check relies on.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+int NumThreads() {
+  static const int threads = [] {
+    const char *env = std::getenv("MOETRAIN_KERNEL_THREADS");
+    int n = env ? std::atoi(env) : static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, n);
+  }();
+  return threads;
+}
+
+// fn(begin_row, end_row) over `rows` split evenly, at least `min_rows` rows per thread.
+template <typename Fn>
+void ParallelRows(int64_t rows, int64_t min_rows, Fn fn) {
+  const int parts = static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, rows / min_rows)));
+  std::vector<std::thread> workers;
+  for (int p = 1; p < parts; ++p) workers.emplace_back(fn, rows * p / parts, rows * (p + 1) / parts);
+  fn(0, rows / parts);
+  for (auto &w : workers) w.join();
+}
+
+inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(std::min(-x, 80.0f))); }
+
+bool Float32(const char *dtype) { return std::strcmp(dtype, "float32") == 0; }
+
+int64_t Rows(int ndim, const int64_t *shape) {
+  int64_t rows = 1;
+  for (int i = 0; i + 1 < ndim; ++i) rows *= shape[i];
+  return rows;
+}
+
+}  // namespace
+
+// Shape inference for MindSpore (see grouped_gemm.cc); -1 / -2 mark dynamic dimensions / rank.
+extern "C" std::vector<int64_t> SwiGLUForwardInferShape(int *ndims, int64_t **shapes, void *extra) {
+  std::vector<int64_t> shape(shapes[0], shapes[0] + ndims[0]);
+  if (!shape.empty() && shape.back() > 0) shape.back() /= 2;
+  return shape;
+}
+extern "C" std::vector<int64_t> SwiGLUBackwardInferShape(int *ndims, int64_t **shapes, void *extra) {
+  return std::vector<int64_t>(shapes[0], shapes[0] + ndims[0]);
+}
+extern "C" int SwiGLUForwardInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+extern "C" int SwiGLUBackwardInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+
+extern "C" int SwiGLUForward(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  if (nparam != 2 || !Float32(dtypes[0]) || shapes[0][ndims[0] - 1] % 2) return 1;
+  const float *gu = static_cast<const float *>(params[0]);
+  float *h = static_cast<float *>(params[1]);
+  const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = Rows(ndims[0], shapes[0]);
+  ParallelRows(rows, 16, [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *gate = gu + r * 2 * f, *up = gate + f;
+      float *out = h + r * f;
+      for (int64_t i = 0; i < f; ++i) out[i] = gate[i] * Sigmoid(gate[i]) * up[i];
+    }
+  });
+  return 0;
+}
+
+extern "C" int SwiGLUBackward(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  if (nparam != 3 || !Float32(dtypes[0]) || !Float32(dtypes[1]) || shapes[0][ndims[0] - 1] % 2) return 1;
+  const float *gu = static_cast<const float *>(params[0]);
+  const float *dh = static_cast<const float *>(params[1]);
+  float *dgu = static_cast<float *>(params[2]);
+  const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = Rows(ndims[0], shapes[0]);
+  if (shapes[1][ndims[1] - 1] != f || Rows(ndims[1], shapes[1]) != rows) return 1;
+  ParallelRows(rows, 16, [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *gate = gu + r * 2 * f, *up = gate + f, *grad = dh + r * f;
+      float *dgate = dgu + r * 2 * f, *dup = dgate + f;
+      for (int64_t i = 0; i < f; ++i) {
+        const float s = Sigmoid(gate[i]);
+        dgate[i] = grad[i] * up[i] * s * (1.0f + gate[i] * (1.0f - s));
+        dup[i] = grad[i] * gate[i] * s;
+      }
+    }
+  });
+  return 0;
+}

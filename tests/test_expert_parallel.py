@@ -1,0 +1,399 @@
+"""Expert parallelism against independent references.
+
+* Dispatchers (4 msrun ranks, tests/workers/ep_layer_worker.py): outputs, gradients (tokens,
+  combine weights, this rank's expert slices), loads, drops and "ep" byte ledgers of both
+  dispatchers, ep=2 and ep=4, dropless and capacity, random and skewed routing, against a float64
+  numpy loop over each token's experts with a hand-written backward.
+* 'global' aux-loss scope: value and router gradient on dp ranks against numpy over the whole batch.
+* Training (tests/workers/ep_train_worker.py): dp4 with ep4 / ep2, both dispatchers, dropless and
+  capacity, against one process training the same global batches.
+* Single process: the dispatchers on a one-rank group equal `SortDispatcher` (PyNative and jit),
+  expert slicing, the 'sequence' scope, gradient groups, error messages.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from distributed import REPO, run_workers
+from workers import ep_cases as C
+
+
+@pytest.fixture(scope="module")
+def ms():
+    import mindspore
+
+    mindspore.set_context(device_target="CPU")
+    return mindspore
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy reference: one ep group's ranks, every assignment computed by a naive loop
+# ---------------------------------------------------------------------------------------------
+def sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def kept_assignments(idx, capacity_factor):
+    """[T, k] bool: capacity keeps each expert's first C assignments in order t*k+j (all if 0)."""
+    if capacity_factor == 0:
+        return np.ones(idx.shape, bool)
+    tokens, top_k = idx.shape
+    capacity = max(1, min(math.ceil(capacity_factor * tokens * top_k / C.EXPERTS), tokens))
+    seen = np.zeros(C.EXPERTS, int)
+    kept = np.zeros(idx.shape, bool)
+    for t in range(tokens):
+        for j in range(top_k):
+            kept[t, j] = seen[idx[t, j]] < capacity
+            seen[idx[t, j]] += 1
+    return kept
+
+
+def reference_group(name, ranks, routing_kind, capacity_factor):
+    """Per rank of one ep group: y, dx, dweight, the full expert gradients (summed over the
+    group's tokens), loads, drops, and the assignments each rank sends to / gets from others."""
+    w_gate, w_up, w_down = (w.astype(np.float64) for w in C.expert_weights())
+    ep = len(ranks)
+    local = C.EXPERTS // ep
+    grads = {"dw_gate": np.zeros_like(w_gate), "dw_up": np.zeros_like(w_up), "dw_down": np.zeros_like(w_down)}
+    out = {}
+    sent = dict.fromkeys(ranks, 0)
+    received = dict.fromkeys(ranks, 0)
+    for position, rank in enumerate(ranks):
+        x = C.tokens(name, rank).astype(np.float64)
+        cot = C.cotangent(name, rank).astype(np.float64)
+        idx, weight = C.routing(routing_kind, rank)
+        weight = weight.astype(np.float64)
+        kept = kept_assignments(idx, capacity_factor)
+        y, dx, dweight = np.zeros_like(x), np.zeros_like(x), np.zeros_like(weight)
+        for t in range(x.shape[0]):
+            for j in range(idx.shape[1]):
+                if not kept[t, j]:
+                    continue
+                e = idx[t, j]
+                owner = e // local
+                if owner != position:
+                    sent[rank] += 1
+                    received[ranks[owner]] += 1
+                a, b = x[t] @ w_gate[e], x[t] @ w_up[e]
+                h = a * sigmoid(a) * b
+                expert_out = h @ w_down[e]
+                y[t] += weight[t, j] * expert_out
+                dweight[t, j] = cot[t] @ expert_out
+                d_out = weight[t, j] * cot[t]
+                grads["dw_down"][e] += np.outer(h, d_out)
+                dh = w_down[e] @ d_out
+                da = dh * b * sigmoid(a) * (1 + a * (1 - sigmoid(a)))
+                db = dh * a * sigmoid(a)
+                grads["dw_gate"][e] += np.outer(x[t], da)
+                grads["dw_up"][e] += np.outer(x[t], db)
+                dx[t] += w_gate[e] @ da + w_up[e] @ db
+        out[rank] = {"y": y, "dx": dx, "dweight": dweight,
+                     "load": np.bincount(idx.reshape(-1), minlength=C.EXPERTS).astype(np.float64),
+                     "dropped": float((~kept).sum())}
+    for position, rank in enumerate(ranks):
+        for key, full in grads.items():
+            out[rank][key] = full[position * local:(position + 1) * local]
+        out[rank]["sent"], out[rank]["received"] = sent[rank], received[rank]
+    return out
+
+
+def reference_bytes(case, ref):
+    """Native 'ep' bytes of one forward + backward on this rank (fp32 rows of HIDDEN)."""
+    dispatcher, ep, capacity_factor, _, _ = case
+    row = C.HIDDEN * 4
+    if dispatcher == "allgather":     # gathers x and [T, 2k or 3k] routing; reduce-scatters [ep T, H]
+        routing_cols = (3 if capacity_factor else 2) * C.TOP_K
+        gathers = (ep - 1) * C.TOKENS * (row + routing_cols * 4)
+        return 2 * gathers + 2 * (ep - 1) * C.TOKENS * row
+    if capacity_factor:               # two fixed [E C, H] all-to-alls, forward and backward
+        capacity = max(1, min(math.ceil(capacity_factor * C.TOKENS * C.TOP_K / C.EXPERTS), C.TOKENS))
+        return 4 * (ep - 1) / ep * C.EXPERTS * capacity * row
+    counts = (ep - 1) * (C.EXPERTS // ep) * 4                     # the per-expert counts, forward only
+    return counts + 2 * (ref["sent"] + ref["received"]) * row    # dispatch and combine, each fwd + bwd
+
+
+@pytest.fixture(scope="module")
+def layer_run():
+    run = run_workers("tests/workers/ep_layer_worker.py", nproc=C.WORLD, timeout=420).check()
+    return run.npz_results(), run.json_results()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(C.CASES))
+def test_dispatcher_matches_numpy_loop(layer_run, name):
+    arrays, reports = layer_run
+    case = C.CASES[name]
+    _, ep, capacity_factor, routing_kind, _ = case
+    for base in range(0, C.WORLD, ep):
+        ranks = C.ep_group_of(base, ep)
+        ref = reference_group(name, ranks, routing_kind, capacity_factor)
+        for rank in ranks:
+            got = {key.split("/")[-1]: value for key, value in arrays[rank].items() if key.startswith(name + "/")}
+            for key in ("y", "dx", "dweight", "dw_gate", "dw_up", "dw_down"):
+                np.testing.assert_allclose(got[key], ref[rank][key], rtol=2e-5, atol=2e-5,
+                                           err_msg=f"{name} rank {rank} {key}")
+            np.testing.assert_array_equal(got["load"], ref[rank]["load"])
+            assert float(got["dropped"]) == ref[rank]["dropped"], f"{name} rank {rank}"
+            assert reports[rank][name]["native"] == pytest.approx(reference_bytes(case, ref[rank]), abs=1), \
+                f"{name} rank {rank}: ep bytes {reports[rank][name]}"
+
+
+def test_skewed_cases_really_skew_and_drop():
+    """The skewed routing leaves rank 3 (expert 3, ep=4) without tokens and the capacity cases drop."""
+    ref = reference_group("alltoall-ep4-dropless-skewed", list(range(4)), "skewed", 0.0)
+    assert sum(r["load"][3] for r in ref.values()) == 0
+    assert all(r["load"][0] >= 11 for r in ref.values())
+    assert ref[3]["received"] == 0
+    capped = reference_group("alltoall-ep2-cap-skewed", [0, 1], "skewed", C.CAPACITY_FACTOR)
+    assert all(r["dropped"] > 0 for r in capped.values())
+
+
+@pytest.mark.distributed
+def test_dropless_alltoall_volume_is_tokens_topk_hidden_bytes(layer_run):
+    """One training step of one layer moves, summed over the ep group, 4 x (assignments sent to
+    other ranks) x H x 4 bytes (dispatch and combine, forward and backward) plus the counts; with
+    routing spread over all ranks that is 4 x T k (ep-1)/ep x H x 4 per rank on average."""
+    _, reports = layer_run
+    name = "alltoall-ep2-dropless-random"
+    ranks = [0, 1]
+    ref = reference_group(name, ranks, "random", 0.0)
+    off_rank = sum(ref[r]["sent"] for r in ranks)
+    counts = len(ranks) * (2 - 1) * 2 * 4
+    assert sum(reports[r][name]["native"] for r in ranks) == 4 * off_rank * C.HIDDEN * 4 + counts
+    assert sum(reports[r][name]["native_forward"] for r in ranks) == 2 * off_rank * C.HIDDEN * 4 + counts
+    assert 0.3 < off_rank / (len(ranks) * C.TOKENS * C.TOP_K) < 0.7      # ~ (ep-1)/ep of all assignments
+    # the emulation all-reduces the padded [ep, ep, T min(k, L), H] buffers: counts + 2 exchanges x fwd/bwd
+    bound = C.TOKENS * min(C.TOP_K, C.EXPERTS // 2)
+    emulated = 2 * 1 * 2 * 2 * 4 + 4 * 2 * 1 * 2 * bound * C.HIDDEN * 4
+    assert reports[0][name]["emulated"] == emulated
+
+
+# ---------------------------------------------------------------------------------------------
+# aux-loss scope
+# ---------------------------------------------------------------------------------------------
+def reference_aux(x, weight):
+    """Switch loss E/k sum_i f_i P_i over all rows of x and its gradient w.r.t. the router weight."""
+    logits = x @ weight.T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, -1)[:, :C.TOP_K]
+    fraction = np.bincount(top.reshape(-1), minlength=C.EXPERTS) / len(x)
+    scale = C.EXPERTS / C.TOP_K
+    value = scale * (fraction * probs.mean(0)).sum()
+    d_probs = scale * fraction / len(x)                                        # d value / d probs[t, i]
+    d_logits = probs * (d_probs - (probs * d_probs).sum(-1, keepdims=True))    # softmax backward
+    return value, d_logits.T @ x
+
+
+@pytest.mark.distributed
+def test_global_aux_loss_scale_equals_one_process_over_whole_batch(layer_run):
+    """Every dp rank's 'global' aux loss is the one-process loss over all ranks' tokens, and the
+    router gradients averaged over dp (what the trainer applies) are its full gradient, not 1/dp."""
+    arrays, _ = layer_run
+    weight = C.router_weight().astype(np.float64)
+    xs = [C.aux_tokens(r).reshape(-1, C.HIDDEN).astype(np.float64) for r in range(C.WORLD)]
+    value, grad = reference_aux(np.concatenate(xs), weight)
+    for rank in range(C.WORLD):
+        assert float(arrays[rank]["aux/global/value"]) == pytest.approx(value, rel=1e-5)
+    mean_grad = np.mean([arrays[r]["aux/global/router_grad"] for r in range(C.WORLD)], 0)
+    np.testing.assert_allclose(mean_grad, grad, rtol=1e-4, atol=1e-6)
+    # the per-micro-batch scope is each rank's own loss: a different number
+    for rank in range(C.WORLD):
+        local_value, local_grad = reference_aux(xs[rank], weight)
+        assert float(arrays[rank]["aux/micro_batch/value"]) == pytest.approx(local_value, rel=1e-5)
+        np.testing.assert_allclose(arrays[rank]["aux/micro_batch/router_grad"], local_grad, rtol=1e-4, atol=1e-6)
+    assert abs(value - np.mean([reference_aux(x, weight)[0] for x in xs])) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: dp4 with expert parallelism against one process on the same global batches
+# ---------------------------------------------------------------------------------------------
+DATA = os.path.join(REPO, "data", "kjv_tiny")
+TINY_MOE = ",".join([
+    "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.ffn_hidden_size=128", "model.seq_length=32", "model.moe.num_experts=4", "model.moe.top_k=2",
+    "model.moe.ffn_hidden_size=64", "model.moe.bias_update_rate=0.01",      # the bias follows the global load
+    "train.steps=5", "train.global_batch_size=8", "train.micro_batch_size=2", "lr_schedule.warmup_steps=2",
+    f"data.path={DATA}/kjv_tiny_train", f"data.tokenizer={DATA}/kjv_tiny.model", "data.eval_path=",
+    "checkpoint.save_at_end=false", "checkpoint.save_steps=0", "logging.tensorboard=false",
+    "logging.progress_bar=false", "logging.log_interval=1"])
+CAPACITY = "model.moe.capacity_factor=1.0"
+# run -> (one-process reference, overrides); every run is dp4 with micro-batches of 2, the reference
+# one process with 4 micro-batches of 2: the same samples in the same micro-batches.
+EP_RUNS = {
+    "ep4-alltoall": ("dropless", "parallel.expert_parallel=4,parallel.moe_token_dispatcher=alltoall"),
+    "ep2-allgather-zero2": ("dropless", "parallel.expert_parallel=2,parallel.moe_token_dispatcher=allgather,"
+                                        "parallel.optimizer_shard=2"),
+    "ep2-alltoall-capacity": ("capacity", f"parallel.expert_parallel=2,parallel.moe_token_dispatcher=alltoall,"
+                                          f"{CAPACITY}"),
+}   # each dispatcher at ep2 and ep4 (dropless and capacity, skewed routing) is checked per rank
+    # against numpy in the dispatcher cases above; allgather's capacity drops there too
+CONFIG = os.path.join(REPO, "configs", "moe_tiny.yaml")
+WORKER = os.path.join(REPO, "tests", "workers", "ep_train_worker.py")
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ep-train-reference"))
+    references = [f"dropless:{TINY_MOE}", f"capacity:{TINY_MOE},{CAPACITY}"]
+    done = subprocess.run([sys.executable, WORKER, out, CONFIG, *references], cwd=out, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(os.path.join(out, "rank_0.json")) as fh:
+        reference = json.load(fh)
+    runs = [f"{name}:{TINY_MOE},parallel.data_parallel=4,{overrides}" for name, (_, overrides) in EP_RUNS.items()]
+    job = run_workers(WORKER, nproc=4, args=[CONFIG, *runs], timeout=1500).check()   # ~3 min a run at load 15
+    return reference, job.json_results()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", list(EP_RUNS))
+def test_training_matches_one_process(training, run):
+    reference, ranks = training
+    expected = reference[EP_RUNS[run][0]]
+    assert len(expected) == 5
+    for rank, results in enumerate(ranks):
+        for step, (got, want) in enumerate(zip(results[run], expected)):
+            where = f"{run} rank {rank} step {step + 1}"
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), where
+            for key in ("aux_loss", "z_loss", "lm_loss"):
+                assert got[key] == pytest.approx(want[key], rel=1e-4), f"{where} {key}"
+            assert got["expert_load"] == want["expert_load"], where       # per layer, per expert: exact
+            assert (got["dropped"], got["routed"]) == (want["dropped"], want["routed"]), where
+    if EP_RUNS[run][0] == "capacity":
+        assert sum(step["dropped"] for step in expected) > 0, "the capacity runs should drop tokens"
+
+
+# ---------------------------------------------------------------------------------------------
+# One process
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+def test_one_rank_dispatchers_equal_sort_dispatcher(ms, capacity_factor):
+    """On a one-rank group every collective is the identity: the expert-parallel dispatchers must
+    give SortDispatcher's output, loads, drops and gradients, in PyNative and under ms.jit."""
+    from mindspore import Tensor
+
+    from moetrain.moe.dispatcher import SortDispatcher
+    from moetrain.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher
+    from moetrain.moe.experts import GroupedExperts
+    from moetrain.parallel.topology import single_group
+
+    idx, weight = C.routing("skewed", 0)
+    x = Tensor(C.tokens("one-rank", 0))
+    experts = GroupedExperts(C.EXPERTS, C.HIDDEN, C.FFN)
+    for param, full in zip((experts.w_gate, experts.w_up, experts.w_down), C.expert_weights()):
+        param.set_data(Tensor(full))
+
+    def run(dispatcher, jit):
+        def loss_fn(x, topk_weight):
+            expert_input, state = dispatcher.dispatch(x, Tensor(idx), topk_weight)
+            y = dispatcher.combine(experts(expert_input, state.get("block_expert")), state)
+            return (y * y).sum(), state["tokens_per_expert"], state["dropped"]
+
+        fn = ms.value_and_grad(loss_fn, (0, 1), experts.trainable_params(), has_aux=True)
+        (loss, load, dropped), (input_grads, param_grads) = (ms.jit(fn) if jit else fn)(x, Tensor(weight))
+        return [t.asnumpy() for t in (loss, load, dropped, *input_grads, *param_grads)]
+
+    expected = run(SortDispatcher(C.EXPERTS, C.TOP_K, capacity_factor), False)
+    assert (float(expected[2]) > 0) == (capacity_factor > 0)
+    for cls in (AllToAllDispatcher, AllGatherDispatcher):
+        for jit in (False, True):
+            got = run(cls(C.EXPERTS, C.TOP_K, capacity_factor, single_group("ep")), jit)
+            for a, b in zip(got, expected):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{cls.__name__} jit={jit}")
+
+
+def tiny_moe_gpt(**moe):
+    from moetrain.config import model_config_from_dict
+
+    cfg = model_config_from_dict({"name": "moe_gpt", "vocab_size": 64, "hidden_size": 16, "num_layers": 2,
+                                  "num_heads": 2, "num_kv_heads": 2, "ffn_hidden_size": 32, "seq_length": 8,
+                                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8, **moe}})
+    from moetrain.registry import get_model
+
+    return get_model("moe_gpt").cls(cfg)
+
+
+def test_parallelize_moe_slices_experts_and_gradient_groups(ms):
+    """Rank 1 of dp=4, ep=2 keeps experts 2-3 (marked for checkpoints); the optimizer reduces (and
+    ZeRO-shards) expert gradients over edp = dp ranks {1, 3}, everything else over all 4 dp ranks."""
+    from types import SimpleNamespace
+
+    from moetrain.moe.ep_dispatcher import AllToAllDispatcher
+    from moetrain.parallel.data_parallel import OptimizerStep
+    from moetrain.parallel.expert_parallel import moe_layers, parallelize_moe
+    from moetrain.parallel.sharding import shard_spec
+    from moetrain.parallel.topology import ParallelContext
+
+    ms.set_seed(7)
+    model = tiny_moe_gpt()
+    full = {p.name: p.asnumpy() for p in model.get_parameters()}
+    pctx = ParallelContext.build(world_size=4, rank=1, dp=4, ep=2)
+    parallel = SimpleNamespace(moe_token_dispatcher="alltoall", moe_aux_loss_scope="micro_batch",
+                               optimizer_shard=2, grad_bucket_mb=1.0, grad_reduce_dtype="float32")
+    assert parallelize_moe(model, parallel, pctx) == 2
+    for layer in moe_layers(model):
+        assert isinstance(layer.dispatcher, AllToAllDispatcher) and layer.dispatcher.group.ranks == (0, 1)
+        assert layer.experts.num_local_experts == 2
+    for param in model.get_parameters():
+        if ".experts." in param.name:
+            np.testing.assert_array_equal(param.asnumpy(), full[param.name][2:4])
+            assert shard_spec(param) == shard_spec(param).__class__(full[param.name].shape, 0, 1, 2, "ep")
+        else:
+            np.testing.assert_array_equal(param.asnumpy(), full[param.name])
+
+    optimizer_cfg = SimpleNamespace(name="adamw", lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8,
+                                    momentum=0.9)
+    step = OptimizerStep(model.trainable_params(), optimizer_cfg, parallel, pctx, clip=0.0, jit=False)
+    for param, group, shard in zip(step.params, step.groups, step.shard_sizes):
+        expected = (1, 3) if ".experts." in param.name else (0, 1, 2, 3)
+        assert group.ranks == expected, param.name
+        assert shard == math.ceil(param.size / len(expected)), param.name
+
+
+def test_sequence_scope_is_mean_of_per_sequence_losses(ms):
+    from mindspore import Tensor
+
+    from moetrain.moe.config import MoEConfig
+    from moetrain.moe.layer import MoELayer
+
+    layer = MoELayer(C.HIDDEN, MoEConfig(num_experts=C.EXPERTS, top_k=C.TOP_K, ffn_hidden_size=C.FFN))
+    layer.router.weight.set_data(Tensor(C.router_weight()))
+    layer.set_aux_loss_scope("sequence")
+    x = C.aux_tokens(0)
+    _, stats = layer(Tensor(x))
+    weight = C.router_weight().astype(np.float64)
+    per_sequence = [reference_aux(seq.astype(np.float64), weight)[0] for seq in x]
+    assert float(stats["aux_loss"]) == pytest.approx(np.mean(per_sequence), rel=1e-5)
+    with pytest.raises(ValueError, match="'sequence' aux loss scope needs the sequence boundaries"):
+        layer(Tensor(x.reshape(-1, C.HIDDEN)))
+
+
+def test_configuration_errors_say_what_to_change(ms):
+    from types import SimpleNamespace
+
+    from moetrain.moe.ep_dispatcher import build_ep_dispatcher
+    from moetrain.moe.layer import MoELayer
+    from moetrain.moe.config import MoEConfig
+    from moetrain.parallel.expert_parallel import parallelize_moe
+    from moetrain.parallel.topology import ParallelContext, single_group
+
+    pctx = ParallelContext.build(world_size=4, rank=0, dp=4, ep=4)
+    parallel = SimpleNamespace(moe_token_dispatcher="alltoall", moe_aux_loss_scope="micro_batch")
+    with pytest.raises(ValueError, match="3 experts cannot be split evenly over parallel.expert_parallel=4"):
+        parallelize_moe(tiny_moe_gpt(num_experts=3, top_k=1), parallel, pctx)
+    with pytest.raises(ValueError, match="apply to MoE layers, and model Dense has none"):
+        parallelize_moe(type("Dense", (ms.nn.Cell,), {})(), parallel, pctx)
+    with pytest.raises(ValueError, match="'bogus' is not one of"):
+        build_ep_dispatcher("bogus", 4, 2, 0.0, single_group("ep"))
+    layer = MoELayer(C.HIDDEN, MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=4))
+    with pytest.raises(ValueError, match="'global' scope needs the data-parallel group"):
+        layer.set_aux_loss_scope("global")
+    with pytest.raises(ValueError, match="'per_token' is not one of"):
+        layer.set_aux_loss_scope("per_token")

@@ -1,0 +1,312 @@
+"""Pipeline parallelism: layer split and validation, the 1F1B / GPipe schedules (pairing of link
+exchanges, no deadlock, activations in flight), stage numerics against the whole model in one
+process (PyNative), and msrun jobs (jitted steps) that reproduce one-process training and metrics."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from moetrain.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT_CFG = os.path.join(ROOT, "configs", "gpt_tiny.yaml")
+MOE_CFG = os.path.join(ROOT, "configs", "moe_tiny.yaml")
+TINY = ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=128",
+        "model.seq_length=32", "model.num_layers=4"]
+TINY_MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=64",
+            "model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Split and validation
+# ---------------------------------------------------------------------------------------------
+def test_split_layers_even_and_explicit():
+    from moetrain.parallel.pipeline import split_layers
+
+    assert split_layers(4, 2) == [(0, 2), (2, 4)]
+    assert split_layers(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert split_layers(4, 2, [1, 3]) == [(0, 1), (1, 4)]
+    assert split_layers(5, 1) == [(0, 5)]
+
+
+@pytest.mark.parametrize("num_layers, stages, per_stage, message", [
+    (4, 3, None, "num_layers=4 cannot be split evenly into parallel.pipeline_stage=3 stages: choose pipeline_stage in [1, 2, 4]"),
+    (4, 2, [1, 2], "must give 2 stages (parallel.pipeline_stage) of >= 1 layers summing to model.num_layers=4; it has 2 entries summing to 3"),
+    (4, 2, [4, 0], "of >= 1 layers"),
+    (4, 2, [1, 1, 2], "it has 3 entries"),
+])
+def test_split_layers_rejects_bad_layouts(num_layers, stages, per_stage, message):
+    from moetrain.parallel.pipeline import PipelineError, split_layers
+
+    with pytest.raises(PipelineError) as info:
+        split_layers(num_layers, stages, per_stage)
+    assert message in str(info.value)
+
+
+def test_config_validation_names_the_fix(tmp_path):
+    from moetrain.parallel.pipeline import PipelineError, validate_pipeline_config
+
+    common = TINY + [f"train.output_dir={tmp_path}", "train.global_batch_size=8", "parallel.pipeline_stage=2"]
+    cfg = load_config(GPT_CFG, common + ["train.micro_batch_size=2"])
+    assert validate_pipeline_config(cfg) == [(0, 2), (2, 4)] and cfg.num_micro_batches == 4
+    # micro_batch_num derives the micro-batch size
+    cfg = load_config(GPT_CFG, common + ["parallel.micro_batch_num=4", "parallel.data_parallel=2"])
+    assert (cfg.micro_batch_size, cfg.num_micro_batches) == (1, 4)
+    # one micro-batch of 8 per step cannot fill 2 stages
+    with pytest.raises(PipelineError, match=r"1 micro-batch\(es\) per step .* cannot fill 2 pipeline stages"):
+        validate_pipeline_config(load_config(GPT_CFG, common))
+    with pytest.raises(PipelineError, match="pipeline_layers=\\[3, 2\\] must give 2 stages"):
+        validate_pipeline_config(load_config(GPT_CFG, common + ["train.micro_batch_size=2",
+                                                                 "parallel.pipeline_layers=[3,2]"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules
+# ---------------------------------------------------------------------------------------------
+class _TagStage:
+    """A stand-in stage for schedule checks: payloads are tags, no compute."""
+
+    def __init__(self, ops, stage):
+        self.ops, self.stage = ops, stage
+
+    def run(self):
+        from moetrain.parallel.pipeline import EXCHANGE, NEXT, Exchange
+
+        seen = []
+        for op in self.ops:
+            if op.kind != EXCHANGE:
+                seen.append((op.kind, op.micro))
+                continue
+            sent = None if op.send is None else ("act" if op.link == NEXT else "grad", self.stage, op.send)
+            got = yield Exchange(op.link, op.send, op.recv, sent, ())
+            if op.recv is not None:     # an activation from below or a gradient from above, right micro-batch
+                assert got == ("grad" if op.link == NEXT else "act",
+                               self.stage + (1 if op.link == NEXT else -1), op.recv)
+        return seen
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+def test_schedules_pair_every_exchange_without_deadlock(kind):
+    from moetrain.parallel.pipeline import build_schedule, drive_in_process, peak_in_flight
+
+    for stages in range(1, 6):
+        for micro in range(stages, stages + 5):
+            schedules = [build_schedule(kind, stages, s, micro) for s in range(stages)]
+            seen = drive_in_process([_TagStage(ops, s).run() for s, ops in enumerate(schedules)])
+            for s, events in enumerate(seen):
+                forwards = [m for k, m in events if k == "forward"]
+                backwards = [m for k, m in events if k == "backward"]
+                assert forwards == list(range(micro)) and backwards == list(range(micro))
+                for m in range(micro):
+                    assert events.index(("forward", m)) < events.index(("backward", m))
+                held = peak_in_flight(schedules[s])
+                if kind == "1f1b":
+                    assert held == min(stages - s, micro) <= stages
+                else:
+                    assert held == micro
+
+
+def test_mismatched_schedules_are_caught():
+    from moetrain.parallel.pipeline import PipelineError, build_schedule, drive_in_process
+
+    # stage 0 runs 1F1B, stage 1 GPipe: the ends of the link disagree on what crosses it
+    runs = [_TagStage(build_schedule("1f1b", 2, 0, 4), 0).run(), _TagStage(build_schedule("gpipe", 2, 1, 4), 1).run()]
+    with pytest.raises(PipelineError, match="link 0-1|deadlock"):
+        drive_in_process(runs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage numerics in one process
+# ---------------------------------------------------------------------------------------------
+def _tiny_moe_model(tied: bool):
+    import mindspore as ms
+
+    from moetrain.trainer import build_model
+
+    cfg = load_config(MOE_CFG, TINY + TINY_MOE + ["model.vocab_size=256", f"model.tie_embeddings={str(tied).lower()}"])
+    ms.set_seed(7)
+    return build_model(cfg), cfg
+
+
+def _batches(num_micro, batch, seq, vocab, seed=0):
+    from mindspore import Tensor
+
+    rng = np.random.default_rng(seed)
+    return [(Tensor(rng.integers(0, vocab, (batch, seq)).astype(np.int32)),
+             Tensor(rng.integers(0, vocab, (batch, seq)).astype(np.int32))) for _ in range(num_micro)]
+
+
+def _reference(model, batches):
+    """Whole-model gradients summed over micro-batches, and each micro-batch's (loss, stats)."""
+    import mindspore as ms
+
+    params = model.trainable_params()
+    grad_fn = ms.value_and_grad(lambda ids, labels: model(ids, labels), None, params, has_aux=True)
+    total, outputs = None, []
+    for ids, labels in batches:
+        (loss, stats), grads = grad_fn(ids, labels)
+        total = [g.asnumpy() for g in grads] if total is None else [t + g.asnumpy() for t, g in zip(total, grads)]
+        outputs.append((float(loss), {k: v.asnumpy() for k, v in stats.items()}))
+    return {p.name: g for p, g in zip(params, total)}, outputs
+
+
+def test_three_stages_in_one_process_match_whole_model():
+    """All stages of a tied-embedding MoE model driven in one process (PyNative) through the real
+    executor: the summed gradients of every parameter and each micro-batch's loss and MoE stats
+    equal the whole model's; 1F1B holds stages - s micro-batches on stage s. (The jitted path runs
+    in the msrun tests below.)"""
+    import mindspore as ms
+
+    from moetrain.parallel.pipeline import PipelineExecutor, build_stages, drive_in_process
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    model, cfg = _tiny_moe_model(tied=True)
+    num_micro, batch, seq = 3, 1, 16
+    batches = _batches(num_micro, batch, seq, cfg.model.vocab_size)
+    ref_grads, ref_outputs = _reference(model, batches)
+
+    stages = build_stages(model, [(0, 1), (1, 3), (3, 4)])
+    executors = [PipelineExecutor(stage, stage.trainable_params(), "1f1b", num_micro, jit=False)
+                 for _, stage in sorted(stages.items())]
+    scale = ms.Tensor(1.0, ms.float32)
+    results = drive_in_process([ex.steps(batches, scale, (batch, seq, cfg.model.hidden_size)) for ex in executors])
+
+    got = {}
+    for ex, (grads, _) in zip(executors, results):
+        for p, g in zip(ex.params, grads):
+            got[p.name] = got.get(p.name, 0) + g.asnumpy()     # the tied embedding: both stages' parts
+    assert sorted(got) == sorted(ref_grads)
+    for name, ref in ref_grads.items():
+        np.testing.assert_allclose(got[name], ref, rtol=2e-4, atol=2e-6, err_msg=name)
+
+    for m, (ref_loss, ref_stats) in enumerate(ref_outputs):
+        per_stage = [stats[m] for _, stats in results]
+        loss = sum(float(s["loss"].asnumpy()) for s in per_stage)
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert float(per_stage[-1]["lm_loss"].asnumpy()) == pytest.approx(float(ref_stats["lm_loss"]), rel=1e-5)
+        for key in ("aux_loss", "z_loss", "dropped", "routed"):
+            assert sum(float(s[key].asnumpy()) for s in per_stage) == pytest.approx(float(ref_stats[key]), rel=1e-5)
+        loads = np.concatenate([s["expert_load"].asnumpy() for s in per_stage if "expert_load" in s])
+        np.testing.assert_array_equal(loads, ref_stats["expert_load"])
+    assert [ex.peak_in_flight for ex in executors] == [3, 2, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# msrun: pipeline training reproduces one-process training and its metrics
+# ---------------------------------------------------------------------------------------------
+KJV = os.path.join(ROOT, "data", "kjv_tiny")
+CLIP = 0.05     # far below the gradient norms of these runs (~1): every step is clipped
+
+
+def lm_overrides(moe: bool, **extra):
+    base = {"data.path": f"{KJV}/kjv_tiny_train", "data.eval_path": f"{KJV}/kjv_tiny_eval",
+            "data.tokenizer": f"{KJV}/kjv_tiny.model", "model.vocab_size": 2048, "train.steps": 5,
+            "train.global_batch_size": 8, "train.micro_batch_size": 2, "train.eval_max_batches": 1,
+            "model.num_layers": 2,
+            "lr_schedule.warmup_steps": 0, "optimizer.clip_grad_norm": CLIP, "logging.tensorboard": "false",
+            "logging.progress_bar": "false", "checkpoint.save_at_end": "false"}
+    if moe:
+        base["model.moe.capacity_factor"] = 1.0    # drops some tokens: the drop counts are compared too
+    base.update(extra)
+    return TINY + (TINY_MOE if moe else []) + [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                                for k, v in base.items()]
+
+
+def step_records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        records = [json.loads(line) for line in fh]
+    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
+
+
+def train_one_process(config, args, run_dir):
+    from moetrain.trainer import Trainer
+
+    trainer = Trainer(load_config(config, list(args) + [f"train.output_dir={run_dir}"]))
+    trainer.fit()
+    return step_records(run_dir), {p.name: p.asnumpy() for p in trainer.model.get_parameters()}
+
+
+def train_pipeline(config, nproc, args):
+    from distributed import run_workers
+
+    run = run_workers("tests/workers/pipeline_worker.py", nproc, [config, *args], timeout=480).check()
+    return step_records(os.path.join(run.out_dir, "run")), run.json_results(), run.npz_results(), run.out_dir
+
+
+def assert_same_training(single, piped, keys):
+    (steps_a, evals_a), (steps_b, evals_b) = single, piped
+    assert [r["step"] for r in steps_b] == [1, 2, 3, 4, 5]
+    for key in keys:
+        np.testing.assert_allclose([r[key] for r in steps_b], [r[key] for r in steps_a], rtol=1e-4, err_msg=key)
+    assert all(r["grad_norm"] > 10 * CLIP for r in steps_a)     # the clip was active on every step
+    assert evals_b[-1]["eval_loss"] == pytest.approx(evals_a[-1]["eval_loss"], rel=1e-4)
+
+
+def assert_same_parameters(single_params, ranks, npz, dp_rank=0):
+    """Every parameter after training, from the stage that holds it, equals the one-process value."""
+    seen = set()
+    for info, params in zip(ranks, npz):
+        if info["dp_rank"] != dp_rank:
+            continue
+        for name, value in params.items():
+            np.testing.assert_allclose(value, single_params[name], rtol=1e-3, atol=3e-5, err_msg=name)
+            seen.add(name)
+    assert seen == set(single_params)
+
+
+def assert_moe_metrics(single_steps, piped_steps):
+    for a, b in zip(single_steps, piped_steps):
+        np.testing.assert_allclose(b["expert_load"], a["expert_load"], rtol=0, atol=0)
+        assert (b["dropped"], b["routed"]) == (a["dropped"], a["routed"])
+    assert any(r["dropped"] > 0 for r in single_steps)
+
+
+@pytest.mark.distributed
+def test_pp2_dense_1f1b_uneven_split_reproduces_one_process(tmp_path):
+    args = lm_overrides(False, **{"model.num_layers": 3})
+    single, single_params = train_one_process(GPT_CFG, args, tmp_path / "single")
+    piped, ranks, npz, _ = train_pipeline(GPT_CFG, 2, args + ["parallel.pipeline_stage=2", "parallel.pipeline_layers=[1,2]"])
+    assert_same_training(single, piped, ("loss", "lm_loss", "grad_norm"))
+    assert_same_parameters(single_params, ranks, npz)
+    assert [r["stage_layers"] for r in ranks] == [[0, 1], [1, 3]]
+    assert [r["peak_in_flight"] for r in ranks] == [2, 1]           # 1F1B: stages - stage, never more
+    # 4 micro-batches of [2, 32, 64] fp32 cross the link each way per step
+    assert [r["step_bytes_sent"] for r in ranks] == [4 * 2 * 32 * 64 * 4] * 2
+
+
+@pytest.mark.distributed
+def test_pp2_moe_gpipe_tied_embeddings_reproduce_one_process_metrics(tmp_path):
+    args = lm_overrides(True, **{"model.tie_embeddings": True})
+    single, single_params = train_one_process(MOE_CFG, args, tmp_path / "single")
+    piped, ranks, npz, out_dir = train_pipeline(MOE_CFG, 2, args + ["parallel.pipeline_stage=2",
+                                                                  "parallel.pipeline_schedule=gpipe",
+                                                                  "checkpoint.save_at_end=true"])
+    assert_same_training(single, piped, ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"))
+    assert_moe_metrics(single[0], piped[0])
+    assert_same_parameters(single_params, ranks, npz)
+    np.testing.assert_array_equal(npz[0]["embed.weight"], npz[1]["embed.weight"])   # tied copies in sync
+    assert [r["peak_in_flight"] for r in ranks] == [4, 4]           # GPipe holds every micro-batch
+    # the sharded checkpoint of the two stages holds the whole model
+    from moetrain.checkpoint.distributed import CheckpointReader
+    from moetrain.checkpoint.manager import latest_checkpoint
+
+    reader = CheckpointReader(latest_checkpoint(os.path.join(out_dir, "run", "checkpoints")))
+    assert reader.step == 5 and sorted(reader.keys("model")) == sorted(single_params)
+    for name, value in single_params.items():
+        np.testing.assert_allclose(reader.global_tensor(name), value, rtol=1e-3, atol=3e-5, err_msg=name)
+    reader.close()
+
+
+@pytest.mark.distributed
+def test_dp2_pp2_moe_1f1b_tied_reproduces_one_process_metrics(tmp_path):
+    args = lm_overrides(True, **{"model.tie_embeddings": True, "train.micro_batch_size": 1})
+    single, single_params = train_one_process(MOE_CFG, args, tmp_path / "single")
+    piped, ranks, npz, _ = train_pipeline(MOE_CFG, 4, args + ["parallel.pipeline_stage=2", "parallel.data_parallel=2"])
+    assert_same_training(single, piped, ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"))
+    assert_moe_metrics(single[0], piped[0])
+    assert_same_parameters(single_params, ranks, npz, dp_rank=1)
+    assert {(r["pp_rank"], r["dp_rank"]): r["peak_in_flight"] for r in ranks} == {
+        (0, 0): 2, (0, 1): 2, (1, 0): 1, (1, 1): 1}
+    assert all(r["num_micro_batches"] == 4 for r in ranks)

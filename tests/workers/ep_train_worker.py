@@ -1,0 +1,66 @@
+"""Worker of tests/test_expert_parallel.py: train one or more runs of the same config in this
+process and write every step's record (loss, expert loads, drops, ...) of this rank.
+
+    python tests/workers/ep_train_worker.py OUT_DIR CONFIG RUN [RUN ...]
+    RUN = name:key=value,key=value,...      (overrides of CONFIG for that run)
+
+Under msrun (one job, several runs: MindSpore starts its communication once per process) or
+alone (one process). Writes OUT_DIR/rank_<r>.json = {run name: [step records]}; a record holds
+the trainer's step record and this rank's bytes per group kind in that step ("bytes").
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("GLOG_v", "3")
+
+
+def main():
+    out_dir, config, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    from moetrain import trainer as trainer_module
+    from moetrain.config import load_config
+    from moetrain.parallel import comm, topology
+
+    # Runs after the first reuse the device setting and the communicators of an earlier run with
+    # the same layout: after init() MindSpore refuses set_device again and a group name twice.
+    contexts = {}
+    setup_device = trainer_module.setup_device
+
+    def setup_device_once(device):
+        if not contexts:
+            setup_device(device)
+
+    def init_once(cfg):
+        p = cfg.parallel
+        key = (p.data_parallel, p.model_parallel, p.pipeline_stage, p.expert_parallel)
+        if key not in contexts:
+            contexts[key] = topology.init_parallel(dp=key[0], tp=key[1], pp=key[2], ep=key[3], verbose=False)
+        return contexts[key]
+
+    trainer_module._init_parallel, trainer_module.setup_device = init_once, setup_device_once
+    results, rank = {}, 0
+    for run in runs:
+        name, _, overrides = run.partition(":")
+        cfg = load_config(config, [o for o in overrides.split(",") if o]
+                          + [f"train.output_dir={os.path.join(out_dir, name)}"])
+        trainer = trainer_module.Trainer(cfg)
+        rank = trainer.rank
+        records = []
+        while trainer.step < trainer.total_steps:
+            with comm.CommLedger() as ledger:
+                record = trainer.train_step()
+            record = {k: (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) for k, v in record.items()}
+            record["bytes"] = {"native": ledger.bytes_by_group(backward=True),
+                               "emulated": ledger.bytes_by_group(backward=True, emulated=True)}
+            records.append(record)
+        trainer.logger.close()
+        results[name] = records
+        print(f"rank {rank}: {name} done, {records[-1]['step_time_s']:.2f} s last step", flush=True)
+        with open(os.path.join(out_dir, f"rank_{rank}.json"), "w") as fh:   # after every run: partial results survive
+            json.dump(results, fh)
+
+
+if __name__ == "__main__":
+    main()

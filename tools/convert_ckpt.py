@@ -1,0 +1,23 @@
+"""Offline checkpoint conversion: reshard onto another parallel layout, or consolidate.
+
+    python tools/convert_ckpt.py CKPT OUT --consolidate                 # -> config.yaml + model.safetensors
+    python tools/convert_ckpt.py CKPT OUT --to-layout dp=4,tp=2,zero=1  # -> the checkpoint that layout saves
+    python tools/convert_ckpt.py MODEL_DIR OUT --to-layout dp=2,zero=1  # model directory -> step-0 weights
+
+Resuming reshards by itself (`moetrain train CONFIG --resume CKPT` on any layout); converting
+ahead only pre-splits the files. Also available as `moetrain convert consolidate|reshard`.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moetrain.checkpoint.distributed import main  # noqa: E402
+from moetrain.checkpoint.manager import CheckpointError  # noqa: E402
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+        print(f"convert_ckpt: error: {exc}", file=sys.stderr)
+        sys.exit(2)
