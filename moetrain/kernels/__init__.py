@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ELEMENTWISE_FLAGS = ("-march=native", "-ffast-math")
 SOURCES = {"grouped_gemm.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
            "attention.cc": ELEMENTWISE_FLAGS}
+HEADERS = ("threads.h",)
 
 
 class KernelBuildError(RuntimeError):
@@ -53,7 +54,7 @@ def library_path() -> str:
     if not os.path.isfile(os.path.join(lib_dir, "libdnnl.so.3")):
         raise KernelBuildError(f"libdnnl.so.3 not found in {lib_dir} (this MindSpore build has no oneDNN)")
     digest = hashlib.sha256(f"{mindspore.__version__} {compiler} {_cpu_model()} {SOURCES}".encode())
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         with open(os.path.join(HERE, name), "rb") as fh:
             digest.update(fh.read())
     target = os.path.join(_cache_dir(), f"moetrain_kernels_{digest.hexdigest()[:16]}.so")

@@ -14,8 +14,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <vector>
+
+#include "threads.h"
 
 extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
                           int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
@@ -23,25 +24,6 @@ extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_
 namespace {
 
 constexpr int64_t kBlock = 64;   // query rows per block
-
-int NumThreads() {
-  static const int threads = [] {
-    const char *env = std::getenv("MOETRAIN_KERNEL_THREADS");
-    int n = env ? std::atoi(env) : static_cast<int>(std::thread::hardware_concurrency());
-    return std::max(1, n);
-  }();
-  return threads;
-}
-
-// fn(first_unit, end_unit) over `units` independent work units split evenly over the threads.
-template <typename Fn>
-void ParallelUnits(int64_t units, Fn fn) {
-  const int parts = static_cast<int>(std::min<int64_t>(NumThreads(), units));
-  std::vector<std::thread> workers;
-  for (int p = 1; p < parts; ++p) workers.emplace_back(fn, units * p / parts, units * (p + 1) / parts);
-  fn(0, units / parts);
-  for (auto &w : workers) w.join();
-}
 
 struct Dims {
   int64_t batch, seq, q_heads, kv_heads, dim;
@@ -107,7 +89,8 @@ extern "C" int CausalAttentionForward(int nparam, void **params, int *ndims, int
   const float *v = static_cast<const float *>(params[2]);
   float *o = static_cast<float *>(params[3]);
   const int64_t group = d.q_heads / d.kv_heads;
-  ParallelUnits(d.batch * d.q_heads, [&](int64_t first, int64_t end) {
+  const int64_t q_units = d.batch * d.q_heads;
+  moetrain::ParallelSplit(q_units, moetrain::PartsFor(q_units, 1), [&](int, int64_t first, int64_t end) {
     std::vector<float> probs(kBlock * d.seq);
     for (int64_t unit = first; unit < end; ++unit) {
       const int64_t b = unit / d.q_heads, h = unit % d.q_heads;
@@ -140,7 +123,8 @@ extern "C" int CausalAttentionBackward(int nparam, void **params, int *ndims, in
   float *dv = dk + d.batch * d.seq * d.kv_stride();
   const int64_t group = d.q_heads / d.kv_heads;
   // A unit is one (batch, kv head): it owns that slice of dk / dv, accumulated over its query heads.
-  ParallelUnits(d.batch * d.kv_heads, [&](int64_t first, int64_t end) {
+  const int64_t kv_units = d.batch * d.kv_heads;
+  moetrain::ParallelSplit(kv_units, moetrain::PartsFor(kv_units, 1), [&](int, int64_t first, int64_t end) {
     std::vector<float> probs(kBlock * d.seq), dprobs(kBlock * d.seq), delta(kBlock);
     for (int64_t unit = first; unit < end; ++unit) {
       const int64_t b = unit / d.kv_heads, kvh = unit % d.kv_heads;

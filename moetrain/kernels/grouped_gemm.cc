@@ -19,34 +19,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <vector>
+
+#include "threads.h"
 
 extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
                           int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
 
 namespace {
-
-int NumThreads() {
-  static const int threads = [] {
-    const char *env = std::getenv("MOETRAIN_KERNEL_THREADS");
-    int n = env ? std::atoi(env) : static_cast<int>(std::thread::hardware_concurrency());
-    return std::max(1, n);
-  }();
-  return threads;
-}
-
-template <typename Fn>
-void ParallelFor(int parts, Fn fn) {
-  if (parts <= 1) {
-    fn(0);
-    return;
-  }
-  std::vector<std::thread> workers;
-  for (int p = 1; p < parts; ++p) workers.emplace_back(fn, p);
-  fn(0);
-  for (auto &w : workers) w.join();
-}
 
 bool IsType(const char *dtype, const char *want) { return std::strcmp(dtype, want) == 0; }
 
@@ -75,9 +55,9 @@ int RowGrouped(void **params, int64_t **shapes, bool transpose_w) {
   const int64_t num_experts = shapes[1][0], k = shapes[1][1], f = shapes[1][2];
   const int64_t y_cols = transpose_w ? k : f;
   if (a_cols != (transpose_w ? f : k) || shapes[2][0] != rows) return 1;
-  const int parts = static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, rows / 32)));
+  const int parts = moetrain::PartsFor(rows, 32);
   std::vector<char> ok(parts, 1);
-  ParallelFor(parts, [&](int p) {
+  moetrain::ParallelSplit(parts, parts, [&](int p, int64_t, int64_t) {
     const int64_t begin = rows * p / parts, end = rows * (p + 1) / parts;
     ok[p] = ForEachRun(row_expert, begin, end, num_experts, [&](int64_t r0, int64_t r1, int64_t e) {
       dnnl_sgemm('N', transpose_w ? 'T' : 'N', r1 - r0, y_cols, a_cols, 1.0f, a + r0 * a_cols, a_cols,
@@ -131,9 +111,9 @@ extern "C" int GroupedMatmulTN(int nparam, void **params, int *ndims, int64_t **
   const int64_t num_experts = shapes[4][0];
   if (shapes[1][0] != rows || shapes[2][0] != rows || shapes[4][1] != k || shapes[4][2] != f) return 1;
   // Columns in multiples of 16 floats (one AVX-512 register) per thread.
-  const int parts = static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, f / 16)));
+  const int parts = moetrain::PartsFor(f, 16);
   std::vector<char> ok(parts, 1);
-  ParallelFor(parts, [&](int p) {
+  moetrain::ParallelSplit(parts, parts, [&](int p, int64_t, int64_t) {
     const int64_t c0 = (f / 16) * p / parts * 16, c1 = p + 1 == parts ? f : (f / 16) * (p + 1) / parts * 16;
     for (int64_t e = 0; e < num_experts; ++e)
       for (int64_t i = 0; i < k; ++i) std::memset(y + (e * k + i) * f + c0, 0, (c1 - c0) * sizeof(float));

@@ -12,30 +12,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <vector>
+
+#include "threads.h"
 
 namespace {
 
-int NumThreads() {
-  static const int threads = [] {
-    const char *env = std::getenv("MOETRAIN_KERNEL_THREADS");
-    int n = env ? std::atoi(env) : static_cast<int>(std::thread::hardware_concurrency());
-    return std::max(1, n);
-  }();
-  return threads;
-}
-
-int Parts(int64_t rows) { return static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, rows / 64))); }
-
-// fn(part, begin_row, end_row) for `parts` even splits of `rows`.
-template <typename Fn>
-void ParallelRows(int64_t rows, int parts, Fn fn) {
-  std::vector<std::thread> workers;
-  for (int p = 1; p < parts; ++p) workers.emplace_back(fn, p, rows * p / parts, rows * (p + 1) / parts);
-  fn(0, 0, rows / parts);
-  for (auto &w : workers) w.join();
-}
+int Parts(int64_t rows) { return moetrain::PartsFor(rows, 64); }
 
 inline float InverseRms(const float *x, int64_t h, float eps) {
   float sum = 0.0f;
@@ -74,7 +57,7 @@ extern "C" int RMSNormForward(int nparam, void **params, int *ndims, int64_t **s
   const float *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
   const float eps = *static_cast<const float *>(params[2]);
   float *y = static_cast<float *>(params[3]);
-  ParallelRows(rows, Parts(rows), [=](int, int64_t begin, int64_t end) {
+  moetrain::ParallelSplit(rows, Parts(rows), [=](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *xr = x + r * h;
       float *yr = y + r * h;
@@ -95,7 +78,7 @@ extern "C" int RMSNormBackwardInput(int nparam, void **params, int *ndims, int64
   const float eps = *static_cast<const float *>(params[2]);
   const float *dy = static_cast<const float *>(params[3]);
   float *dx = static_cast<float *>(params[4]);
-  ParallelRows(rows, Parts(rows), [=](int, int64_t begin, int64_t end) {
+  moetrain::ParallelSplit(rows, Parts(rows), [=](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *xr = x + r * h, *dyr = dy + r * h;
       float *dxr = dx + r * h;
@@ -120,7 +103,7 @@ extern "C" int RMSNormBackwardWeight(int nparam, void **params, int *ndims, int6
   float *dw = static_cast<float *>(params[3]);
   const int parts = Parts(rows);
   std::vector<float> partial(parts * h, 0.0f);   // one row of sums per thread, added in a fixed order
-  ParallelRows(rows, parts, [&](int p, int64_t begin, int64_t end) {
+  moetrain::ParallelSplit(rows, parts, [&](int p, int64_t begin, int64_t end) {
     float *acc = partial.data() + p * h;
     for (int64_t r = begin; r < end; ++r) {
       const float *xr = x + r * h, *dyr = dy + r * h;

@@ -13,29 +13,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 #include <vector>
 
+#include "threads.h"
+
 namespace {
-
-int NumThreads() {
-  static const int threads = [] {
-    const char *env = std::getenv("MOETRAIN_KERNEL_THREADS");
-    int n = env ? std::atoi(env) : static_cast<int>(std::thread::hardware_concurrency());
-    return std::max(1, n);
-  }();
-  return threads;
-}
-
-// fn(begin_row, end_row) over `rows` split evenly, at least `min_rows` rows per thread.
-template <typename Fn>
-void ParallelRows(int64_t rows, int64_t min_rows, Fn fn) {
-  const int parts = static_cast<int>(std::min<int64_t>(NumThreads(), std::max<int64_t>(1, rows / min_rows)));
-  std::vector<std::thread> workers;
-  for (int p = 1; p < parts; ++p) workers.emplace_back(fn, rows * p / parts, rows * (p + 1) / parts);
-  fn(0, rows / parts);
-  for (auto &w : workers) w.join();
-}
 
 inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(std::min(-x, 80.0f))); }
 
@@ -67,7 +49,7 @@ extern "C" int SwiGLUForward(int nparam, void **params, int *ndims, int64_t **sh
   const float *gu = static_cast<const float *>(params[0]);
   float *h = static_cast<float *>(params[1]);
   const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = Rows(ndims[0], shapes[0]);
-  ParallelRows(rows, 16, [=](int64_t begin, int64_t end) {
+  moetrain::ParallelSplit(rows, moetrain::PartsFor(rows, 16), [=](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *gate = gu + r * 2 * f, *up = gate + f;
       float *out = h + r * f;
@@ -85,7 +67,7 @@ extern "C" int SwiGLUBackward(int nparam, void **params, int *ndims, int64_t **s
   float *dgu = static_cast<float *>(params[2]);
   const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = Rows(ndims[0], shapes[0]);
   if (shapes[1][ndims[1] - 1] != f || Rows(ndims[1], shapes[1]) != rows) return 1;
-  ParallelRows(rows, 16, [=](int64_t begin, int64_t end) {
+  moetrain::ParallelSplit(rows, moetrain::PartsFor(rows, 16), [=](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *gate = gu + r * 2 * f, *up = gate + f, *grad = dh + r * f;
       float *dgate = dgu + r * 2 * f, *dup = dgate + f;

@@ -150,15 +150,17 @@ class OptimizerStep:
         local_sq = ops.zeros((), ms.float32)
         for g, r in zip(out, self.replicas):
             local_sq = local_sq + (g * g).sum() / r
-        bad = ops.logical_not(ms.amp.all_finite(out)).astype(ms.float32)
-        totals = ops.concat((local_sq.reshape(1), bad.reshape(1)))
         if self.world.size > 1:
-            totals = comm.all_reduce(totals, self.world)
-        norm = ops.sqrt(totals[0])
+            local_sq = comm.all_reduce(local_sq.reshape(1), self.world)[0]
+        # An inf or nan anywhere makes the sum of squares non-finite (so does a sum past fp32 range,
+        # which clipping would turn into a zero update anyway): no separate all_finite pass over
+        # every gradient (~100 ms of IsFinite + ReduceAll per step on the bench model).
+        finite = ops.isfinite(local_sq)
+        norm = ops.sqrt(local_sq)
         if self.clip > 0:
             factor = ops.minimum(self.clip / (norm + 1e-6), 1.0)
             out = [g * factor for g in out]
-        return tuple(out), norm, totals[1] == 0
+        return tuple(out), norm, finite
 
     def _apply_impl(self, grads, lr, step):
         self.optimizer(grads, lr, step)
