@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ELEMENTWISE_FLAGS = ("-march=native", "-ffast-math")
 SOURCES = {"grouped_gemm.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
            "attention.cc": ELEMENTWISE_FLAGS}
-HEADERS = ("threads.h",)
+HEADERS = ("common.h",)
 
 
 class KernelBuildError(RuntimeError):

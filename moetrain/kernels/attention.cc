@@ -16,7 +16,7 @@
 #include <cstring>
 #include <vector>
 
-#include "threads.h"
+#include "common.h"
 
 extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
                           int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <vector>
 
-#include "threads.h"
+#include "common.h"
 
 namespace {
 
@@ -24,14 +24,6 @@ inline float InverseRms(const float *x, int64_t h, float eps) {
   float sum = 0.0f;
   for (int64_t i = 0; i < h; ++i) sum += x[i] * x[i];
   return 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
-}
-
-bool Float32(const char *dtype) { return std::strcmp(dtype, "float32") == 0; }
-
-int64_t Rows(int ndim, const int64_t *shape) {
-  int64_t rows = 1;
-  for (int i = 0; i + 1 < ndim; ++i) rows *= shape[i];
-  return rows;
 }
 
 }  // namespace
@@ -51,8 +43,8 @@ extern "C" int RMSNormBackwardWeightInferType(std::vector<int> type_ids, void *e
 
 extern "C" int RMSNormForward(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
-  if (nparam != 4 || !Float32(dtypes[0]) || !Float32(dtypes[1]) || !Float32(dtypes[2])) return 1;
-  const int64_t h = shapes[0][ndims[0] - 1], rows = Rows(ndims[0], shapes[0]);
+  if (nparam != 4 || !moetrain::Float32(dtypes[0]) || !moetrain::Float32(dtypes[1]) || !moetrain::Float32(dtypes[2])) return 1;
+  const int64_t h = shapes[0][ndims[0] - 1], rows = moetrain::Rows(ndims[0], shapes[0]);
   if (ndims[1] != 1 || shapes[1][0] != h) return 1;
   const float *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
   const float eps = *static_cast<const float *>(params[2]);
@@ -70,10 +62,10 @@ extern "C" int RMSNormForward(int nparam, void **params, int *ndims, int64_t **s
 
 extern "C" int RMSNormBackwardInput(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                     void *stream, void *extra) {
-  if (nparam != 5 || !Float32(dtypes[0]) || !Float32(dtypes[1]) || !Float32(dtypes[2]) || !Float32(dtypes[3]))
+  if (nparam != 5 || !moetrain::Float32(dtypes[0]) || !moetrain::Float32(dtypes[1]) || !moetrain::Float32(dtypes[2]) || !moetrain::Float32(dtypes[3]))
     return 1;
-  const int64_t h = shapes[0][ndims[0] - 1], rows = Rows(ndims[0], shapes[0]);
-  if (ndims[1] != 1 || shapes[1][0] != h || Rows(ndims[3], shapes[3]) != rows) return 1;
+  const int64_t h = shapes[0][ndims[0] - 1], rows = moetrain::Rows(ndims[0], shapes[0]);
+  if (ndims[1] != 1 || shapes[1][0] != h || moetrain::Rows(ndims[3], shapes[3]) != rows) return 1;
   const float *x = static_cast<const float *>(params[0]), *w = static_cast<const float *>(params[1]);
   const float eps = *static_cast<const float *>(params[2]);
   const float *dy = static_cast<const float *>(params[3]);
@@ -94,9 +86,9 @@ extern "C" int RMSNormBackwardInput(int nparam, void **params, int *ndims, int64
 
 extern "C" int RMSNormBackwardWeight(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                      void *stream, void *extra) {
-  if (nparam != 4 || !Float32(dtypes[0]) || !Float32(dtypes[1]) || !Float32(dtypes[2])) return 1;
-  const int64_t h = shapes[0][ndims[0] - 1], rows = Rows(ndims[0], shapes[0]);
-  if (Rows(ndims[2], shapes[2]) != rows) return 1;
+  if (nparam != 4 || !moetrain::Float32(dtypes[0]) || !moetrain::Float32(dtypes[1]) || !moetrain::Float32(dtypes[2])) return 1;
+  const int64_t h = shapes[0][ndims[0] - 1], rows = moetrain::Rows(ndims[0], shapes[0]);
+  if (moetrain::Rows(ndims[2], shapes[2]) != rows) return 1;
   const float *x = static_cast<const float *>(params[0]);
   const float eps = *static_cast<const float *>(params[1]);
   const float *dy = static_cast<const float *>(params[2]);

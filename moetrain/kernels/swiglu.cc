@@ -15,19 +15,11 @@
 #include <cstring>
 #include <vector>
 
-#include "threads.h"
+#include "common.h"
 
 namespace {
 
 inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(std::min(-x, 80.0f))); }
-
-bool Float32(const char *dtype) { return std::strcmp(dtype, "float32") == 0; }
-
-int64_t Rows(int ndim, const int64_t *shape) {
-  int64_t rows = 1;
-  for (int i = 0; i + 1 < ndim; ++i) rows *= shape[i];
-  return rows;
-}
 
 }  // namespace
 
@@ -45,10 +37,10 @@ extern "C" int SwiGLUBackwardInferType(std::vector<int> type_ids, void *extra) {
 
 extern "C" int SwiGLUForward(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
-  if (nparam != 2 || !Float32(dtypes[0]) || shapes[0][ndims[0] - 1] % 2) return 1;
+  if (nparam != 2 || !moetrain::Float32(dtypes[0]) || shapes[0][ndims[0] - 1] % 2) return 1;
   const float *gu = static_cast<const float *>(params[0]);
   float *h = static_cast<float *>(params[1]);
-  const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = Rows(ndims[0], shapes[0]);
+  const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = moetrain::Rows(ndims[0], shapes[0]);
   moetrain::ParallelSplit(rows, moetrain::PartsFor(rows, 16), [=](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *gate = gu + r * 2 * f, *up = gate + f;
@@ -61,12 +53,12 @@ extern "C" int SwiGLUForward(int nparam, void **params, int *ndims, int64_t **sh
 
 extern "C" int SwiGLUBackward(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
-  if (nparam != 3 || !Float32(dtypes[0]) || !Float32(dtypes[1]) || shapes[0][ndims[0] - 1] % 2) return 1;
+  if (nparam != 3 || !moetrain::Float32(dtypes[0]) || !moetrain::Float32(dtypes[1]) || shapes[0][ndims[0] - 1] % 2) return 1;
   const float *gu = static_cast<const float *>(params[0]);
   const float *dh = static_cast<const float *>(params[1]);
   float *dgu = static_cast<float *>(params[2]);
-  const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = Rows(ndims[0], shapes[0]);
-  if (shapes[1][ndims[1] - 1] != f || Rows(ndims[1], shapes[1]) != rows) return 1;
+  const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = moetrain::Rows(ndims[0], shapes[0]);
+  if (shapes[1][ndims[1] - 1] != f || moetrain::Rows(ndims[1], shapes[1]) != rows) return 1;
   moetrain::ParallelSplit(rows, moetrain::PartsFor(rows, 16), [=](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *gate = gu + r * 2 * f, *up = gate + f, *grad = dh + r * f;

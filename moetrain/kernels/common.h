@@ -1,9 +1,10 @@
-// Threading shared by the moetrain CPU kernels: the thread count and an even split of work units.
+// Shared by the moetrain CPU kernels: the thread count, an even split of work units, shape helpers.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -35,6 +36,15 @@ void ParallelSplit(int64_t units, int parts, Fn fn) {
   for (int p = 1; p < parts; ++p) workers.emplace_back(fn, p, units * p / parts, units * (p + 1) / parts);
   fn(0, int64_t{0}, units / parts);
   for (auto &w : workers) w.join();
+}
+
+inline bool Float32(const char *dtype) { return std::strcmp(dtype, "float32") == 0; }
+
+// Rows of a tensor whose leading dimensions are flattened: the product of all but the last.
+inline int64_t Rows(int ndim, const int64_t *shape) {
+  int64_t rows = 1;
+  for (int i = 0; i + 1 < ndim; ++i) rows *= shape[i];
+  return rows;
 }
 
 }  // namespace moetrain
