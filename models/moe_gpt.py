@@ -128,4 +128,6 @@ class MoEGPT(GPT):
                              f"(num_moe_layers={len(layers)}, num_experts={self.cfg.moe.num_experts})")
         for layer, load in zip(layers, expert_load):
             new_bias = update_expert_bias(layer.expert_bias.asnumpy(), load, self.cfg.moe.bias_update_rate)
-            layer.expert_bias.set_data(ms.Tensor(new_bias, ms.float32))
+            # ops.assign, not set_data: a jitted step compiled earlier keeps reading the old data after
+            # set_data (MindSpore 2.10, measured), so the balancing would never reach the routing
+            ops.assign(layer.expert_bias, ms.Tensor(new_bias, ms.float32))

@@ -1,6 +1,11 @@
 """Pipeline parallelism: layer split and validation, the 1F1B / GPipe schedules (pairing of link
 exchanges, no deadlock, activations in flight), stage numerics against the whole model in one
-process (PyNative), and msrun jobs (jitted steps) that reproduce one-process training and metrics."""
+process (PyNative), the balancing bias reaching compiled stage graphs, and one 2-rank msrun job
+(jitted steps, dense GPT, uneven split) that reproduces one-process training.
+
+Pipelines of MoE models, GPipe, tied embeddings across stages, and pipeline combined with data,
+tensor, sequence and expert parallelism, ZeRO-1/2 and checkpoints are tested in
+tests/test_parallel_3d.py (one 4-rank and one 8-rank launch against one one-process run)."""
 import json
 import os
 
@@ -193,6 +198,53 @@ def test_three_stages_in_one_process_match_whole_model():
     assert [ex.peak_in_flight for ex in executors] == [3, 2, 1]
 
 
+def test_expert_bias_update_reaches_already_compiled_graphs():
+    """Aux-loss-free balancing moves `expert_bias` between steps, after the step's graphs were
+    compiled. With `set_data`, a jitted `value_and_grad` step kept reading the old bias (MindSpore
+    2.10; a forward-only graph did see it): the balancing never changed the routing of training
+    steps, in one process or in a stage. `ops.assign` updates it in place. Checked with the
+    trainer's kind of step for the whole model and with a pipeline stage's jitted forward-backward."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from moetrain.parallel.pipeline import PipelineExecutor, build_stages
+    from moetrain.trainer import build_model
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    cfg = load_config(MOE_CFG, TINY + TINY_MOE + ["model.vocab_size=256", "model.moe.bias_update_rate=1.0"])
+    ms.set_seed(7)
+    model = build_model(cfg)
+    ids, labels = _batches(1, 2, 16, 256)[0]
+    overloaded = np.zeros((4, 4))
+    overloaded[:, 0] = 100.0       # expert 0 of every layer over-loaded: bias -1 for it, +1 for the others
+
+    def forward(input_ids, targets):
+        return model(input_ids, targets)
+
+    grad_fn = ms.value_and_grad(forward, None, model.trainable_params(), has_aux=True)
+
+    def train_step(input_ids, targets):     # as Trainer.grad_step: loss, stats and gradients
+        (_, stats), grads = grad_fn(input_ids, targets)
+        return stats["expert_load"], grads
+
+    step = ms.jit(train_step)
+    before = step(ids, labels)[0].asnumpy()
+    model.update_expert_bias(overloaded)
+    after = step(ids, labels)[0].asnumpy()
+    assert before[:, 0].min() > 0 and after[:, 0].max() == 0, (before, after)   # |logits| << 1: the bias decides
+
+    ms.set_seed(7)
+    stage = build_stages(build_model(cfg), [(0, 2), (2, 4)], [1])[1]
+    executor = PipelineExecutor(stage, stage.trainable_params(), "1f1b", 2, jit=True)
+    hidden = Tensor(np.random.default_rng(1).standard_normal((2, 16, cfg.model.hidden_size)).astype(np.float32))
+    scale = Tensor(1.0, ms.float32)
+    before = executor._forward_backward(hidden, labels, scale)[0]["expert_load"].asnumpy()
+    stage.update_expert_bias(overloaded)
+    after = executor._forward_backward(hidden, labels, scale)[0]["expert_load"].asnumpy()
+    assert before[:, 0].min() > 0 and after[:, 0].max() == 0, (before, after)
+
+
 # ---------------------------------------------------------------------------------------------
 # msrun: pipeline training reproduces one-process training and its metrics
 # ---------------------------------------------------------------------------------------------
@@ -256,13 +308,6 @@ def assert_same_parameters(single_params, ranks, npz, dp_rank=0):
     assert seen == set(single_params)
 
 
-def assert_moe_metrics(single_steps, piped_steps):
-    for a, b in zip(single_steps, piped_steps):
-        np.testing.assert_allclose(b["expert_load"], a["expert_load"], rtol=0, atol=0)
-        assert (b["dropped"], b["routed"]) == (a["dropped"], a["routed"])
-    assert any(r["dropped"] > 0 for r in single_steps)
-
-
 @pytest.mark.distributed
 def test_pp2_dense_1f1b_uneven_split_reproduces_one_process(tmp_path):
     args = lm_overrides(False, **{"model.num_layers": 3})
@@ -274,39 +319,3 @@ def test_pp2_dense_1f1b_uneven_split_reproduces_one_process(tmp_path):
     assert [r["peak_in_flight"] for r in ranks] == [2, 1]           # 1F1B: stages - stage, never more
     # 4 micro-batches of [2, 32, 64] fp32 cross the link each way per step
     assert [r["step_bytes_sent"] for r in ranks] == [4 * 2 * 32 * 64 * 4] * 2
-
-
-@pytest.mark.distributed
-def test_pp2_moe_gpipe_tied_embeddings_reproduce_one_process_metrics(tmp_path):
-    args = lm_overrides(True, **{"model.tie_embeddings": True})
-    single, single_params = train_one_process(MOE_CFG, args, tmp_path / "single")
-    piped, ranks, npz, out_dir = train_pipeline(MOE_CFG, 2, args + ["parallel.pipeline_stage=2",
-                                                                  "parallel.pipeline_schedule=gpipe",
-                                                                  "checkpoint.save_at_end=true"])
-    assert_same_training(single, piped, ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"))
-    assert_moe_metrics(single[0], piped[0])
-    assert_same_parameters(single_params, ranks, npz)
-    np.testing.assert_array_equal(npz[0]["embed.weight"], npz[1]["embed.weight"])   # tied copies in sync
-    assert [r["peak_in_flight"] for r in ranks] == [4, 4]           # GPipe holds every micro-batch
-    # the sharded checkpoint of the two stages holds the whole model
-    from moetrain.checkpoint.distributed import CheckpointReader
-    from moetrain.checkpoint.manager import latest_checkpoint
-
-    reader = CheckpointReader(latest_checkpoint(os.path.join(out_dir, "run", "checkpoints")))
-    assert reader.step == 5 and sorted(reader.keys("model")) == sorted(single_params)
-    for name, value in single_params.items():
-        np.testing.assert_allclose(reader.global_tensor(name), value, rtol=1e-3, atol=3e-5, err_msg=name)
-    reader.close()
-
-
-@pytest.mark.distributed
-def test_dp2_pp2_moe_1f1b_tied_reproduces_one_process_metrics(tmp_path):
-    args = lm_overrides(True, **{"model.tie_embeddings": True, "train.micro_batch_size": 1})
-    single, single_params = train_one_process(MOE_CFG, args, tmp_path / "single")
-    piped, ranks, npz, _ = train_pipeline(MOE_CFG, 4, args + ["parallel.pipeline_stage=2", "parallel.data_parallel=2"])
-    assert_same_training(single, piped, ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"))
-    assert_moe_metrics(single[0], piped[0])
-    assert_same_parameters(single_params, ranks, npz, dp_rank=1)
-    assert {(r["pp_rank"], r["dp_rank"]): r["peak_in_flight"] for r in ranks} == {
-        (0, 0): 2, (0, 1): 2, (1, 0): 1, (1, 1): 1}
-    assert all(r["num_micro_batches"] == 4 for r in ranks)

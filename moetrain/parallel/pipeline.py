@@ -322,7 +322,9 @@ class PipelineStage(nn.Cell):
 
     def update_expert_bias(self, expert_load: np.ndarray) -> None:
         """Aux-loss-free balancing for this stage's MoE layers from the whole model's
-        `expert_load [num_moe_layers, E]` (the same rule as the model's own method)."""
+        `expert_load [num_moe_layers, E]` (the same rule as the model's own method). In place with
+        `ops.assign`: after `set_data` a graph compiled earlier (the stage's jitted forward and
+        backward) keeps reading the old bias (MindSpore 2.10, measured)."""
         expert_load = np.asarray(expert_load)
         if expert_load.shape[0] != self.num_moe_layers:
             raise ValueError(f"expert_load has {expert_load.shape[0]} rows, the model has "
@@ -330,7 +332,7 @@ class PipelineStage(nn.Cell):
         for position, row in zip(self.moe_positions, self.moe_rows):
             moe = self.layers[position].moe
             new_bias = balancing_step(moe.expert_bias.asnumpy(), expert_load[row], moe.cfg.bias_update_rate)
-            moe.expert_bias.set_data(ms.Tensor(new_bias, ms.float32))
+            ops.assign(moe.expert_bias, ms.Tensor(new_bias, ms.float32))   # not set_data: see below
 
 
 def build_stages(model, ranges: Sequence[Tuple[int, int]], stages: Optional[Iterable[int]] = None) -> Dict:

@@ -6,15 +6,18 @@ model over the tp group (`tensor_parallel.parallelize_module`) and marks the cel
 A model family from a user module registers its own with `register_plans`.
 
 Recompute (`parallel.recompute`, MindSpore's `cell.recompute()` on the cells a policy names): "full"
-recomputes every transformer block in the backward (only block inputs are kept); "selective" the
-attention core softmax(QK^T)V (its [B, heads, S, S] probabilities) and the routed experts (their
-tokens x top_k x ffn activations). Gradients are unchanged. Measured on CPU (docs/parallel_engine.md,
-"Recompute"): PyNative peaks drop; under ms.jit MindSpore 2.10 does not lower the CPU peak.
+recomputes every transformer block in the backward (only block inputs are kept; a MoE block is
+recomputed piecewise: norms, attention, router, experts, shared experts, not the dispatch, see
+`recompute_boundaries`); "selective" the attention core softmax(QK^T)V (its [B, heads, S, S]
+probabilities) and the routed experts (their tokens x top_k x ffn activations). Loss, stats and
+gradients are unchanged. Measured on CPU (docs/parallel_engine.md, "Recompute"): PyNative peaks
+drop; under ms.jit MindSpore 2.10 does not lower the CPU peak.
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Sequence
+from typing import Dict, List, Mapping, Sequence
 
+from moetrain.moe.layer import MoELayer
 from moetrain.parallel.tensor_parallel import (ColwiseParallel, RegionInput, RegionOutput, RowwiseParallel,
                                                SequenceParallel, VocabParallel, WholeSequence,
                                                check_tensor_parallel, modules_matching, parallelize_module)
@@ -65,14 +68,34 @@ def register_plans(model_name: str, tp_plan: Mapping = None, recompute: Mapping[
         RECOMPUTE_PLANS[model_name] = recompute
 
 
+def recompute_boundaries(cell) -> List:
+    """The cells to call `recompute()` on so that `cell` is recomputed in the backward.
+
+    Normally `[cell]`. A cell holding a MoE layer is split into its children instead, and the MoE
+    layer into its router, experts and shared experts (its dispatcher and statistics are kept):
+    under `ms.jit`, MindSpore 2.10 mishandles a recomputed cell whose outputs include values off
+    the gradient path (the MoE layer's `stats`: expert loads, aux and z losses). With one MoE layer
+    the jitted step returned the FIRST call's stats on every later call (stale expert loads and aux
+    terms in the loss); with two it failed to compile ("The id found is out of value tuple
+    index"). PyNative was right either way. Tested: tests/test_tensor_parallel.py."""
+    if not any(isinstance(c, MoELayer) for _, c in cell.cells_and_names()):
+        return [cell]
+    if isinstance(cell, MoELayer):
+        return [c for c in (cell.router, cell.experts, cell.shared_experts) if c is not None]
+    return [piece for child in cell.name_cells().values() for piece in recompute_boundaries(child)]
+
+
 def apply_recompute(model, patterns: Sequence[str]) -> int:
-    """`cell.recompute()` on every cell matching one of `patterns`; returns how many."""
-    count = 0
+    """`cell.recompute()` on every cell matching one of `patterns` (MoE-holding cells piecewise, see
+    `recompute_boundaries`); returns how many cells were marked."""
+    marked = []
     for pattern in patterns:
         for _, cell in modules_matching(model, pattern):
-            cell.recompute()
-            count += 1
-    return count
+            for piece in recompute_boundaries(cell):
+                if all(piece is not m for m in marked):
+                    piece.recompute()
+                    marked.append(piece)
+    return len(marked)
 
 
 def parallelize_model(model, cfg, pctx):
