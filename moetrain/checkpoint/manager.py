@@ -9,7 +9,6 @@ complete, so a crash mid-write leaves the previous checkpoint as the latest comp
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -20,20 +19,14 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import numpy as np
 from safetensors.numpy import save_file
 
+from moetrain.fileio import sha256_of
+
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:

@@ -18,7 +18,7 @@ from typing import Iterable, Optional, Tuple
 import numpy as np
 
 from moetrain.data import DataError
-from moetrain.data.tokenizer import file_sha256
+from moetrain.fileio import sha256_of
 
 FORMAT_VERSION = 1
 _FIX = "regenerate it with tools/preprocess_data.py"
@@ -164,7 +164,7 @@ class LMDataset:
             if not os.path.isfile(tokenizer_path):
                 raise FileNotFoundError(f"tokenizer model {tokenizer_path!r} (data.tokenizer) does not exist; "
                                         f"{prefix!r} was encoded with {self.shard.meta.get('tokenizer')!r}")
-            checksum = file_sha256(tokenizer_path)
+            checksum = sha256_of(tokenizer_path)
             if checksum != self.shard.meta.get("tokenizer_sha256"):
                 raise DataError(
                     f"tokenizer mismatch: {prefix!r} was encoded with {self.shard.meta.get('tokenizer')!r} "

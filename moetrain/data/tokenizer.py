@@ -8,19 +8,12 @@ training; unseen characters become unk unless the model was trained with byte fa
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Iterable, List, Sequence
 
+from moetrain.fileio import sha256_of
+
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def train_tokenizer(input_files: Sequence[str], model_prefix: str, vocab_size: int,
@@ -73,7 +66,7 @@ class Tokenizer:
         except (RuntimeError, OSError) as e:
             raise ValueError(f"{self.path!r} is not a valid sentencepiece model ({e}); "
                              f"retrain it with tools/train_tokenizer.py") from e
-        self.checksum = file_sha256(self.path)
+        self.checksum = sha256_of(self.path)
 
     @property
     def vocab_size(self) -> int:
