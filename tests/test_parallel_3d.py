@@ -2,7 +2,8 @@
 sequence parallelism, ZeRO-1/2, recompute, gradient accumulation (pipeline micro-batches), tied
 embeddings, capacity drops and aux-loss-free balancing, against ONE one-process run of the same config.
 
-    4 ranks (one launch, two runs):
+    4 ranks (one launch, three runs):
+        dp2 . tp2                  sequence parallel, ZeRO-2, recompute full (4 accumulated micro-batches)
         tp2 . pp2                  1F1B, recompute full
         dp2 . pp2, ep2             GPipe, ZeRO-2, allgather dispatcher, recompute selective
     8 ranks:
@@ -47,6 +48,8 @@ MODEL = [
 # One msrun launch per world size; the runs of a launch train one after another in its processes.
 LAUNCHES = {
     4: {
+        "dp2_tp2": ["parallel.data_parallel=2", "parallel.model_parallel=2", "parallel.use_seq_parallel=true",
+                    "parallel.optimizer_shard=2", "parallel.recompute=full"],
         "tp2_pp2": ["parallel.model_parallel=2", "parallel.pipeline_stage=2", "parallel.recompute=full"],
         "dp2_pp2_ep2": ["parallel.data_parallel=2", "parallel.pipeline_stage=2", "parallel.expert_parallel=2",
                         "parallel.moe_token_dispatcher=allgather", "parallel.optimizer_shard=2",
@@ -159,6 +162,25 @@ def assert_tied_copies_identical(ranks, params, dp_tp_pairs):
                 if (r["dp_rank"], r["tp_rank"]) == (dp_rank, tp_rank)]
         assert len(ends) == 2
         np.testing.assert_array_equal(ends[0], ends[1])
+
+
+@pytest.mark.distributed
+def test_dp2_tp2_sp_zero2_recompute_reproduces_one_process(one_process, four_ranks):
+    single, single_params = one_process
+    run, ranks, params, _ = four_ranks["dp2_tp2"]
+    assert_same_training(single, run)
+    assert_same_parameters(single_params, ranks, params)
+    assert_metrics_agree_on_every_rank(run[0], ranks)
+    assert sorted((r["dp_rank"], r["tp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for info in ranks:
+        shapes = info["shapes"]
+        assert info["num_micro_batches"] == 4 and info["zero_level"] == 2   # gradient accumulation
+        assert shapes["layers.0.attention.wq.weight"] == [32, 64]           # 2 of 4 heads (tp2)
+        assert shapes["embed.weight"] == [1024, 64]
+        assert shapes["layers.1.moe.experts.w_gate"] == [4, 64, 64]         # no ep: every expert
+        norms = sorted(n for n in shapes if n.endswith("norm.weight"))
+        assert norms and sorted(info["summed_over_tp"]) == norms            # SP: norms summed over tp
+        assert info["optimizer_state_bytes"] == zero_state_bytes(shapes, dp=2, edp=2)
 
 
 @pytest.mark.distributed
