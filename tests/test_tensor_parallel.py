@@ -2,7 +2,7 @@
 
 Distributed (msrun on CPU): one 2-rank job checks the parallel layers against numpy (PyNative and
 jit) and trains, with tp=2, the tiny GPT (tied embeddings, sequence parallel) and the tiny MoE GPT
-(a dense then a MoE layer with a shared expert; sequence parallel). Losses,
+(a dense then a MoE layer with a shared expert; without and with sequence parallel). Losses,
 gradient norms, routing and balance terms must match a one-process run of the same config (1e-4
 relative). Tensor parallelism combined with data, pipeline and expert parallelism, ZeRO and
 recompute is tested in tests/test_parallel_3d.py.
@@ -41,11 +41,10 @@ TINY_GPT = ["model.tie_embeddings=true"]
 TINY_MOE = ["model.first_k_dense=1", "model.moe.num_experts=4", "model.moe.ffn_hidden_size=64",
             "model.moe.num_shared_experts=1", "model.moe.aux_loss_coeff=0", "model.moe.seq_aux_loss_coeff=0.01",
             "model.moe.z_loss_coeff=0.001"]
-SP = ["parallel.model_parallel=2", "parallel.use_seq_parallel=true"]
-# name: (model, overrides); the trainer jits its step (PyNative is covered by the layer checks).
-# tp2 without sequence parallel on the MoE model is trained in tests/test_parallel_3d.py (tp2 x pp2).
-TP2_RUNS = {
+TP2, SP = ["parallel.model_parallel=2"], ["parallel.model_parallel=2", "parallel.use_seq_parallel=true"]
+TP2_RUNS = {   # name: (model, overrides); the trainer jits its step (PyNative is covered by the layer checks)
     "gpt_sp2": ("gpt", SP + ["parallel.recompute=selective"]),
+    "moe_tp2": ("moe", TP2),
     "moe_sp2": ("moe", SP),
 }
 REL_TOL = 1e-4
