@@ -87,9 +87,9 @@ class RMSNorm(nn.Cell):
         self.eps = eps
         self.fused = None
         if kernels.available():
-            from moetrain.kernels.ops import FusedRMSNorm
+            from moetrain.kernels.ops import FusedRMSNorm, shared
 
-            self.fused, self.eps_tensor = FusedRMSNorm(), Tensor([eps], ms.float32)
+            self.fused, self.eps_tensor = shared(FusedRMSNorm), Tensor([eps], ms.float32)
 
     def construct(self, x):
         x = x.astype(ms.float32)
@@ -197,9 +197,9 @@ class Attention(nn.Cell):
         self.rope = RotaryEmbedding(head_dim, max_positions, rope_theta)
         self.fused = kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
         if self.fused:
-            from moetrain.kernels.ops import FusedCausalAttention
+            from moetrain.kernels.ops import FusedCausalAttention, shared
 
-            self.core = FusedCausalAttention()
+            self.core = shared(FusedCausalAttention)
         else:
             self.core = CausalAttentionCore(compute_dtype)
         # Positions for the causal mask, built per call: a stored [S, S] mask is 4 GB at 32k.

@@ -169,7 +169,7 @@ class Trainer:
 
         from moetrain.checkpoint import manager as ckpt
         from moetrain.data import GlobalBatchSampler, build_datasets
-        from moetrain.parallel.data_parallel import OptimizerStep
+        from moetrain.parallel.data_parallel import OptimizerStep, accumulate
         from moetrain.parallel.expert_parallel import parallelize_moe
         from moetrain.parallel.plans import parallelize_model
 
@@ -217,26 +217,27 @@ class Trainer:
         self.n_micro = cfg.num_micro_batches
         self.micro_batch_size = cfg.micro_batch_size
 
-        model = self.model
+        model, opt_step = self.model, self.opt_step
 
         def forward(scale, *batch):
             loss, stats = model(*batch)
             return loss * scale, loss, stats
 
-        grad_fn = ms.value_and_grad(forward, None, self.opt_step.params, has_aux=True)
+        grad_fn = ms.value_and_grad(forward, None, opt_step.params, has_aux=True)
 
+        # Jitted functions return tuples, never dicts: a dict output becomes Python-executed graph
+        # nodes whose side effects make MindSpore 2.10's compile time exponential in depth.
         def grad_step(scale, *batch):
             (_, loss, stats), grads = grad_fn(scale, *batch)
-            return loss, stats, grads
-
-        def accumulate(acc, grads):
-            return tuple(a + g for a, g in zip(acc, grads))
+            return loss, tuple(stats.keys()), tuple(stats.values()), opt_step.flatten(grads)
 
         def evaluate(*batch):
-            return model(*batch)
+            loss, stats = model(*batch)
+            return loss, tuple(stats.keys()), tuple(stats.values())
 
         wrap = ms.jit if t.jit else (lambda fn: fn)
-        self._grad_step, self._accumulate, self._evaluate = wrap(grad_step), wrap(accumulate), wrap(evaluate)
+        self._grad_step, self._accumulate = wrap(grad_step), wrap(accumulate)
+        self._evaluate = wrap(evaluate)
 
         if resume_path:
             self.load(resume_path)
@@ -282,10 +283,10 @@ class Trainer:
         else:
             grads, losses, stats = None, [], []
             for batch in self._micro_batches(step):
-                loss, micro_stats, micro_grads = self._grad_step(scale, *(ms.Tensor(b) for b in batch))
+                loss, keys, values, micro_grads = self._grad_step(scale, *(ms.Tensor(b) for b in batch))
                 grads = micro_grads if grads is None else self._accumulate(ms.mutable(grads), ms.mutable(micro_grads))
                 losses.append(loss)
-                stats.append(micro_stats)
+                stats.append(dict(zip(keys, values)))
         inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp)
         grad_norm, finite = self.opt_step(grads, lr, step + 1, inv_scale)
         record = self._reduce_stats(losses, stats) if self.pipeline is None else self._reduce_over_dp(values)
@@ -356,7 +357,8 @@ class Trainer:
             if self.pipeline is not None:
                 loss, stats = self.pipeline.evaluate_batch(batch), {}
             else:
-                loss, stats = self._evaluate(*batch)
+                loss, keys, values = self._evaluate(*batch)
+                stats = dict(zip(keys, values))
             loss_sum += float(loss) * len(indices)
             count += len(indices)
             if "correct" in stats:

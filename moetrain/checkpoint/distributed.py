@@ -39,11 +39,10 @@ import numpy as np
 
 from moetrain.checkpoint.manager import (MANIFEST, CheckpointError, CheckpointWriter, prune_checkpoints,
                                          read_manifest, sha256_of, verify_files)
-from moetrain.parallel.sharding import ShardSpec
+from moetrain.parallel.sharding import MASTER_PREFIX, ShardSpec
 
 METADATA = "metadata.json"
 FORMAT = "moetrain-sharded-v1"
-MASTER_PREFIX = "zero_master."
 PARTS = ("model", "optimizer")
 _INDEX = "pieces-rank{rank:05d}.json"    # one rank's piece list; merged into metadata.json by rank 0
 ASYNC_COMMIT_TIMEOUT_S = 600.0          # rank 0 waits this long for the other ranks' files (async save)
@@ -85,35 +84,69 @@ def first_replica(pctx, spec: ShardSpec, group_kind: str, zero_sharded: bool) ->
     return pctx.group(group_kind).rank_in_group == 0
 
 
+class _FlatRows:
+    """Host copies of ZeRO's flat rows (optimizer state and masters), read and written once each."""
+
+    def __init__(self):
+        self.values: Dict[int, np.ndarray] = {}
+        self.params: Dict[int, Any] = {}
+        self.dirty = set()
+
+    def read(self, param) -> np.ndarray:
+        if id(param) not in self.values:
+            self.values[id(param)], self.params[id(param)] = param.asnumpy().copy(), param
+        return self.values[id(param)]
+
+    def write(self, param, start: int, value: np.ndarray) -> None:
+        self.read(param)[start:start + value.size] = value.reshape(-1)
+        self.dirty.add(id(param))
+
+    def flush(self) -> None:
+        import mindspore as ms
+
+        for key in sorted(self.dirty):
+            param = self.params[key]
+            param.set_data(ms.Tensor(self.values[key], dtype=param.dtype))
+        self.dirty.clear()
+
+
+class _RowPiece:
+    """One parameter's shard `[start, stop)` of a flat ZeRO row, with a Parameter's save/load surface.
+    `set_data` stages the value on the host; `flush()` writes every staged row once."""
+
+    def __init__(self, rows: _FlatRows, row, start: int, stop: int):
+        self.rows, self.row, self.start, self.stop = rows, row, start, stop
+        self.shape, self.dtype = (stop - start,), row.dtype
+
+    def asnumpy(self) -> np.ndarray:
+        return self.rows.read(self.row)[self.start:self.stop]
+
+    def set_data(self, tensor) -> None:
+        self.rows.write(self.row, self.start, tensor.asnumpy())
+
+    def flush(self) -> None:
+        self.rows.flush()
+
+
 def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
     """Every model and optimizer tensor this rank holds (`opt_step`: `OptimizerStep`)."""
-    from moetrain.parallel.data_parallel import reduction_group_kind
-    from moetrain.parallel.sharding import shard_spec
+    from moetrain.parallel.sharding import reduction_group_kind, shard_spec
 
     out = []
     for param in model.get_parameters():
         spec, kind = shard_spec(param), reduction_group_kind(param)
         out.append(LocalTensor(param.name, "model", spec, None, kind, first_replica(pctx, spec, kind, False), param))
-    index = {p.name: i for i, p in enumerate(opt_step.params)}
-    bases = sorted((p.name for p in opt_step.optimizer.params), key=len, reverse=True)
-    for state in opt_step.state_parameters():
-        base = next((b for b in bases if state.name == b or state.name.endswith("." + b)), None)
-        if base is None:
-            raise CheckpointError(f"optimizer state {state.name!r} belongs to no parameter, so a sharded "
-                                  f"checkpoint cannot place it; keep per-parameter optimizer state only")
-        prefix = state.name[:-len(base)].rstrip(".")
-        zero = base.startswith(MASTER_PREFIX)
-        name = base[len(MASTER_PREFIX):] if zero else base
-        i = index[name]
-        param, group = opt_step.params[i], opt_step.groups[i]
-        spec, kind = shard_spec(param), opt_step.kinds[i]
-        flat = None
-        if zero:
-            size = opt_step.shard_sizes[i]
-            flat = (group.rank_in_group * size, (group.rank_in_group + 1) * size)
-        key = f"{prefix}.{name}" if prefix else (MASTER_PREFIX + name if zero else name)
-        out.append(LocalTensor(key, "optimizer", spec, flat, kind, first_replica(pctx, spec, kind, zero), state,
-                               fallback=name if key.startswith(MASTER_PREFIX) else None))
+    rows = _FlatRows()
+    for key, param, buffer, index, in_row, state in opt_step.checkpoint_pieces():
+        spec, kind = shard_spec(param), reduction_group_kind(param)
+        master = key.startswith(MASTER_PREFIX)
+        if buffer is None:      # level 0: one state tensor per parameter
+            out.append(LocalTensor(key, "optimizer", spec, None, kind, first_replica(pctx, spec, kind, False), state))
+            continue
+        shard, r = buffer.shards[index], buffer.group.rank_in_group
+        out.append(LocalTensor(key, "optimizer", spec, (r * shard, (r + 1) * shard), kind,
+                               first_replica(pctx, spec, kind, True), _RowPiece(rows, state, *in_row),
+                               fallback=param.name if master else None))
     return out
 
 
@@ -483,6 +516,9 @@ def load_into(reader: CheckpointReader, tensors: Sequence[LocalTensor], holds_wh
             raise CheckpointError(f"{reader.path}: {t.key} resharded to {tuple(value.shape)} but this rank's "
                                   f"tensor is {tuple(t.param.shape)}")
         t.param.set_data(ms.Tensor(value, dtype=t.param.dtype))
+    for t in wanted:
+        if hasattr(t.param, "flush"):   # ZeRO rows staged on the host: written back once
+            t.param.flush()
     return with_optimizer
 
 
