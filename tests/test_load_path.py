@@ -67,6 +67,7 @@ def test_imported_mixtral_continues_training(imported_mixtral, tmp_path):
     assert 0.5e-3 < moved.max() <= 1.01e-3
 
 
+@pytest.mark.slow   # two trainers (a jit compile each): ~20 s idle, more on a loaded machine
 def test_load_path_from_a_training_checkpoint(imported_mixtral, tmp_path):
     """A training checkpoint (with optimizer state) as load_path: its weights, but step 0 and no moments."""
     from moetrain.trainer import Trainer
