@@ -46,6 +46,9 @@ def randomize(model: torch.nn.Module, generator: torch.Generator, scale: float =
 
 def write_common(out: str, model, tokens: np.ndarray) -> None:
     """input_ids.npy, logits.npy, fused_names.json of `model` (already saved to `out`)."""
+    generation = os.path.join(out, "generation_config.json")   # decoding defaults: not needed here
+    if os.path.exists(generation):
+        os.remove(generation)
     ids = tokens[:, :SEQ]
     with torch.no_grad():
         logits = model(torch.tensor(ids)).logits.float().numpy()
@@ -63,35 +66,23 @@ def build(cls, config, generator):
     return model
 
 
-def make_llama(out, generator, tokens):
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = build(transformers.LlamaForCausalLM, cfg, generator)
+def make_saved(out, generator, tokens, model_cls, config) -> None:
+    """A random model of `model_cls` saved as transformers saves it, with its golden outputs."""
+    model = build(model_cls, config, generator)
     model.save_pretrained(out)
     write_common(out, model, tokens)
 
 
-def make_mixtral(out, generator, tokens):
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=6,
-                                     max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
-                                     rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
-    model = build(transformers.MixtralForCausalLM, cfg, generator)
-    model.save_pretrained(out)
-    write_common(out, model, tokens)
-
-
-def make_qwen3_moe(out, generator, tokens):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
-                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-                                      decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=32,
-                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = build(transformers.Qwen3MoeForCausalLM, cfg, generator)
-    model.save_pretrained(out)
-    write_common(out, model, tokens)
+LLAMA = dict(vocab_size=64, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+MIXTRAL = dict(vocab_size=64, hidden_size=24, intermediate_size=20, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=6, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+               rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+QWEN3_MOE = dict(vocab_size=64, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=4, num_experts_per_tok=2,
+                 norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=32,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 def _published_mtp_tensors(mtp_model, main_model, num_layers: int) -> dict:
@@ -188,7 +179,11 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "golden"))
     args = ap.parse_args()
     torch.manual_seed(SEED)
-    makers = {"llama": make_llama, "mixtral": make_mixtral, "qwen3_moe": make_qwen3_moe,
+    makers = {"llama": lambda o, g, t: make_saved(o, g, t, transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA)),
+              "mixtral": lambda o, g, t: make_saved(o, g, t, transformers.MixtralForCausalLM,
+                                                    transformers.MixtralConfig(**MIXTRAL)),
+              "qwen3_moe": lambda o, g, t: make_saved(o, g, t, transformers.Qwen3MoeForCausalLM,
+                                                      transformers.Qwen3MoeConfig(**QWEN3_MOE)),
               "deepseek_v3": lambda o, g, t: make_deepseek_v3(o, g, t, "mtp"),
               "deepseek_v3_yarn": lambda o, g, t: make_deepseek_v3(o, g, t, "yarn")}
     for index, (name, make) in enumerate(makers.items()):
