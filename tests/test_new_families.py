@@ -127,7 +127,7 @@ def test_qwen3_layer_placement_and_qk_norm(ms):
         Qwen3MoEConfig(**{**cfg.__dict__, "moe": cfg.moe, "decoder_sparse_step": 7})
 
 
-@pytest.mark.slow   # one ms.jit compile of MLA + MoE + MTP: ~25 s on an idle 2-core machine, minutes when loaded
+@pytest.mark.slow   # one ms.jit compile of MLA + MoE + MTP: ~45 s on this 2-core machine, minutes when loaded
 def test_mtp_trains_and_its_loss_is_logged(tmp_path):
     """configs/deepseek_v3_tiny.yaml, narrowed: mtp_loss is in every metrics record and falls."""
     from moetrain.config import load_config
