@@ -40,12 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     forward.set_defaults(func=_delegate("moetrain.forward", "main"))
     sub.add_parser("plan", help="parameters, FLOPs, memory and communication of a config's layout; --search",
                    add_help=False).set_defaults(func=_delegate("moetrain.plan", "main"))
-    convert = sub.add_parser("convert", help="checkpoint interchange: hf-import, hf-export, reshard, consolidate")
+    convert = sub.add_parser("convert", help="checkpoint interchange: hf-import, hf-export, upcycle, reshard, consolidate")
     conv = convert.add_subparsers(dest="conversion", required=True)
-    conv.add_parser("hf-import", help="Mixtral/Llama-format HF_DIR -> moetrain model directory",
+    conv.add_parser("hf-import", help="Llama/Mixtral/DeepSeek-V3/Qwen3-MoE HF_DIR -> moetrain model directory",
                     add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.hf", "main_import"))
-    conv.add_parser("hf-export", help="moetrain model directory -> Mixtral/Llama format",
+    conv.add_parser("hf-export", help="moetrain model directory -> Hugging Face format (--layout fused)",
                     add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.hf", "main_export"))
+    conv.add_parser("upcycle", help="dense gpt model directory -> MoE model directory with the same forward",
+                    add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.upcycle", "main"))
     conv.add_parser("reshard", help="training checkpoint (or model directory) -> checkpoint of another layout",
                     add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.distributed", "main_reshard"))
     conv.add_parser("consolidate", help="training checkpoint of any layout -> one model directory",

@@ -111,6 +111,8 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
+    load_path: str = ""                # start a new run (step 0, fresh optimizer) from these weights: a
+                                       # model directory or a training checkpoint of any layout
     save_steps: int = 0                # 0: only at the end of the run
     keep_max: int = 3
     save_at_end: bool = True

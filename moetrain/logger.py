@@ -88,7 +88,7 @@ class MetricsLogger:
         done = step - self.start_step
         eta = elapsed / max(1, done) * (self.total_steps - step)
         parts = [f"step {step}/{self.total_steps}", f"loss {r['loss']:.4f}"]
-        for key in ("lm_loss", "aux_loss", "z_loss", "drop_rate"):
+        for key in ("lm_loss", "mtp_loss", "aux_loss", "z_loss", "drop_rate"):
             if key in r:
                 parts.append(f"{key} {r[key]:.4g}")
         if "expert_load" in r:

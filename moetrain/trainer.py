@@ -241,6 +241,11 @@ class Trainer:
 
         if resume_path:
             self.load(resume_path)
+        elif cfg.checkpoint.load_path:   # new run from saved weights: step 0, fresh optimizer and schedule
+            from moetrain.checkpoint.initial import load_initial_weights
+
+            load_initial_weights(cfg.checkpoint.load_path, self._checkpoint_tensors(), cfg.to_dict()["model"],
+                                 holds_whole_model=self.pctx.pp == 1)
         self.is_logger = self.rank == 0
         if self.is_logger:
             dump_config(cfg, os.path.join(self.out, "resolved_config.yaml"))
@@ -258,7 +263,9 @@ class Trainer:
                     f"{self.total_steps} steps of {t.global_batch_size} samples "
                     f"({self.n_micro} micro-batch(es) of {self.micro_batch_size} per rank, "
                     f"dp={self.pctx.dp}); output in {self.out}"
-                    + (f"; resumed from {resume_path} at step {self.step}" if resume_path else ""))
+                    + (f"; resumed from {resume_path} at step {self.step}" if resume_path else "")
+                    + (f"; weights from {cfg.checkpoint.load_path}" if cfg.checkpoint.load_path and not resume_path
+                       else ""))
 
     # ------------------------------------------------------------------------------------------
     def _micro_batches(self, step: int):
