@@ -81,6 +81,13 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"moetrain: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from moetrain.trainer import CompileError
+
+        if not isinstance(exc, CompileError):
+            raise
+        print(f"moetrain: compile error: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

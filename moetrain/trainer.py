@@ -27,6 +27,10 @@ from moetrain.logger import MetricsLogger, print_rank0
 SUMMED_STATS = ("expert_load", "dropped", "routed", "correct")
 
 
+class CompileError(RuntimeError):
+    """The training step's graphs did not compile (or failed on their first run)."""
+
+
 class LossScaler:
     """Static or dynamic loss scaling: a step whose gradients overflow is skipped and the
     scale halves; `scale_window` finite steps in a row double it."""
@@ -188,6 +192,9 @@ class Trainer:
         resume_path = ckpt.resolve_resume_path(resume, self.out) if resume is not None else None
         os.makedirs(self.ckpt_root, exist_ok=True)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
+        # MindSpore writes a failed compile's analysis (rank_N/om/analyze_fail.ir) under MS_OM_PATH,
+        # by default the working directory: keep it with the run instead
+        os.environ.setdefault("MS_OM_PATH", os.path.join(os.path.abspath(self.out), "logs", "compile"))
 
         self.train_set, self.eval_set = build_datasets(cfg)
         self.sampler = GlobalBatchSampler(len(self.train_set), t.global_batch_size, t.seed, cfg.data.shuffle)
@@ -214,6 +221,7 @@ class Trainer:
         self.scaler = LossScaler(cfg.precision.loss_scale, cfg.precision.initial_loss_scale,
                                  cfg.precision.scale_window, cfg.precision.scale_factor)
         self.step = 0
+        self.step_compiled = False   # set after the first step: its graphs compiled and ran
         self.n_micro = cfg.num_micro_batches
         self.micro_batch_size = cfg.micro_batch_size
 
@@ -315,6 +323,32 @@ class Trainer:
             record["mfu"] = record["tokens_per_s"] * flops_per_token / peak
         record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         return record
+
+    def _first_step(self) -> Dict:
+        """`train_step`, turning a failure while MindSpore compiles (or first runs) the step's graphs
+        into an error that names the model, the layout, where the analysis went and what to try."""
+        try:
+            record = self.train_step()
+        except (RuntimeError, TypeError, ValueError) as exc:
+            if not self.cfg.train.jit:
+                raise
+            raise CompileError(self._compile_failure(exc)) from exc
+        self.step_compiled = True
+        return record
+
+    def _compile_failure(self, exc: BaseException) -> str:
+        p, m = self.pctx, self.cfg.model
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        dumps = [os.path.join(root, f) for root, _, files in os.walk(os.environ.get("MS_OM_PATH", "."))
+                 for f in files if f == "analyze_fail.ir"]
+        return (f"the first training step of model {m.name!r} ({getattr(m, 'num_layers', '?')} layers) on layout "
+                f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} (ZeRO-{self.opt_step.level}, recompute="
+                f"{self.cfg.parallel.recompute}) failed while MindSpore compiled or first ran its graphs: "
+                f"{type(exc).__name__}: {first}"
+                + (f"\n  MindSpore's analysis: {dumps[0]}" if dumps else "")
+                + "\n  To narrow it down: --set train.jit=false (PyNative: no graph compile, slower), "
+                  "MOETRAIN_DISABLE_KERNELS=1 (plain ops instead of the fused CPU kernels), or a smaller "
+                  "model.num_layers.")
 
     def _reduce_stats(self, losses, stats) -> Dict:
         """Average (or sum) micro-batch values, then over data-parallel ranks."""
@@ -453,7 +487,7 @@ class Trainer:
             end = min(end, self.step + cfg.train.stop_after)
         while self.step < end:
             self.profiler_window.before_step(self.step + 1)
-            last = self.train_step()
+            last = self.train_step() if self.step_compiled else self._first_step()
             self.profiler_window.after_step(self.step)
             self.logger.log(last)
             if eval_interval and self.step % eval_interval == 0 and self.step < end:
