@@ -296,9 +296,9 @@ class TrainerFaults:
         why = ("train.on_nonfinite is stop" if t.on_nonfinite == "stop" or self.guard.faults <= self.guard.limit
                else f"{self.guard.faults} numerical faults exceed train.nonfinite_limit={self.guard.limit} "
                     f"(train.on_nonfinite={t.on_nonfinite})")
-        where = (f"the last good checkpoint is {good}; after fixing the cause (e.g. a lower optimizer.lr, "
+        where = (f"The last good checkpoint is {good}; after fixing the cause (e.g. a lower optimizer.lr, "
                  f"gradient clipping, other data) resume from it with --resume {good}" if good else
-                 "no checkpoint of this run was saved before it (set checkpoint.save_steps to keep one)")
+                 "No checkpoint of this run was saved before it (set checkpoint.save_steps to keep one).")
         return f"step {event['step']}: {event['reason']}; the run stops because {why}. {where}"
 
     def stop_requested(self, step: int) -> bool:

@@ -83,10 +83,12 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")     # one line, one write: a crash tears only the last
         self.file.flush()
         os.fsync(self.file.fileno())
+        step = record["step"]
+        if "event" in record:       # a fault event (moetrain.faults): said on stderr where it happens
+            return
         if self.tb is not None:
             for tag, value in _scalars(record):
-                self.tb.add_scalar(tag, value, record["step"])
-        step = record["step"]
+                self.tb.add_scalar(tag, value, step)
         if "loss" in record and (step % self.log_interval == 0 or step == self.total_steps or step == 1):
             self._print_line(record)
         elif "eval_loss" in record:

@@ -135,7 +135,7 @@ def read_statuses(status_dir: str) -> Dict[int, RankStatus]:
 def write_progress(status_dir: str, rank: int, step: int, phase: str) -> None:
     """A rank's heartbeat: the last step boundary it passed (the trainer writes one per step)."""
     _write_json(os.path.join(status_dir, f"progress_{rank}.json"),
-                {"rank": rank, "step": step, "phase": phase, "time": time.time()})
+                {"rank": rank, "step": step, "phase": phase, "time": time.time(), "pid": os.getpid()})
 
 
 def read_progress(status_dir: str) -> Dict[int, dict]:
