@@ -178,7 +178,7 @@ class NonFiniteGuard:
         self.faults += 1
         action = self.policy if self.faults <= self.limit else "stop"
         self.last = {"step": step, "event": "nonfinite", "reason": reason, "action": action,
-                     "faults": self.faults, "loss": _number(loss), "grad_norm": _number(grad_norm)}
+                     "faults": self.faults, "values": {"loss": _number(loss), "grad_norm": _number(grad_norm)}}
         self.last_action = action
         return action
 

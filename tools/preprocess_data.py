@@ -57,7 +57,7 @@ def preprocess(inputs: List[str], tokenizer_path: str, output_prefix: str, eval_
         raise ValueError(f"--document-boundary must be 'line' or 'blank_line', got {document_boundary!r}")
     tokenizer = Tokenizer(tokenizer_path)
     for path in inputs:
-        check_text_file(path)
+        check_text_file(path, fix="remove it from --input")
     # First pass: count documents, so the eval split is an exact, seeded choice.
     docs_per_file = [sum(1 for _ in iter_documents(p, document_boundary)) for p in inputs]
     for path, count in zip(inputs, docs_per_file):

@@ -173,15 +173,13 @@ class LMDataset:
                 f"vocabulary mismatch: {prefix!r} was encoded with a {data_vocab}-token vocabulary "
                 f"(tokenizer {self.shard.meta.get('tokenizer')!r}) but the model has vocab_size={vocab_size}; "
                 f"set model.vocab_size to at least {data_vocab} or re-encode the data with a matching tokenizer")
-        limit = min(data_vocab, vocab_size) if vocab_size is not None else data_vocab
-        if self.shard.max_token_id >= limit:
+        max_id = self.shard.max_token_id     # < data_vocab <= model.vocab_size, or the embedding is overrun
+        if max_id >= data_vocab:
             raise DataError(
-                f"{prefix!r} holds token id {self.shard.max_token_id}, but " +
-                (f"model.vocab_size is {vocab_size}" if vocab_size is not None and vocab_size <= data_vocab
-                 else f"its own metadata says a {data_vocab}-token vocabulary") +
-                f": ids >= {limit} would index past the embedding table. Re-encode the data with "
-                f"tools/preprocess_data.py and the tokenizer of this model, or set model.vocab_size to at least "
-                f"{self.shard.max_token_id + 1}")
+                f"{prefix!r} holds token ids up to {max_id}, but its metadata says a {data_vocab}-token vocabulary"
+                + (f" and model.vocab_size is {vocab_size}" if vocab_size is not None and max_id >= vocab_size else "")
+                + ": ids past the vocabulary would index past the embedding table (the shard is damaged or was "
+                f"written by another tool); re-encode the text with tools/preprocess_data.py and this model's tokenizer")
         if tokenizer_path is not None:
             if not os.path.isfile(tokenizer_path):
                 raise FileNotFoundError(f"tokenizer model {tokenizer_path!r} (data.tokenizer) does not exist; "

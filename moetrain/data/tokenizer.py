@@ -17,16 +17,16 @@ UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 _SNIFF_BYTES = 1 << 20
 
 
-def check_text_file(path: str, what: str = "input text") -> None:
+def check_text_file(path: str, what: str = "input text",
+                    fix: str = "give a UTF-8 text file with one document or sentence a line") -> None:
     """Refuse a file that is missing, empty, blank, or not UTF-8 text (NUL bytes or invalid UTF-8
-    in its first MiB), naming the file and what was found."""
+    in its first MiB), naming the file, what was found and `fix`."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{what} {path!r} does not exist")
     with open(path, "rb") as fh:
         head = fh.read(_SNIFF_BYTES)
-    if not head.strip():
-        raise ValueError(f"{what} {path!r} is empty" + (" (only blank lines)" if head else "")
-                         + ": give a UTF-8 text file with one document or sentence a line")
+    if not head.strip() and os.path.getsize(path) == len(head):
+        raise ValueError(f"{what} {path!r} is empty" + (" (only blank lines)" if head else "") + f": {fix}")
     nul = head.find(b"\0")
     if nul >= 0:
         raise ValueError(f"{what} {path!r} is binary, not text (a NUL byte at offset {nul}): give a UTF-8 text "
