@@ -339,3 +339,23 @@ def test_a_full_disk_during_save_keeps_the_previous_checkpoint_and_names_the_pat
     trainer.fit()
     assert trainer.step == 3 and steps_of(run / "checkpoints") == [1, 3]
     assert "on_save_error=continue: training goes on" in capsys.readouterr().err
+
+
+def test_a_failing_process_does_not_wait_for_its_background_save(tmp_path):
+    """The asynchronous save thread is a daemon: a rank that fails exits at once (a normal end
+    waits for the save: test_checkpoint_distributed's async test)."""
+    script = f"""
+import time, sys
+from moetrain.checkpoint import distributed
+from moetrain.parallel.topology import ParallelContext
+distributed.write_rank_pieces = lambda *args: time.sleep(120)        # a save that takes long
+saver = distributed.ShardedCheckpointer({str(tmp_path)!r}, ParallelContext.single(), 2, async_save=True)
+saver.save(1, [], {{"layout": {{"tp": 1, "pp": 1, "ep": 1}}, "step": 1}}, "unused")
+assert saver._thread.daemon and saver._thread.is_alive()
+raise SystemExit(3)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 3, out.stderr
+    assert time.time() - start < 60

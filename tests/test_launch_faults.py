@@ -227,3 +227,57 @@ def test_an_output_dir_that_is_not_shared_by_every_rank_is_refused(tmp_path):
         assert "rank(s) [1]" in results[rank]["error"] and "NFS" in results[rank]["error"]
     run = run_workers("tests/workers/shared_fs_worker.py", nproc=2, timeout=150, job_dir=str(tmp_path / "ok"))
     assert [r["error"] for r in run.json_results()] == [None, None], run.report()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_relaunch_together_after_a_rank_fails(tmp_path):
+    """run_multinode.sh --max-restarts 1: rank 3 (node 1) fails in the first attempt; node 1
+    relaunches at once on port P+1, node 0 when its collectives time out; the second attempt runs
+    on both nodes to the end."""
+    require_msrun()
+    job_dir = str(tmp_path)
+    results = os.path.join(job_dir, "results")
+    os.makedirs(results)
+    port = launch.free_port()
+    worker = os.path.join(REPO, "tests", "workers", "allreduce_worker.py")
+    nodes = []
+    for node in (0, 1):
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", launch.RESTART_ENV)}
+        env.update(MOETRAIN_ENTRY=f"python {worker}", MOETRAIN_OUTPUT_DIR=os.path.join(job_dir, f"node{node}"),
+                   MOETRAIN_DEVICE="cpu", MOETRAIN_TIMEOUT="200",
+                   PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+        cmd = [os.path.join(REPO, "run_scripts", "run_multinode.sh"), "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "--max-restarts", "1", "--collective-timeout", "10", results,
+               "--fail-rank", "3", "--fail-mode", "raise", "--fail-attempt", "0", "--steps", "4"]
+        nodes.append(subprocess.Popen(cmd, cwd=job_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = [p.communicate(timeout=500)[0] for p in nodes]
+    leftovers = kill_leftovers(os.path.join(job_dir, ""))
+    for node, (proc, output) in enumerate(zip(nodes, outputs)):
+        assert proc.returncode == 0, f"node {node}:\n{output[-3000:]}"
+        restarts = open(os.path.join(job_dir, f"node{node}", "logs", "restarts.log")).read()
+        assert restarts.count("restart 1/1") == 1, restarts
+    for rank in range(4):
+        report = json.load(open(os.path.join(results, f"rank_{rank}.json")))
+        assert report["sums"] == [sum(r + step for r in range(4)) for step in range(4)]
+    assert not leftovers
+
+
+@pytest.mark.distributed
+def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_previous_checkpoint(tiny_mnist, tmp_path):
+    from moetrain.faults import EXIT_SAVE_FAILED
+
+    require_msrun()
+    run_dir = str(tmp_path / "run")
+    args = ["--fail-save", "1:2", MNIST, *_mnist_args(tiny_mnist, run_dir, "train.steps=3", "checkpoint.save_steps=1",
+                                                     "parallel.optimizer_shard=1")]
+    run = run_workers("tests/workers/ckpt_train.py", 2, args, timeout=200, job_dir=str(tmp_path),
+                      launcher_args=["--max-restarts", "2"])
+    assert run.returncode == EXIT_SAVE_FAILED, run.report()        # not relaunched: a full disk stays full
+    assert "restart 1/" not in run.output
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_00000001"]
+    rank1 = run.worker_log(1)
+    assert "step_00000002" in rank1 and "No space left on device" in rank1 and "step_00000001 is intact" in rank1
+    assert "failed on rank(s) [1]" in run.worker_log(0)
