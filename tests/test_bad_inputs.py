@@ -4,6 +4,7 @@ from the world, `plan --world`, token shards with ids past the vocabulary or a b
 text tools on empty, blank or binary files (a message, no traceback)."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -164,8 +165,6 @@ def test_preprocess_data_refuses_empty_blank_and_binary_files_without_a_tracebac
                 os.path.join(KJV, "kjv_tiny.model"), "--output-prefix", str(tmp_path / "out"))
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith(f"preprocess_data.py: error: input text '{text_files / name}' ")
-    import re
-
     assert re.search(message, out.stderr), out.stderr
 
 

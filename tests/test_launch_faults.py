@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from distributed import REPO, kill_leftovers, launcher_command, new_job_dir, require_msrun, run_workers
+from distributed import REPO, kill_leftovers, require_msrun, run_workers
 from moetrain.faults import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from moetrain.parallel import launch
 

@@ -137,13 +137,18 @@ def latest_checkpoint(root: str) -> Optional[str]:
     return found[-1][1] if found else None
 
 
-def checkpoint_run_id(path: str) -> Optional[str]:
-    """The run a checkpoint belongs to (None: unreadable, or written before runs had an identity)."""
+def run_id_in(json_file: str) -> Optional[str]:
+    """The `run_id` a JSON file records (None: no file, unreadable, or none recorded)."""
     try:
-        with open(os.path.join(path, MANIFEST)) as fh:
+        with open(json_file) as fh:
             return json.load(fh).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def checkpoint_run_id(path: str) -> Optional[str]:
+    """The run a checkpoint belongs to (None: unreadable, or written before runs had an identity)."""
+    return run_id_in(os.path.join(path, MANIFEST))
 
 
 def same_run(path: str, run_id: Optional[str]) -> bool:

@@ -16,14 +16,13 @@ import json
 import os
 import shutil
 import socket
-import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 from moetrain.checkpoint.manager import (CheckpointError, checkpoint_run_id, latest_of_run, list_checkpoints,
-                                         newest_usable, resolve_resume_path)
+                                         newest_usable, resolve_resume_path, run_id_in)
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -48,11 +47,7 @@ class RunStart:
 
 
 def read_run_id(out: str) -> Optional[str]:
-    try:
-        with open(os.path.join(out, RUN_FILE)) as fh:
-            return json.load(fh).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return run_id_in(os.path.join(out, RUN_FILE))
 
 
 def write_run_file(out: str, run_id: str, **extra) -> None:
