@@ -285,14 +285,22 @@ def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
     return cfg
 
 
-def infer_data_parallel(cfg: Config, source: str, world_size: Optional[int] = None) -> None:
-    """`parallel.data_parallel: 0` (the default): world size / (model_parallel x pipeline_stage), with
-    the world size as launched (msrun's MS_WORKER_NUM; 1 without a launcher), as Megatron-Core and
-    torchtitan do. Logged on stderr when it is not 1."""
-    from moetrain.parallel.topology import launched_world_size
+WORLD_SIZE_ENV = "MOETRAIN_WORLD_SIZE"   # the launch scripts' planned world size, for checks before msrun starts
 
+
+def infer_data_parallel(cfg: Config, source: str, world_size: Optional[int] = None) -> None:
+    """`parallel.data_parallel: 0` (the default): world size / (model_parallel x pipeline_stage), as
+    Megatron-Core and torchtitan do, with the world size as launched (msrun's MS_WORKER_NUM, or
+    MOETRAIN_WORLD_SIZE, which run_distributed.sh sets for its checks before msrun starts). Not
+    launched (one process, or a tool reading the config): 1. Logged on stderr when above 1."""
     p, t = cfg.parallel, cfg.train
-    world = world_size or launched_world_size()
+    if world_size is None:
+        world_size = next((int(os.environ[v]) for v in (WORLD_SIZE_ENV, "MS_WORKER_NUM", "RANK_SIZE")
+                           if os.environ.get(v)), None)
+    if world_size is None:
+        p.data_parallel, p.data_parallel_inferred = 1, True
+        return
+    world = world_size
     model_ranks = max(1, p.model_parallel) * max(1, p.pipeline_stage)
     if world % model_ranks:
         raise ConfigError(f"{source}: key 'parallel.data_parallel' is not set, so it is inferred as world size / "

@@ -465,10 +465,9 @@ class Trainer:
                 if eval_interval and self.step % eval_interval == 0 and self.step < end:
                     last_eval = self.evaluate()
                     self.logger.log(last_eval)
-                if save_steps and self.step % save_steps == 0:
-                    self.save()
+                saved = bool(save_steps and self.step % save_steps == 0 and self.save())
                 if self.step < end and self.faults.stop_requested(self.step):   # SIGTERM/SIGINT on any rank
-                    if not (save_steps and self.step % save_steps == 0):
+                    if not saved:
                         self.save()
                     self.wait_for_checkpoint()
                     self.profiler_window.close()

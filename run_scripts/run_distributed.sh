@@ -43,6 +43,10 @@ fi
 CONFIG="$1"; shift
 TRAIN_ARGS=("$@")
 
+# The config is read below as the ranks will read it: parallel.data_parallel, when unset, is
+# inferred from this world size (moetrain.config.infer_data_parallel).
+export MOETRAIN_WORLD_SIZE=$((NPROC * NNODES))
+
 # The --set overrides, to resolve output_dir and device exactly as the trainer will.
 SETS=()
 for ((i = 0; i < ${#TRAIN_ARGS[@]}; i++)); do
@@ -65,7 +69,10 @@ if [[ -z "${MOETRAIN_DEVICE:-}" && -z "${MOETRAIN_ENTRY:-}" ]]; then
 import sys
 from moetrain.plan import explain_cannot_run_here, load_plan_config
 overrides = [a for a in sys.argv[2:] if a != "--set"]
-message = explain_cannot_run_here(load_plan_config(sys.argv[1], overrides))
+try:
+    message = explain_cannot_run_here(load_plan_config(sys.argv[1], overrides))
+except ValueError as exc:    # ConfigError, LayoutError: said before any worker starts
+    message = f"config error: {exc}"
 if message:
     print(message, file=sys.stderr)
     sys.exit(1)
