@@ -225,8 +225,7 @@ def test_an_output_dir_that_is_not_shared_by_every_rank_is_refused(tmp_path):
     for rank in (0, 1):
         assert "not one folder shared by every rank" in results[rank]["error"]
         assert "rank(s) [1]" in results[rank]["error"] and "NFS" in results[rank]["error"]
-    run = run_workers("tests/workers/shared_fs_worker.py", nproc=2, timeout=150, job_dir=str(tmp_path / "ok"))
-    assert [r["error"] for r in run.json_results()] == [None, None], run.report()
+    # (a shared folder passes: every distributed trainer run in the suite starts with this check)
 
 
 @pytest.mark.slow
