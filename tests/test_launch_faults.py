@@ -81,7 +81,9 @@ def _fake_job(tmp_path, command, **kwargs):
 
 def test_the_watchdog_names_a_stalled_rank_and_stops_the_job(tmp_path, capsys):
     job = _fake_job(tmp_path, ["sleep", "60"], hang_timeout=2)
+    assert job.stalled_ranks({}, time.time() + 10) == []      # no heartbeats at all: a script, not judged
     launch.write_progress(job.status_dir, 0, 5, "step")
+    assert job.stalled_ranks({}, time.time() + 10) == [0, 1]  # rank 1 silent since the launch
     launch.write_progress(job.status_dir, 1, 3, "step")
     with open(os.path.join(job.status_dir, "progress_1.json")) as fh:
         stale = dict(json.load(fh), time=time.time() - 10)

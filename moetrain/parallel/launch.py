@@ -15,8 +15,9 @@ workers, scheduler and msrun at once (~1 s instead of ~40 s).
 
 Faults it handles (docs/faults.md):
 - a dead rank: named, the job stopped at once; a hung one: collectives time out
-  (``--collective-timeout``, exported as the backend's variables unless already set), and a job
-  whose ranks report no step for ``--hang-timeout`` seconds is stopped naming the ranks that stalled;
+  (``--collective-timeout``, exported as the backend's variables unless already set), and once the
+  ranks report steps (trainer heartbeats), a rank silent for ``--hang-timeout`` seconds stops the
+  job, named with its last step;
 - SIGTERM / SIGINT to the launcher: forwarded to every rank, which saves a checkpoint at the next
   step boundary and exits with EXIT_PREEMPTED (75); a second signal kills the job;
 - ``--max-restarts N``: after a failure (not after bad input, a preemption or a numerical halt)
@@ -366,10 +367,14 @@ class Job:
             time.sleep(poll_interval)
 
     def stalled_ranks(self, statuses: Dict[int, RankStatus], now: float) -> List[int]:
-        """Local ranks still running whose last heartbeat (or the launch) is older than hang_timeout."""
+        """Local ranks still running whose last heartbeat (or the launch) is older than hang_timeout.
+        Only once some local rank has reported a step: a command that writes no heartbeats (a custom
+        entry script) is not judged by it."""
         if not self.hang_timeout or self.preempt_deadline is not None:
             return []
         progress = read_progress(self.status_dir)
+        if not progress:
+            return []
         return [r for r in self.local_ranks if r not in statuses
                 and now - progress.get(r, {}).get("time", self.started_at) > self.hang_timeout]
 
