@@ -300,6 +300,18 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _world_fix(world: int, model_ranks: int, global_batch_size: int) -> str:
+    """How to fit a layout to `world` devices: a data_parallel only if it can split the batch."""
+    if world % model_ranks:
+        return f"model_parallel x pipeline_stage ({model_ranks}) must divide {world}"
+    dp = world // model_ranks
+    if global_batch_size % dp == 0:
+        return f"set data_parallel to {dp}"
+    return (f"data_parallel would have to be {dp}, which cannot split train.global_batch_size ({global_batch_size}): "
+            f"use a world size of {[d * model_ranks for d in _divisors(global_batch_size)][:6]}, or a global "
+            f"batch that is a multiple of {dp}")
+
+
 def layout_problems(job: Job, layout: Layout, world_size: Optional[int] = None) -> List[str]:
     """Every reason `layout` cannot run `job` (empty when it can), each naming the keys and a fix."""
     a, L = job.arch, layout
@@ -317,9 +329,8 @@ def layout_problems(job: Job, layout: Layout, world_size: Optional[int] = None) 
     world = world_size or L.world
     need(L.world == world,
          f"data_parallel ({L.dp}) x model_parallel ({L.tp}) x pipeline_stage ({L.pp}) = {L.world} devices, but "
-         f"the world size is {world}: "
-         + (f"set data_parallel to {world // (L.tp * L.pp)}" if world % (L.tp * L.pp) == 0
-            else f"model_parallel x pipeline_stage must divide {world}") + " (or run `moetrain plan --search`)")
+         f"the world size is {world}: " + _world_fix(world, L.tp * L.pp, job.global_batch_size)
+         + " (or run `moetrain plan --search`)")
     if not a.moe_layers:
         need(L.ep == 1, f"parallel.expert_parallel ({L.ep}) > 1 needs a MoE model; set it to 1")
     else:
@@ -933,6 +944,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_plan_config(args.config, args.set)
+        if args.world and cfg.parallel.data_parallel_inferred:   # as a launch of --world processes would
+            from moetrain.config import infer_data_parallel
+
+            infer_data_parallel(cfg, cfg.source, args.world)
         if args.search:
             world = args.world or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
             _, search = choose_layout(cfg, world, args.device)

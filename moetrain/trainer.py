@@ -167,12 +167,13 @@ def resolve_auto_layout(cfg: Config, world_size: Optional[int] = None):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: Optional[str] = None):
+    def __init__(self, cfg: Config, resume: Optional[str] = None, overwrite: bool = False):
         import mindspore as ms
         from mindspore import nn, ops
 
-        from moetrain.checkpoint import manager as ckpt
+        from moetrain.checkpoint.run_dir import last_good_checkpoint, start_run
         from moetrain.data import GlobalBatchSampler, build_datasets
+        from moetrain.faults import TrainerFaults
         from moetrain.parallel.data_parallel import OptimizerStep, accumulate
         from moetrain.parallel.expert_parallel import parallelize_moe
         from moetrain.parallel.plans import parallelize_model
@@ -189,7 +190,9 @@ class Trainer:
         self.rank = self.pctx.rank
         self.out = t.output_dir
         self.ckpt_root = os.path.join(self.out, "checkpoints")
-        resume_path = ckpt.resolve_resume_path(resume, self.out) if resume is not None else None
+        # refuses a used output dir without --resume/--overwrite, picks the checkpoint, run identity
+        self.run = start_run(self.out, resume, overwrite, self.pctx)
+        resume_path = self.run.resume_path
         os.makedirs(self.ckpt_root, exist_ok=True)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
         # MindSpore writes a failed compile's analysis (rank_N/om/analyze_fail.ir) under MS_OM_PATH,
@@ -198,6 +201,8 @@ class Trainer:
 
         self.train_set, self.eval_set = build_datasets(cfg)
         self.sampler = GlobalBatchSampler(len(self.train_set), t.global_batch_size, t.seed, cfg.data.shuffle)
+        self.faults = TrainerFaults(cfg, self.pctx, lambda: last_good_checkpoint(self.out, self.run.run_id))
+        self.sampler = self.faults.wrap_sampler(self.sampler)   # a rollback moves past the batches it skips
         self.total_steps = t.steps or math.ceil(t.epochs * self.sampler.steps_per_epoch)
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 0)
 
@@ -303,9 +308,13 @@ class Trainer:
                 losses.append(loss)
                 stats.append(dict(zip(keys, values)))
         inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp)
-        grad_norm, finite = self.opt_step(grads, lr, step + 1, inv_scale)
         record = self._reduce_stats(losses, stats) if self.pipeline is None else self._reduce_over_dp(values)
-        if finite and hasattr(self.model, "update_expert_bias") and "expert_load" in record:
+        if self.faults.guard.rejects_loss(record["loss"]):   # a spike or non-finite loss: no update (all ranks agree)
+            grad_norm, finite = float("nan"), False
+        else:
+            grad_norm, finite = self.opt_step(grads, lr, step + 1, inv_scale)
+        applied = self.faults.guard.check(step + 1, record["loss"], grad_norm, finite) == "apply"
+        if applied and hasattr(self.model, "update_expert_bias") and "expert_load" in record:
             self.model.update_expert_bias(np.asarray(record["expert_load"]))
         self.scaler.update(finite)
         elapsed = time.perf_counter() - start
@@ -428,15 +437,16 @@ class Trainer:
 
         if getattr(self, "_checkpointer", None) is None:
             self._checkpointer = distributed.ShardedCheckpointer(self.ckpt_root, self.pctx, self.cfg.checkpoint.keep_max,
-                                                                 self.cfg.checkpoint.async_save)
+                                                                 self.cfg.checkpoint.async_save,
+                                                                 self.cfg.checkpoint.on_save_error)
         t = self.cfg.train
         metadata = {
-            "format": distributed.FORMAT, "step": self.step,
+            "format": distributed.FORMAT, "step": self.step, "run_id": self.run.run_id,
             "layout": distributed.layout_of(self.pctx, self.opt_step.level),
             "trainer_state": {"step": self.step, "loss_scale": self.scaler.state(), "seed": t.seed,
                               "global_batch_size": t.global_batch_size,
-                              "consumed_samples": self.step * t.global_batch_size,
-                              "epoch": self.sampler.epoch_of(self.step)},
+                              "consumed_samples": (self.step + self.sampler.offset) * t.global_batch_size,
+                              "epoch": self.sampler.epoch_of(self.step), **self.faults.state()},
             "config": self.cfg.to_dict()}
         return self._checkpointer.save(self.step, self._checkpoint_tensors(), metadata,
                                        os.path.join(self.out, "resolved_config.yaml"))
@@ -475,6 +485,7 @@ class Trainer:
         self.step = reader.step
         if "loss_scale" in state:
             self.scaler.load(state["loss_scale"])
+        self.faults.load_state(state)
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> Dict:
@@ -485,16 +496,28 @@ class Trainer:
         end = self.total_steps
         if cfg.train.stop_after:
             end = min(end, self.step + cfg.train.stop_after)
-        while self.step < end:
-            self.profiler_window.before_step(self.step + 1)
-            last = self.train_step() if self.step_compiled else self._first_step()
-            self.profiler_window.after_step(self.step)
-            self.logger.log(last)
-            if eval_interval and self.step % eval_interval == 0 and self.step < end:
-                last_eval = self.evaluate()
-                self.logger.log(last_eval)
-            if save_steps and self.step % save_steps == 0:
-                self.save()
+        self.faults.preemption.install()
+        try:
+            while self.step < end:
+                self.profiler_window.before_step(self.step + 1)
+                last = self.train_step() if self.step_compiled else self._first_step()
+                self.profiler_window.after_step(self.step)
+                if self.faults.after_step(self, last):   # rolled back to a checkpoint; raises TrainingHalted
+                    continue
+                self.logger.log(last)
+                if eval_interval and self.step % eval_interval == 0 and self.step < end:
+                    last_eval = self.evaluate()
+                    self.logger.log(last_eval)
+                saved = bool(save_steps and self.step % save_steps == 0 and self.save())
+                if self.step < end and self.faults.stop_requested(self.step):   # SIGTERM/SIGINT on any rank
+                    if not saved:
+                        self.save()
+                    self.wait_for_checkpoint()
+                    self.profiler_window.close()
+                    self.logger.close()
+                    return {"train": last, "eval": last_eval, "preempted": True}
+        finally:
+            self.faults.close()
         self.profiler_window.close()   # a window past the last step ends here
         if self.eval_set is not None:
             last_eval = self.evaluate()

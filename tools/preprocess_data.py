@@ -11,15 +11,15 @@ seeded random choice of round(fraction * documents); both splits keep the input 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Iterator, List
 
 import numpy as np
 
+from moetrain.data import DataError
 from moetrain.data.lm import TokenShardWriter
-from moetrain.data.tokenizer import Tokenizer
+from moetrain.data.tokenizer import Tokenizer, check_text_file
 
 CHUNK_DOCUMENTS = 8192  # documents encoded per sentencepiece batch call
 
@@ -57,8 +57,7 @@ def preprocess(inputs: List[str], tokenizer_path: str, output_prefix: str, eval_
         raise ValueError(f"--document-boundary must be 'line' or 'blank_line', got {document_boundary!r}")
     tokenizer = Tokenizer(tokenizer_path)
     for path in inputs:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"input text {path!r} does not exist")
+        check_text_file(path, fix="remove it from --input")
     # First pass: count documents, so the eval split is an exact, seeded choice.
     docs_per_file = [sum(1 for _ in iter_documents(p, document_boundary)) for p in inputs]
     for path, count in zip(inputs, docs_per_file):
@@ -115,8 +114,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--split-seed", type=int, default=0)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    metas = preprocess(args.input, args.tokenizer, args.output_prefix, args.eval_fraction,
-                       args.append_eos, args.document_boundary, args.split_seed)
+    try:
+        metas = preprocess(args.input, args.tokenizer, args.output_prefix, args.eval_fraction,
+                           args.append_eos, args.document_boundary, args.split_seed)
+    except (ValueError, FileNotFoundError, DataError) as exc:    # bad input: the message, not a traceback
+        print(f"preprocess_data.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     for split, meta in metas.items():
         print(f"{split}: {split_names(args.output_prefix, args.eval_fraction)[split]}  "
               f"documents={meta['num_documents']} tokens={meta['num_tokens']} dtype={meta['dtype']} "
