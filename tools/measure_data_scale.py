@@ -9,8 +9,10 @@
 3. Builds the blend index [w, corpus, 1-w, kjv_tiny_train] for --steps x --global-batch samples of
    --seq-length, with round weights (0.7/0.3: a 10-slot schedule period) and with weights whose
    exact period exceeds the run (0.6180339887/0.3819660113: every slot scheduled in Python).
+   Each build runs in a fresh process: build time, peak RSS (VmHWM), time to open the cached index.
 4. A fresh process plays one training rank of dp=4: opens the blend and its cached index, reads
-   --read-steps rank batches; reports its RSS before and after, and the batch time.
+   --read-steps rank batches; reports its memory (/proc: VmRSS, RssAnon = private, RssFile = mapped
+   shard and index pages, shared with the other ranks and reclaimable) and the batch time.
 The workdir is deleted at the end (unless --keep).
 """
 from __future__ import annotations
@@ -47,37 +49,81 @@ def write_corpus(path: str, size_bytes: int, seed: int = 0) -> int:
 
 
 def run_preprocess(corpus: str, prefix: str, workers: int) -> dict:
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", corpus,
-                             "--tokenizer", os.path.join(KJV, "kjv_tiny.model"), "--output-prefix", prefix,
-                             "--workers", str(workers), "--no-progress"],
-                            capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=REPO))
-    wall = time.perf_counter() - start
-    rates = re.search(r"\(([\d.]+) MB/s of input.*peak RSS (\d+) MB(?:, largest worker (\d+) MB)?", result.stderr)
-    tokens = int(re.search(r"tokens=(\d+)", result.stdout).group(1))
-    return dict(workers=workers, wall_s=round(wall, 1), mb_per_s=float(rates.group(1)), tokens=tokens,
-                main_peak_rss_mb=int(rates.group(2)), worker_peak_rss_mb=int(rates.group(3) or 0))
-
-
-RANK_SCRIPT = textwrap.dedent("""
-    import json, resource, sys, time
+    """One tools/preprocess_data.py run; its process tree's RSS sampled every 0.2 s with psutil."""
     import psutil
+
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", corpus,
+                                "--tokenizer", os.path.join(KJV, "kjv_tiny.model"), "--output-prefix", prefix,
+                                "--workers", str(workers), "--no-progress"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, PYTHONPATH=REPO))
+    main_peak = worker_peak = total_peak = 0
+    watched = psutil.Process(process.pid)
+    while process.poll() is None:
+        try:
+            main = watched.memory_info().rss
+            children = [c.memory_info().rss for c in watched.children(recursive=True)]
+        except psutil.Error:
+            continue
+        main_peak, worker_peak = max(main_peak, main), max([worker_peak] + children)
+        total_peak = max(total_peak, main + sum(children))
+        time.sleep(0.2)
+    out, err = process.communicate()
+    if process.returncode:
+        raise RuntimeError(err)
+    wall = time.perf_counter() - start
+    reported = re.search(r"\(([\d.]+) MB/s of input.*peak RSS (\d+) MB", err)
+    return dict(workers=workers, wall_s=round(wall, 1), mb_per_s=float(reported.group(1)),
+                tokens=int(re.search(r"tokens=(\d+)", out).group(1)), reported_main_peak_rss_mb=int(reported.group(2)),
+                sampled_main_peak_rss_mb=round(main_peak / 2**20), sampled_worker_peak_rss_mb=round(worker_peak / 2**20),
+                sampled_tree_peak_rss_mb=round(total_peak / 2**20))
+
+
+MEMORY = textwrap.dedent("""
+    def memory():
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        return {k: int(fields[k].split()[0]) // 1024 for k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
+""")
+
+INDEX_SCRIPT = MEMORY + textwrap.dedent("""
+    import json, sys, time
+    from moetrain.data.blend import BlendedBatchSampler, build_blended_lm_dataset, parse_blend
+    spec, seq, batch, steps, cache = json.loads(sys.argv[1])
+    dataset = build_blended_lm_dataset(parse_blend(spec), seq, 2048)
+    before = memory()
+    start = time.perf_counter()
+    sampler = BlendedBatchSampler(dataset, batch, steps, 1234, True, cache)
+    build = time.perf_counter() - start
+    start = time.perf_counter()
+    again = BlendedBatchSampler(dataset, batch, steps, 1234, True, cache)
+    print(json.dumps(dict(weights=spec[::2], source_samples=dataset.sizes, samples=steps * batch, build_s=round(build, 2),
+                          built=sampler.built, reload_s=round(time.perf_counter() - start, 4), rebuilt=again.built,
+                          index_mb=round(os.path.getsize(sampler.index_path) / 2**20, 1),
+                          rss_before_mb=before["VmRSS"], peak_rss_mb=memory()["VmHWM"])))
+""").replace("import json, sys, time", "import json, os, sys, time")
+
+RANK_SCRIPT = MEMORY + textwrap.dedent("""
+    import json, sys, time
     from moetrain.data.blend import BlendedBatchSampler, build_blended_lm_dataset, parse_blend
     spec, seq, batch, steps, reads, cache = json.loads(sys.argv[1])
-    me = psutil.Process()
-    before = me.memory_info().rss
+    start_memory = memory()
     dataset = build_blended_lm_dataset(parse_blend(spec), seq, 2048)
     sampler = BlendedBatchSampler(dataset, batch, steps, 1234, True, cache)
-    opened = me.memory_info().rss
+    opened = memory()
     start = time.perf_counter()
     for step in range(reads):
         dataset.batch(sampler.rank_batch(step, 0, 4))
     elapsed = time.perf_counter() - start
-    print(json.dumps(dict(rss_after_imports_mb=before / 2**20, rss_after_open_mb=opened / 2**20,
-                          rss_after_reads_mb=me.memory_info().rss / 2**20,
-                          peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                          ms_per_rank_batch=1000 * elapsed / reads, built_now=sampler.built)))
+    print(json.dumps(dict(after_imports=start_memory, after_open=opened, after_reads=memory(),
+                          ms_per_rank_batch=round(1000 * elapsed / reads, 3), built_now=sampler.built)))
 """)
+
+
+def run_script(script: str, *args) -> dict:
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(list(args))], capture_output=True, text=True,
+                            check=True, env=dict(os.environ, PYTHONPATH=REPO))
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> dict:
@@ -90,9 +136,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--read-steps", type=int, default=2000)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
-    sys.path.insert(0, REPO)
-    from moetrain.data.blend import BlendedBatchSampler, build_blended_lm_dataset, parse_blend
-
     os.makedirs(args.workdir, exist_ok=True)
     results = {}
     try:
@@ -111,25 +154,13 @@ def main(argv=None) -> dict:
 
         train = os.path.join(KJV, "kjv_tiny_train")
         cache = os.path.join(args.workdir, "cache")
-        num_samples = args.steps * args.global_batch
         results["index"] = []
         for w in ("0.7", "0.6180339887"):
             spec = [float(w), os.path.join(args.workdir, "w1"), float(f"{1 - float(w):.10f}"), train]
-            dataset = build_blended_lm_dataset(parse_blend(spec), args.seq_length, 2048)
-            start = time.perf_counter()
-            sampler = BlendedBatchSampler(dataset, args.global_batch, args.steps, 1234, True, cache)
-            build = time.perf_counter() - start
-            start = time.perf_counter()
-            again = BlendedBatchSampler(dataset, args.global_batch, args.steps, 1234, True, cache)
-            results["index"].append(dict(weights=spec[::2], source_samples=dataset.sizes, samples=num_samples,
-                                         build_s=round(build, 2), built=sampler.built,
-                                         reload_s=round(time.perf_counter() - start, 3), rebuilt=again.built,
-                                         index_mb=os.path.getsize(sampler.index_path) / 2**20))
+            results["index"].append(run_script(INDEX_SCRIPT, spec, args.seq_length, args.global_batch, args.steps, cache))
             print(json.dumps(results["index"][-1]), flush=True)
-        rank = subprocess.run([sys.executable, "-c", RANK_SCRIPT,
-                               json.dumps([spec, args.seq_length, args.global_batch, args.steps, args.read_steps, cache])],
-                              capture_output=True, text=True, check=True, env=dict(os.environ, PYTHONPATH=REPO))
-        results["rank"] = json.loads(rank.stdout.strip().splitlines()[-1])
+        results["rank"] = run_script(RANK_SCRIPT, spec, args.seq_length, args.global_batch, args.steps,
+                                     args.read_steps, cache)
         print(json.dumps(results["rank"]), flush=True)
     finally:
         if not args.keep:

@@ -167,13 +167,14 @@ def unit_documents(unit: Unit, boundary: str, json_key: str) -> Iterator[str]:
                          f"convert it, e.g. with iconv") from e
     lines = io.StringIO(text, newline=None)         # universal newlines, as open() in text mode
     if unit.format == "jsonl":
-        first_line = None
         for number, line in enumerate(lines):
             if line.strip():
-                if first_line is None:
+                try:
+                    value = _json_text(line, json_key, "")
+                except ValueError as e:              # name the line: count the lines before this unit
                     with open(unit.path, "rb") as f:
-                        first_line = f.read(unit.start).count(b"\n") + 1
-                value = _json_text(line, json_key, f"{unit.path}:{first_line + number}")
+                        first = f.read(unit.start).count(b"\n") + 1
+                    raise ValueError(f"{unit.path}:{first + number}{e}") from e
                 if value and value.strip():
                     yield value
         return
@@ -375,6 +376,12 @@ def split_documents(whole: str, names: dict, is_eval: np.ndarray, doc_bytes: np.
 
 
 def peak_rss_mb() -> Tuple[float, float]:
-    """(this process, the largest finished child process) peak resident memory in MB (Linux)."""
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
+    """(this process, the largest finished child process) peak resident memory in MB. This process:
+    VmHWM from /proc (Linux), as ru_maxrss would also count the parent's memory it was forked from;
+    children: ru_maxrss, which may include the memory of this process at the time they were spawned."""
+    try:
+        with open("/proc/self/status") as f:
+            own = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
