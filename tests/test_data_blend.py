@@ -104,8 +104,14 @@ def test_schedule_keeps_every_source_within_one_sample():
         assert lags(schedule, weights) < 1, weights
         assert np.array_equal(schedule[:1000], blend_schedule(weights, 1000))   # a prefix never changes
     assert not np.any(blend_schedule([0, 2, 1], 3000) == 0)                     # weight 0: never drawn
-    # Megatron's greedy "largest error first" exceeds one sample on these weights; EPDF does not.
+    # Megatron's build_blending_indices rule (the source with the largest w_i * max(n, 1) - count_i)
+    # exceeds one sample on these weights (1.31); EPDF does not.
     hard = [0.001, 0.538, 0.009, 0.448, 0.004]
+    counts, megatron = np.zeros(5), np.empty(3000, dtype=np.uint8)
+    for n in range(3000):
+        megatron[n] = np.argmax(np.array(hard) / sum(hard) * max(n, 1) - counts)
+        counts[megatron[n]] += 1
+    assert lags(megatron, hard) > 1.3
     assert lags(blend_schedule(hard, 3000), hard) < 1
 
 
