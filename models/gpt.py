@@ -82,10 +82,10 @@ def build_attention(cfg: GPTConfig) -> Attention:
 class TransformerBlock(nn.Cell):
     """Pre-norm attention + SwiGLU block; input and output fp32 `[B, S, H]`."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, attention: Optional[nn.Cell] = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attention = build_attention(cfg)
+        self.attention = attention if attention is not None else build_attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, cfg.output_init_std,
                              cfg.compute_dtype)
@@ -119,7 +119,10 @@ class GPT(nn.Cell):
 
     def output_logits(self, h):
         """Final norm and LM head: fp32 hidden `[B, S, H]` -> fp32 logits `[B, S, V]`."""
-        h = self.final_norm(h)
+        return self.head_logits(self.final_norm(h))
+
+    def head_logits(self, h):
+        """The LM head (tied or not) on normed hidden states: `[B, S, H]` -> fp32 `[B, S, V]`."""
         if self.tie_embeddings:
             batch, seq_len = h.shape[0], h.shape[1]
             weight = self.embed.weight

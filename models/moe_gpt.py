@@ -14,7 +14,7 @@ sees the normed hidden state of all `[B, S, H]` tokens (sequence boundaries feed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -60,10 +60,10 @@ class MoEGPTConfig(GPTConfig):
 class MoEBlock(nn.Cell):
     """Pre-norm attention + MoE block. `construct(x [B, S, H])` -> `(x, moe_stats)`."""
 
-    def __init__(self, cfg: MoEGPTConfig):
+    def __init__(self, cfg: MoEGPTConfig, attention: Optional[nn.Cell] = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attention = build_attention(cfg)
+        self.attention = attention if attention is not None else build_attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.moe = MoELayer(cfg.hidden_size, cfg.moe, init_std=cfg.init_std,
                             compute_dtype=compute_dtype_of(cfg.compute_dtype))
@@ -88,7 +88,11 @@ class MoEGPT(GPT):
     def forward_with_stats(self, input_ids):
         """`(logits, moe_stats, weighted_aux)` where weighted_aux = Σ_layers coeff·aux terms."""
         self.check_length(input_ids)
-        h = self.embed(input_ids)
+        h, totals, weighted_aux = self.run_layers(self.embed(input_ids))
+        return self.output_logits(h), totals, weighted_aux
+
+    def run_layers(self, h):
+        """The decoder stack on embeddings `h`: `(h, moe_stats, weighted_aux)`, h before the final norm."""
         zero = ops.zeros((), ms.float32)
         totals = {term: zero for term in AUX_TERMS + COUNT_TERMS}
         weighted_aux = zero
@@ -103,7 +107,7 @@ class MoEGPT(GPT):
             else:
                 h = self.layers[index](h)
         totals["expert_load"] = ops.stack(loads)
-        return self.output_logits(h), totals, weighted_aux
+        return h, totals, weighted_aux
 
     def logits(self, input_ids):
         return self.forward_with_stats(input_ids)[0]

@@ -39,6 +39,53 @@ class Optimizer(nn.Cell):
         return [p for p in self.get_parameters() if not any(p is q for q in self.params)]
 
 
+# One parameter's update, applied over every parameter by ops.HyperMap: a Python loop over the
+# parameters inside ms.jit compiles superlinearly (see moetrain/parallel/data_parallel.py).
+_ADAMW = ops.MultitypeFuncGraph("adamw")
+_ADAM_L2 = ops.MultitypeFuncGraph("adam_l2")
+_SGD = ops.MultitypeFuncGraph("sgd")
+_LAMB = ops.MultitypeFuncGraph("lamb")
+
+
+@_ADAMW.register("Function", "Tensor", "Tensor", "Tensor", "Number", "Number", "Tensor", "Tensor", "Tensor",
+                 "Tensor", "Number")
+def _adamw_update(kernel, step_lr, step_eps, decay_scale, beta1, beta2, param, exp_avg, exp_avg_sq, grad,
+                  weight_decay):
+    return kernel(param, exp_avg, exp_avg_sq, step_lr, beta1, beta2, step_eps, weight_decay * decay_scale, grad)
+
+
+@_ADAM_L2.register("Function", "Tensor", "Tensor", "Tensor", "Number", "Number", "Tensor", "Tensor", "Tensor",
+                   "Tensor", "Number")
+def _adam_l2_update(kernel, step_lr, step_eps, decay_scale, beta1, beta2, param, exp_avg, exp_avg_sq, grad,
+                    weight_decay):
+    return kernel(param, exp_avg, exp_avg_sq, step_lr, beta1, beta2, step_eps, 0.0 * decay_scale,
+                  grad + weight_decay * param)
+
+
+@_SGD.register("Tensor", "Number", "Tensor", "Tensor", "Tensor", "Number")
+def _sgd_update(lr, momentum, param, velocity, grad, weight_decay):
+    if weight_decay:
+        grad = grad + weight_decay * param
+    if momentum:
+        grad = velocity * momentum + grad
+        ops.assign(velocity, grad)
+    return ops.assign(param, param - lr * grad)
+
+
+@_LAMB.register("Tensor", "Tensor", "Tensor", "Number", "Number", "Number", "Tensor", "Tensor", "Tensor",
+                "Tensor", "Number")
+def _lamb_update(lr, c1, c2, beta1, beta2, eps, param, exp_avg, exp_avg_sq, grad, weight_decay):
+    m = exp_avg * beta1 + grad * (1.0 - beta1)
+    v = exp_avg_sq * beta2 + grad * grad * (1.0 - beta2)
+    ops.assign(exp_avg, m)
+    ops.assign(exp_avg_sq, v)
+    update = (m / c1) / (ops.sqrt(v / c2) + eps) + weight_decay * param
+    w_norm = ops.sqrt((param * param).sum())
+    u_norm = ops.sqrt((update * update).sum())
+    trust = ops.where((w_norm > 0) & (u_norm > 0), w_norm / (u_norm + 1e-30), ops.ones_like(w_norm))
+    return ops.assign(param, param - lr * trust * update)
+
+
 class AdamW(Optimizer):
     """Adam with decoupled weight decay; `decoupled=False` gives Adam with L2 in the gradient."""
 
@@ -48,6 +95,7 @@ class AdamW(Optimizer):
         self.exp_avg_sq = self.zeros_like_params("adam_v")
         self.decoupled = decoupled
         self.kernel = ops.AdamWeightDecay()
+        self.hyper = ops.HyperMap()
 
     def construct(self, grads, lr, step):
         b1, b2, eps = self.cfg.beta1, self.cfg.beta2, self.cfg.eps
@@ -59,14 +107,8 @@ class AdamW(Optimizer):
         sqrt_c2 = ops.sqrt(1.0 - ops.pow(Tensor(b2, ms.float32), t))
         step_lr = lr * sqrt_c2 / c1
         step_eps = eps * sqrt_c2
-        for i in range(len(self.params)):
-            param, grad, wd = self.params[i], grads[i], self.weight_decays[i]
-            if self.decoupled:
-                decay = wd * lr / step_lr
-            else:
-                grad = grad + wd * param
-                decay = 0.0 * lr
-            self.kernel(param, self.exp_avg[i], self.exp_avg_sq[i], step_lr, b1, b2, step_eps, decay, grad)
+        update = ops.partial(_ADAMW if self.decoupled else _ADAM_L2, self.kernel, step_lr, step_eps, lr / step_lr, b1, b2)
+        self.hyper(update, self.params, self.exp_avg, self.exp_avg_sq, grads, self.weight_decays)
         return lr
 
 
@@ -76,18 +118,12 @@ class SGD(Optimizer):
     def __init__(self, params, cfg: OptimizerConfig, momentum: float = 0.0, decay_flags=None):
         super().__init__(params, cfg, decay_flags)
         self.momentum = momentum
-        self.velocity = self.zeros_like_params("momentum") if momentum else None
+        # without momentum the velocity is never read; the parameters stand in for it in the map
+        self.velocity = self.zeros_like_params("momentum") if momentum else self.params
+        self.hyper = ops.HyperMap()
 
     def construct(self, grads, lr, step):
-        for i in range(len(self.params)):
-            param, grad = self.params[i], grads[i]
-            if self.weight_decays[i]:
-                grad = grad + self.weight_decays[i] * param
-            if self.momentum:
-                buf = self.velocity[i] * self.momentum + grad
-                ops.assign(self.velocity[i], buf)
-                grad = buf
-            ops.assign(param, param - lr * grad)
+        self.hyper(ops.partial(_SGD, lr, self.momentum), self.params, self.velocity, grads, self.weight_decays)
         return lr
 
 
@@ -98,23 +134,15 @@ class LAMB(Optimizer):
         super().__init__(params, cfg, decay_flags)
         self.exp_avg = self.zeros_like_params("lamb_m")
         self.exp_avg_sq = self.zeros_like_params("lamb_v")
+        self.hyper = ops.HyperMap()
 
     def construct(self, grads, lr, step):
         b1, b2, eps = self.cfg.beta1, self.cfg.beta2, self.cfg.eps
         t = step.astype(ms.float32)
         c1 = 1.0 - ops.pow(Tensor(b1, ms.float32), t)
         c2 = 1.0 - ops.pow(Tensor(b2, ms.float32), t)
-        for i in range(len(self.params)):
-            param, grad = self.params[i], grads[i]
-            m = self.exp_avg[i] * b1 + grad * (1.0 - b1)
-            v = self.exp_avg_sq[i] * b2 + grad * grad * (1.0 - b2)
-            ops.assign(self.exp_avg[i], m)
-            ops.assign(self.exp_avg_sq[i], v)
-            update = (m / c1) / (ops.sqrt(v / c2) + eps) + self.weight_decays[i] * param
-            w_norm = ops.sqrt((param * param).sum())
-            u_norm = ops.sqrt((update * update).sum())
-            trust = ops.where((w_norm > 0) & (u_norm > 0), w_norm / (u_norm + 1e-30), ops.ones_like(w_norm))
-            ops.assign(param, param - lr * trust * update)
+        self.hyper(ops.partial(_LAMB, lr, c1, c2, b1, b2, eps), self.params, self.exp_avg, self.exp_avg_sq, grads,
+                   self.weight_decays)
         return lr
 
 

@@ -62,6 +62,12 @@ class Arch:
     expert_ffn: int = 0
     shared_ffn: int = 0
     capacity_factor: float = 0.0
+    value_dim: int = 0                # per-head value width (MLA's v_head_dim); 0: head_dim
+    q_lora_rank: int = 0              # MLA (deepseek_v3): query bottleneck, 0: a plain query projection
+    kv_lora_rank: int = 0             # MLA key/value latent; 0: not MLA
+    rope_dim: int = 0                 # MLA: rotary part of head_dim (the decoupled key shared by the heads)
+    qk_norm: bool = False             # per-head q/k RMSNorm (qwen3_moe)
+    mtp_depth: int = 0                # multi-token-prediction modules after the stack (each an MoE block)
 
     @classmethod
     def of(cls, model_cfg) -> "Arch":
@@ -73,6 +79,11 @@ class Arch:
         arch = dict(vocab=model_cfg.vocab_size, hidden=model_cfg.hidden_size, layers=model_cfg.num_layers,
                     heads=model_cfg.num_heads, kv_heads=model_cfg.num_kv_heads or model_cfg.num_heads,
                     head_dim=model_cfg.head_dim, ffn=model_cfg.ffn_hidden_size, tied=model_cfg.tie_embeddings)
+        if getattr(model_cfg, "kv_lora_rank", 0):
+            arch.update(value_dim=model_cfg.v_head_dim, q_lora_rank=model_cfg.q_lora_rank,
+                        kv_lora_rank=model_cfg.kv_lora_rank, rope_dim=model_cfg.qk_rope_head_dim,
+                        mtp_depth=model_cfg.mtp_depth)
+        arch["qk_norm"] = getattr(model_cfg, "name", "") == "qwen3_moe"
         moe = getattr(model_cfg, "moe", None)
         if moe is not None:
             arch.update(moe_layers=tuple(model_cfg.moe_layers), experts=moe.num_experts, top_k=moe.top_k,
@@ -84,12 +95,45 @@ class Arch:
     def attention_width(self) -> int:
         return self.heads * self.head_dim
 
+    @property
+    def v_dim(self) -> int:
+        return self.value_dim or self.head_dim
+
     @functools.cached_property
-    def attention_params(self) -> int:            # wq, wk, wv, wo
-        return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.attention_width * self.hidden
+    def attention_split_params(self) -> int:
+        """Attention matmul weights split over tensor parallelism (by heads)."""
+        h, n, d = self.hidden, self.heads, self.head_dim
+        if not self.kv_lora_rank:                 # wq, wk, wv, wo
+            return h * (n + 2 * self.kv_heads) * d + n * d * h
+        query = (self.q_lora_rank or h) * n * d   # wq_b (or wq)
+        return query + self.kv_lora_rank * n * (d - self.rope_dim + self.v_dim) + n * self.v_dim * h  # + wkv_b, wo
+
+    @functools.cached_property
+    def attention_replicated_params(self) -> int:
+        """MLA's latent projections wq_a and wkv_a: whole on every tensor-parallel rank."""
+        if not self.kv_lora_rank:
+            return 0
+        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.rope_dim)
+
+    @property
+    def attention_params(self) -> int:            # every attention matmul weight
+        return self.attention_split_params + self.attention_replicated_params
+
+    @property
+    def attention_norm_params(self) -> int:       # norms inside attention: MLA latent norms, Qwen3 q/k norms
+        return self.q_lora_rank + self.kv_lora_rank + (2 * self.head_dim if self.qk_norm else 0)
+
+    def attention_core_flops(self, seq_length: int) -> float:
+        """Forward FLOPs of QK^T and AV per token in one layer: 2 S a (d_qk + d_v)."""
+        return 2 * seq_length * self.heads * (self.head_dim + self.v_dim)
+
+    @property
+    def mtp_layers(self) -> Tuple[int, ...]:
+        """Pseudo layer indices `layers .. layers + mtp_depth - 1` of the MTP blocks (MoE blocks)."""
+        return tuple(range(self.layers, self.layers + self.mtp_depth))
 
     def is_moe(self, layer: int) -> bool:
-        return layer in self.moe_layer_set
+        return layer in self.moe_layer_set or layer >= self.layers
 
     @functools.cached_property
     def moe_layer_set(self) -> frozenset:
@@ -210,8 +254,11 @@ def parameter_counts(model_cfg) -> ParamCount:
     total = embedding + head + h                                   # + final norm
     matmul = a.vocab * h                                           # the LM head (tied or not)
     expert = frozen = inactive = 0
-    for layer in range(a.layers):
-        total += a.attention_params + 2 * h                        # + attention_norm, ffn_norm
+    for layer in list(range(a.layers)) + list(a.mtp_layers):
+        if layer >= a.layers:   # an MTP depth: enorm, hnorm, final_norm, eh_proj [H, 2H], then its block
+            total += 3 * h + 2 * h * h
+            matmul += 2 * h * h + a.vocab * h                      # eh_proj and the shared LM head again
+        total += a.attention_params + a.attention_norm_params + 2 * h   # + attention_norm, ffn_norm
         matmul += a.attention_params
         if a.is_moe(layer):
             routed = 3 * h * a.expert_ffn * a.experts
@@ -235,9 +282,10 @@ def count_parameters(model_cfg) -> Tuple[int, int]:
 
 
 def attention_flops_per_token(arch: Arch, seq_length: int) -> float:
-    """Training FLOPs of QK^T and AV per token over all layers: 3 x 2 matmuls x 2 x S x a x d_head
-    (the full S x S matrix, as in PaLM's MFU; a causal kernel skips half)."""
-    return 12 * arch.layers * arch.attention_width * seq_length
+    """Training FLOPs of QK^T and AV per token over all layers and MTP blocks: 3 x 2 S a (d_qk + d_v),
+    i.e. 12 L a d_head S when d_qk = d_v (the full S x S matrix, as in PaLM's MFU; a causal kernel
+    skips half)."""
+    return 3 * (arch.layers + arch.mtp_depth) * arch.attention_core_flops(seq_length)
 
 
 def flops_per_token(model_cfg, seq_length: int) -> float:
@@ -250,6 +298,18 @@ def flops_per_token(model_cfg, seq_length: int) -> float:
 # --------------------------------------------------------------------------------------------
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _world_fix(world: int, model_ranks: int, global_batch_size: int) -> str:
+    """How to fit a layout to `world` devices: a data_parallel only if it can split the batch."""
+    if world % model_ranks:
+        return f"model_parallel x pipeline_stage ({model_ranks}) must divide {world}"
+    dp = world // model_ranks
+    if global_batch_size % dp == 0:
+        return f"set data_parallel to {dp}"
+    return (f"data_parallel would have to be {dp}, which cannot split train.global_batch_size ({global_batch_size}): "
+            f"use a world size of {[d * model_ranks for d in _divisors(global_batch_size)][:6]}, or a global "
+            f"batch that is a multiple of {dp}")
 
 
 def layout_problems(job: Job, layout: Layout, world_size: Optional[int] = None) -> List[str]:
@@ -269,9 +329,8 @@ def layout_problems(job: Job, layout: Layout, world_size: Optional[int] = None) 
     world = world_size or L.world
     need(L.world == world,
          f"data_parallel ({L.dp}) x model_parallel ({L.tp}) x pipeline_stage ({L.pp}) = {L.world} devices, but "
-         f"the world size is {world}: "
-         + (f"set data_parallel to {world // (L.tp * L.pp)}" if world % (L.tp * L.pp) == 0
-            else f"model_parallel x pipeline_stage must divide {world}") + " (or run `moetrain plan --search`)")
+         f"the world size is {world}: " + _world_fix(world, L.tp * L.pp, job.global_batch_size)
+         + " (or run `moetrain plan --search`)")
     if not a.moe_layers:
         need(L.ep == 1, f"parallel.expert_parallel ({L.ep}) > 1 needs a MoE model; set it to 1")
     else:
@@ -332,7 +391,9 @@ def validate_layout(job: Job, layout: Layout, world_size: Optional[int] = None) 
 def stage_layer_lists(arch: Arch, layout: Layout) -> List[List[int]]:
     sizes = layout.pipeline_layers or [arch.layers // layout.pp] * layout.pp
     bounds = list(itertools.accumulate(sizes, initial=0))
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(layout.pp)]
+    stages = [list(range(bounds[i], bounds[i + 1])) for i in range(layout.pp)]
+    stages[-1] += list(arch.mtp_layers)          # the MTP blocks run after the stack, on the last stage
+    return stages
 
 
 def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int
@@ -344,8 +405,9 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     h, d, t = arch.hidden, dtype_bytes, layout.tp
     outside = t if layout.sequence_parallel else 1
     # attention: norm input (fp32) + QKV input; Q, K, V and the output O
-    attention = ((FP32 + d) * tokens * h / outside
-                 + d * tokens * arch.head_dim * (2 * arch.heads + 2 * arch.kv_heads) / t)
+    attention = ((FP32 + d) * tokens * h / outside           # Q, K, V, O (MLA: + its latents, whole)
+                 + d * tokens * (arch.head_dim * (arch.heads + arch.kv_heads) + arch.v_dim * (arch.heads + arch.kv_heads)) / t
+                 + d * tokens * (arch.q_lora_rank + arch.kv_lora_rank + arch.rope_dim))
     probs = d * arch.heads * seq_length * tokens / t            # softmax output, a x S x S per sequence
     if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up
         ffn = (FP32 + d) * tokens * h / outside + 4 * d * tokens * arch.ffn / t
@@ -396,7 +458,9 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     # ---- parameters held by one device of this stage
     dense = expert = frozen = 0.0
     for layer in layer_ids:
-        dense += arch.attention_params / t + 2 * h
+        dense += arch.attention_split_params / t + arch.attention_replicated_params + arch.attention_norm_params + 2 * h
+        if layer >= arch.layers:                 # MTP depth: its norms and eh_proj
+            dense += 3 * h + 2 * h * h
         if arch.is_moe(layer):
             dense += arch.experts * h + 3 * h * arch.shared_ffn / t
             expert += 3 * h * arch.expert_ffn * arch.experts / (L.ep * t)
@@ -426,7 +490,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d) for i in layer_ids]
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
-    logits = (2 * FP32 * tokens * arch.vocab / t + (FP32 + d) * tokens * h / outside) if last else 0.0
+    logits = (2 * FP32 * tokens * arch.vocab / t + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth) if last else 0.0
     working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
     by_mode = {
         "none": in_flight * sum(stored + probs for stored, probs in per_layer),
@@ -442,7 +506,9 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     for layer in layer_ids:
         matmul = arch.attention_params + (arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k
                                           + 3 * h * arch.shared_ffn if arch.is_moe(layer) else 3 * h * arch.ffn)
-        attention = 4 * arch.attention_width * s           # forward QK^T and AV per token
+        if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
+            matmul += 2 * h * h + arch.vocab * h
+        attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
         flops_per_token += 6 * matmul + 3 * attention
         if L.recompute == "full":
             flops_per_token += 2 * matmul + attention
@@ -744,6 +810,10 @@ def format_plan(result: PlanResult) -> str:
              f" model        {getattr(job.model, 'name', '?')}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads "
              f"({a.kv_heads} kv, head_dim {a.head_dim}), ffn {a.ffn}, vocab {a.vocab}, seq {job.seq_length}"
              f"{', tied embeddings' if a.tied else ''}"]
+    if a.kv_lora_rank:
+        lines.append(f"              MLA: q_lora {a.q_lora_rank or 'none'}, kv_lora {a.kv_lora_rank}, q/k head "
+                     f"{a.head_dim - a.rope_dim} + rope {a.rope_dim}, v head {a.v_dim}"
+                     + (f"; MTP depth {a.mtp_depth} (one MoE block each, after the stack)" if a.mtp_depth else ""))
     if a.moe_layers:
         shared = f", shared ffn {a.shared_ffn}" if a.shared_ffn else ""
         capacity = f", capacity factor {a.capacity_factor:g}" if a.capacity_factor else ", dropless"
@@ -760,7 +830,8 @@ def format_plan(result: PlanResult) -> str:
         f" parameters   total {_count(p.total)} ({p.total:,}; trainable {p.trainable:,}); active per token "
         f"{_count(p.active)} ({p.active / p.total:.1%}); per device {_count(r.stages[r.peak_stage].params)}",
         f" FLOPs/token  {_flops(r.model_flops_per_token)} = 6 x {_count(p.matmul_active)} active matmul params "
-        f"+ 12 L (a d_head) S = {_flops(attention_flops_per_token(a, job.seq_length))}; with recompute "
+        f"+ 6 (L{' + MTP' if a.mtp_depth else ''}) a (d_qk + d_v) S = {_flops(attention_flops_per_token(a, job.seq_length))}; "
+        f"with recompute "
         f"{_flops(r.hardware_flops_per_token)}",
         rule,
         f" memory per device, stage {r.peak_stage} of {L.pp} (the most loaded)",
@@ -873,6 +944,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_plan_config(args.config, args.set)
+        if args.world and cfg.parallel.data_parallel_inferred:   # as a launch of --world processes would
+            from moetrain.config import infer_data_parallel
+
+            infer_data_parallel(cfg, cfg.source, args.world)
         if args.search:
             world = args.world or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
             _, search = choose_layout(cfg, world, args.device)

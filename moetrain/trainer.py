@@ -27,6 +27,10 @@ from moetrain.logger import MetricsLogger, print_rank0
 SUMMED_STATS = ("expert_load", "dropped", "routed", "correct")
 
 
+class CompileError(RuntimeError):
+    """The training step's graphs did not compile (or failed on their first run)."""
+
+
 class LossScaler:
     """Static or dynamic loss scaling: a step whose gradients overflow is skipped and the
     scale halves; `scale_window` finite steps in a row double it."""
@@ -163,13 +167,14 @@ def resolve_auto_layout(cfg: Config, world_size: Optional[int] = None):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: Optional[str] = None):
+    def __init__(self, cfg: Config, resume: Optional[str] = None, overwrite: bool = False):
         import mindspore as ms
         from mindspore import nn, ops
 
-        from moetrain.checkpoint import manager as ckpt
+        from moetrain.checkpoint.run_dir import last_good_checkpoint, start_run
         from moetrain.data import build_datasets, build_sampler
-        from moetrain.parallel.data_parallel import OptimizerStep
+        from moetrain.faults import TrainerFaults
+        from moetrain.parallel.data_parallel import OptimizerStep, accumulate
         from moetrain.parallel.expert_parallel import parallelize_moe
         from moetrain.parallel.plans import parallelize_model
 
@@ -185,12 +190,19 @@ class Trainer:
         self.rank = self.pctx.rank
         self.out = t.output_dir
         self.ckpt_root = os.path.join(self.out, "checkpoints")
-        resume_path = ckpt.resolve_resume_path(resume, self.out) if resume is not None else None
+        # refuses a used output dir without --resume/--overwrite, picks the checkpoint, run identity
+        self.run = start_run(self.out, resume, overwrite, self.pctx)
+        resume_path = self.run.resume_path
         os.makedirs(self.ckpt_root, exist_ok=True)
         os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
+        # MindSpore writes a failed compile's analysis (rank_N/om/analyze_fail.ir) under MS_OM_PATH,
+        # by default the working directory: keep it with the run instead
+        os.environ.setdefault("MS_OM_PATH", os.path.join(os.path.abspath(self.out), "logs", "compile"))
 
         self.train_set, self.eval_set = build_datasets(cfg)
         self.sampler = build_sampler(cfg, self.train_set)
+        self.faults = TrainerFaults(cfg, self.pctx, lambda: last_good_checkpoint(self.out, self.run.run_id))
+        self.sampler = self.faults.wrap_sampler(self.sampler)   # a rollback moves past the batches it skips
         self.total_steps = t.steps or math.ceil(t.epochs * self.sampler.steps_per_epoch)
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 0)
 
@@ -214,32 +226,39 @@ class Trainer:
         self.scaler = LossScaler(cfg.precision.loss_scale, cfg.precision.initial_loss_scale,
                                  cfg.precision.scale_window, cfg.precision.scale_factor)
         self.step = 0
+        self.step_compiled = False   # set after the first step: its graphs compiled and ran
         self.n_micro = cfg.num_micro_batches
         self.micro_batch_size = cfg.micro_batch_size
 
-        model = self.model
+        model, opt_step = self.model, self.opt_step
 
         def forward(scale, *batch):
             loss, stats = model(*batch)
             return loss * scale, loss, stats
 
-        grad_fn = ms.value_and_grad(forward, None, self.opt_step.params, has_aux=True)
+        grad_fn = ms.value_and_grad(forward, None, opt_step.params, has_aux=True)
 
+        # Jitted functions return tuples, never dicts: a dict output becomes Python-executed graph
+        # nodes whose side effects make MindSpore 2.10's compile time exponential in depth.
         def grad_step(scale, *batch):
             (_, loss, stats), grads = grad_fn(scale, *batch)
-            return loss, stats, grads
-
-        def accumulate(acc, grads):
-            return tuple(a + g for a, g in zip(acc, grads))
+            return loss, tuple(stats.keys()), tuple(stats.values()), opt_step.flatten(grads)
 
         def evaluate(*batch):
-            return model(*batch)
+            loss, stats = model(*batch)
+            return loss, tuple(stats.keys()), tuple(stats.values())
 
         wrap = ms.jit if t.jit else (lambda fn: fn)
-        self._grad_step, self._accumulate, self._evaluate = wrap(grad_step), wrap(accumulate), wrap(evaluate)
+        self._grad_step, self._accumulate = wrap(grad_step), wrap(accumulate)
+        self._evaluate = wrap(evaluate)
 
         if resume_path:
             self.load(resume_path)
+        elif cfg.checkpoint.load_path:   # new run from saved weights: step 0, fresh optimizer and schedule
+            from moetrain.checkpoint.initial import load_initial_weights
+
+            load_initial_weights(cfg.checkpoint.load_path, self._checkpoint_tensors(), cfg.to_dict()["model"],
+                                 holds_whole_model=self.pctx.pp == 1)
         self.is_logger = self.rank == 0
         if self.is_logger:
             dump_config(cfg, os.path.join(self.out, "resolved_config.yaml"))
@@ -257,7 +276,9 @@ class Trainer:
                     f"{self.total_steps} steps of {t.global_batch_size} samples "
                     f"({self.n_micro} micro-batch(es) of {self.micro_batch_size} per rank, "
                     f"dp={self.pctx.dp}); output in {self.out}"
-                    + (f"; resumed from {resume_path} at step {self.step}" if resume_path else ""))
+                    + (f"; resumed from {resume_path} at step {self.step}" if resume_path else "")
+                    + (f"; weights from {cfg.checkpoint.load_path}" if cfg.checkpoint.load_path and not resume_path
+                       else ""))
 
     # ------------------------------------------------------------------------------------------
     def _micro_batches(self, step: int):
@@ -282,14 +303,18 @@ class Trainer:
         else:
             grads, losses, stats = None, [], []
             for batch in self._micro_batches(step):
-                loss, micro_stats, micro_grads = self._grad_step(scale, *(ms.Tensor(b) for b in batch))
+                loss, keys, values, micro_grads = self._grad_step(scale, *(ms.Tensor(b) for b in batch))
                 grads = micro_grads if grads is None else self._accumulate(ms.mutable(grads), ms.mutable(micro_grads))
                 losses.append(loss)
-                stats.append(micro_stats)
+                stats.append(dict(zip(keys, values)))
         inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp)
-        grad_norm, finite = self.opt_step(grads, lr, step + 1, inv_scale)
         record = self._reduce_stats(losses, stats) if self.pipeline is None else self._reduce_over_dp(values)
-        if finite and hasattr(self.model, "update_expert_bias") and "expert_load" in record:
+        if self.faults.guard.rejects_loss(record["loss"]):   # a spike or non-finite loss: no update (all ranks agree)
+            grad_norm, finite = float("nan"), False
+        else:
+            grad_norm, finite = self.opt_step(grads, lr, step + 1, inv_scale)
+        applied = self.faults.guard.check(step + 1, record["loss"], grad_norm, finite) == "apply"
+        if applied and hasattr(self.model, "update_expert_bias") and "expert_load" in record:
             self.model.update_expert_bias(np.asarray(record["expert_load"]))
         self.scaler.update(finite)
         elapsed = time.perf_counter() - start
@@ -307,6 +332,32 @@ class Trainer:
             record["mfu"] = record["tokens_per_s"] * flops_per_token / peak
         record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         return record
+
+    def _first_step(self) -> Dict:
+        """`train_step`, turning a failure while MindSpore compiles (or first runs) the step's graphs
+        into an error that names the model, the layout, where the analysis went and what to try."""
+        try:
+            record = self.train_step()
+        except (RuntimeError, TypeError, ValueError) as exc:
+            if not self.cfg.train.jit:
+                raise
+            raise CompileError(self._compile_failure(exc)) from exc
+        self.step_compiled = True
+        return record
+
+    def _compile_failure(self, exc: BaseException) -> str:
+        p, m = self.pctx, self.cfg.model
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        dumps = [os.path.join(root, f) for root, _, files in os.walk(os.environ.get("MS_OM_PATH", "."))
+                 for f in files if f == "analyze_fail.ir"]
+        return (f"the first training step of model {m.name!r} ({getattr(m, 'num_layers', '?')} layers) on layout "
+                f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} (ZeRO-{self.opt_step.level}, recompute="
+                f"{self.cfg.parallel.recompute}) failed while MindSpore compiled or first ran its graphs: "
+                f"{type(exc).__name__}: {first}"
+                + (f"\n  MindSpore's analysis: {dumps[0]}" if dumps else "")
+                + "\n  To narrow it down: --set train.jit=false (PyNative: no graph compile, slower), "
+                  "MOETRAIN_DISABLE_KERNELS=1 (plain ops instead of the fused CPU kernels), or a smaller "
+                  "model.num_layers.")
 
     def _reduce_stats(self, losses, stats) -> Dict:
         """Average (or sum) micro-batch values, then over data-parallel ranks."""
@@ -362,7 +413,8 @@ class Trainer:
             if self.pipeline is not None:
                 loss, stats = self.pipeline.evaluate_batch(batch), {}
             else:
-                loss, stats = self._evaluate(*batch)
+                loss, keys, values = self._evaluate(*batch)
+                stats = dict(zip(keys, values))
             loss_sum += float(loss) * len(indices)
             count += len(indices)
             if "correct" in stats:
@@ -391,15 +443,16 @@ class Trainer:
 
         if getattr(self, "_checkpointer", None) is None:
             self._checkpointer = distributed.ShardedCheckpointer(self.ckpt_root, self.pctx, self.cfg.checkpoint.keep_max,
-                                                                 self.cfg.checkpoint.async_save)
+                                                                 self.cfg.checkpoint.async_save,
+                                                                 self.cfg.checkpoint.on_save_error)
         t = self.cfg.train
         metadata = {
-            "format": distributed.FORMAT, "step": self.step,
+            "format": distributed.FORMAT, "step": self.step, "run_id": self.run.run_id,
             "layout": distributed.layout_of(self.pctx, self.opt_step.level),
             "trainer_state": {"step": self.step, "loss_scale": self.scaler.state(), "seed": t.seed,
                               "global_batch_size": t.global_batch_size,
-                              "consumed_samples": self.step * t.global_batch_size,
-                              "epoch": self.sampler.epoch_of(self.step)},
+                              "consumed_samples": (self.step + self.sampler.offset) * t.global_batch_size,
+                              "epoch": self.sampler.epoch_of(self.step), **self.faults.state()},
             "config": self.cfg.to_dict()}
         return self._checkpointer.save(self.step, self._checkpoint_tensors(), metadata,
                                        os.path.join(self.out, "resolved_config.yaml"))
@@ -438,6 +491,7 @@ class Trainer:
         self.step = reader.step
         if "loss_scale" in state:
             self.scaler.load(state["loss_scale"])
+        self.faults.load_state(state)
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> Dict:
@@ -448,16 +502,28 @@ class Trainer:
         end = self.total_steps
         if cfg.train.stop_after:
             end = min(end, self.step + cfg.train.stop_after)
-        while self.step < end:
-            self.profiler_window.before_step(self.step + 1)
-            last = self.train_step()
-            self.profiler_window.after_step(self.step)
-            self.logger.log(last)
-            if eval_interval and self.step % eval_interval == 0 and self.step < end:
-                last_eval = self.evaluate()
-                self.logger.log(last_eval)
-            if save_steps and self.step % save_steps == 0:
-                self.save()
+        self.faults.preemption.install()
+        try:
+            while self.step < end:
+                self.profiler_window.before_step(self.step + 1)
+                last = self.train_step() if self.step_compiled else self._first_step()
+                self.profiler_window.after_step(self.step)
+                if self.faults.after_step(self, last):   # rolled back to a checkpoint; raises TrainingHalted
+                    continue
+                self.logger.log(last)
+                if eval_interval and self.step % eval_interval == 0 and self.step < end:
+                    last_eval = self.evaluate()
+                    self.logger.log(last_eval)
+                saved = bool(save_steps and self.step % save_steps == 0 and self.save())
+                if self.step < end and self.faults.stop_requested(self.step):   # SIGTERM/SIGINT on any rank
+                    if not saved:
+                        self.save()
+                    self.wait_for_checkpoint()
+                    self.profiler_window.close()
+                    self.logger.close()
+                    return {"train": last, "eval": last_eval, "preempted": True}
+        finally:
+            self.faults.close()
         self.profiler_window.close()   # a window past the last step ends here
         if self.eval_set is not None:
             last_eval = self.evaluate()

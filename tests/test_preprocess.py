@@ -122,11 +122,14 @@ def test_progress_line_reports_throughput(docs, tmp_path, capsys):
 def test_bad_inputs_are_refused_with_the_fix(docs, tmp_path, monkeypatch):
     write_jsonl(tmp_path / "good.jsonl", docs[:5])
     (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(ValueError, match=r"empty\.jsonl' is empty \(0 bytes\); remove it from --input"):
+    with pytest.raises(ValueError, match=r"input text '.*empty\.jsonl' is empty: remove it from --input"):
         preprocess([str(tmp_path / "good.jsonl"), str(tmp_path / "empty.jsonl")], TOKENIZER, str(tmp_path / "o"))
     (tmp_path / "blank.txt").write_text("\n   \n\n")
-    with pytest.raises(ValueError, match=r"blank\.txt' is empty \(no non-blank documents\)"):
+    with pytest.raises(ValueError, match=r"blank\.txt' is empty \(only blank lines\)"):
         preprocess([str(tmp_path / "blank.txt")], TOKENIZER, str(tmp_path / "o"))
+    (tmp_path / "blank.jsonl").write_text('{"text": " "}\n{"text": null}\n')   # records, but no text in them
+    with pytest.raises(ValueError, match=r"blank\.jsonl' is empty \(no non-blank documents\)"):
+        preprocess([str(tmp_path / "good.jsonl"), str(tmp_path / "blank.jsonl")], TOKENIZER, str(tmp_path / "o"))
     assert not os.path.exists(tmp_path / "o.json") and not os.path.exists(tmp_path / "o.bin")
     with pytest.raises(ValueError, match=r"good\.jsonl:1: no key 'content' in the record \(keys \['id', 'text'\]\); "
                                          r"name the text field with --json-key"):

@@ -43,9 +43,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="status line on stderr: MB done, MB/s, documents, tokens, ETA (default on)")
     args = parser.parse_args(argv)
-    metas = preprocess(args.input, args.tokenizer, args.output_prefix, args.eval_fraction, args.append_eos,
-                       args.document_boundary, args.split_seed, args.json_key, args.input_format, args.workers,
-                       args.eos_token, args.progress)
+    try:
+        metas = preprocess(args.input, args.tokenizer, args.output_prefix, args.eval_fraction, args.append_eos,
+                           args.document_boundary, args.split_seed, args.json_key, args.input_format, args.workers,
+                           args.eos_token, args.progress)
+    except (ValueError, FileNotFoundError, ImportError) as exc:     # bad input: the message, not a traceback
+        print(f"preprocess_data.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     for split, meta in metas.items():
         print(f"{split}: {split_names(args.output_prefix, args.eval_fraction)[split]}  "
               f"documents={meta['num_documents']} tokens={meta['num_tokens']} dtype={meta['dtype']} "

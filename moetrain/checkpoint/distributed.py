@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -37,15 +38,14 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from moetrain.checkpoint.manager import (MANIFEST, CheckpointError, CheckpointWriter, prune_checkpoints,
-                                         read_manifest, sha256_of, verify_files)
-from moetrain.parallel.sharding import ShardSpec
+from moetrain.checkpoint.manager import (MANIFEST, METADATA, CheckpointError, CheckpointSaveError, CheckpointWriter,
+                                         latest_of_run, prune_checkpoints, read_manifest, sha256_of, verify_files)
+from moetrain.parallel.sharding import MASTER_PREFIX, ShardSpec
 
-METADATA = "metadata.json"
 FORMAT = "moetrain-sharded-v1"
-MASTER_PREFIX = "zero_master."
 PARTS = ("model", "optimizer")
 _INDEX = "pieces-rank{rank:05d}.json"    # one rank's piece list; merged into metadata.json by rank 0
+_FAILED = "failed-rank{rank:05d}.txt"    # an asynchronous save failed on that rank: rank 0 stops waiting
 ASYNC_COMMIT_TIMEOUT_S = 600.0          # rank 0 waits this long for the other ranks' files (async save)
 
 
@@ -85,35 +85,69 @@ def first_replica(pctx, spec: ShardSpec, group_kind: str, zero_sharded: bool) ->
     return pctx.group(group_kind).rank_in_group == 0
 
 
+class _FlatRows:
+    """Host copies of ZeRO's flat rows (optimizer state and masters), read and written once each."""
+
+    def __init__(self):
+        self.values: Dict[int, np.ndarray] = {}
+        self.params: Dict[int, Any] = {}
+        self.dirty = set()
+
+    def read(self, param) -> np.ndarray:
+        if id(param) not in self.values:
+            self.values[id(param)], self.params[id(param)] = param.asnumpy().copy(), param
+        return self.values[id(param)]
+
+    def write(self, param, start: int, value: np.ndarray) -> None:
+        self.read(param)[start:start + value.size] = value.reshape(-1)
+        self.dirty.add(id(param))
+
+    def flush(self) -> None:
+        import mindspore as ms
+
+        for key in sorted(self.dirty):
+            param = self.params[key]
+            param.set_data(ms.Tensor(self.values[key], dtype=param.dtype))
+        self.dirty.clear()
+
+
+class _RowPiece:
+    """One parameter's shard `[start, stop)` of a flat ZeRO row, with a Parameter's save/load surface.
+    `set_data` stages the value on the host; `flush()` writes every staged row once."""
+
+    def __init__(self, rows: _FlatRows, row, start: int, stop: int):
+        self.rows, self.row, self.start, self.stop = rows, row, start, stop
+        self.shape, self.dtype = (stop - start,), row.dtype
+
+    def asnumpy(self) -> np.ndarray:
+        return self.rows.read(self.row)[self.start:self.stop]
+
+    def set_data(self, tensor) -> None:
+        self.rows.write(self.row, self.start, tensor.asnumpy())
+
+    def flush(self) -> None:
+        self.rows.flush()
+
+
 def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
     """Every model and optimizer tensor this rank holds (`opt_step`: `OptimizerStep`)."""
-    from moetrain.parallel.data_parallel import reduction_group_kind
-    from moetrain.parallel.sharding import shard_spec
+    from moetrain.parallel.sharding import reduction_group_kind, shard_spec
 
     out = []
     for param in model.get_parameters():
         spec, kind = shard_spec(param), reduction_group_kind(param)
         out.append(LocalTensor(param.name, "model", spec, None, kind, first_replica(pctx, spec, kind, False), param))
-    index = {p.name: i for i, p in enumerate(opt_step.params)}
-    bases = sorted((p.name for p in opt_step.optimizer.params), key=len, reverse=True)
-    for state in opt_step.state_parameters():
-        base = next((b for b in bases if state.name == b or state.name.endswith("." + b)), None)
-        if base is None:
-            raise CheckpointError(f"optimizer state {state.name!r} belongs to no parameter, so a sharded "
-                                  f"checkpoint cannot place it; keep per-parameter optimizer state only")
-        prefix = state.name[:-len(base)].rstrip(".")
-        zero = base.startswith(MASTER_PREFIX)
-        name = base[len(MASTER_PREFIX):] if zero else base
-        i = index[name]
-        param, group = opt_step.params[i], opt_step.groups[i]
-        spec, kind = shard_spec(param), opt_step.kinds[i]
-        flat = None
-        if zero:
-            size = opt_step.shard_sizes[i]
-            flat = (group.rank_in_group * size, (group.rank_in_group + 1) * size)
-        key = f"{prefix}.{name}" if prefix else (MASTER_PREFIX + name if zero else name)
-        out.append(LocalTensor(key, "optimizer", spec, flat, kind, first_replica(pctx, spec, kind, zero), state,
-                               fallback=name if key.startswith(MASTER_PREFIX) else None))
+    rows = _FlatRows()
+    for key, param, buffer, index, in_row, state in opt_step.checkpoint_pieces():
+        spec, kind = shard_spec(param), reduction_group_kind(param)
+        master = key.startswith(MASTER_PREFIX)
+        if buffer is None:      # level 0: one state tensor per parameter
+            out.append(LocalTensor(key, "optimizer", spec, None, kind, first_replica(pctx, spec, kind, False), state))
+            continue
+        shard, r = buffer.shards[index], buffer.group.rank_in_group
+        out.append(LocalTensor(key, "optimizer", spec, (r * shard, (r + 1) * shard), kind,
+                               first_replica(pctx, spec, kind, True), _RowPiece(rows, state, *in_row),
+                               fallback=param.name if master else None))
     return out
 
 
@@ -243,64 +277,130 @@ def finish_checkpoint(writer: CheckpointWriter, world_size: int, metadata: Dict[
     tensors, checksums = merge_indices(writer.tmp, world_size)
     writer.json(METADATA, {**metadata, "tensors": tensors})
     writer.copy("config.yaml", config_file)
-    return writer.commit(known=checksums)
+    return writer.commit(known=checksums, run_id=metadata.get("run_id"))
 
 
 class ShardedCheckpointer:
     """Saves one rank's share of every checkpoint; rank 0 completes and publishes it.
 
     With `async_save`, `save` only takes host copies of this rank's tensors (a few ms) and a
-    background thread writes them; rank 0's thread waits for every rank's piece index (a file, so no
-    collective runs off the main thread), then publishes. The next `save` (or `wait`) first finishes
-    the previous one and re-raises its error, if any."""
+    background (daemon) thread writes them; rank 0's thread waits for every rank's piece index (a
+    file, so no collective runs off the main thread), then publishes. The next `save` (or `wait`)
+    first finishes the previous one. A process that fails does not wait for the thread.
 
-    def __init__(self, root: str, pctx, keep_max: int, async_save: bool = False):
+    A failed write (disk full, I/O error) on any rank fails the save on every rank (they agree
+    through an all-reduce where a plain save would barrier): the temporary folder is removed, the
+    previous checkpoints stay as they were, and the error names the path. `on_save_error`: "stop"
+    raises CheckpointSaveError; "continue" warns and training goes on (the next save tries again)."""
+
+    def __init__(self, root: str, pctx, keep_max: int, async_save: bool = False, on_save_error: str = "stop"):
         self.root, self.pctx, self.keep_max, self.async_save = root, pctx, keep_max, async_save
+        self.on_save_error = on_save_error
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._pending: Optional[Tuple[int, CheckpointWriter, Optional[str]]] = None   # async: step, writer, run
 
-    def save(self, step: int, tensors: Sequence[LocalTensor], metadata: Dict[str, Any], config_file: str) -> str:
-        from moetrain.parallel import comm
-
+    def save(self, step: int, tensors: Sequence[LocalTensor], metadata: Dict[str, Any],
+             config_file: str) -> Optional[str]:
+        """Write checkpoint `step`; returns its path (None when it failed under on_save_error=continue)."""
         self.wait()
+        try:
+            return self._save(step, tensors, metadata, config_file)
+        except CheckpointSaveError as exc:
+            return self._failed(exc)
+
+    def wait(self) -> None:
+        """Finish the pending asynchronous save; a failure is handled as in `save`."""
+        try:
+            self._wait()
+        except CheckpointSaveError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: CheckpointSaveError) -> None:
+        if self.on_save_error == "stop":
+            raise exc
+        print(f"moetrain: warning: {exc} (checkpoint.on_save_error=continue: training goes on; the next save "
+              f"tries again)", file=sys.stderr, flush=True)
+        return None
+
+    def _attempt(self, writer: Optional[CheckpointWriter], step: int, fn) -> Optional[CheckpointSaveError]:
+        """Run `fn`; an OSError (ENOSPC, EIO, ...) becomes a CheckpointSaveError naming the folder."""
+        try:
+            fn()
+        except CheckpointSaveError as exc:
+            return exc
+        except OSError as exc:
+            where = writer.tmp if writer is not None else os.path.join(self.root, f"step_{step:08d}")
+            return CheckpointSaveError(f"could not write checkpoint {os.path.join(self.root, f'step_{step:08d}')} "
+                                       f"(files in {where}): {exc}")
+        return None
+
+    def _agree(self, error: Optional[CheckpointSaveError], step: int, writer: Optional[CheckpointWriter],
+               run_id: Optional[str]) -> None:
+        """Every rank learns whether any rank failed; then all raise, and rank 0 removes the folder."""
+        from moetrain.faults import failed_ranks
+
+        failed = failed_ranks(error is not None, self.pctx) if self.pctx.world_size > 1 else ([0] if error else [])
+        if not failed:
+            return
+        if self.pctx.rank == 0 and writer is not None:
+            shutil.rmtree(writer.tmp, ignore_errors=True)      # free what the failed save took
+        previous = latest_of_run(self.root, run_id)
+        kept = (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
+        if error is not None:
+            raise CheckpointSaveError(f"{error}; checkpoint step {step} was not saved, {kept}") from error
+        raise CheckpointSaveError(f"checkpoint step {step} failed on rank(s) {failed} (their logs name the path); "
+                                  f"it was not saved, {kept}")
+
+    def _save(self, step: int, tensors: Sequence[LocalTensor], metadata: Dict[str, Any], config_file: str) -> str:
         rank, world = self.pctx.rank, self.pctx.world_size
-        distributed = world > 1
-        writer = CheckpointWriter(self.root, step, suffix="job" if distributed else None, create=rank == 0)
-        if distributed:
-            comm.barrier()      # the folder exists before anyone writes into it
+        run_id = metadata.get("run_id")
+        holder: List[CheckpointWriter] = []
+        error = self._attempt(None, step, lambda: holder.append(
+            CheckpointWriter(self.root, step, suffix="job" if world > 1 else None, create=rank == 0)))
+        writer = holder[0] if holder else None
+        self._agree(error, step, writer, run_id)      # the folder exists before anyone writes into it
         whole = whole_parts(metadata["layout"], tensors)
         items = [(t, host_copy(t)) for t in tensors if t.writes]
         final = os.path.join(self.root, writer.name)
         if self.async_save:
+            self._pending = (step, writer, run_id)
             self._thread = threading.Thread(target=self._background, name=f"checkpoint-{writer.name}",
-                                            args=(writer, items, whole, metadata, config_file))
+                                            args=(writer, items, whole, metadata, config_file), daemon=True)
             self._thread.start()
             return final
-        write_rank_pieces(writer, rank, items, whole)
-        if distributed:
-            comm.barrier()
+        error = self._attempt(writer, step, lambda: write_rank_pieces(writer, rank, items, whole))
+        self._agree(error, step, writer, run_id)
         if rank == 0:
-            final = finish_checkpoint(writer, world, metadata, config_file)
-            prune_checkpoints(self.root, self.keep_max)
-        if distributed:
-            comm.barrier()
+            error = self._attempt(writer, step, lambda: (finish_checkpoint(writer, world, metadata, config_file),
+                                                         prune_checkpoints(self.root, self.keep_max, run_id, step)))
+        self._agree(error, step, writer, run_id)
         return final
 
     def _background(self, writer, items, whole, metadata, config_file) -> None:
+        rank = self.pctx.rank
         try:
-            write_rank_pieces(writer, self.pctx.rank, items, whole)
-            if self.pctx.rank == 0:
+            write_rank_pieces(writer, rank, items, whole)
+            if rank == 0:
                 self._wait_for_ranks(writer.tmp)
                 finish_checkpoint(writer, self.pctx.world_size, metadata, config_file)
-                prune_checkpoints(self.root, self.keep_max)
-        except BaseException as exc:  # re-raised on the main thread by wait()
+                prune_checkpoints(self.root, self.keep_max, metadata.get("run_id"), metadata["step"])
+        except BaseException as exc:  # handled on the main thread by wait()
             self._error = exc
             print(f"moetrain: asynchronous save of {writer.name} failed: {exc!r}", file=sys.stderr, flush=True)
+            try:    # tell rank 0's thread to stop waiting for this rank
+                with open(os.path.join(writer.tmp, _FAILED.format(rank=rank)), "w") as fh:
+                    fh.write(repr(exc))
+            except OSError:
+                pass
 
     def _wait_for_ranks(self, folder: str) -> None:
         deadline = time.monotonic() + ASYNC_COMMIT_TIMEOUT_S
         missing = list(range(self.pctx.world_size))
         while missing:
+            failed = [r for r in range(self.pctx.world_size) if os.path.isfile(os.path.join(folder, _FAILED.format(rank=r)))]
+            if failed:
+                raise CheckpointError(f"ranks {failed} failed to write their part of {folder}")
             missing = [r for r in missing if not os.path.isfile(os.path.join(folder, _INDEX.format(rank=r)))]
             if missing and time.monotonic() > deadline:
                 raise CheckpointError(f"ranks {missing} did not finish writing {folder} within "
@@ -308,14 +408,18 @@ class ShardedCheckpointer:
             if missing:
                 time.sleep(0.05)
 
-    def wait(self) -> None:
-        """Finish the pending asynchronous save; raise its error."""
+    def _wait(self) -> None:
+        if self._pending is None:
+            return
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"the previous asynchronous checkpoint save failed: {error!r}") from error
+        (step, writer, run_id), self._pending = self._pending, None
+        error, self._error = self._error, None
+        if error is not None and not isinstance(error, CheckpointSaveError):
+            wrapped = CheckpointSaveError(f"the asynchronous save of {writer.tmp} failed: {error!r}")
+            error = wrapped.with_traceback(error.__traceback__)
+        self._agree(error, step, writer, run_id)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,6 +446,11 @@ class CheckpointReader:
         elif os.path.isfile(os.path.join(path, "trainer_state.json")):
             raise CheckpointError(f"{path} was written by an older moetrain (trainer_state.json, no {METADATA}); "
                                   f"its format is not readable any more: retrain, or consolidate it with that version")
+        elif os.path.isfile(os.path.join(path, MANIFEST)) or os.path.basename(os.path.normpath(path)).startswith("step_"):
+            # a training checkpoint without its metadata: refuse, never fall back to "weights only at step 0"
+            raise CheckpointError(f"{path} is a training checkpoint without {METADATA} (damaged or not fully "
+                                  f"copied): its step, data position and optimizer layout are unknown; resume from "
+                                  f"another checkpoint")
         elif os.path.isfile(os.path.join(path, WEIGHTS_FILE)) and os.path.isfile(os.path.join(path, CONFIG_FILE)):
             self.manifest = None
             self.metadata = _model_dir_metadata(path)
@@ -483,6 +592,9 @@ def load_into(reader: CheckpointReader, tensors: Sequence[LocalTensor], holds_wh
             raise CheckpointError(f"{reader.path}: {t.key} resharded to {tuple(value.shape)} but this rank's "
                                   f"tensor is {tuple(t.param.shape)}")
         t.param.set_data(ms.Tensor(value, dtype=t.param.dtype))
+    for t in wanted:
+        if hasattr(t.param, "flush"):   # ZeRO rows staged on the host: written back once
+            t.param.flush()
     return with_optimizer
 
 

@@ -287,7 +287,9 @@ def load_or_build_index(dataset: BlendedDataset, seed: int, shuffle: bool, num_s
 
 class BlendedBatchSampler(BatchSampler):
     """Global batches of a blend from its cached index (`load_or_build_index`); the same interface
-    as GlobalBatchSampler. `steps_per_epoch` counts one pass over all sources' samples together."""
+    as GlobalBatchSampler. `steps_per_epoch` counts one pass over all sources' samples together.
+    A step past `num_steps` (a fault rollback that skips batches, or more train.steps on resume)
+    extends the index: its start does not depend on its length, so earlier batches stay the same."""
 
     def __init__(self, dataset: BlendedDataset, global_batch_size: int, num_steps: int, seed: int = 0,
                  shuffle: bool = True, cache_dir: str = "", fallback_cache_dir: str = ""):
@@ -295,17 +297,21 @@ class BlendedBatchSampler(BatchSampler):
         if len(dataset) < global_batch_size:
             raise DataError(f"the blend has {len(dataset)} samples, fewer than one global batch of "
                             f"{global_batch_size}; use more data or a smaller train.global_batch_size")
-        self.dataset = dataset
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
         self.steps_per_epoch = len(dataset) // global_batch_size
+        self.folder = cache_folder(dataset, cache_dir, fallback_cache_dir)
+        self._build(num_steps)
+
+    def _build(self, num_steps: int) -> None:
         self.num_steps = num_steps
-        folder = cache_folder(dataset, cache_dir, fallback_cache_dir)
         self.index, self.index_path, self.built = load_or_build_index(
-            dataset, seed, shuffle, num_steps * global_batch_size, folder)
+            self.dataset, self.seed, self.shuffle, num_steps * self.global_batch_size, self.folder)
 
     def global_batch(self, step: int) -> np.ndarray:
-        if not 0 <= step < self.num_steps:
-            raise IndexError(f"step {step} is past the {self.num_steps} steps the blend index {self.index_path!r} "
-                             f"was built for (train.steps); it is rebuilt when train.steps changes")
+        if step < 0:
+            raise IndexError(f"step {step} is negative")
+        if step >= self.num_steps:
+            self._build(max(step + 1, self.num_steps + self.num_steps // 10 + 1))
         B = self.global_batch_size
         return np.asarray(self.index[step * B:(step + 1) * B])
 

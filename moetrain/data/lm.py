@@ -3,7 +3,7 @@
 A shard `PREFIX` is three files written by `tools/preprocess_data.py`:
   PREFIX.bin      the concatenated token stream, raw uint16 (vocab <= 65536) or uint32
   PREFIX.idx.npy  int64 document offsets into the stream, `num_documents + 1` entries
-  PREFIX.json     metadata: dtype, num_tokens, vocab_size, eos_id, tokenizer sha256, sources
+  PREFIX.json     metadata: dtype, num_tokens, vocab_size, max_token_id, eos_id, tokenizer sha256, sources
 Each document ends with EOS (unless written with --no-append-eos), so a packed sample that spans
 documents sees the boundary. The stream is read through a memory map: opening is O(1) in the
 data size and a sample is one contiguous slice. docs/data.md has the measurements behind this.
@@ -47,6 +47,7 @@ class TokenShardWriter:
         self._bin = open(self.bin_path, "wb")
         self._lengths = []          # int64 arrays of document lengths, one per add call
         self.num_tokens = 0
+        self._max_id = -1
 
     def add_documents(self, documents: Iterable[Iterable[int]]) -> None:
         arrays = [np.asarray(doc, dtype=np.int64) for doc in documents]
@@ -60,6 +61,8 @@ class TokenShardWriter:
             raise ValueError(f"document lengths add up to {int(lengths.sum())}, the stream has {tokens.size} tokens")
         if tokens.size and ((tokens.dtype.kind == "i" and tokens.min() < 0) or tokens.max() >= self.vocab_size):
             raise DataError(f"token id out of range [0, {self.vocab_size}) while writing {self.bin_path!r}")
+        if tokens.size:
+            self._max_id = max(self._max_id, int(tokens.max()))
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._lengths.append(lengths)
         self.num_tokens += tokens.size
@@ -74,7 +77,7 @@ class TokenShardWriter:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         np.save(self.idx_path, offsets)
         meta = dict(format_version=FORMAT_VERSION, dtype=self.dtype.name, vocab_size=self.vocab_size,
-                    num_tokens=self.num_tokens, num_documents=lengths.size, **meta)
+                    num_tokens=self.num_tokens, num_documents=lengths.size, max_token_id=self._max_id, **meta)
         with open(self.meta_path, "w") as f:
             json.dump(meta, f, indent=1)
         return meta
@@ -105,6 +108,14 @@ class TokenShard:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id in the shard: recorded by the writer; for shards written before it
+        was, one pass over the memory map (then kept for this process)."""
+        if "max_token_id" not in self.meta:
+            self.meta["max_token_id"] = int(self.tokens.max())
+        return int(self.meta["max_token_id"])
 
 
 def open_token_shard(prefix: str) -> TokenShard:
@@ -145,8 +156,9 @@ def open_token_shard(prefix: str) -> TokenShard:
     if (offsets.ndim != 1 or offsets.dtype != np.int64 or offsets.size < 2 or offsets[0] != 0
             or offsets[-1] != num_tokens or np.any(np.diff(offsets) < 0)):
         raise DataError(f"corrupted document index {idx_path!r}: expected non-decreasing int64 offsets "
-                         f"from 0 to num_tokens={num_tokens}, got {offsets.dtype} shape {offsets.shape} "
-                         f"first/last {offsets[:1].tolist()}/{offsets[-1:].tolist()}; {_FIX}")
+                         f"from 0 to num_tokens={num_tokens} ({meta_path!r}, {bin_path!r}), got {offsets.dtype} "
+                         f"shape {offsets.shape} first/last {offsets[:1].tolist()}/{offsets[-1:].tolist()} (truncated, "
+                         f"or the index of another shard); {_FIX}")
     tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(num_tokens,))
     return TokenShard(prefix, tokens, offsets, meta)
 
@@ -187,6 +199,13 @@ class LMDataset:
                 f"vocabulary mismatch: {prefix!r} was encoded with a {data_vocab}-token vocabulary "
                 f"(tokenizer {self.shard.meta.get('tokenizer')!r}) but the model has vocab_size={vocab_size}; "
                 f"set model.vocab_size to at least {data_vocab} or re-encode the data with a matching tokenizer")
+        max_id = self.shard.max_token_id     # < data_vocab <= model.vocab_size, or the embedding is overrun
+        if max_id >= data_vocab:
+            raise DataError(
+                f"{prefix!r} holds token ids up to {max_id}, but its metadata says a {data_vocab}-token vocabulary"
+                + (f" and model.vocab_size is {vocab_size}" if vocab_size is not None and max_id >= vocab_size else "")
+                + ": ids past the vocabulary would index past the embedding table (the shard is damaged or was "
+                f"written by another tool); re-encode the text with tools/preprocess_data.py and this model's tokenizer")
         if tokenizer_path is not None:
             from moetrain.data.tokenizer import resolve_tokenizer_path
 

@@ -24,7 +24,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from moetrain.data.lm import TokenShardWriter, open_token_shard, shard_files, token_dtype
-from moetrain.data.tokenizer import load_tokenizer
+from moetrain.data.tokenizer import check_text_file, load_tokenizer
 
 FORMATS = ("text", "jsonl", "parquet")
 UNIT_BYTES = 4 << 20        # text per work unit: large enough to amortise a task, small enough to stream
@@ -84,9 +84,11 @@ def _pyarrow_parquet(path: str):
 
 
 def check_input(path: str, fmt: str, json_key: str) -> None:
-    """Refuse an input before any encoding: empty file, parquet without the text column, JSONL whose
-    first record has no `json_key`."""
-    if os.path.getsize(path) == 0:
+    """Refuse an input before any encoding: an empty, blank or binary file, parquet without the text
+    column, JSONL whose first record has no `json_key`."""
+    if fmt != "parquet":
+        check_text_file(path, "input text", fix="remove it from --input")
+    elif os.path.getsize(path) == 0:
         raise ValueError(f"input {path!r} is empty (0 bytes); remove it from --input")
     if fmt == "parquet":
         pq = _pyarrow_parquet(path)

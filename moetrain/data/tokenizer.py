@@ -24,6 +24,29 @@ from typing import Iterable, List, Optional, Sequence
 from moetrain.fileio import sha256_of
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+_SNIFF_BYTES = 1 << 20
+
+
+def check_text_file(path: str, what: str = "input text",
+                    fix: str = "give a UTF-8 text file with one document or sentence a line") -> None:
+    """Refuse a file that is missing, empty, blank, or not UTF-8 text (NUL bytes or invalid UTF-8
+    in its first MiB), naming the file, what was found and `fix`."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {path!r} does not exist")
+    with open(path, "rb") as fh:
+        head = fh.read(_SNIFF_BYTES)
+    if not head.strip() and os.path.getsize(path) == len(head):
+        raise ValueError(f"{what} {path!r} is empty" + (" (only blank lines)" if head else "") + f": {fix}")
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{what} {path!r} is binary, not text (a NUL byte at offset {nul}): give a UTF-8 text "
+                         f"file (extract the text first, e.g. from a PDF or archive)")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:       # not just a character cut at the end of the sniffed block
+            raise ValueError(f"{what} {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason}); convert it, "
+                             f"e.g. with iconv -f <encoding> -t utf-8") from None
 
 
 def train_tokenizer(input_files: Sequence[str], model_prefix: str, vocab_size: int,
@@ -39,10 +62,7 @@ def train_tokenizer(input_files: Sequence[str], model_prefix: str, vocab_size: i
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
     for path in input_files:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer training input {path!r} does not exist")
-        if os.path.getsize(path) == 0:
-            raise ValueError(f"tokenizer training input {path!r} is empty")
+        check_text_file(path, "tokenizer training input")
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     try:
         spm.SentencePieceTrainer.train(

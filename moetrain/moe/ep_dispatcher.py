@@ -20,12 +20,8 @@ the data-parallel group gives the one-process numbers.
 * `AllGatherDispatcher` (`allgather`, for small ep): all-gather the tokens and their routing, run
   the local experts on the assignments routed to them, reduce-scatter the partial outputs.
 
-Byte counters ("ep" row of `comm.CommLedger`): the dropless exchange books, in the native
-columns, the rows that carry tokens to or from other ranks (what an exact-count AlltoAllV moves;
-`comm.all_to_all_counted`)
-plus the counts exchange; the emulated columns hold what the CPU emulation really all-reduces
-(the padded buffers). The fixed-size exchanges (capacity mode, all-gather) book their whole
-buffers through `comm` as usual.
+Byte counters ("ep" row of `comm.CommLedger`): every exchange books the buffer it really moves,
+padding included.
 """
 from __future__ import annotations
 
@@ -119,12 +115,10 @@ class AllToAllDispatcher(nn.Cell):
         send = permute(x, order, send_row, top_k, n * bound)
 
         # counts first (one fp32 per local expert to each other rank; no backward), then the tokens
-        counts_sent = ops.full((), (n - 1) * num_local, dtype=ms.float32)
-        recv_counts = comm.all_to_all_counted(ops.stop_gradient(counts.astype(ms.float32)), self.group, counts_sent,
-                                ops.zeros((), ms.float32), differentiable=False)      # [source, L]
-        sent_away = (send_counts.sum() - send_counts[self.rank]).astype(ms.float32)
-        received = recv_counts.sum() - recv_counts[self.rank].sum()
-        recv = comm.all_to_all_counted(send.reshape(n, bound, hidden), self.group, sent_away, received)
+        recv_counts = comm.all_to_all(ops.stop_gradient(counts.astype(ms.float32)), self.group)   # [source, L]
+        # the two exchanges do not depend on each other through data: order them (same on every rank)
+        send = ops.depend(send, recv_counts)
+        recv = comm.all_to_all(send.reshape(n, bound, hidden), self.group)
 
         # receiver: row p from a source belongs to local expert #(segment ends <= p); L = padding
         segment_end = ops.cumsum(recv_counts, 1).reshape(n, 1, num_local)
@@ -138,14 +132,12 @@ class AllToAllDispatcher(nn.Cell):
         state["dropped"] = ops.zeros((), state["topk_weight"].dtype)
         state["recv_row"] = assignment_rows(recv_order, slot_row)
         state["send_row"] = assignment_rows(order, send_row)
-        state["rows_sent"], state["rows_received"] = sent_away, received
         return expert_input.reshape(num_blocks, block_rows, hidden), state
 
     def _combine_dropless(self, expert_output, state):
         hidden = expert_output.shape[-1]
         returned = _rows_or_zero(expert_output.reshape(-1, hidden), state["recv_row"])
-        back = comm.all_to_all_counted(returned.reshape(self.n, -1, hidden), self.group,
-                         state["rows_received"], state["rows_sent"])
+        back = comm.all_to_all(returned.reshape(self.n, -1, hidden), self.group)
         return unpermute(back.reshape(-1, hidden), state["send_row"], state["topk_weight"])
 
     # ---- capacity ---------------------------------------------------------------------------

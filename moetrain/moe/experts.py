@@ -9,6 +9,7 @@ from mindspore import nn, ops
 
 from moetrain import kernels
 from moetrain.layers import compute_dtype_of, normal_parameter
+from moetrain.parallel.sharding import mark_role
 
 
 class GroupedExperts(nn.Cell):
@@ -36,12 +37,14 @@ class GroupedExperts(nn.Cell):
         self.w_gate = normal_parameter(shape_in, init_std, "w_gate")
         self.w_up = normal_parameter(shape_in, init_std, "w_up")
         self.w_down = normal_parameter((num_local_experts, ffn_hidden_size, hidden_size), init_std, "w_down")
+        for weight in (self.w_gate, self.w_up, self.w_down):   # expert parallel reduces them over edp
+            mark_role(weight, expert=True)
         self.bmm = ops.BatchMatMul()
         self.grouped_matmul = self.swiglu = None
         if kernels.available():
-            from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul
+            from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, shared
 
-            self.grouped_matmul, self.swiglu = GroupedMatmul(), FusedSwiGLU()
+            self.grouped_matmul, self.swiglu = shared(GroupedMatmul), shared(FusedSwiGLU)
 
     def construct(self, x, block_expert=None):
         if block_expert is not None and x.shape[1] == 1 and self.grouped_matmul is not None:

@@ -84,6 +84,8 @@ class MoELayer(nn.Cell):
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         stats = self._routing_stats(x, topk_idx, probs, logits, state)
+        if self.aux_loss_scope == "global":   # its all-reduce before the next layer's collectives
+            y = ops.depend(y, stats["aux_loss"])
         return y.astype(x.dtype).reshape(x.shape), stats
 
     def _routing_stats(self, x, topk_idx, probs, logits, state):

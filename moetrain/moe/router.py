@@ -31,6 +31,7 @@ class TopKRouter(nn.Cell):
         self.route_scale = float(cfg.route_scale)
         self.num_groups = cfg.num_groups
         self.topk_groups = cfg.topk_groups
+        self.group_score_experts = cfg.group_score_experts if cfg.num_groups > 1 else 1
         self.weight = normal_parameter((cfg.num_experts, hidden_size), init_std, "weight")
         self.matmul = ops.MatMul(transpose_b=True)
 
@@ -56,11 +57,12 @@ class TopKRouter(nn.Cell):
     def _keep_top_groups(self, choice_scores):
         """Sets the scores outside each token's `topk_groups` best expert groups to -inf.
 
-        A group's score is the sum of its best `top_k // topk_groups` expert scores (Megatron-Core;
-        DeepSeek-V3's top-2 sum with its k=8, 4 groups)."""
+        A group's score is the sum of its best `moe.group_score_experts` expert scores: `top_k //
+        topk_groups` (Megatron-Core) or `group_score_topk` (HF DeepSeek-V3 sums the top 2; the same
+        for DeepSeek-V3's k=8, 4 groups, not for other shapes)."""
         num_tokens = choice_scores.shape[0]
         grouped = choice_scores.reshape(num_tokens, self.num_groups, -1)
-        group_scores = ops.topk(grouped, self.top_k // self.topk_groups)[0].sum(-1)
+        group_scores = ops.topk(grouped, self.group_score_experts)[0].sum(-1)
         _, top_groups = ops.topk(group_scores, self.topk_groups)
         group_mask = ops.one_hot(top_groups, self.num_groups, ops.ones((), ms.float32),
                                  ops.zeros((), ms.float32)).sum(1)

@@ -17,9 +17,13 @@ On a group of one rank every op is the identity and nothing is added to the grap
 Same graph on every rank: under `ms.jit`, independent collectives run in an order MindSpore picks
 from the graph, so ranks whose graphs differ can issue them in different orders and deadlock
 (measured). The emulation therefore builds identical ops on every rank (only constants such as
-pad widths and slice indices differ), and every forward op sits between a read and an update of
-the byte-counter Parameter, side effects MindSpore keeps in program order. Callers must not branch
-on the rank around collectives inside a jitted function either.
+pad widths and slice indices differ), so every rank schedules the same graph the same way. Callers
+must not branch on the rank around collectives inside a jitted function, and where two collectives
+of one graph do not depend on each other through data, the caller orders them with `ops.depend`
+(e.g. the expert-parallel counts before the tokens). No side effect (Parameter update, Python call)
+is put into graphs for ordering or counting: MindSpore 2.10's scheduler links side effects with a
+recursion that grows exponentially with their number (tp2 GPT grad step 1.8/3.9/13 s for 1/2/3
+layers with an in-graph byte counter, 2.9 s for 3 layers without: docs/performance.md).
 
 Backends (`backend_name()`): on CPU MindSpore has AllReduce in sub-groups but no AllGather /
 ReduceScatter / AlltoAll / Send / Receive there, so every op is derived from a SUM AllReduce in the
@@ -29,13 +33,13 @@ ops exactly (x + 0 == x). On Ascend/GPU ("native") the MindSpore primitives are 
 cannot run on this project's CPU machines and is UNVERIFIED. `MOETRAIN_COMM_BACKEND=emulated`
 forces the emulation anywhere.
 
-Byte counters: each op adds, when it runs, the bytes this rank sends to a per-group-kind counter
-(a float64 Parameter updated inside the graph, so `ms.jit` graphs count every execution, loops
-included). Columns: forward and backward, each for the native algorithm (ring: all_reduce
-2(n-1)/n·S, all_gather (n-1)·S_shard, reduce_scatter and all_to_all (n-1)/n·S, ...) and for what
-the CPU emulation really all-reduces (2(n-1)/n·buffer). MindSpore forbids Parameter updates inside a
-custom bprop, so an op's backward volume is added when its forward runs; read it with
-``backward=True`` for training steps. See `CommLedger`.
+Byte counters (`CommLedger`): each op books, when it EXECUTES in PyNative, the bytes this rank
+sends, per group kind; its backward volume is booked when its backward executes (so collectives
+whose input needs no gradient book no backward bytes). Columns: forward and backward, each for the
+native algorithm (ring: all_reduce 2(n-1)/n·S, all_gather (n-1)·S_shard, reduce_scatter and
+all_to_all (n-1)/n·S, ...) and for what the CPU emulation really all-reduces (2(n-1)/n·buffer).
+Jitted graphs book nothing (see "Same graph on every rank"): measure a step with `train.jit: false`
+or in PyNative; the ops and buffers are the same.
 """
 from __future__ import annotations
 
@@ -69,20 +73,9 @@ def backend_name() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Byte counters
+# Byte counters (host side; PyNative execution only)
 # ---------------------------------------------------------------------------------------------
-class _ByteCounter(nn.Cell):
-    def __init__(self):
-        super().__init__()
-        self.bytes = Parameter(Tensor(np.zeros((len(COUNTER_KINDS), len(COUNTER_COLUMNS)), np.float64)),
-                               name="moetrain_comm_bytes", requires_grad=False)
-        self.add = ops.AssignAdd()
-
-    def construct(self, delta):
-        return self.add(self.bytes, delta)
-
-
-_COUNTER = _ByteCounter()
+_TOTALS = np.zeros((len(COUNTER_KINDS), len(COUNTER_COLUMNS)), np.float64)
 
 
 def _ring(n: int, nbytes: float) -> float:
@@ -90,38 +83,37 @@ def _ring(n: int, nbytes: float) -> float:
     return 2.0 * (n - 1) / n * nbytes
 
 
-def _traffic_row(fwd: Tuple[float, float], bwd: Tuple[float, float], kind: str) -> Tensor:
-    """[kinds, columns] increment for one call: (native, emulated) bytes forward and backward."""
-    delta = np.zeros((len(COUNTER_KINDS), len(COUNTER_COLUMNS)), np.float64)
-    delta[COUNTER_KINDS.index(kind) if kind in COUNTER_KINDS else -1] = (*fwd, *bwd)
-    return Tensor(delta)
+def _book(kind: str, native: float, emulated: float, backward: bool) -> None:
+    row = COUNTER_KINDS.index(kind) if kind in COUNTER_KINDS else len(COUNTER_KINDS) - 1
+    col = 2 if backward else 0
+    _TOTALS[row, col] += native
+    _TOTALS[row, col + 1] += emulated
 
 
 def byte_counters() -> Dict[str, Dict[str, int]]:
-    """Cumulative bytes per group kind and column since the process started."""
-    values = _COUNTER.bytes.asnumpy()
-    return {kind: {col: int(values[i, j]) for j, col in enumerate(COUNTER_COLUMNS)}
+    """Cumulative bytes per group kind and column since the process started (PyNative execution)."""
+    return {kind: {col: int(_TOTALS[i, j]) for j, col in enumerate(COUNTER_COLUMNS)}
             for i, kind in enumerate(COUNTER_KINDS)}
 
 
 class CommLedger:
-    """Bytes this rank sends in the comm ops executed inside the block, per group kind.
+    """Bytes this rank sends in the comm ops EXECUTED in PyNative inside the block, per group kind.
 
         with comm.CommLedger() as ledger:
-            loss, grads = train_step(batch)        # jitted or not, any number of calls
+            loss, grads = grad_fn(batch)           # PyNative (train.jit: false): ops book as they run
         ledger.bytes_by_group(backward=True)       # {'tp': ..., 'ep': ...}, native volume
 
-    A trainer that calls its step function k times per optimizer step gets bytes per step from
-    one ledger around the k calls (or k x one call, the volume does not depend on data).
+    Backward bytes are booked when an op's backward runs. Jitted graphs book nothing: run the step
+    to be measured without `ms.jit` (same ops, same buffers).
     """
 
     def __enter__(self) -> "CommLedger":
-        self._start = _COUNTER.bytes.asnumpy().copy()
+        self._start = _TOTALS.copy()
         self._delta = None
         return self
 
     def __exit__(self, *exc) -> None:
-        self._delta = _COUNTER.bytes.asnumpy() - self._start
+        self._delta = _TOTALS - self._start
 
     def _table(self) -> np.ndarray:
         if self._delta is None:
@@ -129,9 +121,8 @@ class CommLedger:
         return self._delta
 
     def bytes_by_group(self, *, backward: bool, emulated: bool = False) -> Dict[str, int]:
-        """Bytes per group kind of the forward ops, plus their backward if `backward` (say which:
-        the ledger cannot tell a training step from a forward-only call); `emulated=True` gives
-        what the CPU emulation moved instead of the native algorithms' volume."""
+        """Bytes per group kind of the forward ops, plus their backward if `backward`; `emulated=True`
+        gives what the CPU emulation moved instead of the native algorithms' volume."""
         table = self._table()
         cols = [1 if emulated else 0] + ([3 if emulated else 2] if backward else [])
         return {kind: int(round(table[i, cols].sum())) for i, kind in enumerate(COUNTER_KINDS)
@@ -144,6 +135,29 @@ class CommLedger:
             if table[i].any():
                 lines.append(f"{kind:<10}" + "".join(f"{int(v):>15,}" for v in table[i]))
         return "\n".join(lines)
+
+
+class _BackwardBooking(nn.Cell):
+    """Identity whose backward books `op`'s backward traffic: placed after an op in PyNative only
+    (by `_GroupOp.__call__`, which jitted graphs never call), so it runs exactly when the op's
+    own backward runs."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def construct(self, x):
+        return x
+
+    def bprop(self, x, out, dout):
+        self.op.book(backward=True)
+        return (dout,)
+
+
+def _recording_grad() -> bool:
+    from mindspore.common.api import _pynative_executor
+
+    return _pynative_executor.requires_grad()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +229,20 @@ class _GroupOp(nn.Cell):
         self.kind = group.kind
 
     def _set_traffic(self, fwd: Tuple[float, float], bwd: Tuple[float, float]) -> None:
-        self.traffic = _traffic_row(fwd, bwd, self.kind)
+        """(native, emulated) bytes this rank sends in one forward / one backward execution."""
+        self.traffic = (fwd, bwd)
+
+    def book(self, backward: bool = False) -> None:
+        native, emulated = self.traffic[1 if backward else 0]
+        _book(self.kind, native, emulated, backward)
+
+    def __call__(self, *args):
+        # PyNative only: a jitted graph inlines `construct` and never calls this.
+        self.book()
+        out = super().__call__(*args)
+        if _recording_grad():
+            out = _BackwardBooking(self)(out)
+        return out
 
     def _axis(self, what: str, axis: int, divisible: bool = False) -> int:
         ndim = len(self.shape)
@@ -510,55 +537,7 @@ def _op(op: str, group: Group, shape, dtype, params=()):
 
 
 def _run(cell: _GroupOp, x):
-    """Run one op between two uses of the counter Parameter. Parameter reads and updates are
-    side effects that MindSpore keeps in program order, so the forward collectives of a jitted
-    graph run in program order too, the same on every rank, instead of in whatever order the
-    scheduler picks for independent nodes."""
-    x = ops.Depend()(x, _COUNTER.bytes)
-    y = cell(x)
-    _COUNTER(ops.Depend()(cell.traffic, y))
-    return y
-
-
-class _CountedAllToAll(nn.Cell):
-    """`comm`'s all-to-all along axis 0 of `x [n, R, ...]` (chunk j to rank j, chunk i of the
-    result from rank i; the backward is the same exchange of the gradient), booking as native
-    volume only the rows that carry data.
-
-    `all_to_all` would book the whole padded buffer; here the caller passes how many rows
-    (`x[i, j]` sub-tensors) go to and come from other ranks, so the native columns hold what an
-    exact-count AlltoAllV moves (data-dependent, so a tensor, not a constant of the cell). The
-    ordering (counter read before, written after) is `_run`'s.
-    """
-
-    def __init__(self, group: Group, shape, dtype, differentiable: bool):
-        super().__init__()
-        n = group.size
-        itemsize = mstype.type_size_in_bytes(dtype)
-        self.exchange = _op("_AllToAll", group, tuple(shape), dtype, (0, 0))
-        self.row_bytes = float(np.prod(shape[2:], dtype=np.int64) * itemsize)
-        # the emulation all-reduces an [n, n, ...] buffer: a ring moves 2 (n - 1) / n of it
-        emulated = 2.0 * (n - 1) * float(np.prod(shape, dtype=np.int64)) * itemsize
-        self.emulated = Tensor(np.array([emulated, emulated if differentiable else 0.0], np.float64))
-        column = np.zeros((len(COUNTER_KINDS), 1), np.float64)
-        column[COUNTER_KINDS.index(group.kind), 0] = 1.0
-        self.kind_column = Tensor(column)
-
-    def construct(self, x, rows_sent, rows_received):
-        x = ops.Depend()(x, _COUNTER.bytes)
-        y = self.exchange(x)
-        fwd_emulated, bwd_emulated = ops.split(self.emulated, 1)
-        native = ops.stop_gradient(ops.stack([rows_sent, rows_received]).astype(ms.float64) * self.row_bytes)
-        fwd_native, bwd_native = ops.split(native, 1)
-        columns = ops.concat([fwd_native, fwd_emulated, bwd_native, bwd_emulated]).reshape(1, 4)
-        _COUNTER(ops.Depend()(self.kind_column * columns, y))
-        return y
-
-
-@functools.lru_cache(maxsize=None)
-def _counted_all_to_all(group: Group, shape, dtype, differentiable: bool) -> _CountedAllToAll:
-    """One cell per call signature (built in Python, also while `ms.jit` parses), as `_op`."""
-    return _CountedAllToAll(group, shape, dtype, differentiable)
+    return cell(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,16 +586,6 @@ def all_to_all_v(x, send_counts: Sequence[int], recv_counts: Sequence[int], grou
         return x
     counts = (tuple(send_counts), tuple(recv_counts), max_count)
     return _run(_op("_AllToAllV", group, x.shape, x.dtype, counts), x)
-
-
-def all_to_all_counted(x, group: Group, rows_sent, rows_received, differentiable: bool = True):
-    """`all_to_all(x, group)` along axis 0 of a padded buffer `x [n, R, ...]` whose byte counters
-    book only the rows that carry data: `rows_sent` / `rows_received` (scalar tensors) count the
-    `x[i, j]` rows that go to / come from other ranks (the backward's volume is the reverse).
-    Expert-parallel token dispatch uses it: buffers are padded to a bound, payloads are not."""
-    if group.size == 1:
-        return x
-    return _counted_all_to_all(group, x.shape, x.dtype, differentiable)(x, rows_sent, rows_received)
 
 
 def broadcast(x, src_rank_in_group: int, group: Group):

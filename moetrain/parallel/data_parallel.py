@@ -1,189 +1,282 @@
-"""Data parallelism and optimizer sharding (ZeRO), after gradient accumulation.
+"""Data parallelism and optimizer sharding (ZeRO) over flat gradient buffers.
 
-`OptimizerStep` owns everything between "this rank's accumulated gradients" and "updated
-parameters":
+`OptimizerStep` owns everything between "this rank's gradients" and "updated parameters". Like
+Megatron-Core's distributed optimizer it works on a few contiguous buffers instead of one tensor
+per parameter: the parameters are ordered buffer by buffer, and each buffer holds the gradients
+of parameters that are reduced over the same group (dp, or edp for expert weights), count the
+same number of times in the global norm and share a weight-decay flag.
 
-    level 0 (plain data parallel)           level 1 / 2 (ZeRO)
-    bucketed all-reduce of gradients         level 1: bucketed all-reduce, keep own shard
-                                             level 2: bucketed reduce-scatter to own shard
-    unscale, overflow check, global-norm clip (over what this rank holds, reduced over the world)
-    optimizer on the full parameters         optimizer on this rank's fp32 master shards
-                                             all-gather the updated shards into the parameters
+    grad step    (jit)  flatten(grads): per buffer one concat;  ZeRO-2: reduce-scatter right away,
+                        so only this rank's shard lives between micro-batches
+    accumulate   (jit)  buffer += buffer
+    prepare      (jit)  sequence-parallel grads summed over tp; all-reduce (level 0) or
+                        reduce-scatter (level 1) over the group; unscale; global norm over the world
+                        (finite check); clip
+    apply        (jit)  level 0: the optimizer on the parameters (views of the buffer)
+                        level 1/2: the optimizer on this rank's fp32 master rows, then all-gather
+                        the rows into the parameters
 
-Expert parameters (`.experts.` in the name) are reduced over their expert-data-parallel group,
-every other parameter over the data-parallel group. Parameters flagged sequence-parallel (norm
-weights that saw only this rank's sequence chunk) first get their gradients summed over tp.
+Buffer layout. At level 0 a buffer is the parameters' gradients flattened and concatenated. With
+ZeRO over a group of G ranks each parameter of n elements is padded to G * ceil(n / G) and the
+buffer is a [G, S] matrix, S = sum of ceil(n / G): row r is rank r's shard of every parameter, so
+a reduce-scatter along rows gives each rank its row, and the checkpoint's per-parameter ZeRO
+ranges are the same at every level.
+
+Why buffers: compile time. Inside `ms.jit`, MindSpore 2.10 analyses Python loops, list updates
+and many-way `ops.split` as nested calls, superlinear in the number of parameters (a 12-layer GPT
+hit "Exceed function call depth limit 1000"). Per-parameter work here goes through `ops.HyperMap`,
+which stays linear; everything else runs once per buffer.
+
 Gradients are SUMMED over replicas here; the trainer's `inv_scale` divides by dp (and by
 micro-batches and the loss scale).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, ops
 
 from moetrain.optim import build_optimizer, decays
 from moetrain.parallel import comm
-from moetrain.parallel.sharding import shard_spec
-from moetrain.parallel.tensor_parallel import is_sequence_parallel
+from moetrain.parallel.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
-
-def is_expert_param(name: str) -> bool:
-    return ".experts." in name
-
-
-def reduction_group_kind(param: Parameter) -> str:
-    return "edp" if is_expert_param(param.name) else "dp"
+# ---- per-parameter pieces of the graph (ops.HyperMap applies them over tuples, linearly) ----------
+_FLATTEN = ops.MultitypeFuncGraph("flatten")
+_AS_ROWS = ops.MultitypeFuncGraph("as_rows")
+_TAKE = ops.MultitypeFuncGraph("take")
+_ASSIGN_COLUMNS = ops.MultitypeFuncGraph("assign_columns")
 
 
-def make_buckets(params: Sequence[Parameter], kinds: Sequence[str], bucket_bytes: float) -> List[List[int]]:
-    """Consecutive parameters (last layer first, as gradients become ready) of one group kind,
-    at most `bucket_bytes` each: MindSpore's "communication fusion"."""
-    buckets: List[List[int]] = []
-    current, size, kind = [], 0, None
-    for i in reversed(range(len(params))):
-        nbytes = int(np.prod(params[i].shape)) * 4
-        if current and (kinds[i] != kind or size + nbytes > bucket_bytes):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-        kind = kinds[i]
-    if current:
-        buckets.append(current)
-    return buckets
+@_FLATTEN.register("Tensor")
+def _flatten(grad):
+    return grad.reshape(-1)
+
+
+@_AS_ROWS.register("Tensor", "Number", "Number")
+def _as_rows(grad, pad, rows):
+    """[n] padded with `pad` zeros, as [rows, (n + pad) / rows]: row r is rank r's shard."""
+    flat = grad.reshape(-1)
+    if pad:
+        flat = ops.concat((flat, ops.zeros((pad,), flat.dtype)))
+    return flat.reshape(rows, -1)
+
+
+@_TAKE.register("Tensor", "Number", "Number", "Tuple")
+def _take(flat, offset, size, shape):
+    return ops.slice(flat, (offset,), (size,)).reshape(shape)
+
+
+@_ASSIGN_COLUMNS.register("Tensor", "Number", "Number", "Number", "Tensor")
+def _assign_columns(matrix, offset, shard, numel, param):
+    """param <- the first `numel` elements of columns [offset, offset + shard) of `matrix`, row-major."""
+    rows = matrix.shape[0]
+    full = ops.slice(matrix, (0, offset), (rows, shard)).reshape(-1)
+    if rows * shard != numel:
+        full = ops.slice(full, (0,), (numel,))
+    return ops.assign(param, full.reshape(param.shape).astype(param.dtype))
+
+
+@dataclass
+class FlatBuffer:
+    """Parameters `[start, end)` of `OptimizerStep.params`, reduced and updated as one tensor."""
+
+    kind: str                        # reduction group kind: "dp" or "edp"
+    group: object                    # its Group
+    start: int
+    end: int
+    shapes: Tuple[Tuple[int, ...], ...]
+    numels: Tuple[int, ...]
+    shards: Tuple[int, ...]          # elements per row: n (level 0) or ceil(n / G) (ZeRO)
+    offsets: Tuple[int, ...]         # where each parameter's shard starts in a row
+    rows: int                        # 1 (level 0) or G (ZeRO)
+    norm_weight: float               # 1 / copies of each gradient element over the world
+    decay: bool
+    summed_over: Tuple[str, ...]     # group kinds whose ranks' gradients are added first: "tp" for
+                                     # sequence-parallel norms, the tied group for tied weights
+
+    @property
+    def row(self) -> int:
+        return sum(self.shards)
+
+    @property
+    def pads(self) -> Tuple[int, ...]:
+        return tuple(self.rows * s - n for s, n in zip(self.shards, self.numels))
+
+
+def _copies_over_world(param, pctx, group, sharded: bool) -> int:
+    """How many ranks hold an identical copy of this rank's gradient of `param` once reduced."""
+    copies = 1 if sharded else group.size
+    if shard_spec(param).group_kind != "tp":   # replicated over tensor parallel
+        copies *= pctx.tp
+    tied = param_role(param).tied_group
+    if tied:                                   # e.g. the embedding on the first and last stage
+        copies *= pctx.group(tied).size
+    return copies
 
 
 class OptimizerStep:
-    """Gradient synchronisation + unscale/clip + optimizer (+ ZeRO) for one optimizer step."""
+    """Gradient synchronisation + unscale/clip + optimizer (+ ZeRO) for one optimizer step.
+
+    `params` (in buffer order: build the gradient function over THIS order) and `buffers`
+    describe the layout; the trainer calls `flatten` inside its jitted grad step, `accumulate` (module
+    function) between micro-batches and `__call__` once per step."""
 
     def __init__(self, params: Sequence[Parameter], optimizer_cfg, parallel_cfg, pctx, clip: float, jit: bool):
-        self.params = list(params)
         self.pctx = pctx
         self.level = parallel_cfg.optimizer_shard
         self.clip = clip
         self.reduce_dtype = _DTYPES[parallel_cfg.grad_reduce_dtype]
-        self.kinds = [reduction_group_kind(p) for p in self.params]
-        self.groups = [pctx.group(k) for k in self.kinds]
-        self.buckets = make_buckets(self.params, self.kinds, parallel_cfg.grad_bucket_mb * 2 ** 20)
+        self.bucket_bytes = max(1, int(parallel_cfg.grad_bucket_mb * 2 ** 20))
         self.world = pctx.group("world")
-        self.tp_group = pctx.group("tp")
-        self.tp_summed = [i for i, p in enumerate(self.params) if is_sequence_parallel(p)]
+        self.params, self.buffers = self._layout(list(params))
+        self.hyper = ops.HyperMap()
         if self.level == 0:
             self.optimizer = build_optimizer(self.params, optimizer_cfg)
-            # each gradient is held identically by every rank of its reduction group
-            self.replicas = [g.size * self._tp_copies(p) for p, g in zip(self.params, self.groups)]
         else:
-            self.shard_sizes = [math.ceil(int(np.prod(p.shape)) / g.size) for p, g in zip(self.params, self.groups)]
-            self.masters = [Parameter(Tensor(self._own_slice(p.asnumpy(), i)), name=f"zero_master.{p.name}")
-                            for i, p in enumerate(self.params)]
-            self.optimizer = build_optimizer(self.masters, optimizer_cfg,
-                                             decay_flags=[decays(p) for p in self.params])
-            self.replicas = [self._tp_copies(p) for p in self.params]
+            self.param_tuples = [ParameterTuple(self.params[b.start:b.end]) for b in self.buffers]
+            self.masters = [Parameter(Tensor(self._own_row(b)), name=f"{MASTER_PREFIX}buffer{i}")
+                            for i, b in enumerate(self.buffers)]
+            self.optimizer = build_optimizer(self.masters, optimizer_cfg, decay_flags=[b.decay for b in self.buffers])
         wrap = ms.jit if jit else (lambda fn: fn)
-        self._sync_and_prepare = wrap(self._sync_and_prepare_impl)
+        self._prepare = wrap(self._prepare_impl)
         self._apply = wrap(self._apply_impl)
 
-    # ---- helpers --------------------------------------------------------------------------
-    def _tp_copies(self, param) -> int:
-        """A parameter not sliced over the tensor-parallel group has a copy on each of its ranks."""
-        return 1 if shard_spec(param).group_kind == "tp" else self.pctx.tp
+    # ---- layout ---------------------------------------------------------------------------
+    def _layout(self, params: List[Parameter]) -> Tuple[List[Parameter], List[FlatBuffer]]:
+        sharded = self.level > 0
+        keyed: Dict[tuple, List[Parameter]] = {}
+        for p in params:
+            kind = reduction_group_kind(p)
+            group = self.pctx.group(kind)
+            role = param_role(p)
+            summed_over = tuple(k for k, on in (("tp", role.sequence_parallel), (role.tied_group, role.tied_group))
+                                if on and self.pctx.group(k).size > 1)
+            key = (kind, _copies_over_world(p, self.pctx, group, sharded), decays(p), summed_over)
+            keyed.setdefault(key, []).append(p)
+        ordered, buffers = [], []
+        for (kind, copies, decay, summed_over), members in keyed.items():
+            group = self.pctx.group(kind)
+            rows = group.size if sharded else 1
+            numels = tuple(int(np.prod(p.shape)) for p in members)
+            shards = tuple(math.ceil(n / rows) for n in numels)
+            offsets = tuple(int(o) for o in np.cumsum((0,) + shards[:-1]))
+            buffers.append(FlatBuffer(kind, group, len(ordered), len(ordered) + len(members),
+                                      tuple(tuple(int(d) for d in p.shape) for p in members), numels, shards,
+                                      offsets, rows, 1.0 / copies, decay, summed_over))
+            ordered += members
+        return ordered, buffers
 
-    def _own_slice(self, array: np.ndarray, i: int) -> np.ndarray:
-        size, group = self.shard_sizes[i], self.groups[i]
-        flat = np.zeros(size * group.size, np.float32)
-        flat[:array.size] = array.reshape(-1)
-        return flat[group.rank_in_group * size:(group.rank_in_group + 1) * size].copy()
+    def _own_row(self, b: FlatBuffer) -> np.ndarray:
+        """This rank's row of buffer `b`'s [G, S] matrix, from the parameters' current values."""
+        r = b.group.rank_in_group
+        pieces = []
+        for p, n, s in zip(self.params[b.start:b.end], b.numels, b.shards):
+            flat = np.zeros(b.rows * s, np.float32)
+            flat[:n] = p.asnumpy().reshape(-1)
+            pieces.append(flat[r * s:(r + 1) * s])
+        return np.concatenate(pieces)
 
-    def _padded(self, x, i: int):
-        flat = x.reshape(-1)
-        pad = self.shard_sizes[i] * self.groups[i].size - flat.shape[0]
-        return ops.concat((flat, ops.zeros(pad, flat.dtype))) if pad else flat
-
-    def _reduce_bucket(self, grads, bucket):
-        """One bucket: level 0/1 all-reduce (full tensors), level 2 reduce-scatter (own shard)."""
-        group = self.groups[bucket[0]]
-        if self.level == 2:  # [G, shard] per parameter, concatenated along the shard axis
-            pieces = [self._padded(grads[i], i).reshape(group.size, -1) for i in bucket]
-            flat = ops.concat(pieces, axis=1).reshape(-1)
-        else:
-            flat = ops.concat([grads[i].reshape(-1) for i in bucket])
-        if self.reduce_dtype != ms.float32:
-            flat = flat.astype(self.reduce_dtype)
-        if group.size > 1 and self.level == 2:
-            flat = comm.reduce_scatter(flat, group)
-        elif group.size > 1:
-            flat = comm.all_reduce(flat, group)
-        flat = flat.astype(ms.float32)
-        sizes = [self.shard_sizes[i] if self.level == 2 else int(np.prod(grads[i].shape)) for i in bucket]
-        return ops.split(flat, sizes)
-
-    def _sum_over_tp(self, grads):
-        """Sequence parallel: add the tp ranks' gradients of the parameters used on sequence chunks."""
-        if not self.tp_summed or self.tp_group.size == 1:
-            return grads
-        flat = comm.all_reduce(ops.concat([grads[i].reshape(-1) for i in self.tp_summed]), self.tp_group)
-        out = list(grads)
-        pieces = ops.split(flat, [int(np.prod(grads[i].shape)) for i in self.tp_summed])
-        for i, piece in zip(self.tp_summed, pieces):
-            out[i] = piece.reshape(grads[i].shape)
+    # ---- inside the grad step (jit) --------------------------------------------------------
+    def flatten(self, grads):
+        """Per-parameter gradients (in `params` order) -> one tensor per buffer. ZeRO-2 reduce-
+        scatters here, once per micro-batch, so only this rank's row is accumulated."""
+        out = ()
+        for b in self.buffers:
+            part = grads[b.start:b.end]
+            if b.rows == 1:
+                flat = ops.concat(self.hyper(_FLATTEN, part))
+            else:
+                flat = ops.concat(self.hyper(_AS_ROWS, part, b.pads, (b.rows,) * len(part)), axis=1).reshape(-1)
+            if self.level == 2:
+                flat = self._reduce(flat, b, comm.reduce_scatter, out)
+            out += (flat,)
         return out
 
+    def _reduce(self, flat, b: FlatBuffer, collective, previous):
+        """`collective` over the buffer's group in the reduce dtype, after the previous buffers' ones."""
+        if b.group.size == 1:
+            return flat
+        if previous:   # independent collectives: keep every rank's order the same
+            flat = ops.depend(flat, previous[-1])
+        if self.reduce_dtype != ms.float32:
+            flat = flat.astype(self.reduce_dtype)
+        if collective is comm.all_reduce:
+            flat = self._chunked_all_reduce(flat, b.group)
+        else:
+            flat = collective(flat, b.group)
+        return flat.astype(ms.float32)
+
+    def _chunked_all_reduce(self, flat, group):
+        """All-reduce in pieces of at most `parallel.grad_bucket_mb` (few, large collectives)."""
+        n = flat.shape[0]
+        pieces = max(1, min(64, math.ceil(n * 4 / self.bucket_bytes)))
+        if pieces == 1:
+            return comm.all_reduce(flat, group)
+        sizes = [n // pieces + (1 if i < n % pieces else 0) for i in range(pieces)]
+        done = []
+        for chunk in ops.split(flat, sizes):
+            if done:
+                chunk = ops.depend(chunk, done[-1])
+            done.append(comm.all_reduce(chunk, group))
+        return ops.concat(done)
+
     # ---- the step -------------------------------------------------------------------------
-    def _sync_and_prepare_impl(self, grads, inv_scale):
-        grads = self._sum_over_tp(grads)
-        out = list(grads)
-        for bucket in self.buckets:
-            for i, piece in zip(bucket, self._reduce_bucket(grads, bucket)):
-                out[i] = piece if self.level == 2 else piece.reshape(grads[i].shape)
-        if self.level == 1:  # keep this rank's shard of the all-reduced gradient
-            out = [ops.split(self._padded(out[i], i), self.shard_sizes[i])[self.groups[i].rank_in_group]
-                   for i in range(len(out))]
-        out = [g * inv_scale for g in out]
-        # squared norm of what this rank holds, each copy weighted by 1/replicas, summed over the world
+    def _prepare_impl(self, flats, inv_scale):
+        out = ()
+        for b, flat in zip(self.buffers, flats):
+            for kind in b.summed_over:
+                if out:
+                    flat = ops.depend(flat, out[-1])
+                flat = comm.all_reduce(flat, self.pctx.group(kind))
+            if self.level == 0:
+                flat = self._reduce(flat, b, comm.all_reduce, out)
+            elif self.level == 1:
+                flat = self._reduce(flat, b, comm.reduce_scatter, out)
+            out += (flat * inv_scale,)
+        # squared norm of what this rank holds, each copy weighted by 1/copies, summed over the world
         local_sq = ops.zeros((), ms.float32)
-        for g, r in zip(out, self.replicas):
-            local_sq = local_sq + (g * g).sum() / r
+        for b, flat in zip(self.buffers, out):
+            local_sq = local_sq + (flat * flat).sum() * b.norm_weight
         if self.world.size > 1:
-            local_sq = comm.all_reduce(local_sq.reshape(1), self.world)[0]
+            local_sq = comm.all_reduce(ops.depend(local_sq, out[-1]).reshape(1), self.world)[0]
         # An inf or nan anywhere makes the sum of squares non-finite (so does a sum past fp32 range,
-        # which clipping would turn into a zero update anyway): no separate all_finite pass over
-        # every gradient (~100 ms of IsFinite + ReduceAll per step on the bench model).
+        # which clipping would turn into a zero update anyway): no separate all_finite pass.
         finite = ops.isfinite(local_sq)
         norm = ops.sqrt(local_sq)
         if self.clip > 0:
             factor = ops.minimum(self.clip / (norm + 1e-6), 1.0)
-            out = [g * factor for g in out]
-        return tuple(out), norm, finite
+            out = tuple(flat * factor for flat in out)
+        return out, norm, finite
 
-    def _apply_impl(self, grads, lr, step):
-        self.optimizer(grads, lr, step)
-        if self.level:
-            for bucket in self.buckets:
-                self._gather_bucket(bucket)
+    def _apply_impl(self, flats, lr, step):
+        if self.level == 0:
+            grads = ()
+            for b, flat in zip(self.buffers, flats):
+                grads += self.hyper(ops.partial(_TAKE, flat), b.offsets, b.numels, b.shapes)
+            self.optimizer(grads, lr, step)
+            return lr
+        self.optimizer(flats, lr, step)
+        gathered = None
+        for b, master, params in zip(self.buffers, self.masters, self.param_tuples):
+            row = master if gathered is None else ops.depend(master, gathered)
+            gathered = comm.all_gather(row, b.group) if b.group.size > 1 else row
+            matrix = gathered.reshape(b.rows, b.row)
+            self.hyper(ops.partial(_ASSIGN_COLUMNS, matrix), b.offsets, b.shards, b.numels, params)
         return lr
 
-    def _gather_bucket(self, bucket):
-        group = self.groups[bucket[0]]
-        gathered = comm.all_gather(ops.concat([self.masters[i] for i in bucket]), group)
-        per_rank = ops.split(gathered.reshape(group.size, -1), [self.shard_sizes[i] for i in bucket], axis=1)
-        for i, full in zip(bucket, per_rank):
-            param = self.params[i]
-            n = int(np.prod(param.shape))
-            ops.assign(param, full.reshape(-1)[:n].reshape(param.shape).astype(param.dtype))
-
-    def __call__(self, grads, lr: float, step: int, inv_scale: float):
+    def __call__(self, flats, lr: float, step: int, inv_scale: float):
         """Returns (grad_norm, finite); the optimizer runs only when every gradient is finite."""
-        grads, norm, finite = self._sync_and_prepare(ms.mutable(tuple(grads)), Tensor(inv_scale, ms.float32))
+        flats, norm, finite = self._prepare(ms.mutable(tuple(flats)), Tensor(inv_scale, ms.float32))
         finite = bool(finite)
         if finite:
-            self._apply(ms.mutable(grads), Tensor(lr, ms.float32), Tensor(step, ms.int32))
+            self._apply(ms.mutable(flats), Tensor(lr, ms.float32), Tensor(step, ms.int32))
         return float(norm), finite
 
     # ---- state ----------------------------------------------------------------------------
@@ -193,6 +286,35 @@ class OptimizerStep:
 
     def optimizer_state_bytes(self) -> int:
         return sum(int(np.prod(p.shape)) * p.itemsize for p in self.optimizer.state_parameters())
+
+    def gradient_shapes(self, row_only: bool) -> List[Tuple[int, ...]]:
+        """Shapes of the buffers `flatten` returns (ZeRO-2: this rank's rows)."""
+        return [(b.row,) if row_only else (b.rows * b.row,) for b in self.buffers]
+
+    def checkpoint_pieces(self):
+        """`(key, param, buffer, index, flat_range, state)` of every optimizer tensor this rank
+        holds, per parameter, with layout-independent keys: `<state prefix>.<parameter name>` for
+        moments, `zero_master.<parameter name>` for ZeRO masters. `state` is the Parameter holding
+        the values (at ZeRO: a flat row; `flat_range` is the parameter's [start, stop) in it)."""
+        pieces = []
+        if self.level == 0:
+            by_name = {p.name: p for p in self.params}
+            for state in self.optimizer.state_parameters():
+                pieces.append((state.name, by_name[state.name.split(".", 1)[1]], None, None, None, state))
+            return pieces
+        for state in self.state_parameters():
+            prefix, _, buffer_name = state.name.rpartition(MASTER_PREFIX)
+            i = int(buffer_name[len("buffer"):])
+            b = self.buffers[i]
+            for j, param in enumerate(self.params[b.start:b.end]):
+                key = f"{prefix}{param.name}" if prefix else f"{MASTER_PREFIX}{param.name}"
+                pieces.append((key, param, b, j, (b.offsets[j], b.offsets[j] + b.shards[j]), state))
+        return pieces
+
+
+def accumulate(acc, flats):
+    """Gradient accumulation over micro-batches: buffer-wise sums (jit it; few buffers)."""
+    return tuple(a + f for a, f in zip(acc, flats))
 
 
 def reduce_host_values(values: Dict[str, object], pctx, summed: Sequence[str]) -> Dict[str, object]:

@@ -35,8 +35,8 @@ own), and one AllReduce over the `pp` group gives every rank, rank 0 included, t
 one-process run reports.
 
 Tied embeddings: first and last stage both hold `embed.weight`; it is broadcast from the first
-stage at start, its gradient is all-reduced over the `embedding` group every step, and the
-optimizer counts it as two copies in the global gradient norm.
+stage at start and marked `tied_group="embedding"`, so the optimizer sums its gradient over that
+group every step and counts it as two copies in the global gradient norm.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ from mindspore.ops import ReduceOp
 
 from moetrain.moe.layer import update_expert_bias as balancing_step
 from moetrain.parallel import comm
+from moetrain.parallel.sharding import mark_role
 
 SCHEDULES = ("1f1b", "gpipe")
 FORWARD, BACKWARD, EXCHANGE = "forward", "backward", "exchange"
@@ -351,16 +352,21 @@ class PipelineExecutor:
     """Runs one stage's schedule for one optimizer step: compute in (optionally jitted) functions,
     each link exchange yielded to a driver (`Pipeline` on real ranks, `drive_in_process` in tests)."""
 
-    def __init__(self, stage, params: Sequence, schedule: str, num_micro: int, jit: bool):
+    def __init__(self, stage, params: Sequence, schedule: str, num_micro: int, jit: bool, flatten=None):
+        """`params`: the order of the gradients; `flatten` (e.g. `OptimizerStep.flatten`) packs each
+        micro-batch's gradients into the optimizer's buffers before they are accumulated."""
         self.stage, self.params = stage, list(params)
         self.ops = build_schedule(schedule, stage.num_stages, stage.stage, num_micro)
         self.num_micro = num_micro
         self.in_flight = self.peak_in_flight = 0
         wrap = ms.jit if jit else (lambda fn: fn)
         first = stage.is_first
+        pack = flatten if flatten is not None else tuple
 
+        # jitted functions return tuples, never dicts (see the trainer): stats leave as (keys, values)
         def forward(x, labels):
-            return stage(x, labels)
+            out, stats = stage(x, labels)
+            return out, tuple(stats.keys()), tuple(stats.values())
 
         def loss_of(x, labels, scale):            # last stage: its loss part, scaled
             loss, stats = stage(x, labels)
@@ -376,16 +382,28 @@ class PipelineExecutor:
 
         def forward_backward(x, labels, scale):
             (_, stats), grads = loss_grad(x, labels, scale)
-            return (stats,) + _split_grads(grads, first)
+            param_grads, dx = _split_grads(grads, first)
+            return tuple(stats.keys()), tuple(stats.values()), pack(param_grads), dx
 
         def backward(x, dout, scale):
             _, grads = objective_grad(x, dout, scale)
-            return _split_grads(grads, first)
+            param_grads, dx = _split_grads(grads, first)
+            return pack(param_grads), dx
 
         def accumulate(acc, grads):
             return tuple(a + g for a, g in zip(acc, grads))
 
-        self._forward, self._forward_backward = wrap(forward), wrap(forward_backward)
+        jitted_forward, jitted_forward_backward = wrap(forward), wrap(forward_backward)
+
+        def forward_with_dict(x, labels):
+            out, keys, values = jitted_forward(x, labels)
+            return out, dict(zip(keys, values))
+
+        def forward_backward_with_dict(x, labels, scale):
+            keys, values, grads, dx = jitted_forward_backward(x, labels, scale)
+            return dict(zip(keys, values)), grads, dx
+
+        self._forward, self._forward_backward = forward_with_dict, forward_backward_with_dict
         self._backward, self._accumulate = wrap(backward), wrap(accumulate)
 
     def steps(self, batches: Sequence[Tuple], scale, activation_shape: Tuple[int, ...]):
@@ -517,9 +535,11 @@ def build_pipeline_stage(model, cfg, pctx) -> PipelineStage:
     parallelized). Once the caller drops `model`, the other stages' cells are freed."""
     ranges = validate_pipeline_config(cfg)
     stage = build_stages(model, ranges, [pctx.pp_rank])[pctx.pp_rank]
-    if stage.tie_embeddings and (stage.is_first or stage.is_last):   # both ends start from the first's
+    if stage.tie_embeddings and (stage.is_first or stage.is_last) and pctx.group("embedding").size > 1:
         weight = stage.embed.weight
-        weight.set_data(comm.broadcast(ms.Tensor(weight.asnumpy()), 0, pctx.group("embedding")))
+        weight.set_data(comm.broadcast(ms.Tensor(weight.asnumpy()), 0, pctx.group("embedding")))   # the first's
+        # both ends hold it: the optimizer sums its gradient over them and counts it once in the norm
+        mark_role(weight, tied_group="embedding")
     return stage
 
 
@@ -534,17 +554,12 @@ class Pipeline:
         self.seq_length = seq_length // pctx.tp if sequence_parallel else seq_length
         self.hidden_size = cfg.model.hidden_size
         self.executor = PipelineExecutor(stage, opt_step.params, cfg.parallel.pipeline_schedule,
-                                         cfg.num_micro_batches, cfg.train.jit)
+                                         cfg.num_micro_batches, cfg.train.jit, opt_step.flatten)
         self.links = {}
         if not stage.is_last:
             self.links[NEXT] = PairLink(pctx.group("pp_next"), lower=True)
         if not stage.is_first:
             self.links[PREV] = PairLink(pctx.group("pp_prev"), lower=False)
-        self.tied_index = None
-        if stage.tie_embeddings and (stage.is_first or stage.is_last):
-            self.tied_index = [p.name for p in opt_step.params].index(stage.embed.weight.name)
-            # both stages hold the same (all-reduced) gradient: count it once in the global norm
-            opt_step.replicas[self.tied_index] *= pctx.group("embedding").size
         self.stat_keys = ("loss", "lm_loss") + tuple(stage.stat_keys)
         self.step_bytes_sent = 0
         self.load_shape = (stage.num_moe_layers, cfg.model.moe.num_experts) if stage.num_moe_layers else None
@@ -571,10 +586,7 @@ class Pipeline:
         sent_before = self.bytes_sent
         grads, stats = run_with_links(self.executor.steps(batches, scale, shape), self.links)
         self.step_bytes_sent = self.bytes_sent - sent_before
-        grads = list(grads)
-        if self.tied_index is not None:
-            grads[self.tied_index] = comm.all_reduce(grads[self.tied_index], self.pctx.group("embedding"))
-        return tuple(grads), self.combine_stats(stats, summed)
+        return grads, self.combine_stats(stats, summed)
 
     def combine_stats(self, stats: Sequence[Dict], summed: Sequence[str]) -> Dict[str, object]:
         """Micro-batch mean (sum for `summed` keys) of this stage's stats, written into the

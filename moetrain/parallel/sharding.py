@@ -7,12 +7,14 @@ another layout; the optimizer uses `replicas` to count each gradient once in the
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
 _ATTR = "moetrain_shard"
+MASTER_PREFIX = "zero_master."   # ZeRO's fp32 masters: their buffers and checkpoint keys
 
 
 @dataclass(frozen=True)
@@ -57,3 +59,30 @@ def assemble(pieces: Iterable[Tuple[ShardSpec, np.ndarray]]) -> np.ndarray:
     if missing:
         raise ValueError(f"shards {missing} of {spec.count} are missing")
     return np.concatenate([by_index[i] for i in range(spec.count)], axis=spec.axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles: marked where a parameter is created or parallelized, read everywhere else (no name matching)
+# ---------------------------------------------------------------------------------------------
+_ROLE_ATTR = "moetrain_role"
+
+
+@dataclass(frozen=True)
+class ParamRole:
+    expert: bool = False               # a routed expert's weight: replicas are the edp group, not dp
+    sequence_parallel: bool = False    # used on this rank's sequence chunk only: gradient summed over tp
+    tied_group: str = ""               # group kind of the ranks that hold this same (tied) parameter
+
+
+def param_role(param) -> ParamRole:
+    return getattr(param, _ROLE_ATTR, None) or ParamRole()
+
+
+def mark_role(param, **changes) -> None:
+    """Set role fields on `param` (e.g. `mark_role(w, expert=True)`), keeping the others."""
+    setattr(param, _ROLE_ATTR, dataclasses.replace(param_role(param), **changes))
+
+
+def reduction_group_kind(param) -> str:
+    """The data-parallel group whose ranks hold replicas of `param` and sum its gradient."""
+    return "edp" if param_role(param).expert else "dp"

@@ -45,13 +45,12 @@ from mindspore import Tensor, nn, ops
 
 from moetrain.layers import CrossEntropy, Embedding, Linear
 from moetrain.parallel import comm
-from moetrain.parallel.sharding import mark_shard, shard_spec
+from moetrain.parallel.sharding import mark_role, mark_shard, param_role, shard_spec
 from moetrain.parallel.topology import Group
 
 SEQUENCE_AXIS = 1        # activations are [B, S, H]
 ENTRY_MODES = ("copy", "sequence", "none")    # how an input enters a column-parallel region
 EXIT_MODES = ("reduce", "sequence", "none")   # how a row-parallel region's partial sums leave it
-_SEQUENCE_PARALLEL_ATTR = "moetrain_sequence_parallel"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,11 +99,11 @@ def shard_parameter(param, axis: int, group: Group) -> None:
 
 def mark_sequence_parallel(param) -> None:
     """`param` is used on this rank's sequence chunk only: its gradient must be summed over tp."""
-    setattr(param, _SEQUENCE_PARALLEL_ATTR, True)
+    mark_role(param, sequence_parallel=True)
 
 
 def is_sequence_parallel(param) -> bool:
-    return getattr(param, _SEQUENCE_PARALLEL_ATTR, False)
+    return param_role(param).sequence_parallel
 
 
 _DERIVED_CLASSES: Dict[Tuple[type, type], type] = {}
