@@ -38,11 +38,16 @@ def choice(default, *choices, help=""):
 @dataclass
 class DataConfig:
     type: str = choice("lm", "lm", "mnist", help="dataset kind")
-    path: str = ""                     # training data: MNIST idx folder or token-shard prefix
-    eval_path: str = ""                # evaluation data (MNIST: same folder, t10k files)
+    # training data: MNIST idx folder or token-shard prefix; LM: also a blend, Megatron's
+    # [w1, prefix1, w2, prefix2, ...] or {name: [w, prefix], ...} (moetrain/data/blend.py)
+    path: Any = ""
+    eval_path: Any = ""                # evaluation data (MNIST: same folder, t10k files); a blend: eval_loss/<name>
     seq_length: int = 0                # LM sample length (0: take model.seq_length)
-    tokenizer: str = ""                # sentencepiece model the shards were made with
+    tokenizer: str = ""                # sentencepiece .model or tokenizer.json the shards were made with
     shuffle: bool = True
+    cache_dir: str = ""                # blend index cache ("": beside the first source's shards)
+    reset_attention_mask: bool = False  # document ids per token: attention stays inside a document
+    reset_position_ids: bool = False    # positions restart at each document
 
 
 @dataclass
@@ -430,6 +435,7 @@ def _validate(cfg: Config, source: str) -> None:
              f"train.global_batch_size ({t.global_batch_size}) is not divisible by data_parallel ({cfg.dp}) x "
              f"micro_batch_num ({p.micro_batch_num})")
     _check_ranges(cfg, need)
+    _validate_data(cfg.data, source)
     need(cfg.optimizer.lr >= 0, "optimizer.lr", "must be >= 0")
     need(cfg.checkpoint.keep_max >= 1, "checkpoint.keep_max", "must be >= 1 (the latest checkpoint is always kept)")
     need(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0 (0: only at the end)")
@@ -442,6 +448,25 @@ def _validate(cfg: Config, source: str) -> None:
          "bfloat16 on Ascend")
     if cfg.precision.loss_scale != "none":
         need(cfg.precision.initial_loss_scale > 0, "precision.initial_loss_scale", "must be > 0")
+
+
+def _validate_data(data: DataConfig, source: str) -> None:
+    from moetrain.data import DataError
+    from moetrain.data.blend import parse_blend
+
+    for key in ("path", "eval_path"):
+        value = getattr(data, key)
+        if data.type != "lm" and not isinstance(value, str):
+            raise ConfigError(f"{source}: key 'data.{key}': a blend of datasets needs data.type lm, got {value!r}")
+        try:
+            parse_blend(value, f"data.{key}")
+        except DataError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    # TODO(issue 14 item 4): remove once the models take document_ids / position_ids.
+    for key in ("reset_attention_mask", "reset_position_ids"):
+        if getattr(data, key):
+            raise ConfigError(f"{source}: key 'data.{key}': document-aware attention is not wired into the model "
+                              f"yet (the dataset already yields document_ids and position_ids); set it to false")
 
 
 # (key, test, what it must be): counts, sizes and rates that have no meaning below their bound

@@ -93,6 +93,8 @@ class MetricsLogger:
             self._print_line(record)
         elif "eval_loss" in record:
             extra = f" eval_accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""
+            per_source = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/")]
+            extra += f" ({', '.join(per_source)})" if per_source else ""
             print(f"[eval] step {step}: eval_loss {record['eval_loss']:.4f}{extra}", flush=True)
 
     def _print_line(self, r: Dict[str, Any]) -> None:

@@ -172,7 +172,7 @@ class Trainer:
         from mindspore import nn, ops
 
         from moetrain.checkpoint.run_dir import last_good_checkpoint, start_run
-        from moetrain.data import GlobalBatchSampler, build_datasets
+        from moetrain.data import build_datasets, build_sampler
         from moetrain.faults import TrainerFaults
         from moetrain.parallel.data_parallel import OptimizerStep, accumulate
         from moetrain.parallel.expert_parallel import parallelize_moe
@@ -200,7 +200,7 @@ class Trainer:
         os.environ.setdefault("MS_OM_PATH", os.path.join(os.path.abspath(self.out), "logs", "compile"))
 
         self.train_set, self.eval_set = build_datasets(cfg)
-        self.sampler = GlobalBatchSampler(len(self.train_set), t.global_batch_size, t.seed, cfg.data.shuffle)
+        self.sampler = build_sampler(cfg, self.train_set)
         self.faults = TrainerFaults(cfg, self.pctx, lambda: last_good_checkpoint(self.out, self.run.run_id))
         self.sampler = self.faults.wrap_sampler(self.sampler)   # a rollback moves past the batches it skips
         self.total_steps = t.steps or math.ceil(t.epochs * self.sampler.steps_per_epoch)
@@ -384,15 +384,21 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def evaluate(self) -> Dict:
+        """`eval_loss` (and `eval_accuracy`); for a blended eval set also `eval_loss/<source>`."""
+        from moetrain.data.blend import evaluate_sources
+
+        if self.eval_set is None:
+            return {}
+        return {"step": self.step, **evaluate_sources(self.eval_set, self._evaluate_dataset)}
+
+    def _evaluate_dataset(self, dataset) -> Dict:
         import mindspore as ms
 
         from moetrain.data import fetch
 
-        if self.eval_set is None:
-            return {}
         self.model.set_train(False)
         batch_size = self.cfg.train.eval_batch_size or self.micro_batch_size
-        n = len(self.eval_set)
+        n = len(dataset)
         starts = list(range(0, n, batch_size))
         if self.cfg.train.eval_max_batches:
             starts = starts[:self.cfg.train.eval_max_batches]
@@ -403,7 +409,7 @@ class Trainer:
         loss_sum = correct = count = 0.0
         for start in starts:
             indices = np.arange(start, min(n, start + batch_size))
-            batch = tuple(ms.Tensor(b) for b in fetch(self.eval_set, indices))
+            batch = tuple(ms.Tensor(b) for b in fetch(dataset, indices))
             if self.pipeline is not None:
                 loss, stats = self.pipeline.evaluate_batch(batch), {}
             else:
@@ -419,8 +425,8 @@ class Trainer:
             from moetrain.parallel.data_parallel import reduce_host_values
 
             totals = reduce_host_values(totals, self.pctx, summed=tuple(totals))
-        record = {"step": self.step, "eval_loss": totals["loss_sum"] / max(1.0, totals["count"])}
-        if hasattr(self.eval_set, "labels"):
+        record = {"eval_loss": totals["loss_sum"] / max(1.0, totals["count"])}
+        if hasattr(dataset, "labels"):
             record["eval_accuracy"] = totals["correct"] / max(1.0, totals["count"])
         return record
 
