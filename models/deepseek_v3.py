@@ -43,6 +43,7 @@ from mindspore import nn, ops
 from models.gpt import TransformerBlock
 from models.moe_gpt import MoEBlock, MoEGPT, MoEGPTConfig
 from moetrain.layers import CausalAttention, Linear, RMSNorm, RotaryEmbedding, YarnScaling, yarn_mscale
+from moetrain.modeling import MEAN, StatSpec, merge_stats
 from moetrain.registry import register_model
 
 LATENT_NORM_EPS = 1e-6   # HF builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
@@ -169,13 +170,28 @@ class MTPLayer(nn.Cell):
 
 @register_model("deepseek_v3", config=DeepSeekV3Config)
 class DeepSeekV3(MoEGPT):
-    """`construct(input_ids, labels) -> (loss, stats)`; see the module docstring."""
+    """`construct(input_ids, labels) -> (loss, stats)`; see the module docstring. The MTP modules are
+    part of the head (`head_loss`): they need only the final hidden state, the labels and the
+    embedding, so the last pipeline stage runs them."""
+
+    HEAD_CELLS = MoEGPT.HEAD_CELLS + ("mtp",)
 
     def __init__(self, cfg: DeepSeekV3Config):
         super().__init__(cfg)
         self.mtp_depth = cfg.mtp_depth
         self.mtp_loss_weight = float(cfg.mtp_loss_weight)
         self.mtp = nn.CellList([MTPLayer(cfg) for _ in range(cfg.mtp_depth)])
+        self.head_stat_rows = cfg.mtp_depth      # each MTP block is an MoE block: one expert_load row
+
+    @property
+    def needs_embedding_in_head(self) -> bool:
+        return self.tie_embeddings or self.mtp_depth > 0
+
+    def stat_specs(self):
+        specs = super().stat_specs()
+        if self.mtp_depth:
+            specs["mtp_loss"] = StatSpec(MEAN)
+        return specs
 
     def build_block(self, layer_index: int) -> nn.Cell:
         attention = MultiHeadLatentAttention(self.cfg)
@@ -191,27 +207,29 @@ class DeepSeekV3(MoEGPT):
         h, stats = self.mtp[k](h[:, :n], self.embed(labels[:, k:k + n]))
         return h, self.head_logits(h), stats
 
-    def construct(self, input_ids, labels):
-        self.check_length(input_ids)
-        h, stats, weighted_aux = self.run_layers(self.embed(input_ids))
-        lm_loss = self.cross_entropy(self.output_logits(h), labels)
-        stats["lm_loss"] = lm_loss
-        loss = lm_loss + weighted_aux
+    def head_loss(self, h, labels):
+        """lm_loss, and with MTP: `mtp_loss` (mean over depths) weighted into the loss, the MTP
+        blocks' MoE stats (their aux terms weighted in too) and their `expert_load` rows."""
+        loss, stats = super().head_loss(h, labels)
         if self.mtp_depth:
-            mtp_loss, mtp_aux = ops.zeros((), ms.float32), ops.zeros((), ms.float32)
-            loads = [stats["expert_load"]]
+            summed, stacked = self.layer_stats
+            zero = ops.zeros((), ms.float32)
+            totals = {name: zero for name in summed}
+            rows, mtp_loss = [], zero
             for k in range(self.mtp_depth):
                 h, logits, mtp_stats = self.mtp_depth_step(k, h, labels)
                 mtp_loss = mtp_loss + self.cross_entropy(logits, labels[:, k + 1:])
-                for term in ("aux_loss", "seq_aux_loss", "z_loss", "dropped", "routed"):
-                    stats[term] = stats[term] + mtp_stats[term].astype(ms.float32)
-                mtp_aux = mtp_aux + self.mtp[k].block.moe.weighted_aux(mtp_stats)
-                loads.append(mtp_stats["expert_load"].astype(ms.float32).reshape(1, -1))
-            stats["expert_load"] = ops.cat(loads, 0)
-            stats["mtp_loss"] = mtp_loss / self.mtp_depth
-            loss = loss + mtp_aux + self.mtp_loss_weight * stats["mtp_loss"]
+                for name in summed:
+                    totals[name] = totals[name] + mtp_stats[name].astype(ms.float32)
+                rows.append(mtp_stats["expert_load"].astype(ms.float32))
+                loss = loss + self.mtp[k].block.moe.weighted_aux(mtp_stats)
+            totals["expert_load"] = ops.stack(rows)
+            totals["mtp_loss"] = mtp_loss / self.mtp_depth
+            loss = loss + self.mtp_loss_weight * totals["mtp_loss"]
+            stats = merge_stats(stats, totals, stacked)
         return loss, stats
 
     def moe_modules(self) -> List:
-        """Main-stack MoE layers in layer order, then the MTP blocks' (the rows of `expert_load`)."""
-        return super().moe_modules() + [layer.block.moe for layer in self.mtp]
+        """The MoE layers this model holds in layer order, then the MTP blocks' (the rows of
+        `expert_load`); a pipeline stage without the head has no MTP blocks."""
+        return super().moe_modules() + ([layer.block.moe for layer in self.mtp] if self.mtp is not None else [])

@@ -23,6 +23,7 @@ from mindspore import nn, ops
 
 from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, RMSNorm,
                              SwiGLUMLP, compute_dtype_of)
+from moetrain.modeling import MEAN, StatSpec, merge_stats, run_blocks, split_specs
 from moetrain.registry import register_model
 
 
@@ -82,6 +83,8 @@ def build_attention(cfg: GPTConfig) -> Attention:
 class TransformerBlock(nn.Cell):
     """Pre-norm attention + SwiGLU block; input and output fp32 `[B, S, H]`."""
 
+    returns_stats = False
+
     def __init__(self, cfg: GPTConfig, attention: Optional[nn.Cell] = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -97,7 +100,14 @@ class TransformerBlock(nn.Cell):
 
 @register_model("gpt", config=GPTConfig)
 class GPT(nn.Cell):
-    """`construct(input_ids, labels) -> (loss, {"lm_loss"})`; `logits(input_ids) -> fp32 [B, S, V]`."""
+    """`construct(input_ids, labels) -> (loss, {"lm_loss"})`; `logits(input_ids) -> fp32 [B, S, V]`.
+
+    Made of the pieces `moetrain/modeling.py` describes (embed_tokens, run_layers, head_loss), so a
+    pipeline stage runs the same code on its part of the model."""
+
+    EMBEDDING_CELLS = ("embed",)
+    HEAD_CELLS = ("final_norm", "lm_head")
+    head_stat_rows = 0
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -113,9 +123,35 @@ class GPT(nn.Cell):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype)
         self.compute_dtype = compute_dtype_of(cfg.compute_dtype)
         self.cross_entropy = CrossEntropy()
+        self.layer_stat_specs = {name: spec for block in self.layers if block.returns_stats
+                                 for name, spec in block.stat_specs.items()}
+        self.layer_stats = split_specs(self.layer_stat_specs)   # (summed, stacked) names, graph-safe
 
     def build_block(self, layer_index: int) -> nn.Cell:
         return TransformerBlock(self.cfg)
+
+    @property
+    def needs_embedding_in_head(self) -> bool:
+        return self.tie_embeddings
+
+    def stat_specs(self):
+        return {**self.layer_stat_specs, "lm_loss": StatSpec(MEAN)}
+
+    # ---- the pieces -------------------------------------------------------------------------
+    def embed_tokens(self, input_ids):
+        if input_ids.shape[-1] > self.max_positions:
+            raise ValueError(f"input has {input_ids.shape[-1]} tokens per sequence but the model was built "
+                             f"for at most model.seq_length={self.max_positions}")
+        return self.embed(input_ids)
+
+    def run_layers(self, h):
+        """The blocks this model holds on `h` (before the final norm): `(h, stats, weighted_aux)`."""
+        return run_blocks(self.layers, h, *self.layer_stats)
+
+    def head_loss(self, h, labels):
+        """Final norm, head and next-token loss: `(loss, {"lm_loss"})`."""
+        lm_loss = self.cross_entropy(self.output_logits(h), labels)
+        return lm_loss, {"lm_loss": lm_loss}
 
     def output_logits(self, h):
         """Final norm and LM head: fp32 hidden `[B, S, H]` -> fp32 logits `[B, S, V]`."""
@@ -134,18 +170,12 @@ class GPT(nn.Cell):
             logits = self.lm_head(h)
         return logits.astype(ms.float32)
 
-    def check_length(self, input_ids):
-        if input_ids.shape[-1] > self.max_positions:
-            raise ValueError(f"input has {input_ids.shape[-1]} tokens per sequence but the model was built "
-                             f"for at most model.seq_length={self.max_positions}")
-
+    # ---- the whole model ------------------------------------------------------------------------
     def logits(self, input_ids):
-        self.check_length(input_ids)
-        h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h)
+        h, _, _ = self.run_layers(self.embed_tokens(input_ids))
         return self.output_logits(h)
 
     def construct(self, input_ids, labels):
-        loss = self.cross_entropy(self.logits(input_ids), labels)
-        return loss, {"lm_loss": loss}
+        h, stats, aux = self.run_layers(self.embed_tokens(input_ids))
+        loss, head_stats = self.head_loss(h, labels)
+        return loss + aux, merge_stats(stats, head_stats, self.layer_stats[1])

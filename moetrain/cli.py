@@ -1,4 +1,4 @@
-"""`moetrain` command line: train (and, as they land, convert, forward, plan)."""
+"""`moetrain` command line: train, plan, convert (hf-import, hf-export, consolidate, upcycle), forward."""
 from __future__ import annotations
 
 import argparse

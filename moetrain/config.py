@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from moetrain.layout import Layout, ModelShape, launched_world_size, layout_problems
+
 
 class ConfigError(ValueError):
     """A config problem, reported before any work starts."""
@@ -435,6 +437,12 @@ def _validate(cfg: Config, source: str) -> None:
              f"train.global_batch_size ({t.global_batch_size}) is not divisible by data_parallel ({cfg.dp}) x "
              f"micro_batch_num ({p.micro_batch_num})")
     _check_ranges(cfg, need)
+    if p.mode != "auto":   # the layout rules (the world size only when a launcher announced it)
+        problems = layout_problems(Layout.of(cfg), ModelShape.of(cfg.model), world=launched_world_size(),
+                                   global_batch_size=t.global_batch_size,
+                                   seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None))
+        if problems:
+            raise ConfigError(f"{source}: the parallel layout cannot run:\n  - " + "\n  - ".join(problems))
     _validate_data(cfg.data, source)
     need(cfg.optimizer.lr >= 0, "optimizer.lr", "must be >= 0")
     need(cfg.checkpoint.keep_max >= 1, "checkpoint.keep_max", "must be >= 1 (the latest checkpoint is always kept)")

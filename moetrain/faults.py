@@ -217,7 +217,7 @@ class SkippingSampler:
 class TrainerFaults:
     def __init__(self, cfg, pctx, last_good_checkpoint):
         """`last_good_checkpoint()`: path of this run's latest complete checkpoint, or None."""
-        from moetrain.parallel.launch import STATUS_DIR_ENV
+        from moetrain.dist.launch import STATUS_DIR_ENV
 
         self.pctx = pctx
         self.guard = NonFiniteGuard.from_config(cfg)
@@ -233,7 +233,7 @@ class TrainerFaults:
     def beat(self, step: int, phase: str = "step") -> None:
         """Heartbeat for the launcher's watchdog (when launched by it)."""
         if self.status_dir:
-            from moetrain.parallel.launch import write_progress
+            from moetrain.dist.launch import write_progress
 
             try:
                 write_progress(self.status_dir, self.pctx.rank, step, phase)

@@ -28,18 +28,14 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from moetrain.devices import GiB, DeviceProfile, get_device
+from moetrain.layout import RECOMPUTE_MODES, Layout, LayoutError, ModelShape, divisors, layout_problems
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FP32 = 4
 OPTIMIZER_FP32_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "momentum": 1, "sgd": 0}
-RECOMPUTE_MODES = ("none", "selective", "full")
 MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragmentation, workspace peaks
 THROUGHPUT_TIE = 0.005      # layouts within 0.5 % of the best throughput count as equally fast
 CPU_CONFIG = "configs/moe_tiny_8p.yaml"
-
-
-class LayoutError(ValueError):
-    """A layout that cannot run: the message lists every problem, each with its fix."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,59 +167,6 @@ class Job:
         return parameter_counts(self.model)
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    micro_batch_size: int = 1                 # sequences per micro-batch per data-parallel rank
-    num_micro_batches: int = 1                # per optimizer step (accumulation = pipeline micro-batches)
-    zero: int = 0                             # 0 none, 1 optimizer states, 2 + gradients
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    pipeline_layers: Optional[Tuple[int, ...]] = None
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @classmethod
-    def of(cls, cfg) -> "Layout":
-        p, t = cfg.parallel, cfg.train
-        dp = p.data_parallel
-        if t.micro_batch_size:
-            micro = t.micro_batch_size
-            count = max(1, t.global_batch_size // (dp * micro))
-            if p.micro_batch_num > 1 and p.micro_batch_num != count:
-                raise LayoutError(f"parallel.micro_batch_num ({p.micro_batch_num}) disagrees with "
-                                  f"train.global_batch_size / (data_parallel x train.micro_batch_size) = "
-                                  f"{t.global_batch_size} / ({dp} x {micro}); set one of them only")
-        elif p.micro_batch_num > 1:
-            count = p.micro_batch_num
-            micro = max(1, t.global_batch_size // (dp * count))
-        else:
-            count, micro = 1, max(1, t.global_batch_size // dp)
-        return cls(dp=dp, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel, micro_batch_size=micro,
-                   num_micro_batches=count, zero=p.optimizer_shard, recompute=p.recompute,
-                   sequence_parallel=p.use_seq_parallel, schedule=p.pipeline_schedule,
-                   pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None)
-
-    def parallel_settings(self) -> Dict[str, object]:
-        """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
-        return {"data_parallel": self.dp, "model_parallel": self.tp, "pipeline_stage": self.pp,
-                "expert_parallel": self.ep, "micro_batch_num": self.num_micro_batches,
-                "use_seq_parallel": self.sequence_parallel, "optimizer_shard": self.zero,
-                "recompute": self.recompute, "mode": "manual", "pipeline_schedule": self.schedule,
-                "pipeline_layers": list(self.pipeline_layers) if self.pipeline_layers else None}
-
-    def describe(self) -> str:
-        sp = " sp" if self.sequence_parallel else ""
-        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} ep{self.ep} zero{self.zero} "
-                f"recompute={self.recompute} micro={self.micro_batch_size}x{self.num_micro_batches}")
-
-
 def apply_layout(cfg, layout: Layout):
     """A copy of `cfg` set to run `layout` (its parallel.* keys and train.micro_batch_size)."""
     new = copy.deepcopy(cfg)
@@ -296,91 +239,18 @@ def flops_per_token(model_cfg, seq_length: int) -> float:
 # --------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _world_fix(world: int, model_ranks: int, global_batch_size: int) -> str:
-    """How to fit a layout to `world` devices: a data_parallel only if it can split the batch."""
-    if world % model_ranks:
-        return f"model_parallel x pipeline_stage ({model_ranks}) must divide {world}"
-    dp = world // model_ranks
-    if global_batch_size % dp == 0:
-        return f"set data_parallel to {dp}"
-    return (f"data_parallel would have to be {dp}, which cannot split train.global_batch_size ({global_batch_size}): "
-            f"use a world size of {[d * model_ranks for d in _divisors(global_batch_size)][:6]}, or a global "
-            f"batch that is a multiple of {dp}")
-
-
-def layout_problems(job: Job, layout: Layout, world_size: Optional[int] = None) -> List[str]:
-    """Every reason `layout` cannot run `job` (empty when it can), each naming the keys and a fix."""
-    a, L = job.arch, layout
-    problems = []
-
-    def need(ok: bool, message: str):
-        if not ok:
-            problems.append(message)
-
-    for key, value in (("data_parallel", L.dp), ("model_parallel", L.tp), ("pipeline_stage", L.pp),
-                       ("expert_parallel", L.ep), ("micro_batch_num", L.num_micro_batches)):
-        need(value >= 1, f"parallel.{key} must be >= 1, got {value}")
-    if problems:
-        return problems
-    world = world_size or L.world
-    need(L.world == world,
-         f"data_parallel ({L.dp}) x model_parallel ({L.tp}) x pipeline_stage ({L.pp}) = {L.world} devices, but "
-         f"the world size is {world}: " + _world_fix(world, L.tp * L.pp, job.global_batch_size)
-         + " (or run `moetrain plan --search`)")
-    if not a.moe_layers:
-        need(L.ep == 1, f"parallel.expert_parallel ({L.ep}) > 1 needs a MoE model; set it to 1")
-    else:
-        need(L.dp % L.ep == 0, f"parallel.expert_parallel ({L.ep}) must divide data_parallel ({L.dp}): expert-"
-             f"parallel groups are carved out of the data-parallel group; use one of {_divisors(L.dp)}")
-        need(a.experts % L.ep == 0, f"model.moe.num_experts ({a.experts}) is not divisible by "
-             f"parallel.expert_parallel ({L.ep}): every rank must hold as many experts; use one of "
-             f"{[e for e in _divisors(a.experts) if L.dp % e == 0]}")
-        need(a.expert_ffn % L.tp == 0, f"model.moe.ffn_hidden_size ({a.expert_ffn}) is not divisible by "
-             f"parallel.model_parallel ({L.tp}) (experts are split along their FFN width)")
-        need(a.shared_ffn % L.tp == 0, f"the shared-expert FFN width ({a.shared_ffn}) is not divisible by "
-             f"parallel.model_parallel ({L.tp})")
-    need(a.heads % L.tp == 0, f"model.num_heads ({a.heads}) is not divisible by parallel.model_parallel ({L.tp}); "
-         f"use one of {_divisors(a.heads)}")
-    need(a.kv_heads % L.tp == 0, f"model.num_kv_heads ({a.kv_heads}) is not divisible by parallel.model_parallel "
-         f"({L.tp}): each tensor-parallel rank needs whole K/V heads; use one of {_divisors(a.kv_heads)}")
-    need(a.ffn % L.tp == 0 or len(a.moe_layers) == a.layers, f"model.ffn_hidden_size ({a.ffn}) is not "
-         f"divisible by parallel.model_parallel ({L.tp})")
-    need(a.vocab % L.tp == 0, f"model.vocab_size ({a.vocab}) is not divisible by parallel.model_parallel "
-         f"({L.tp}) (the embedding and LM head are split by vocabulary); pad the vocabulary")
-    if L.sequence_parallel:
-        need(L.tp > 1, "parallel.use_seq_parallel needs model_parallel > 1 (it shards along the sequence "
-             "what tensor parallelism replicates); set it to false")
-        need(job.seq_length % L.tp == 0, f"sequence length {job.seq_length} is not divisible by "
-             f"parallel.model_parallel ({L.tp}), which sequence parallelism needs")
-    if L.pipeline_layers:
-        need(len(L.pipeline_layers) == L.pp and sum(L.pipeline_layers) == a.layers
-             and min(L.pipeline_layers) >= 1,
-             f"parallel.pipeline_layers {list(L.pipeline_layers)} must list {L.pp} stages of >= 1 layers "
-             f"summing to model.num_layers ({a.layers})")
-    else:
-        need(a.layers % L.pp == 0, f"model.num_layers ({a.layers}) is not divisible by parallel.pipeline_stage "
-             f"({L.pp}); use one of {_divisors(a.layers)} or set parallel.pipeline_layers")
-    need(L.pp == 1 or L.num_micro_batches >= L.pp,
-         f"{L.num_micro_batches} micro-batch(es) per step cannot keep {L.pp} pipeline stages busy: need "
-         f"micro_batch_num >= pipeline_stage (raise train.global_batch_size or lower train.micro_batch_size)")
-    per_rank = L.micro_batch_size * L.num_micro_batches
-    need(L.micro_batch_size >= 1 and L.dp * per_rank == job.global_batch_size,
-         f"train.global_batch_size ({job.global_batch_size}) != data_parallel ({L.dp}) x micro-batch size "
-         f"({L.micro_batch_size}) x micro-batches ({L.num_micro_batches}); pick sizes so that "
-         f"global = dp x micro x accumulation")
-    need(L.zero in (0, 1, 2), f"parallel.optimizer_shard must be 0, 1 or 2, got {L.zero}")
-    need(L.recompute in RECOMPUTE_MODES, f"parallel.recompute must be one of {RECOMPUTE_MODES}, got {L.recompute!r}")
-    need(job.optimizer in OPTIMIZER_FP32_STATES, f"optimizer.name {job.optimizer!r} is not one of "
-         f"{sorted(OPTIMIZER_FP32_STATES)}")
+def plan_problems(job: Job, layout: Layout, world_size: Optional[int] = None) -> List[str]:
+    """Every reason `layout` cannot run `job` (empty when it can): the layout rules
+    (`moetrain.layout`) and what the planner itself needs (an optimizer it can cost)."""
+    problems = layout_problems(layout, ModelShape.of(job.model), world=world_size,
+                               global_batch_size=job.global_batch_size, seq_length=job.seq_length)
+    if job.optimizer not in OPTIMIZER_FP32_STATES:
+        problems.append(f"optimizer.name {job.optimizer!r} is not one of {sorted(OPTIMIZER_FP32_STATES)}")
     return problems
 
 
-def validate_layout(job: Job, layout: Layout, world_size: Optional[int] = None) -> None:
-    problems = layout_problems(job, layout, world_size)
+def validate_plan(job: Job, layout: Layout, world_size: Optional[int] = None) -> None:
+    problems = plan_problems(job, layout, world_size)
     if problems:
         raise LayoutError(f"layout {layout.describe()} cannot run:\n  - " + "\n  - ".join(problems))
 
@@ -520,7 +390,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     compute = tokens * flops_per_token / t / (peak * device.compute_efficiency)
 
     # ---- communication (bytes per device)
-    # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/parallel/comm.py):
+    # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/dist/comm.py):
     # all-gather and reduce-scatter move 2x the native bytes, all-to-all 2 x ep x.
     gather_factor = 2 if device.emulated_collectives else 1
     a2a_factor = 2 * L.ep if device.emulated_collectives else 1
@@ -614,7 +484,7 @@ class PlanResult:
 def plan_layout(job: Job, layout: Layout, device: Union[str, DeviceProfile] = "cpu", world_size=None,
                 source: str = "") -> PlanResult:
     """Plan `job` on `layout`; raises LayoutError if the layout is invalid."""
-    validate_layout(job, layout, world_size)
+    validate_plan(job, layout, world_size)
     return _plan_valid_layout(job, layout, get_device(device), source)
 
 
@@ -707,13 +577,13 @@ def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
     combination worth costing (ZeRO levels are all the same layout when dp = 1)."""
     arch = job.arch
     layouts = []
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
-            eps = _divisors(world_size) if arch.moe_layers else [1]
+            eps = divisors(world_size) if arch.moe_layers else [1]
             per_rank = job.global_batch_size // dp if job.global_batch_size % dp == 0 else 1
             for ep, count, zero, recompute, sp in itertools.product(
-                    [e for e in eps if e <= dp], _divisors(per_rank), (0, 1, 2) if dp > 1 else (0,),
+                    [e for e in eps if e <= dp], divisors(per_rank), (0, 1, 2) if dp > 1 else (0,),
                     RECOMPUTE_MODES, (False, True) if tp > 1 else (False,)):
                 layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, micro_batch_size=max(1, per_rank // count),
                                       num_micro_batches=count, zero=zero, recompute=recompute,
@@ -736,7 +606,7 @@ def choose_layout(cfg, world_size: int, device=None) -> Tuple[Dict[str, object],
     job = Job.of(cfg)
     candidates, fitting = [], []
     for layout in candidate_layouts(job, world_size):
-        problems = layout_problems(job, layout, world_size)
+        problems = plan_problems(job, layout, world_size)
         if problems:
             candidates.append(Candidate(layout, "invalid", " | ".join(problems), problems=problems))
             continue

@@ -77,9 +77,9 @@ def test_plan_never_suggests_a_data_parallel_the_batch_cannot_use(capsys):
     assert "cannot split train.global_batch_size=16" in err and "data_parallel to 3" not in err
     assert plan([GPT_TINY, "--world", "3", "--set", "parallel.data_parallel=1"]) == 2
     err = capsys.readouterr().err
-    assert "data_parallel would have to be 3, which cannot split" in err and "set data_parallel to 3" not in err
+    assert "data_parallel would have to be 3, which cannot split" in err and "set parallel.data_parallel=3" not in err
     assert plan([GPT_TINY, "--world", "2", "--set", "parallel.data_parallel=1"]) == 2
-    assert "set data_parallel to 2" in capsys.readouterr().err
+    assert "set parallel.data_parallel=2" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

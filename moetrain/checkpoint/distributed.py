@@ -17,7 +17,7 @@ is `<state prefix>.<parameter name>` (`adam_m.layers.0.attn.wq.weight`) at any Z
 fp32 masters are `zero_master.<parameter name>` (at level 0 the parameter is its own master).
 
 A piece is the tensor a rank holds: a `ShardSpec` slice of the global tensor (tensor / expert
-parallel, see `moetrain.parallel.sharding`) and, under ZeRO, the `flat` range [start, stop) of that
+parallel, see `moetrain.dist.sharding`) and, under ZeRO, the `flat` range [start, stop) of that
 slice's flattened elements (the padding past the end is not saved). Inside a shard file a piece is
 stored under its key. Replicas are written once, by the first holder: rank 0 of the parameter's
 reduction group (dp, or edp for expert parameters) and tensor-parallel rank 0 unless the tensor is
@@ -40,7 +40,7 @@ import numpy as np
 
 from moetrain.checkpoint.manager import (MANIFEST, METADATA, CheckpointError, CheckpointSaveError, CheckpointWriter,
                                          latest_of_run, prune_checkpoints, read_manifest, sha256_of, verify_files)
-from moetrain.parallel.sharding import MASTER_PREFIX, ShardSpec
+from moetrain.dist.sharding import MASTER_PREFIX, ShardSpec
 
 FORMAT = "moetrain-sharded-v1"
 PARTS = ("model", "optimizer")
@@ -131,7 +131,7 @@ class _RowPiece:
 
 def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
     """Every model and optimizer tensor this rank holds (`opt_step`: `OptimizerStep`)."""
-    from moetrain.parallel.sharding import reduction_group_kind, shard_spec
+    from moetrain.dist.sharding import reduction_group_kind, shard_spec
 
     out = []
     for param in model.get_parameters():
@@ -614,7 +614,7 @@ def consolidate(src: str, out_dir: str) -> Dict[str, np.ndarray]:
 
 def parse_layout(text: str) -> Dict[str, int]:
     """`dp=4,tp=2,pp=1,ep=1,zero=1` (omitted sizes are 1, zero is 0) -> a validated layout dict."""
-    from moetrain.parallel.topology import LayoutError, validate_layout
+    from moetrain.layout import Layout, LayoutError, check_layout
 
     sizes = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "zero": 0}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -627,7 +627,8 @@ def parse_layout(text: str) -> Dict[str, int]:
         raise ValueError(f"--to-layout: zero={sizes['zero']} must be 0, 1 or 2")
     world = sizes["dp"] * sizes["tp"] * sizes["pp"]
     try:
-        validate_layout(world, sizes["dp"], sizes["tp"], sizes["pp"], sizes["ep"])
+        check_layout(Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], ep=sizes["ep"],
+                            num_micro_batches=sizes["pp"], zero=sizes["zero"]), world=world)
     except LayoutError as exc:
         raise ValueError(f"--to-layout {text!r}: {exc}") from None
     return {"world_size": world, "dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"], "ep": sizes["ep"],
@@ -636,7 +637,7 @@ def parse_layout(text: str) -> Dict[str, int]:
 
 def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int) -> List[LocalTensor]:
     """The tensors rank `rank` of `layout` would hold, from the saved tensors' slicing rules."""
-    from moetrain.parallel.topology import ParallelContext
+    from moetrain.dist.topology import ParallelContext
 
     pctx = ParallelContext.build(layout["world_size"], rank, layout["dp"], layout["tp"], layout["pp"], layout["ep"])
     zero = layout["optimizer_shard"] > 0

@@ -21,7 +21,7 @@ from moetrain.checkpoint.manager import CheckpointError
 TRAINING_ONLY_KEYS = frozenset({
     "compute_dtype", "init_std", "scale_output_init", "mtp_loss_weight",
     "moe.aux_loss_coeff", "moe.seq_aux_loss_coeff", "moe.z_loss_coeff", "moe.bias_update_rate",
-    "moe.capacity_factor", "moe.dispatcher",
+    "moe.capacity_factor",
 })
 
 

@@ -225,7 +225,7 @@ def start_run(out: str, resume: Optional[str], overwrite: bool, pctx, restart: O
     """Every rank, before any work: check the output directory, the shared filesystem and the
     checkpoint to resume from, agree, then (rank 0) move an overwritten run aside and write run.json."""
     from moetrain.faults import broadcast_bytes, world_sum
-    from moetrain.parallel.launch import RESTART_ENV
+    from moetrain.dist.launch import RESTART_ENV
 
     restart = int(os.environ.get(RESTART_ENV, "0") or 0) if restart is None else restart
     error = None

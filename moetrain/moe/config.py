@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-# "sort" is the single-device dispatcher; the others are reserved for expert parallelism.
-DISPATCHERS = ("sort", "alltoall", "allgather")
 
 
 @dataclass
@@ -30,7 +28,6 @@ class MoEConfig:
     z_loss_coeff: float = 0.0           # router z-loss (ST-MoE)
     bias_update_rate: float = 0.0       # >0: aux-loss-free balancing (DeepSeek-V3) with a per-expert bias
     capacity_factor: float = 0.0        # 0 -> dropless; >0 -> fixed capacity, tokens beyond it dropped
-    dispatcher: str = "sort"            # the single-device dispatcher; later "alltoall"/"allgather" for expert parallel
 
     def __post_init__(self):
         for key in ("num_experts", "top_k", "ffn_hidden_size", "num_groups", "topk_groups"):
@@ -47,7 +44,6 @@ class MoEConfig:
         _require(self.top_k <= self.num_experts, "top_k",
                  f"top_k ({self.top_k}) cannot exceed num_experts ({self.num_experts})")
         _require(self.score_func in SCORE_FUNCS, "score_func", f"{self.score_func!r} is not one of {SCORE_FUNCS}")
-        _require(self.dispatcher in DISPATCHERS, "dispatcher", f"{self.dispatcher!r} is not one of {DISPATCHERS}")
         _require(self.shared_ffn_hidden_size == 0 or self.num_shared_experts > 0, "shared_ffn_hidden_size",
                  f"is {self.shared_ffn_hidden_size} but num_shared_experts is 0; set num_shared_experts >= 1 "
                  f"to enable shared experts, or leave shared_ffn_hidden_size at 0")

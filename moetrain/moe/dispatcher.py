@@ -89,10 +89,3 @@ class SortDispatcher(nn.Cell):
         are not padded to mostly-empty blocks."""
         average_share = -(-num_tokens * self.top_k // self.num_experts)
         return max(1, min(self.block_size, average_share))
-
-
-def build_dispatcher(name: str, num_experts: int, top_k: int, capacity_factor: float) -> nn.Cell:
-    if name == "sort":
-        return SortDispatcher(num_experts, top_k, capacity_factor)
-    raise NotImplementedError(f"moe.dispatcher {name!r} is not implemented yet; use 'sort' "
-                              f"(single device, experts not split over ranks)")

@@ -31,8 +31,8 @@ from mindspore import nn, ops
 from moetrain.moe.dispatcher import DEFAULT_BLOCK_SIZE
 from moetrain.moe.permutation import (assignment_rows, block_layout, capacity_rows, expert_capacity,
                                       num_padded_blocks, permute, sort_by_expert, unpermute)
-from moetrain.parallel import comm
-from moetrain.parallel.topology import Group
+from moetrain.dist import comm
+from moetrain.dist.topology import Group
 
 
 def _check_layout(name: str, num_experts: int, group: Group) -> int:

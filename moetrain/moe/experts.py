@@ -9,7 +9,7 @@ from mindspore import nn, ops
 
 from moetrain import kernels
 from moetrain.layers import compute_dtype_of, normal_parameter
-from moetrain.parallel.sharding import mark_role
+from moetrain.dist.sharding import mark_role
 
 
 class GroupedExperts(nn.Cell):

@@ -31,8 +31,8 @@ def main():
     import mindspore as ms
 
     ms.set_device("CPU")
-    from moetrain.parallel import comm
-    from moetrain.parallel.topology import init_parallel
+    from moetrain.dist import comm
+    from moetrain.dist.topology import init_parallel
 
     ctx = init_parallel()
     world = ctx.group("world")

@@ -21,7 +21,7 @@ def main():
     out_dir, config, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
     from moetrain import trainer as trainer_module
     from moetrain.config import load_config
-    from moetrain.parallel import comm, topology
+    from moetrain.dist import comm, topology
 
     # Runs after the first reuse the device setting and the communicators of an earlier run with
     # the same layout: after init() MindSpore refuses set_device again and a group name twice.

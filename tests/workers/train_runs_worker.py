@@ -31,8 +31,8 @@ def main():
     out_dir, runs = sys.argv[1], sys.argv[2:]
     from moetrain import trainer as trainer_module
     from moetrain.config import load_config
-    from moetrain.parallel import topology
-    from moetrain.parallel.sharding import shard_spec
+    from moetrain.dist import topology
+    from moetrain.dist.sharding import shard_spec
     from moetrain.parallel.tensor_parallel import is_sequence_parallel
 
     contexts = {}
@@ -73,7 +73,7 @@ def main():
         trainer = trainer_module.Trainer(cfg)
         result = trainer.fit()
         seconds = time.perf_counter() - start
-        pctx, pipeline, model = trainer.pctx, trainer.pipeline, trainer.model
+        pctx, pipeline, model = trainer.pctx, (trainer.runner if trainer.pctx.pp > 1 else None), trainer.model
         params = list(model.get_parameters())    # expert_bias too (moved by the balancing step)
         record = {
             "rank": pctx.rank, "dp_rank": pctx.dp_rank, "tp_rank": pctx.tp_rank, "pp_rank": pctx.pp_rank,

@@ -1,0 +1,124 @@
+"""What a model family exposes, so that one trainer, pipeline / tensor / expert parallelism and the
+planner work on it without copying model code.
+
+Every model:
+    construct(*batch) -> (loss, stats)      stats: a dict of fp32 tensors
+    stat_specs() -> {name: StatSpec}        how each stat combines over layers, micro-batches and
+                                            data-parallel ranks (a stat left out averages)
+
+A layered language model, for pipeline parallelism, adds the pieces its `construct` is made of:
+    embed_tokens(input_ids) -> h            the first stage's part
+    run_layers(h) -> (h, stats, aux)        the blocks this model (or pipeline stage) holds; aux: the
+                                            weighted auxiliary losses they add to the loss
+    head_loss(h, labels) -> (loss, stats)   the last stage's part: final norm, head, loss (+ MTP)
+    EMBEDDING_CELLS, HEAD_CELLS             the attribute names of the first / last stage's cells
+    needs_embedding_in_head                 the head reads the embedding (tied head, MTP)
+    head_stat_rows                          per-layer stat rows the head adds (MTP's MoE blocks)
+A block of `layers` returns `h`, or `(h, stats)` when it sets `returns_stats` (then it also has
+`weighted_aux(stats)` and its stats follow the model's `stat_specs`). Tensor parallelism is declared
+per family in `moetrain.parallel.plans` by module paths; expert parallelism finds the `MoELayer`s.
+`moetrain.parallel.pipeline` cuts a model into stages with `keep_stage` and calls the pieces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import mindspore as ms
+from mindspore import nn, ops
+
+SUM, MEAN = "sum", "mean"
+
+
+@dataclass(frozen=True)
+class StatSpec:
+    """`reduce`: over micro-batches and data-parallel ranks (SUM for counts, MEAN for losses).
+    Produced by several layers, a stat is summed over them, or, `per_layer`, stacked: one row of
+    shape `row` per producing layer, in layer order."""
+
+    reduce: str = MEAN
+    per_layer: bool = False
+    row: Tuple[int, ...] = ()
+
+
+def stat_specs_of(model) -> Dict[str, StatSpec]:
+    return model.stat_specs() if hasattr(model, "stat_specs") else {}
+
+
+def summed_stats(specs: Dict[str, StatSpec]) -> Tuple[str, ...]:
+    """The stats that add up over micro-batches and data-parallel ranks (the others average)."""
+    return tuple(name for name, spec in specs.items() if spec.reduce == SUM)
+
+
+def split_specs(specs: Dict[str, StatSpec]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """`(summed over layers, stacked per layer)` stat names: the graph-safe form of `specs`."""
+    return (tuple(sorted(n for n, s in specs.items() if not s.per_layer)),
+            tuple(sorted(n for n, s in specs.items() if s.per_layer)))
+
+
+def run_blocks(blocks, h, summed: Tuple[str, ...], stacked: Tuple[str, ...]):
+    """Run `blocks` in order: `(h, stats, aux)`. Stats of the blocks that return them are summed
+    over blocks (`stacked` ones: one row per block); `aux` is the sum of their `weighted_aux`.
+    Graph-safe: names and `returns_stats` are Python constants, the loop unrolls over the blocks."""
+    zero = ops.zeros((), ms.float32)
+    totals = {name: zero for name in summed}
+    rows = {name: [] for name in stacked}
+    aux = zero
+    for block in blocks:
+        if block.returns_stats:
+            h, stats = block(h)
+            for name in summed:
+                totals[name] = totals[name] + stats[name].astype(ms.float32)
+            for name in stacked:
+                rows[name].append(stats[name].astype(ms.float32))
+            aux = aux + block.weighted_aux(stats)
+        else:
+            h = block(h)
+    for name in stacked:
+        if rows[name]:
+            totals[name] = ops.stack(rows[name])
+    return h, totals, aux
+
+
+def merge_stats(stats, more, stacked: Tuple[str, ...]):
+    """`stats` with `more` added in: summed, the `stacked` ones' rows appended after `stats`' rows."""
+    for name in more:
+        if name not in stats:
+            stats[name] = more[name]
+        elif name in stacked:
+            stats[name] = ops.cat((stats[name], more[name]), 0)
+        else:
+            stats[name] = stats[name] + more[name]
+    return stats
+
+
+def stat_rows(blocks) -> int:
+    """Per-layer stat rows `blocks` produce (one per block that returns stats)."""
+    return sum(1 for block in blocks if getattr(block, "returns_stats", False))
+
+
+def keep_stage(model, start: int, end: int, first: bool, last: bool) -> None:
+    """Cut `model` down, in place, to one pipeline stage: its blocks `[start, end)`, the embedding on
+    the first stage (and on the last when the head reads it), the head cells on the last. Parameter
+    names stay the whole model's (`layers.{i}...`), so checkpoints and optimizers see no difference;
+    the other cells are dropped and freed with the caller's last reference."""
+    missing = [name for name in ("layers", "embed_tokens", "run_layers", "head_loss", "EMBEDDING_CELLS",
+                                 "HEAD_CELLS") if not hasattr(model, name)]
+    if missing:
+        from moetrain.layout import LayoutError
+
+        raise LayoutError(f"parallel.pipeline_stage > 1 needs a layered model (moetrain/modeling.py: layers, "
+                          f"embed_tokens, run_layers, head_loss, EMBEDDING_CELLS, HEAD_CELLS); "
+                          f"{type(model).__name__} lacks {missing}: set parallel.pipeline_stage=1")
+    kept = [model.layers[i] for i in range(start, end)]
+    auto_prefix = model._auto_prefix   # no renaming: the kept blocks keep their global names
+    model._auto_prefix = False
+    try:
+        model.layers = nn.CellList(kept, auto_prefix=False)
+        keep_embedding = first or (last and model.needs_embedding_in_head)
+        for name in (() if keep_embedding else model.EMBEDDING_CELLS) + (() if last else model.HEAD_CELLS):
+            if getattr(model, name, None) is not None:
+                setattr(model, name, None)
+    finally:
+        model._auto_prefix = auto_prefix
+    model.stage_range = (start, end)
