@@ -5,8 +5,7 @@ Two families, both with hand-written backwards (`nn.Cell.bprop`):
 * Collectives whose backward is the true derivative of the SUM of all ranks' losses:
   `all_reduce` (bwd all_reduce), `all_gather` (bwd reduce_scatter), `reduce_scatter`
   (bwd all_gather), `all_to_all` (bwd the reverse all_to_all), `all_to_all_v` (bwd with the counts
-  swapped), `broadcast` and `send_recv` (bwd: the sum of every receiver's gradient lands on the
-  source, zero elsewhere).
+  swapped), `broadcast` (bwd: the sum of every rank's gradient lands on the source, zero elsewhere).
 * Megatron tensor-parallel region mappings, for a loss that is replicated over the group:
   `copy_to_region` (fwd identity, bwd all-reduce), `reduce_from_region` (fwd all-reduce, bwd
   identity), `scatter_to_region` / `gather_from_region` along an axis, and for sequence parallelism
@@ -25,21 +24,29 @@ is put into graphs for ordering or counting: MindSpore 2.10's scheduler links si
 recursion that grows exponentially with their number (tp2 GPT grad step 1.8/3.9/13 s for 1/2/3
 layers with an in-graph byte counter, 2.9 s for 3 layers without: docs/performance.md).
 
-Backends (`backend_name()`): on CPU MindSpore has AllReduce in sub-groups but no AllGather /
-ReduceScatter / AlltoAll / Send / Receive there, so every op is derived from a SUM AllReduce in the
-group ("emulated"): each rank writes its contribution into its own slot of a zero buffer, the
-AllReduce assembles all slots everywhere, each rank reads what it needs. Values equal the native
-ops exactly (x + 0 == x). On Ascend/GPU ("native") the MindSpore primitives are called; that path
-cannot run on this project's CPU machines and is UNVERIFIED. `MOETRAIN_COMM_BACKEND=emulated`
-forces the emulation anywhere.
+Backends (`backend_name()`, `MOETRAIN_COMM_BACKEND=auto|emulated|native|contract`):
+* emulated (CPU default): MindSpore has AllReduce in CPU sub-groups but no AllGather /
+  ReduceScatter / AlltoAll / Send / Receive there, so every op is derived from a SUM AllReduce in
+  the group: each rank writes its contribution into its own slot of a zero buffer, the AllReduce
+  assembles all slots everywhere, each rank reads what it needs. Values equal the native ops
+  exactly (x + 0 == x).
+* native (Ascend/GPU default): the MindSpore primitives. AlltoAll/AlltoAllV are Ascend-only, so on
+  GPU `all_to_all(_v)` gather the outboxes with AllGather instead. UNVERIFIED on a device.
+* contract: the native code path on CPU, its primitives taken from `moetrain.dist.contract`
+  (checked CPU references of the documented semantics) instead of `mindspore.ops`;
+  `MOETRAIN_CONTRACT_TARGET=Ascend|GPU` picks which device's path. `primitives()` is the one place
+  that choice is made.
 
 Byte counters (`CommLedger`): each op books, when it EXECUTES in PyNative, the bytes this rank
 sends, per group kind; its backward volume is booked when its backward executes (so collectives
-whose input needs no gradient book no backward bytes). Columns: forward and backward, each for the
-native algorithm (ring: all_reduce 2(n-1)/n·S, all_gather (n-1)·S_shard, reduce_scatter and
-all_to_all (n-1)/n·S, ...) and for what the CPU emulation really all-reduces (2(n-1)/n·buffer).
-Jitted graphs book nothing (see "Same graph on every rank"): measure a step with `train.jit: false`
-or in PyNative; the ops and buffers are the same.
+whose input needs no gradient book no backward bytes). Columns: forward and backward, each for
+what the native path of `native_target()` sends (ring algorithms: all_reduce 2(n-1)/n·S,
+all_gather (n-1)·S_shard, reduce_scatter (n-1)/n·S, Ascend all_to_all (n-1)/n·S, all_to_all_v the
+rows for other ranks, broadcast S per forwarding rank; on GPU the gathered outboxes, padding
+included) and for what the CPU emulation all-reduces (2(n-1)/n·buffer). Jitted graphs book nothing
+(see "Same graph on every rank"): measure a step with `train.jit: false` or in PyNative; the ops and
+buffers are the same. tests/test_comm.py checks both columns against the buffers that entered the
+primitives.
 """
 from __future__ import annotations
 
@@ -62,14 +69,39 @@ COUNTER_COLUMNS = ("fwd_native", "fwd_emulated", "bwd_native", "bwd_emulated")
 # ---------------------------------------------------------------------------------------------
 # Backend selection
 # ---------------------------------------------------------------------------------------------
+BACKENDS = ("emulated", "native", "contract")
+
+
 def backend_name() -> str:
-    """'emulated' (derived from AllReduce; CPU) or 'native' (MindSpore primitives; Ascend/GPU)."""
+    """'emulated' (derived from AllReduce; CPU), 'native' (MindSpore primitives; Ascend/GPU) or
+    'contract' (the native code path on CPU, each primitive a checked reference: moetrain.dist.contract)."""
     forced = os.environ.get("MOETRAIN_COMM_BACKEND", "auto").lower()
-    if forced not in ("auto", "native", "emulated"):
-        raise ValueError(f"MOETRAIN_COMM_BACKEND={forced!r}: use auto, native or emulated")
+    if forced not in ("auto",) + BACKENDS:
+        raise ValueError(f"MOETRAIN_COMM_BACKEND={forced!r}: use auto, {', '.join(BACKENDS)}")
     if forced != "auto":
         return forced
     return "emulated" if ms.get_context("device_target") == "CPU" else "native"
+
+
+def native_target() -> str:
+    """The device of the native path: the real one with the native backend; otherwise the one the
+    contract stands in for and the ledger's native column describes (MOETRAIN_CONTRACT_TARGET,
+    Ascend by default)."""
+    if backend_name() == "native":
+        return ms.get_context("device_target")
+    from moetrain.dist import contract
+
+    return contract.target()
+
+
+def primitives():
+    """Where comm (and any module with a native path) takes its MindSpore primitives from:
+    `mindspore.ops`, or the contract's checked CPU stand-ins with the same names and signatures."""
+    if backend_name() == "contract":
+        from moetrain.dist import contract
+
+        return contract
+    return ops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,18 +250,21 @@ class _GroupOp(nn.Cell):
         super().__init__()
         self.n, self.rank = group.size, group.rank_in_group
         self.where = f"{group.kind} group {group.ranks}"
-        self.native = backend_name() == "native"
-        self.sum = ops.AllReduce(ReduceOp.SUM, group.name)
-        if self.native:  # UNVERIFIED: needs Ascend/GPU
-            self.gather_prim = ops.AllGather(group.name)
-            self.scatter_prim = ops.ReduceScatter(ReduceOp.SUM, group.name)
+        self.native = backend_name() != "emulated"   # native, or contract: the same code path
+        self.target = native_target()
+        prims = primitives()
+        self.sum = prims.AllReduce(ReduceOp.SUM, group.name)
+        if self.native:  # on a device UNVERIFIED; on CPU exercised through the contract backend
+            self.gather_prim = prims.AllGather(group.name)
+            self.scatter_prim = prims.ReduceScatter(ReduceOp.SUM, group.name)
         self.shape = tuple(shape)
         self.itemsize = mstype.type_size_in_bytes(dtype)
         self.nbytes = float(np.prod(self.shape, dtype=np.int64)) * self.itemsize
         self.kind = group.kind
 
     def _set_traffic(self, fwd: Tuple[float, float], bwd: Tuple[float, float]) -> None:
-        """(native, emulated) bytes this rank sends in one forward / one backward execution."""
+        """(native, emulated) bytes this rank sends in one forward / one backward execution; native:
+        the native path of `self.target`, whichever backend runs (the ledger has both columns)."""
         self.traffic = (fwd, bwd)
 
     def book(self, backward: bool = False) -> None:
@@ -254,12 +289,16 @@ class _GroupOp(nn.Cell):
                              f"{self.n} ranks of the {self.where}; pad it or choose sizes that divide evenly")
         return axis
 
-    def _all_gather(self, x, axis: int):
+    def _gather_rows(self, x):
+        """[n, *x.shape]: every rank's x, in rank order (AllGather concatenates along axis 0)."""
         if self.native:
-            if axis == 0:
-                return self.gather_prim(x)
-            return _merge_leading(ops.Reshape()(self.gather_prim(ops.ExpandDims()(x, 0)), (self.n,) + x.shape), axis)
-        return _merge_leading(self.sum(_slot_buffer(x, self.rank, self.n)), axis)
+            return self.gather_prim(ops.ExpandDims()(x, 0))
+        return self.sum(_slot_buffer(x, self.rank, self.n))
+
+    def _all_gather(self, x, axis: int):
+        if self.native and axis == 0:
+            return self.gather_prim(x)
+        return _merge_leading(self._gather_rows(x), axis)
 
     def _reduce_scatter(self, x, axis: int):
         if self.native:
@@ -318,25 +357,29 @@ class _AllToAll(_GroupOp):
         super().__init__(group, shape, dtype)
         self.split_axis = self._axis("all_to_all", split_axis, divisible=True)
         self.concat_axis = self._axis("all_to_all", concat_axis)
-        n, size = self.n, self.nbytes   # the emulation all-reduces an [n, n, size/n] buffer
-        self._set_traffic(((n - 1) / n * size, _ring(n, n * size)), ((n - 1) / n * size, _ring(n, n * size)))
-        if self.native:  # UNVERIFIED
-            self.forward_prim = ops.AlltoAll(n, self.split_axis, self.concat_axis, group.name)
-            self.backward_prim = ops.AlltoAll(n, self.concat_axis, self.split_axis, group.name)
+        # AlltoAll is Ascend-only: elsewhere the [dst, size/n] outbox of every rank is gathered
+        # (AllGather on GPU, the AllReduce emulation on CPU) and each rank keeps its column
+        self.direct = self.native and self.target == "Ascend"
+        n, size = self.n, self.nbytes
+        native = (n - 1) / n * size if self.target == "Ascend" else (n - 1) * size
+        self._set_traffic((native, _ring(n, n * size)), (native, _ring(n, n * size)))
+        if self.direct:  # UNVERIFIED on Ascend
+            prims = primitives()
+            self.forward_prim = prims.AlltoAll(n, self.split_axis, self.concat_axis, group.name)
+            self.backward_prim = prims.AlltoAll(n, self.concat_axis, self.split_axis, group.name)
 
     def _exchange(self, x, split_axis, concat_axis):
-        # buffer[src, dst] = chunk `dst` of rank `src`; after the sum, column `rank` is my inbox
-        outbox = _split_leading(x, split_axis, self.n)
-        everything = self.sum(_slot_buffer(outbox, self.rank, self.n))
+        # everything[src, dst] = chunk `dst` of rank `src`; column `rank` is my inbox
+        everything = self._gather_rows(_split_leading(x, split_axis, self.n))
         return _merge_leading(_row(everything, self.rank, 1), concat_axis)
 
     def construct(self, x):
-        if self.native:
+        if self.direct:
             return self.forward_prim(x)
         return self._exchange(x, self.split_axis, self.concat_axis)
 
     def bprop(self, x, out, dout):
-        if self.native:
+        if self.direct:
             return (self.backward_prim(dout),)
         return (self._exchange(dout, self.concat_axis, self.split_axis),)
 
@@ -367,14 +410,22 @@ class _AllToAllV(_GroupOp):
         self.backward_plan = self._plan(recv_counts, send_counts)
         row_elems = int(np.prod(self.shape[1:], dtype=np.int64))
         row = float(row_elems * self.itemsize)
-        emulated = _ring(n, n * n * self.capacity * row)
-        self._set_traffic((sum(c for j, c in enumerate(send_counts) if j != me) * row, emulated),
-                          (sum(c for i, c in enumerate(recv_counts) if i != me) * row, emulated))
-        self.use_native_v = self.native and ms.get_context("device_target") == "Ascend"
-        if self.use_native_v:  # UNVERIFIED: AlltoAllV exists on Ascend only
-            self.prim = ops.AlltoAllV(group.name)
+        buffer = n * self.capacity * row   # one rank's [n, max_count, ...] outbox
+        # AlltoAllV is Ascend-only: elsewhere the padded outboxes are gathered (GPU: AllGather)
+        self.use_native_v = self.native and self.target == "Ascend"
+        if self.target == "Ascend":
+            native = (sum(c for j, c in enumerate(send_counts) if j != me) * row,
+                      sum(c for i, c in enumerate(recv_counts) if i != me) * row)
+        else:
+            native = ((n - 1) * buffer, (n - 1) * buffer)
+        self._set_traffic((native[0], _ring(n, n * buffer)), (native[1], _ring(n, n * buffer)))
+        self.rest = tuple(self.shape[1:])
+        if self.use_native_v:  # UNVERIFIED on Ascend
+            self.prim = primitives().AlltoAllV(group.name)
             self.send_numel = [c * row_elems for c in send_counts]
             self.recv_numel = [c * row_elems for c in recv_counts]
+            self.sent_rows, self.received_rows = sum(send_counts), sum(recv_counts)
+            self.sent_elements, self.received_elements = sum(self.send_numel), sum(self.recv_numel)
 
     def _plan(self, send_counts, recv_counts):
         """Row indices, built once in Python: which input rows fill the [n, capacity] outbox (the
@@ -390,40 +441,47 @@ class _AllToAllV(_GroupOp):
         rest = x.shape[1:]
         padded = ops.Concat(0)((x, _zeros((1,) + rest, x.dtype)))
         outbox = ops.Reshape()(ops.Gather()(padded, plan[0], 0), (self.n, self.capacity) + rest)
-        inbox = _row(self.sum(_slot_buffer(outbox, self.rank, self.n)), self.rank, 1)   # [src, capacity, ...]
+        inbox = _row(self._gather_rows(outbox), self.rank, 1)   # [src, capacity, ...]
         return ops.Gather()(ops.Reshape()(inbox, (self.n * self.capacity,) + rest), plan[1], 0)
+
+    def _exchange_v(self, x, send_numel, recv_numel, elements: int, rows: int):
+        """AlltoAllV of the flattened `elements`; `rows` arrive. AlltoAllV returns shape () when
+        nothing arrives (documented), so its output is flattened and cut to the expected length:
+        the same ops on every rank whatever arrives (see "Same graph on every rank")."""
+        y = ops.Reshape()(self.prim(ops.Reshape()(x, (elements,)), send_numel, recv_numel), (-1,))
+        arrived = rows * int(np.prod(self.rest, dtype=np.int64))
+        return ops.Reshape()(ops.Slice()(y, (0,), (arrived,)), (rows,) + self.rest)
 
     def construct(self, x):
         if self.use_native_v:
-            y = self.prim(ops.Reshape()(x, (-1,)), self.send_numel, self.recv_numel)
-            return ops.Reshape()(y, (sum(self.recv_counts),) + x.shape[1:])
+            return self._exchange_v(x, self.send_numel, self.recv_numel, self.sent_elements, self.received_rows)
         return self._exchange(x, self.forward_plan)
 
     def bprop(self, x, out, dout):
         if self.use_native_v:
-            y = self.prim(ops.Reshape()(dout, (-1,)), self.recv_numel, self.send_numel)
-            return (ops.Reshape()(y, x.shape),)
+            return (self._exchange_v(dout, self.recv_numel, self.send_numel, self.received_elements,
+                                     self.sent_rows),)
         return (self._exchange(dout, self.backward_plan),)
 
 
 class _Broadcast(_GroupOp):
-    """Also the emulated point-to-point: every member gets the source's tensor."""
-
-    def __init__(self, group, shape, dtype, src, op_name="broadcast", dst=None):
+    def __init__(self, group, shape, dtype, src):
         super().__init__(group, shape, dtype)
-        for role, rank in (("source", src), ("destination", dst)):
-            if rank is not None and not 0 <= rank < self.n:
-                raise ValueError(f"{op_name}: {role} rank {rank} is not a rank of the {self.where} "
-                                 f"(ranks in the group: 0..{self.n - 1})")
+        if not 0 <= src < self.n:
+            raise ValueError(f"broadcast: source rank {src} is not a rank of the {self.where} "
+                             f"(ranks in the group: 0..{self.n - 1})")
         self.src = src
         n, size = self.n, self.nbytes
-        if dst is None:   # total (n-1)·S leaves the source's tree; counted per rank on average
-            self._set_traffic(((n - 1) / n * size, _ring(n, size)), ((n - 1) / n * size, _ring(n, size)))
-        else:
-            self._set_traffic((size if self.rank == src else 0.0, _ring(n, size)),
-                              (size if self.rank == dst else 0.0, _ring(n, size)))
-        if self.native and dst is None:  # UNVERIFIED: root_rank is a global rank
-            self.prim = ops.Broadcast(group.global_rank(src), group.name)
+        # forward: a ring broadcast, every rank but the source's predecessor passes S on;
+        # backward: an all-reduce of the gradients (kept on the source)
+        forwards = 0.0 if self.rank == (src - 1) % n else size
+        self._set_traffic((forwards, _ring(n, size)), (_ring(n, size), _ring(n, size)))
+        if self.native:
+            # root_rank is the rank IN the group: the kernels hand it to HcclBroadcast/ncclBroadcast
+            # as the communicator rank, and MindSpore's own broadcast() converts a global rank with
+            # get_group_rank_from_world_rank first (the docstring's "global rank" holds only on the
+            # world group)
+            self.prim = primitives().Broadcast(src, group.name)
 
     def construct(self, x):
         if self.native:
@@ -494,11 +552,20 @@ _OP_CELLS = {cls.__name__: cls for cls in (_AllReduce, _AllGather, _ReduceScatte
 
 
 @functools.lru_cache(maxsize=None)
-def _op(op: str, group: Group, shape, dtype, params=()):
-    """The cell of one call signature, cached so PyNative calls stay cheap. Under ms.jit this runs in
-    Python while the graph is parsed; the op is named by a string because passing a class object
-    through that path fails in MindSpore 2.10 (KeyError '__input_0__')."""
+def _cached_op(backend: str, target: str, op: str, group: Group, shape, dtype, params):
     return _OP_CELLS[op](group, shape, dtype, *params)
+
+
+def _op_for_backend(op: str, group: Group, shape, dtype, params=()):
+    return _cached_op(backend_name(), native_target(), op, group, tuple(shape), dtype, tuple(params))
+
+
+# The cell of one call signature on the current backend, cached so PyNative calls stay cheap.
+# Under ms.jit this must run as Python while the graph is parsed: MindSpore parses plain Python
+# functions into the graph but interprets C callables such as functools.partial (and lru_cache
+# wrappers). The op is named by a string because passing a class object through that path fails
+# in MindSpore 2.10 (KeyError '__input_0__').
+_op = functools.partial(_op_for_backend)
 
 
 def _run(cell: _GroupOp, x):
@@ -605,13 +672,14 @@ class PairLink:
 
     `group`: this rank and its neighbour; `lower`: this rank is the lower stage. Both ranks call
     `exchange` with matching roles (the pipeline schedules pair them, see moetrain/parallel/pipeline.py).
-    * native (Ascend/GPU): Send/Receive on the world communicator with global ranks; the lower stage
-      sends before it receives and the upper stage receives before it sends, so a two-way exchange
-      cannot deadlock without batched point-to-point.
+    * native and contract: Send/Receive on the world communicator (rank in group == global rank
+      there); the lower stage sends before it receives and the upper stage receives before it
+      sends, so a two-way exchange cannot deadlock without batched point-to-point.
     * emulated (CPU: no Send/Receive there, and `mint.distributed.send/recv` fail under msrun in
-      MindSpore 2.10, measured): one SUM all-reduce on the pair group; a two-way exchange is one
-      `[2, *shape]` buffer, slot 0 the lower stage's tensor, slot 1 the upper's.
-    Every exchange books its bytes in the ledger (kind "pp")."""
+      MindSpore 2.10, measured: docs/parallel_engine.md): one SUM all-reduce on the pair group; a
+      two-way exchange is one `[2, *shape]` buffer, slot 0 the lower stage's tensor, slot 1 the upper's.
+    Every exchange books its bytes in the ledger (kind "pp": native, the payload this rank sends;
+    emulated, the ring all-reduce of the buffer)."""
 
     def __init__(self, group: Group, lower: bool):
         if group.size != 2:
@@ -619,7 +687,7 @@ class PairLink:
         self.group, self.lower = group, lower
         self.slot = 0 if lower else 1
         self.peer = group.ranks[1 - self.slot]
-        self.native = backend_name() == "native"
+        self.native = backend_name() != "emulated"   # native, or contract: the same code path
         self.sum = ops.AllReduce(ReduceOp.SUM, group.name)
         self._prims: Dict[tuple, object] = {}
 
@@ -628,10 +696,11 @@ class PairLink:
         if key not in self._prims:
             from mindspore.communication import GlobalComm
 
+            prims = primitives()
             out_tag, in_tag = (0, 1) if self.lower else (1, 0)     # lower -> upper is tag 0
-            world = GlobalComm.WORLD_COMM_GROUP
-            self._prims[key] = (ops.Send(out_tag, self.peer, group=world),
-                                ops.Receive(in_tag, self.peer, list(shape), dtype, group=world))
+            world = GlobalComm.WORLD_COMM_GROUP   # on the world group, rank in group == global rank
+            self._prims[key] = (prims.Send(out_tag, self.peer, group=world),
+                                prims.Receive(in_tag, self.peer, list(shape), dtype, group=world))
         return self._prims[key]
 
     def exchange(self, payload, recv_shape=None, dtype=ms.float32):

@@ -226,9 +226,13 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
     real_world, rank = get_group_size(), get_rank()
     if real_world != world:
         raise LayoutError(f"the launcher announced {world} processes but the communicator has {real_world}")
+    from moetrain.dist import contract
+
     ctx = ParallelContext.build(world, rank, dp, tp, pp, ep).with_world_name(GlobalComm.WORLD_COMM_GROUP)
+    contract.register_group(GlobalComm.WORLD_COMM_GROUP, range(world))   # the contract backend's registry
     for name, ranks in ctx.communicators_to_create():
         create_group(name, list(ranks))
+        contract.register_group(name, ranks)
     if verbose and rank == 0:
         print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep}", flush=True)
     return ctx

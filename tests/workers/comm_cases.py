@@ -2,6 +2,8 @@
 
 World of 4 ranks laid out as dp=2 x tp=2: tp groups {0,1} {2,3}, dp groups {0,2} {1,3}.
 Inputs and loss weights are pure functions of (case, rank, shape), so the test can recompute them.
+Each backend phase of the worker runs every case: `PHASES` (label, MOETRAIN_COMM_BACKEND,
+MOETRAIN_CONTRACT_TARGET, modes).
 """
 import zlib
 
@@ -9,33 +11,23 @@ import numpy as np
 
 WORLD, DP, TP = 4, 2, 2
 
-
-def a2av_counts(src: int, dst: int) -> int:
-    """Rows rank `src` sends to rank `dst` in the all_to_all_v case (zeros included)."""
-    return (src + dst) % 3
-
-
-# name, op, group kind, per-rank input shape (a function of the rank), op keyword arguments
-CASES = [
-    ("all_reduce@world", "all_reduce", "world", lambda r: (3, 4), {}),
-    ("all_reduce@tp", "all_reduce", "tp", lambda r: (3, 4), {}),
-    ("all_gather@world", "all_gather", "world", lambda r: (2, 3), {"axis": 0}),
-    ("all_gather@dp", "all_gather", "dp", lambda r: (2, 3), {"axis": 1}),
-    ("reduce_scatter@world", "reduce_scatter", "world", lambda r: (8, 3), {"axis": 0}),
-    ("reduce_scatter@tp", "reduce_scatter", "tp", lambda r: (3, 4), {"axis": 1}),
-    ("all_to_all@world", "all_to_all", "world", lambda r: (4, 2), {"split_axis": 0, "concat_axis": 1}),
-    ("all_to_all@dp", "all_to_all", "dp", lambda r: (3, 4), {"split_axis": 1, "concat_axis": 0}),
-    ("all_to_all_v@world", "all_to_all_v", "world",
-     lambda r: (sum(a2av_counts(r, j) for j in range(WORLD)), 2), {}),
-    ("broadcast@world", "broadcast", "world", lambda r: (2, 3), {"src": 2}),
-    ("broadcast@tp", "broadcast", "tp", lambda r: (2, 3), {"src": 1}),
-    ("copy_to_region@tp", "copy_to_region", "tp", lambda r: (2, 3), {}),
-    ("reduce_from_region@tp", "reduce_from_region", "tp", lambda r: (2, 3), {}),
-    ("scatter_to_region@tp", "scatter_to_region", "tp", lambda r: (2, 4), {"axis": -1}),
-    ("gather_from_region@tp", "gather_from_region", "tp", lambda r: (2, 3), {"axis": -1}),
-    ("reduce_scatter_to_sequence@tp", "reduce_scatter_to_sequence", "tp", lambda r: (4, 3), {"axis": 0}),
-    ("gather_from_sequence@tp", "gather_from_sequence", "tp", lambda r: (2, 3), {"axis": 0}),
+PHASES = [
+    ("emulated", "emulated", "Ascend", ("pynative", "jit")),
+    ("contract", "contract", "Ascend", ("pynative", "jit")),      # the Ascend path on CPU
+    ("contract_gpu", "contract", "GPU", ("pynative",)),           # the GPU path on CPU
 ]
+TARGET_DEPENDENT_OPS = ("all_to_all", "all_to_all_v")   # the only ops whose code differs by target
+
+
+def phase_cases(label):
+    """The cases a phase runs: the GPU phase only those whose GPU path differs from Ascend's."""
+    if label == "contract_gpu":
+        return [case for case in CASES if case[1] in TARGET_DEPENDENT_OPS]
+    return CASES
+
+# all_to_all_v counts between positions in the group: COUNTS[case][src][dst] rows
+A2AV_WORLD = tuple(tuple((i + j) % 3 for j in range(WORLD)) for i in range(WORLD))
+A2AV_EMPTY = ((2, 0), (2, 0))   # position 1 of each tp group receives nothing
 
 
 def group_ranks(kind: str, rank: int):
@@ -48,6 +40,63 @@ def group_ranks(kind: str, rank: int):
     if kind == "dp":
         return list(range(rank % TP, WORLD, TP))
     raise ValueError(kind)
+
+
+def position(kind: str, rank: int) -> int:
+    return group_ranks(kind, rank).index(rank)
+
+
+def a2av_rows(counts, kind):
+    return lambda r: (sum(counts[position(kind, r)]), 2)
+
+
+# name, op, group kind, per-rank input shape (a function of the rank), op keyword arguments
+CASES = [
+    ("all_reduce@world", "all_reduce", "world", lambda r: (3, 4), {}),
+    ("all_reduce@tp", "all_reduce", "tp", lambda r: (3, 4), {}),
+    ("all_gather@world", "all_gather", "world", lambda r: (2, 3), {"axis": 0}),
+    ("all_gather@dp", "all_gather", "dp", lambda r: (2, 3), {"axis": 1}),
+    ("reduce_scatter@world", "reduce_scatter", "world", lambda r: (8, 3), {"axis": 0}),
+    ("reduce_scatter@tp", "reduce_scatter", "tp", lambda r: (3, 4), {"axis": 1}),
+    ("all_to_all@world", "all_to_all", "world", lambda r: (4, 2), {"split_axis": 0, "concat_axis": 1}),
+    ("all_to_all@dp", "all_to_all", "dp", lambda r: (3, 4), {"split_axis": 1, "concat_axis": 0}),
+    ("all_to_all@world_no_grad", "all_to_all", "world", lambda r: (4, 2),
+     {"split_axis": 0, "concat_axis": 0, "stop_gradient": True}),
+    ("all_to_all_v@world", "all_to_all_v", "world", a2av_rows(A2AV_WORLD, "world"), {"counts": A2AV_WORLD}),
+    ("all_to_all_v@tp_empty", "all_to_all_v", "tp", a2av_rows(A2AV_EMPTY, "tp"), {"counts": A2AV_EMPTY}),
+    ("broadcast@world", "broadcast", "world", lambda r: (2, 3), {"src": 2}),
+    ("broadcast@tp", "broadcast", "tp", lambda r: (2, 3), {"src": 1}),
+    ("broadcast@dp", "broadcast", "dp", lambda r: (2, 3), {"src": 0}),
+    ("copy_to_region@tp", "copy_to_region", "tp", lambda r: (2, 3), {}),
+    ("reduce_from_region@tp", "reduce_from_region", "tp", lambda r: (2, 3), {}),
+    ("scatter_to_region@tp", "scatter_to_region", "tp", lambda r: (2, 4), {"axis": -1}),
+    ("gather_from_region@tp", "gather_from_region", "tp", lambda r: (2, 3), {"axis": -1}),
+    ("reduce_scatter_to_sequence@tp", "reduce_scatter_to_sequence", "tp", lambda r: (4, 3), {"axis": 0}),
+    ("gather_from_sequence@tp", "gather_from_sequence", "tp", lambda r: (2, 3), {"axis": 0}),
+]
+CASE = {case[0]: case for case in CASES}
+
+# PairLink on each tp pair (position 0 is the lower stage): (name, lower sends, upper sends), shape
+LINK_SHAPE = (2, 3)
+LINK_EXCHANGES = [("two_way", True, True), ("lower_to_upper", True, False), ("upper_to_lower", False, True)]
+
+
+def link_payload(exchange: str, rank: int) -> np.ndarray:
+    return _rng("link", exchange, rank).standard_normal(LINK_SHAPE).astype(np.float32)
+
+
+# Mutations of the native call sites (contract phase, PyNative): name -> the case it runs
+MUTATIONS = {
+    "alltoall_axes_swapped": "all_to_all@world",
+    "broadcast_global_root": "broadcast@dp",
+    "allgather_wrong_group": "gather_from_sequence@tp",
+    "alltoallv_recv_reversed": "all_to_all_v@world",
+    "alltoall_on_gpu": "all_to_all@world",
+    "receive_wrong_shape": "link",
+    "send_recv_tag_mismatch": "link",
+    "both_stages_send_first": "link",
+    "alltoallv_empty_reshaped": "all_to_all_v@tp_empty",   # last: a failed MindSpore op can poison later ops
+}
 
 
 def _rng(*key) -> np.random.Generator:

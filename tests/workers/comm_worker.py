@@ -1,23 +1,32 @@
-"""Worker of tests/test_comm.py (4 ranks, dp=2 x tp=2): every op of moetrain.dist.comm, its
-output and its gradient, in PyNative and under ms.jit, plus byte ledgers. Writes
-<out>/rank_<r>.npz (arrays) and <out>/rank_<r>.json (ledgers, timings).
+"""Worker of tests/test_comm.py (4 ranks, dp=2 x tp=2), one launch for every backend phase
+(comm_cases.PHASES): every op of moetrain.dist.comm, its output and gradient (PyNative and ms.jit),
+per-op byte ledgers beside the primitive calls recorded by comm_recorder, PairLink exchanges, and
+on the contract backend mutated native call sites. Writes <out>/rank_<r>.npz (arrays) and
+<out>/rank_<r>.json (ledgers, records, errors, timings).
 
-    python tests/workers/comm_worker.py OUT_DIR [--modes pynative,jit] [--bench]
+    python tests/workers/comm_worker.py OUT_DIR [--bench]
 """
 import argparse
 import json
 import os
 import sys
 import time
+import types
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from comm_cases import CASES, WORLD, a2av_counts, case_input, loss_weight  # noqa: E402
+from comm_cases import (CASES, LINK_EXCHANGES, LINK_SHAPE, MUTATIONS, PHASES, case_input,  # noqa: E402
+                        link_payload, loss_weight, phase_cases, position)
+from comm_recorder import CONTRACT_PRIMS, Recorder  # noqa: E402
+from mindspore import ops  # noqa: E402
+
 from moetrain.dist import comm  # noqa: E402
 
 
 def apply(op, x, group, kw):
+    if kw.get("stop_gradient"):
+        x = ops.stop_gradient(x)
     if op == "all_reduce":
         return comm.all_reduce(x, group)
     if op == "all_gather":
@@ -43,84 +52,250 @@ def apply(op, x, group, kw):
     return comm.gather_from_sequence(x, group, kw["axis"])
 
 
+def log(message):
+    print(f"[comm_worker] {time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def columns(ledger, backward):
+    return {"native": ledger.bytes_by_group(backward=backward),
+            "emulated": ledger.bytes_by_group(backward=backward, emulated=True)}
+
+
+class Worker:
+    def __init__(self, ctx, recorder):
+        import mindspore as ms
+        from mindspore import Tensor
+
+        self.ms, self.ctx, self.rank, self.recorder = ms, ctx, ctx.rank, recorder
+        self.arrays, self.report = {}, {"rank": ctx.rank, "phases": {}, "mutations": {},
+                                        "group_kinds": {g.name: kind for kind, g in ctx.groups.items()
+                                                        if not g.is_trivial and kind in ("world", "tp", "dp")}}
+        self.specs, self.xs, self.ws = {}, {}, {}   # by case name
+        for name, op, kind, shape_of, kw in CASES:
+            kw = dict(kw)
+            if op == "all_to_all_v":
+                counts, pos = kw.pop("counts"), position(kind, self.rank)
+                kw["send_counts"] = list(counts[pos])
+                kw["recv_counts"] = [row[pos] for row in counts]
+            self.specs[name] = (op, ctx.group(kind), kw)
+            self.xs[name] = x = Tensor(case_input(name, self.rank, shape_of(self.rank)))
+            self.ws[name] = Tensor(loss_weight(name, self.rank, apply(op, x, ctx.group(kind), kw).shape))
+
+    # ---- PyNative: per op, values, gradients, ledger and the primitive calls -----------------
+    def pynative(self, label, phase):
+        ms, out = self.ms, {}
+        start = time.perf_counter()
+        for name, *_ in phase_cases(label):
+            (op, g, kw), x, w = self.specs[name], self.xs[name], self.ws[name]
+
+            def loss(x, w, op=op, g=g, kw=kw):
+                y = apply(op, x, g, kw)
+                self.recorder.backward_starts()
+                return (y * w).sum(), y
+
+            grad = ms.value_and_grad(loss, grad_position=0, has_aux=True)
+            with self.recorder.recording() as calls, comm.CommLedger() as ledger:
+                (_, y), dx = grad(x, w)
+            self.arrays[f"{label}/pynative/{name}/y"] = y.asnumpy()
+            self.arrays[f"{label}/pynative/{name}/dx"] = dx.asnumpy()
+            out[name] = {"forward": columns(ledger, backward=False), "all": columns(ledger, backward=True),
+                         "calls": list(calls)}
+        phase["ledgers"] = out
+        phase["pynative_s"] = time.perf_counter() - start
+
+    # ---- ms.jit: every op of the phase in one graph ------------------------------------------
+    def jit(self, label, phase):
+        ms, cases = self.ms, phase_cases(label)
+        specs = tuple(self.specs[case[0]] for case in cases)
+        count = len(specs)
+
+        def loss_fn(*tensors):   # inputs then loss weights (tuple arguments break grads under jit)
+            outs, loss = (), 0.0
+            for spec, x, w in zip(specs, tensors[:count], tensors[count:]):
+                y = apply(spec[0], x, spec[1], spec[2])
+                loss = loss + (y * w).sum()
+                outs = outs + (y,)
+            return loss, outs
+
+        fn = ms.jit(ms.value_and_grad(loss_fn, grad_position=tuple(range(count)), has_aux=True))
+        inputs = [self.xs[case[0]] for case in cases] + [self.ws[case[0]] for case in cases]
+        start = time.perf_counter()
+        fn(*inputs)                     # first call: compiles
+        phase["jit_first_call_s"] = time.perf_counter() - start
+        with comm.CommLedger() as ledger:
+            (_, outs), grads = fn(*inputs)
+        phase["jit_ledger"] = columns(ledger, backward=True)
+        for (name, *_), y, dx in zip(cases, outs, grads):
+            self.arrays[f"{label}/jit/{name}/y"] = y.asnumpy()
+            self.arrays[f"{label}/jit/{name}/dx"] = dx.asnumpy()
+
+    # ---- PairLink on the tp pair: position 0 is the lower stage --------------------------------
+    def links(self, label, phase):
+        from mindspore import Tensor
+
+        tp = self.ctx.group("tp")
+        lower = tp.rank_in_group == 0
+        link = comm.PairLink(tp, lower)
+        out = {}
+        for name, lower_sends, upper_sends in LINK_EXCHANGES:
+            sends, receives = (lower_sends, upper_sends) if lower else (upper_sends, lower_sends)
+            payload = Tensor(link_payload(name, self.rank)) if sends else None
+            with self.recorder.recording() as calls, comm.CommLedger() as ledger:
+                got = link.exchange(payload, LINK_SHAPE if receives else None)
+            self.arrays[f"{label}/link/{name}"] = got.asnumpy() if got is not None else np.zeros(0, np.float32)
+            out[name] = {"ledger": columns(ledger, backward=False), "calls": list(calls)}
+        phase["links"] = out
+
+    def int32_exchange(self, label):
+        """Counts travel as int32 on the native path: exact, negative and > 2**24 values included."""
+        from mindspore import Tensor
+
+        x = (np.arange(8, dtype=np.int64).reshape(4, 2) * 70001 - 3 * 10 ** 7 * self.rank).astype(np.int32)
+        self.arrays[f"{label}/int32/y"] = comm.all_to_all(Tensor(x), self.ctx.group("world")).asnumpy()
+
+    # ---- emulated extras: jitted loops book nothing, inf stays in its slot ---------------------
+    def loop_and_inf(self, phase):
+        from mindspore import Tensor
+
+        tp = self.ctx.group("tp")
+
+        def chained(x):
+            for _ in range(3):
+                x = comm.all_reduce(x, tp) * 0.5
+            return x
+
+        probe = Tensor(np.full((5, 7), self.rank + 1.0, np.float32))
+        for mode, fn in (("pynative", chained), ("jit", self.ms.jit(chained))):
+            fn(probe)
+            with comm.CommLedger() as ledger:
+                self.arrays[f"loop_{mode}/y"] = fn(probe).asnumpy()
+            phase[f"loop_{mode}_ledger"] = ledger.bytes_by_group(backward=False)
+        special = np.zeros((2, 2), np.float32) + self.rank
+        if self.rank == 1:
+            special[0, 0] = np.inf
+        self.arrays["inf/y"] = comm.all_gather(Tensor(special), self.ctx.group("world")).asnumpy()
+
+    # ---- mutated native call sites (contract backend, PyNative, forward only) ------------------
+    def mutations(self):
+        for mutation, target in MUTATIONS.items():
+            log(f"mutation {mutation}")
+            record = {"error": None}
+            saved = (comm.primitives, comm.native_target, comm._AllToAllV._exchange_v,
+                     os.environ.get("MOETRAIN_CONTRACT_TARGET"))
+            try:
+                y = self._mutated(mutation, target)
+                if y is not None:
+                    self.arrays[f"mutation/{mutation}/y"] = y.asnumpy()
+            except Exception as exc:  # noqa: BLE001 - the error is the result
+                record["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                comm.primitives, comm.native_target, comm._AllToAllV._exchange_v = saved[:3]
+                os.environ["MOETRAIN_CONTRACT_TARGET"] = saved[3]
+                comm._cached_op.cache_clear()
+            self.report["mutations"][mutation] = record
+
+    def _mutated(self, mutation, target):
+        from mindspore.communication import GlobalComm
+
+        from moetrain.dist import contract
+
+        overrides = {}
+        if mutation == "alltoall_axes_swapped":
+            class Swapped(contract.AlltoAll):
+                def __init__(self, split_count, split_dim, concat_dim, group=GlobalComm.WORLD_COMM_GROUP):
+                    super().__init__(split_count, concat_dim, split_dim, group)
+            overrides["AlltoAll"] = Swapped
+        elif mutation == "broadcast_global_root":
+            class GlobalRoot(contract.Broadcast):   # the pre-fix call site: a global root
+                def __init__(self, root_rank, group=GlobalComm.WORLD_COMM_GROUP):
+                    super().__init__(contract.group_ranks(group)[root_rank], group)
+            overrides["Broadcast"] = GlobalRoot
+        elif mutation == "allgather_wrong_group":
+            class WorldGather(contract.AllGather):
+                def __init__(self, group=GlobalComm.WORLD_COMM_GROUP):
+                    super().__init__(GlobalComm.WORLD_COMM_GROUP)
+            overrides["AllGather"] = WorldGather
+        elif mutation == "alltoallv_recv_reversed":
+            class Reversed(contract.AlltoAllV):
+                def __call__(self, x, send_numel_list, recv_numel_list):
+                    return super().__call__(x, send_numel_list, list(recv_numel_list)[::-1])
+            overrides["AlltoAllV"] = Reversed
+        elif mutation == "alltoall_on_gpu":   # a GPU run taking the Ascend-only branch
+            os.environ["MOETRAIN_CONTRACT_TARGET"] = "GPU"
+            comm.native_target = lambda: "Ascend"
+        elif mutation == "receive_wrong_shape":
+            class WrongShape(contract.Receive):
+                def __init__(self, sr_tag, src_rank, shape, dtype, group=GlobalComm.WORLD_COMM_GROUP,
+                             group_back=GlobalComm.WORLD_COMM_GROUP):
+                    super().__init__(sr_tag, src_rank, list(shape)[::-1], dtype, group, group_back)
+            overrides["Receive"] = WrongShape
+        elif mutation == "send_recv_tag_mismatch":
+            class OtherTag(contract.Receive):
+                def __init__(self, sr_tag, *args, **kwargs):
+                    super().__init__(sr_tag + 1, *args, **kwargs)
+            overrides["Receive"] = OtherTag
+        elif mutation == "alltoallv_empty_reshaped":   # the pre-fix code: reshape what AlltoAllV returns
+            def exchange_v(cell, x, send_numel, recv_numel, elements, rows):
+                y = cell.prim(ops.Reshape()(x, (elements,)), send_numel, recv_numel)
+                return ops.Reshape()(y, (rows,) + cell.rest)
+            comm._AllToAllV._exchange_v = exchange_v
+        prims = types.SimpleNamespace(**{name: getattr(contract, name) for name in CONTRACT_PRIMS})
+        prims.__dict__.update(overrides)
+        comm.primitives = lambda: prims
+        comm._cached_op.cache_clear()
+        if target == "link":
+            tp = self.ctx.group("tp")
+            link = comm.PairLink(tp, tp.rank_in_group == 0)
+            if mutation == "both_stages_send_first":
+                link.lower = True   # the upper stage also sends before it receives
+            exchange = "lower_to_upper" if mutation == "receive_wrong_shape" else "two_way"
+            sends = exchange == "two_way" or tp.rank_in_group == 0
+            receives = exchange == "two_way" or tp.rank_in_group == 1
+            payload = self.ms.Tensor(link_payload(exchange, self.rank)) if sends else None
+            return link.exchange(payload, LINK_SHAPE if receives else None)
+        op, group, kw = self.specs[target]
+        return apply(op, self.xs[target], group, kw)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
-    ap.add_argument("--modes", default="pynative,jit")
-    ap.add_argument("--bench", action="store_true", help="also time 1 MB all_reduce / all_to_all")
+    ap.add_argument("--bench", action="store_true", help="also time 1 MB all_reduce / all_to_all (emulated)")
     args = ap.parse_args()
 
     import mindspore as ms
-    from mindspore import Tensor
 
     ms.set_device("CPU")
     from moetrain.dist.topology import init_parallel
 
     ctx = init_parallel(dp=2, tp=2)
-    rank = ctx.rank
-    specs, xs = [], []
-    for name, op, kind, shape_of, kw in CASES:
-        kw = dict(kw)
-        if op == "all_to_all_v":
-            kw["send_counts"] = [a2av_counts(rank, j) for j in range(WORLD)]
-            kw["recv_counts"] = [a2av_counts(i, rank) for i in range(WORLD)]
-        specs.append((op, ctx.group(kind), kw))
-        xs.append(Tensor(case_input(name, rank, shape_of(rank))))
-    specs, xs = tuple(specs), tuple(xs)
-    ws = tuple(Tensor(loss_weight(name, rank, apply(op, x, g, kw).shape))
-               for (name, *_), (op, g, kw), x in zip(CASES, specs, xs))
-
-    count = len(specs)
-
-    def loss_fn(*tensors):   # inputs then loss weights (tuple arguments break grads under jit)
-        outs = ()
-        loss = 0.0
-        for spec, x, w in zip(specs, tensors[:count], tensors[count:]):
-            y = apply(spec[0], x, spec[1], spec[2])
-            loss = loss + (y * w).sum()
-            outs = outs + (y,)
-        return loss, outs
-
-    arrays, report = {}, {"rank": rank, "backend": comm.backend_name()}
-    grad_fn = ms.value_and_grad(loss_fn, grad_position=tuple(range(count)), has_aux=True)
-    for mode in args.modes.split(","):
-        fn = ms.jit(grad_fn) if mode == "jit" else grad_fn
-        start = time.perf_counter()
-        fn(*xs, *ws)                     # first call: compiles under jit
-        report[f"{mode}_first_call_s"] = time.perf_counter() - start
-        with comm.CommLedger() as ledger:
-            (loss, outs), grads = fn(*xs, *ws)
-        report[f"{mode}_ledger"] = {"native": ledger.bytes_by_group(backward=True),
-                                    "emulated": ledger.bytes_by_group(backward=True, emulated=True),
-                                    "native_forward": ledger.bytes_by_group(backward=False)}
-        for (name, *_), y, dx in zip(CASES, outs, grads):
-            arrays[f"{mode}/{name}/y"] = y.asnumpy()
-            arrays[f"{mode}/{name}/dx"] = dx.asnumpy()
-
-    # A loop of collectives: every executed call is booked in PyNative; a jitted graph books nothing.
-    tp = ctx.group("tp")
-
-    def chained(x):
-        for _ in range(3):
-            x = comm.all_reduce(x, tp) * 0.5
-        return x
-
-    probe = Tensor(np.full((5, 7), rank + 1.0, np.float32))
-    for mode, fn in (("pynative", chained), ("jit", ms.jit(chained))):
-        fn(probe)
-        with comm.CommLedger() as ledger:
-            arrays[f"loop_{mode}/y"] = fn(probe).asnumpy()
-        report[f"loop_{mode}_ledger"] = ledger.bytes_by_group(backward=False)
-
-    # inf on rank 1 must stay in rank 1's slot (no 0 * inf = nan leaking into other slots).
-    special = np.zeros((2, 2), np.float32) + rank
-    if rank == 1:
-        special[0, 0] = np.inf
-    arrays["inf/y"] = comm.all_gather(Tensor(special), ctx.group("world")).asnumpy()
+    recorder = Recorder()
+    recorder.install()
+    worker = Worker(ctx, recorder)
+    for label, backend, target, modes in PHASES:
+        os.environ["MOETRAIN_COMM_BACKEND"], os.environ["MOETRAIN_CONTRACT_TARGET"] = backend, target
+        phase = worker.report["phases"][label] = {"backend": comm.backend_name(), "target": comm.native_target()}
+        log(f"{label}: PyNative")
+        worker.pynative(label, phase)
+        if "jit" in modes:
+            log(f"{label}: jit")
+            worker.jit(label, phase)
+        if label != "contract_gpu":   # PairLink's path does not depend on the target
+            log(f"{label}: links")
+            worker.links(label, phase)
+        if backend == "contract":
+            worker.int32_exchange(label)
+        if label == "emulated":
+            worker.loop_and_inf(phase)
+    os.environ["MOETRAIN_COMM_BACKEND"], os.environ["MOETRAIN_CONTRACT_TARGET"] = "contract", "Ascend"
+    log("mutations")
+    worker.mutations()
+    log("done")
 
     if args.bench:
+        os.environ["MOETRAIN_COMM_BACKEND"] = "emulated"
         world = ctx.group("world")
-        big = Tensor(np.ones((256, 1024), np.float32))   # 1 MiB
+        big = ms.Tensor(np.ones((256, 1024), np.float32))   # 1 MiB
         for label, run in (("all_reduce_1MiB_ms", lambda: comm.all_reduce(big, world)),
                            ("all_to_all_1MiB_ms", lambda: comm.all_to_all(big, world))):
             run().asnumpy()
@@ -129,12 +304,12 @@ def main():
                 start = time.perf_counter()
                 run().asnumpy()
                 times.append((time.perf_counter() - start) * 1000)
-            report[label] = float(np.median(times))
+            worker.report[label] = float(np.median(times))
 
     os.makedirs(args.out_dir, exist_ok=True)
-    np.savez(os.path.join(args.out_dir, f"rank_{rank}.npz"), **arrays)
-    with open(os.path.join(args.out_dir, f"rank_{rank}.json"), "w") as f:
-        json.dump(report, f)
+    np.savez(os.path.join(args.out_dir, f"rank_{ctx.rank}.npz"), **worker.arrays)
+    with open(os.path.join(args.out_dir, f"rank_{ctx.rank}.json"), "w") as f:
+        json.dump(worker.report, f)
 
 
 if __name__ == "__main__":
