@@ -741,4 +741,4 @@ def barrier(group: Optional[Group] = None) -> None:
         return
     else:
         name = group.name
-    ops.AllReduce(ReduceOp.SUM, name)(Tensor(np.ones(1, np.float32))).asnumpy()
+    primitives().AllReduce(ReduceOp.SUM, name)(Tensor(np.ones(1, np.float32))).asnumpy()

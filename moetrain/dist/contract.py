@@ -290,8 +290,14 @@ def _validated(op: str, group: str, shape: tuple, dtype, params: tuple) -> tuple
         raise ContractError(f"{what}: the input needs at least one dimension (output (n*x1, x2, ...))")
     if op == "ReduceScatter" and (not shape or shape[0] % n):
         raise ContractError(f"{what}: the first dimension of shape {shape} must be divisible by the group size {n}")
-    if op in ("AllReduce", "AllGather", "ReduceScatter", "Send", "Receive"):
+    if op == "AllReduce":
+        if params[0] != ReduceOp.SUM and _CARRIED[dtype] != "direct":
+            raise NotImplementedError(f"{what}: {params[0]} has a CPU reference for float16/float32 only")
         return params
+    if op in ("AllGather", "ReduceScatter", "Send"):
+        return ()
+    if op == "Receive":
+        return (shape,)
     if op == "AlltoAll":
         split_count, split_dim, concat_dim = params
         if split_count != n:
@@ -325,19 +331,14 @@ def _validated(op: str, group: str, shape: tuple, dtype, params: tuple) -> tuple
 
 @functools.lru_cache(maxsize=None)
 def _kernel(op: str, group: str, shape: tuple, dtype, params: tuple, capacity: int = -1):
+    """The checked kernel of one call; AlltoAllV's `capacity` is the group's largest count (known
+    in PyNative after the header exchange; under jit this rank's own largest count)."""
     extra = _validated(op, group, shape, dtype, params)
     members = group_ranks(group)
     pos = _position(group, members, f"contract {op}")
-    if op == "AllReduce":
-        return _AllReduceKernel(group, len(members), pos, dtype, extra[0])
     if op == "AlltoAllV":
         send, recv = extra
-        capacity = capacity if capacity >= 0 else max(send + recv)   # jit: this rank's largest count
-        return _AlltoAllVKernel(group, len(members), pos, dtype, send, recv, capacity)
-    if op == "Receive":
-        return _ReceiveKernel(group, len(members), pos, dtype, shape)
-    if op in ("Send", "AllGather", "ReduceScatter"):
-        return _KERNELS[op](group, len(members), pos, dtype)
+        extra = (send, recv, capacity if capacity >= 0 else max(send + recv))
     return _KERNELS[op](group, len(members), pos, dtype, *extra)
 
 
@@ -348,7 +349,7 @@ def _fields(op: str, shape, dtype, attrs: Sequence[int] = (), counts: Sequence[i
     """Fixed-width header of one call: op, dtype, ndim, dims, attributes, then 2n counts."""
     shape = tuple(shape)
     if len(shape) > _MAX_DIMS or len(attrs) > _MAX_ATTRS:
-        raise ContractError(f"contract {op}: more than {_MAX_DIMS} dimensions are not supported")
+        raise ContractError(f"contract {op}: more than {_MAX_DIMS} dimensions or {_MAX_ATTRS} attributes")
     code = _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else len(_DTYPE_CODES)
     counts = list(counts) + [0] * (2 * n - len(counts))
     return ([_OPCODES.index(op), code, len(shape)] + list(shape) + [0] * (_MAX_DIMS - len(shape))
@@ -398,9 +399,8 @@ def _attrs(row: np.ndarray) -> Tuple[int, ...]:
     return tuple(int(a) for a in row[start:start + _MAX_ATTRS])
 
 
-def _require_same(table: np.ndarray, members, group: str, what: str, compare_shape: bool = True) -> None:
-    width = 3 + _MAX_DIMS + _MAX_ATTRS if compare_shape else 2
-    keys = [tuple(row[:width]) for row in table]
+def _require_same(table: np.ndarray, members, group: str, what: str) -> None:
+    keys = [tuple(row[:3 + _MAX_DIMS + _MAX_ATTRS]) for row in table]
     if len(set(keys)) > 1:
         calls = "; ".join(f"rank {members[i]}: {_describe(row)} attrs {_attrs(row)}" for i, row in enumerate(table))
         raise ContractError(f"{what}: the ranks of communicator {group!r} disagree ({calls}); every rank must call "

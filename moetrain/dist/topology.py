@@ -234,5 +234,10 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
         create_group(name, list(ranks))
         contract.register_group(name, ranks)
     if verbose and rank == 0:
-        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep}", flush=True)
+        from moetrain.dist import comm
+
+        backend = comm.backend_name()
+        path = "" if backend == "emulated" else f" ({comm.native_target()} path)"
+        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep}, comm backend {backend}{path}",
+              flush=True)
     return ctx
