@@ -21,8 +21,8 @@ from typing import Optional
 import mindspore as ms
 from mindspore import nn, ops
 
-from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, RMSNorm,
-                             SwiGLUMLP, compute_dtype_of)
+from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
+                             RMSNorm, SwiGLUMLP, compute_dtype_of)
 from moetrain.registry import register_model
 
 
@@ -113,6 +113,8 @@ class GPT(nn.Cell):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype)
         self.compute_dtype = compute_dtype_of(cfg.compute_dtype)
         self.cross_entropy = CrossEntropy()
+        self.vocab_size = cfg.vocab_size
+        self.head_loss = LMHeadCrossEntropy() if LMHeadCrossEntropy.supported(cfg.compute_dtype) else None
 
     def build_block(self, layer_index: int) -> nn.Cell:
         return TransformerBlock(self.cfg)
@@ -131,18 +133,32 @@ class GPT(nn.Cell):
             logits = self.lm_head(h)
         return logits.astype(ms.float32)
 
+    def lm_loss(self, h, labels):
+        """Final norm, LM head and mean cross-entropy from the last hidden state `[B, S, H]`: fused
+        (no `[tokens, vocab]` logits) where `head_loss` exists and the head holds the whole
+        vocabulary; a vocabulary-parallel head (tp > 1) takes the plain path, whose loss is reduced
+        over the tp group."""
+        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
+        if self.head_loss is not None and weight.shape[0] == self.vocab_size:
+            return self.head_loss(self.final_norm(h), weight, labels)
+        return self.cross_entropy(self.output_logits(h), labels)
+
     def check_length(self, input_ids):
         if input_ids.shape[-1] > self.max_positions:
             raise ValueError(f"input has {input_ids.shape[-1]} tokens per sequence but the model was built "
                              f"for at most model.seq_length={self.max_positions}")
 
-    def logits(self, input_ids):
+    def hidden(self, input_ids):
+        """The last hidden state `[B, S, H]`, before the final norm."""
         self.check_length(input_ids)
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h)
-        return self.output_logits(h)
+        return h
+
+    def logits(self, input_ids):
+        return self.output_logits(self.hidden(input_ids))
 
     def construct(self, input_ids, labels):
-        loss = self.cross_entropy(self.logits(input_ids), labels)
+        loss = self.lm_loss(self.hidden(input_ids), labels)
         return loss, {"lm_loss": loss}

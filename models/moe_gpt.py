@@ -86,7 +86,8 @@ class MoEGPT(GPT):
         return MoEBlock(self.cfg) if self.cfg.is_moe_layer(layer_index) else TransformerBlock(self.cfg)
 
     def forward_with_stats(self, input_ids):
-        """`(logits, moe_stats, weighted_aux)` where weighted_aux = Σ_layers coeff·aux terms."""
+        """`(hidden, moe_stats, weighted_aux)`: the last hidden state `[B, S, H]` (before the final
+        norm), the stats, and weighted_aux = Σ_layers coeff·aux terms."""
         self.check_length(input_ids)
         h = self.embed(input_ids)
         zero = ops.zeros((), ms.float32)
@@ -103,14 +104,14 @@ class MoEGPT(GPT):
             else:
                 h = self.layers[index](h)
         totals["expert_load"] = ops.stack(loads)
-        return self.output_logits(h), totals, weighted_aux
+        return h, totals, weighted_aux
 
     def logits(self, input_ids):
-        return self.forward_with_stats(input_ids)[0]
+        return self.output_logits(self.forward_with_stats(input_ids)[0])
 
     def construct(self, input_ids, labels):
-        logits, stats, weighted_aux = self.forward_with_stats(input_ids)
-        lm_loss = self.cross_entropy(logits, labels)
+        h, stats, weighted_aux = self.forward_with_stats(input_ids)
+        lm_loss = self.lm_loss(h, labels)
         stats["lm_loss"] = lm_loss
         return lm_loss + weighted_aux, stats
 

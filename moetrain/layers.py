@@ -256,3 +256,28 @@ class CrossEntropy(nn.Cell):
     def construct(self, logits, labels):
         return self.loss(logits.reshape(-1, logits.shape[-1]).astype(ms.float32),
                          labels.reshape(-1).astype(ms.int32))
+
+
+class LMHeadCrossEntropy(nn.Cell):
+    """Mean cross-entropy of the LM head's logits `h @ weight.T` against `labels`, fused: the
+    `[tokens, vocab]` logits are never stored (`moetrain.kernels`, fp32; rows go through the head
+    in chunks of a few MB, and in training mode one pass yields the loss and both gradients).
+
+    `construct(h [..., H] fp32, weight [V, H], labels [...] int) -> fp32 scalar`. The head weight is
+    an input, so a tied head passes the embedding table. Build it only where `supported(...)`;
+    elsewhere a model runs its LM head and `CrossEntropy`. A vocabulary-parallel head (tp > 1)
+    reduces the per-slice partials of `moetrain.kernels.ops.LMHeadLogitStats` over the tp group
+    instead (see that class)."""
+
+    def __init__(self):
+        super().__init__()
+        from moetrain.kernels.ops import FusedLMHeadCrossEntropy
+
+        self.fused = FusedLMHeadCrossEntropy()
+
+    @staticmethod
+    def supported(compute_dtype) -> bool:
+        return kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
+
+    def construct(self, h, weight, labels):
+        return self.fused(h.reshape(-1, h.shape[-1]).astype(ms.float32), weight, labels.reshape(-1).astype(ms.int32))

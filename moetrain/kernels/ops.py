@@ -11,17 +11,20 @@ from mindspore.ops import CustomRegOp, DataType
 from moetrain.kernels import library_path
 
 
-def _custom(name: str, input_dtypes, bprop=None):
-    """The kernel `name` of the library: inputs of `input_dtypes`, one fp32 output."""
+F32, I32 = DataType.F32_Default, DataType.I32_Default
+
+
+def _custom(name: str, input_dtypes, bprop=None, output_dtypes=(F32,)):
+    """The kernel `name` of the library: inputs of `input_dtypes`, outputs of `output_dtypes` (a
+    tuple of tensors when there are several; their C++ shape inference returns one shape each)."""
     reg = CustomRegOp()
     for i in range(len(input_dtypes)):
         reg = reg.input(i, f"x{i}")
-    reg = reg.output(0, "y").dtype_format(*input_dtypes, DataType.F32_Default).target("CPU").get_op_info()
+    for i in range(len(output_dtypes)):
+        reg = reg.output(i, f"y{i}")
+    reg = reg.dtype_format(*input_dtypes, *output_dtypes).target("CPU").get_op_info()
     return ops.Custom(f"{library_path()}:{name}", out_shape=None, out_dtype=None, func_type="aot", bprop=bprop,
                       reg_info=reg)
-
-
-F32, I32 = DataType.F32_Default, DataType.I32_Default
 
 
 class GroupedMatmul(nn.Cell):
@@ -99,3 +102,54 @@ class FusedCausalAttention(nn.Cell):
 
     def construct(self, q, k, v):
         return self.forward(q, k, v)
+
+
+class FusedLMHeadCrossEntropy(nn.Cell):
+    """`construct(h [N, H], weight [V, H], labels [N] int32) -> mean_n CE(h_n weight^T, labels_n)`, fp32,
+    without ever storing the `[N, V]` logits (rows go through in chunks of a few MB).
+
+    In training mode (the default of this cell) one kernel returns the loss and its gradients for
+    `h` and `weight` (three GEMMs, the backward only scales them by the upstream gradient); after
+    `set_train(False)` a loss-only kernel (one GEMM) runs, whose backward recomputes the logits.
+    Every label must lie in `[0, V)`: one outside fails the op."""
+
+    def __init__(self):
+        super().__init__()
+
+        def loss_grad_bprop(h, weight, labels, out, dout):
+            return out[1] * dout[0], out[2] * dout[0], ops.zeros_like(labels)
+
+        self.loss_grad = _custom("LMHeadLossGrad", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
+        self.stats = LMHeadLogitStats(strict=True)
+        self.set_train(True)
+
+    def construct(self, h, weight, labels):
+        if self.training:
+            return self.loss_grad(h, weight, labels)[0].reshape(())
+        row_max, sum_exp, target = self.stats(h, weight, labels)
+        return (ops.log(sum_exp) + row_max - target).mean()
+
+
+class LMHeadLogitStats(nn.Cell):
+    """`construct(h [N, H], weight [Vs, H], labels [N] int32) -> (m, s, t)`, each `[N]` fp32: over the
+    logits `z = h weight^T` of this vocabulary slice, `m = max z`, `s = sum exp(z - m)` and
+    `t = z[label]` (0 for a label outside `[0, Vs)`; with `strict=True` such a label fails the op).
+
+    The partials of a vocabulary-parallel cross-entropy: with `M = max_r m_r` over the slices,
+    `loss_n = log(sum_r s_r exp(m_r - M)) + M - sum_r t_r`, where `m` is a shift the loss does not
+    depend on (use it under `stop_gradient`). Gradients flow from `s` and `t` to `h` and `weight`
+    (the backward recomputes the logits chunk by chunk)."""
+
+    def __init__(self, strict: bool = False):
+        super().__init__()
+        backward = _custom("LMHeadLogitStatsBackward", (F32, F32, I32, F32, F32, F32), output_dtypes=(F32, F32))
+
+        def bprop(h, weight, labels, out, dout):
+            dh, dweight = backward(h, weight, labels, out[0], dout[1], dout[2])
+            return dh, dweight, ops.zeros_like(labels)
+
+        name = "LMHeadLogitStatsStrict" if strict else "LMHeadLogitStats"
+        self.forward = _custom(name, (F32, F32, I32), bprop, (F32,) * 3)
+
+    def construct(self, h, weight, labels):
+        return self.forward(h, weight, labels)

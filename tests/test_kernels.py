@@ -1,0 +1,204 @@
+"""The fused CPU kernels of issue 19 against numpy (float64), forward and backward, in PyNative and
+under ms.jit: LM head + cross-entropy, attention with RoPE, the router, AdamW; and the fallback to
+plain ops when the kernel library cannot be built."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = pytest.mark.parametrize("jit", [False, True], ids=["pynative", "jit"])
+
+
+@pytest.fixture(scope="module")
+def ms():
+    import mindspore
+
+    mindspore.set_device("CPU")
+    return mindspore
+
+
+@pytest.fixture(scope="module")
+def kernel_ops(ms):
+    from moetrain import kernels
+
+    if not kernels.available():
+        pytest.skip("moetrain.kernels cannot be built here (no C++ compiler or no oneDNN in MindSpore)")
+    from moetrain.kernels import ops
+
+    return ops
+
+
+def grad_fn(ms, fn, argnums, jit):
+    f = ms.value_and_grad(fn, argnums)
+    return ms.jit(f) if jit else f
+
+
+# ----------------------------------------------------------------------------------------------
+# LM head + cross-entropy
+# ----------------------------------------------------------------------------------------------
+
+def reference_lm_head_loss(h, w, labels):
+    """float64: mean CE of h w^T and its gradients for h and w."""
+    z = h.astype(np.float64) @ w.astype(np.float64).T
+    rows = np.arange(len(labels))
+    z_max = z.max(1, keepdims=True)
+    probs = np.exp(z - z_max)
+    sum_exp = probs.sum(1, keepdims=True)
+    probs /= sum_exp
+    loss = (np.log(sum_exp[:, 0]) + z_max[:, 0] - z[rows, labels]).mean()
+    dz = probs
+    dz[rows, labels] -= 1
+    dz /= len(labels)
+    return loss, dz @ w.astype(np.float64), dz.T @ h.astype(np.float64)
+
+
+def lm_head_case(rows, hidden, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((rows, hidden)).astype(np.float32)
+    w = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    labels = rng.integers(0, vocab, rows).astype(np.int32)
+    labels[0] = vocab - 1
+    labels[-1] = 0
+    return h, w, labels
+
+
+# 600 rows over 2 threads at V=5003: chunks of 209 rows, so 300 rows a thread end in a partial chunk;
+# 5003 is no multiple of the SIMD width; one row (batch 1, a single token).
+LM_HEAD_SHAPES = pytest.mark.parametrize("rows,hidden,vocab", [(600, 16, 5003), (1, 8, 37), (33, 24, 16)],
+                                         ids=["partial-chunks", "one-row", "tiny-vocab"])
+
+
+@MODES
+@LM_HEAD_SHAPES
+@pytest.mark.parametrize("training", [True, False], ids=["loss+grad-kernel", "loss-only-kernel"])
+def test_fused_lm_head_cross_entropy_matches_numpy(ms, kernel_ops, jit, training, rows, hidden, vocab):
+    h, w, labels = lm_head_case(rows, hidden, vocab)
+    op = kernel_ops.FusedLMHeadCrossEntropy()
+    op.set_train(training)
+    labels_t = ms.Tensor(labels)
+
+    def loss_fn(h_, w_):
+        return op(h_, w_, labels_t) * 3.0     # an upstream gradient other than 1
+
+    loss, (dh, dw) = grad_fn(ms, loss_fn, (0, 1), jit)(ms.Tensor(h), ms.Tensor(w))
+    loss_ref, dh_ref, dw_ref = reference_lm_head_loss(h, w, labels)
+    assert loss.shape == ()
+    np.testing.assert_allclose(float(loss), 3 * loss_ref, rtol=1e-5)
+    np.testing.assert_allclose(dh.asnumpy(), 3 * dh_ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(dw.asnumpy(), 3 * dw_ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_fused_lm_head_cross_entropy_rejects_label_out_of_range(ms, kernel_ops, training):
+    h, w, labels = lm_head_case(4, 8, 10)
+    labels[2] = 10
+    op = kernel_ops.FusedLMHeadCrossEntropy()
+    op.set_train(training)
+    with pytest.raises(RuntimeError):
+        op(ms.Tensor(h), ms.Tensor(w), ms.Tensor(labels)).asnumpy()
+
+
+@MODES
+def test_lm_head_logit_stats_compose_a_vocab_parallel_loss(ms, kernel_ops, jit):
+    """Two vocabulary slices (as two tp ranks hold them), combined as VocabParallelCrossEntropy
+    combines its partials: the loss and the gradients of h and of both weight slices equal numpy."""
+    from mindspore import ops
+
+    h, w, labels = lm_head_case(150, 12, 1001, seed=1)
+    cut = 500                                            # slices of 500 and 501 rows
+    stats = kernel_ops.LMHeadLogitStats()
+    labels_t = ms.Tensor(labels)
+
+    def loss_fn(h_, w0, w1):
+        parts = [stats(h_, w0, labels_t), stats(h_, w1, labels_t - cut)]
+        shift = ops.stop_gradient(ops.maximum(parts[0][0], parts[1][0]))
+        sum_exp = sum(s * ops.exp(ops.stop_gradient(m) - shift) for m, s, _ in parts)
+        target = sum(t for _, _, t in parts)
+        return (ops.log(sum_exp) + shift - target).mean()
+
+    loss, (dh, dw0, dw1) = grad_fn(ms, loss_fn, (0, 1, 2), jit)(ms.Tensor(h), ms.Tensor(w[:cut]), ms.Tensor(w[cut:]))
+    loss_ref, dh_ref, dw_ref = reference_lm_head_loss(h, w, labels)
+    np.testing.assert_allclose(float(loss), loss_ref, rtol=1e-5)
+    np.testing.assert_allclose(dh.asnumpy(), dh_ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.concatenate([dw0.asnumpy(), dw1.asnumpy()]), dw_ref, rtol=1e-4, atol=1e-6)
+
+
+@MODES
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_gpt_fused_head_loss_equals_plain_path(ms, kernel_ops, jit, tie):
+    """The GPT model with the fused LM head + cross-entropy and with the plain head and loss: same
+    loss and the same gradient for every parameter (the tied embedding gets both contributions)."""
+    from models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=97, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=24, seq_length=8,
+                    tie_embeddings=tie)
+    ms.set_seed(0)
+    model = GPT(cfg)
+    assert model.head_loss is not None
+    params = model.trainable_params()
+    rng = np.random.default_rng(0)
+    ids = ms.Tensor(rng.integers(0, 97, (2, 8)).astype(np.int32))
+    labels = ms.Tensor(rng.integers(0, 97, (2, 8)).astype(np.int32))
+
+    def run():
+        def loss_fn(ids_, labels_):
+            return model(ids_, labels_)[0]
+
+        f = ms.value_and_grad(loss_fn, None, params)
+        loss, grads = (ms.jit(f) if jit else f)(ids, labels)
+        return [loss.asnumpy()] + [g.asnumpy() for g in grads]
+
+    fused = run()
+    head_loss, model.head_loss = model.head_loss, None
+    plain = run()
+    model.head_loss = head_loss
+    for name, a, b in zip(["loss"] + [p.name for p in params], fused, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fallback when the kernel library cannot be built
+# ----------------------------------------------------------------------------------------------
+
+FALLBACK_SCRIPT = """
+import warnings
+import numpy as np
+import mindspore as ms
+ms.set_device("CPU")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from moetrain import kernels
+    from models.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=16,
+                          seq_length=8))
+    ids = ms.Tensor(np.zeros((1, 8), np.int32))
+    loss = float(model(ids, ids)[0])
+ours = [str(w.message) for w in caught if "moetrain CPU kernels unavailable" in str(w.message)]
+assert not kernels.available() and model.head_loss is None and np.isfinite(loss), (kernels.available(), loss)
+assert len(ours) == 1, ours
+print(ours[0])
+"""
+
+
+@pytest.mark.parametrize("breakage", ["missing-compiler", "unwritable-cache"])
+def test_kernel_build_failure_falls_back_with_one_warning(tmp_path, breakage):
+    env = dict(os.environ, PYTHONPATH=ROOT, MOETRAIN_DISABLE_KERNELS="0")
+    if breakage == "missing-compiler":
+        env["CXX"] = str(tmp_path / "no-such-g++")
+        env["MOETRAIN_KERNEL_CACHE"] = str(tmp_path / "cache")
+        why = "no-such-g++"
+    else:
+        if os.geteuid() == 0:   # root writes anywhere: make the cache path a file instead
+            (tmp_path / "cache").write_text("")
+            env["MOETRAIN_KERNEL_CACHE"] = str(tmp_path / "cache" / "sub")
+        else:
+            (tmp_path / "cache").mkdir(mode=0o500)
+            env["MOETRAIN_KERNEL_CACHE"] = str(tmp_path / "cache" / "sub")
+        why = "cache"
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "moetrain CPU kernels unavailable" in proc.stdout and why in proc.stdout, proc.stdout

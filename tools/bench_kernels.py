@@ -1,0 +1,111 @@
+"""Micro-benchmark of each fused CPU kernel against the plain MindSpore ops it replaces, in one process.
+
+    python tools/bench_kernels.py                          # every piece, the bench model's shapes
+    python tools/bench_kernels.py --pieces lm_head --rounds 7
+
+Each piece is jitted twice per path, forward only and forward + backward (`value_and_grad` with
+respect to every float input), at the shapes of `tools/bench.py`'s reference model (2048 tokens,
+hidden 256, 8 heads of 32, vocab 8192, 8 experts top-2). Rounds interleave the paths so that load
+from other processes hits them alike; the table gives the median wall time and the median process
+CPU time (all threads) per call over the rounds. One JSON line per piece and mode goes to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import mindspore as ms  # noqa: E402
+from mindspore import Tensor, nn, ops  # noqa: E402
+
+
+def lm_head_piece(tokens: int, hidden: int, vocab: int):
+    """Final hidden state -> LM head -> mean cross-entropy; gradients for the hidden state and the head."""
+    from moetrain.kernels.ops import FusedLMHeadCrossEntropy
+    from moetrain.layers import CrossEntropy
+
+    rng = np.random.default_rng(0)
+    h = Tensor(rng.standard_normal((tokens, hidden)).astype(np.float32))
+    w = Tensor((0.02 * rng.standard_normal((vocab, hidden))).astype(np.float32))
+    labels = Tensor(rng.integers(0, vocab, tokens).astype(np.int32))
+
+    class Plain(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.matmul, self.loss = ops.MatMul(transpose_b=True), CrossEntropy()
+
+        def construct(self, h_, w_, labels_):
+            return self.loss(self.matmul(h_, w_), labels_)
+
+    loss_only = FusedLMHeadCrossEntropy()
+    loss_only.set_train(False)   # the loss-only kernel; its backward recomputes the logits
+    return {"plain": Plain(), "fused": FusedLMHeadCrossEntropy(), "fused_eval": loss_only}, (h, w, labels), (0, 1)
+
+
+PIECES = {"lm_head": lambda a: lm_head_piece(a.tokens, a.hidden, a.vocab)}
+
+
+def timed(fn, args):
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn(*args)
+    for leaf in (out if isinstance(out, (tuple, list)) else (out,)):
+        for t in (leaf if isinstance(leaf, (tuple, list)) else (leaf,)):
+            t.asnumpy()
+    return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
+
+
+def run_piece(name: str, cells: dict, inputs, grad_positions, rounds: int, calls: int) -> list:
+    runners = {}
+    for path, cell in cells.items():
+        runners[(path, "fwd")] = ms.jit(cell)
+        runners[(path, "fwd+bwd")] = ms.jit(ms.value_and_grad(cell, grad_positions))
+    samples = {key: ([], []) for key in runners}
+    for key, fn in runners.items():   # compile and warm up
+        timed(fn, inputs)
+    for _ in range(rounds):
+        for key, fn in runners.items():
+            for _ in range(calls):
+                wall, cpu = timed(fn, inputs)
+                samples[key][0].append(wall)
+                samples[key][1].append(cpu)
+    rows = []
+    for (path, mode), (walls, cpus) in samples.items():
+        rows.append({"piece": name, "mode": mode, "path": path, "wall_ms_median": round(statistics.median(walls), 2),
+                     "wall_ms_min": round(min(walls), 2), "cpu_ms_median": round(statistics.median(cpus), 2)})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pieces", nargs="+", default=list(PIECES), choices=list(PIECES))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=3, help="calls per path per round")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8192)
+    args = ap.parse_args(argv)
+    ms.set_device("CPU")
+    from moetrain import kernels
+
+    if not kernels.available():
+        sys.exit("moetrain.kernels are not available here (see the warning above)")
+    print(f"{'piece':10} {'mode':8} {'path':10} {'wall ms (median / min)':>24} {'cpu ms':>8}", file=sys.stderr)
+    for name in args.pieces:
+        cells, inputs, grad_positions = PIECES[name](args)
+        for row in run_piece(name, cells, inputs, grad_positions, args.rounds, args.calls):
+            print(f"{row['piece']:10} {row['mode']:8} {row['path']:10} {row['wall_ms_median']:>14.1f} / "
+                  f"{row['wall_ms_min']:>7.1f} {row['cpu_ms_median']:>8.1f}", file=sys.stderr)
+            print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
