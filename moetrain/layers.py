@@ -132,6 +132,10 @@ class RotaryEmbedding(nn.Cell):
         self.cos, self.signed_sin = _shared_rope_tensors(head_dim, max_positions, float(theta))
         self.half = head_dim // 2
 
+    def tables(self, seq_len: int):
+        """fp32 `(cos, signed_sin)` `[seq_len, head_dim]` for positions `0..seq_len-1`."""
+        return self.cos[:seq_len].reshape(seq_len, -1), self.signed_sin[:seq_len].reshape(seq_len, -1)
+
     def construct(self, x):
         seq_len = x.shape[1]
         cos = self.cos[:seq_len].astype(x.dtype)
@@ -184,7 +188,8 @@ class Attention(nn.Cell):
 
     With `moetrain.kernels` available and fp32 compute, `core` is the fused causal-attention kernel
     instead: it reads q, k, v in the projection layout `[B, S, heads, head_dim]` (no transposes,
-    no mask tensor) and skips the key blocks above the diagonal."""
+    no mask tensor), applies RoPE and the 1/sqrt(head_dim) scale itself (forward and backward) and
+    skips the key blocks above the diagonal."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_positions: int, rope_theta: float = 10000.0, init_std: float = 0.02,
@@ -209,12 +214,16 @@ class Attention(nn.Cell):
 
     def construct(self, x):
         batch, seq_len = x.shape[0], x.shape[1]
+        if self.fused:
+            q = self.wq(x).reshape(batch, seq_len, -1, self.head_dim)
+            k = self.wk(x).reshape(batch, seq_len, -1, self.head_dim)
+            v = self.wv(x).reshape(batch, seq_len, -1, self.head_dim)
+            cos, sin = self.rope.tables(seq_len)
+            out = self.core(q, k, v, cos, sin)                             # [B, S, n, d]
+            return self.wo(out.reshape(batch, seq_len, -1))
         q = self.rope(self.wq(x).reshape(batch, seq_len, -1, self.head_dim))
         k = self.rope(self.wk(x).reshape(batch, seq_len, -1, self.head_dim))
         v = self.wv(x).reshape(batch, seq_len, -1, self.head_dim)
-        if self.fused:
-            out = self.core(q * self.scale, k, v)                          # [B, S, n, d]
-            return self.wo(out.reshape(batch, seq_len, -1))
         num_kv_heads = k.shape[2]
         group = q.shape[2] // num_kv_heads
         # [B, S, n, d] -> [B, n, S, d]; query heads of one K/V group become one row block.

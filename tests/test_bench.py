@@ -122,45 +122,6 @@ def test_fused_rmsnorm_matches_numpy(ms, kernel_ops, jit):
     np.testing.assert_allclose(dweight.asnumpy(), (upstream * x64 * inv).sum((0, 1)), rtol=1e-4, atol=1e-4)
 
 
-def reference_causal_attention(q, k, v, upstream):
-    """float64 numpy: output and gradients of sum(upstream * softmax(q k^T + causal) v), GQA."""
-    batch, seq, q_heads, _ = q.shape
-    group = q_heads // k.shape[2]
-    q64, k64, v64 = q.astype(np.float64), np.repeat(k, group, 2).astype(np.float64), np.repeat(v, group, 2)
-    scores = np.einsum("bihd,bjhd->bhij", q64, k64)
-    scores[:, :, np.triu(np.ones((seq, seq), bool), 1)] = -np.inf
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    out = np.einsum("bhij,bjhd->bihd", probs, v64)
-    dprobs = np.einsum("bihd,bjhd->bhij", upstream, v64)
-    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdims=True))
-    dq = np.einsum("bhij,bjhd->bihd", dscores, k64)
-    fold = (batch, seq, k.shape[2], group, q.shape[3])        # sum the gradients of a K/V group's heads
-    dk = np.einsum("bhij,bihd->bjhd", dscores, q64).reshape(fold).sum(3)
-    dv = np.einsum("bhij,bihd->bjhd", probs, upstream).reshape(fold).sum(3)
-    return out, dq, dk, dv
-
-
-@pytest.mark.parametrize("jit", [False, True], ids=["pynative", "jit"])
-def test_fused_causal_attention_matches_numpy(ms, kernel_ops, jit):
-    rng = np.random.default_rng(4)
-    batch, seq, q_heads, kv_heads, dim = 2, 150, 4, 2, 8      # 150: a partial 64-row block; GQA groups of 2
-    q = (0.5 * rng.standard_normal((batch, seq, q_heads, dim))).astype(np.float32)
-    k = rng.standard_normal((batch, seq, kv_heads, dim)).astype(np.float32)
-    v = rng.standard_normal((batch, seq, kv_heads, dim)).astype(np.float32)
-    upstream = rng.standard_normal((batch, seq, q_heads, dim)).astype(np.float32)
-    op = kernel_ops.FusedCausalAttention()
-
-    def loss(q_, k_, v_):
-        return (op(q_, k_, v_) * ms.Tensor(upstream)).sum()
-
-    _, grads = value_and_grads(ms, loss, (0, 1, 2), jit)(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v))
-    expected = reference_causal_attention(q, k, v, upstream)
-    got = [op(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v)).asnumpy()] + [g.asnumpy() for g in grads]
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
-
-
 @pytest.mark.parametrize("jit", [False, True], ids=["pynative", "jit"])
 def test_exact_dropless_layout_equals_padded_blocks(ms, kernel_ops, jit):
     """Same weights, same routing: the exact layout (grouped GEMM, no padding) and the padded

@@ -4,8 +4,9 @@
     python tools/bench_kernels.py --pieces lm_head --rounds 7
 
 Each piece is jitted twice per path, forward only and forward + backward (`value_and_grad` with
-respect to every float input), at the shapes of `tools/bench.py`'s reference model (2048 tokens,
-hidden 256, 8 heads of 32, vocab 8192, 8 experts top-2). Rounds interleave the paths so that load
+respect to every float input), at the shapes of `tools/bench.py`'s reference model (batch 8 x
+sequence 256, hidden 256, 8 heads of 32, vocab 8192, 8 experts top-2, FFN 512). "plain" is the
+MindSpore-ops path that runs where the kernels are not available (Ascend, GPU, no compiler). Rounds interleave the paths so that load
 from other processes hits them alike; the table gives the median wall time and the median process
 CPU time (all threads) per call over the rounds. One JSON line per piece and mode goes to stdout.
 """
@@ -51,7 +52,20 @@ def lm_head_piece(tokens: int, hidden: int, vocab: int):
     return {"plain": Plain(), "fused": FusedLMHeadCrossEntropy(), "fused_eval": loss_only}, (h, w, labels), (0, 1)
 
 
-PIECES = {"lm_head": lambda a: lm_head_piece(a.tokens, a.hidden, a.vocab)}
+def attention_piece(batch: int, seq: int, hidden: int, heads: int):
+    """The Attention layer (projections, RoPE, causal attention, output projection) on `[B, S, H]`."""
+    from moetrain.layers import Attention, CausalAttentionCore
+
+    ms.set_seed(0)
+    fused = Attention(hidden, heads, heads, hidden // heads, seq)
+    plain = Attention(hidden, heads, heads, hidden // heads, seq)
+    plain.core, plain.fused = CausalAttentionCore(), False    # RoPE ops, transposes, mask, MindSpore matmuls
+    x = Tensor(np.random.default_rng(0).standard_normal((batch, seq, hidden)).astype(np.float32))
+    return {"plain": plain, "fused": fused}, (x,), 0
+
+
+PIECES = {"lm_head": lambda a: lm_head_piece(a.batch * a.seq, a.hidden, a.vocab),
+          "attention": lambda a: attention_piece(a.batch, a.seq, a.hidden, a.heads)}
 
 
 def timed(fn, args):
@@ -89,8 +103,10 @@ def main(argv=None) -> None:
     ap.add_argument("--pieces", nargs="+", default=list(PIECES), choices=list(PIECES))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=3, help="calls per path per round")
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
     args = ap.parse_args(argv)
     ms.set_device("CPU")

@@ -83,25 +83,27 @@ class FusedRMSNorm(nn.Cell):
 
 
 class FusedCausalAttention(nn.Cell):
-    """`construct(q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, D]) -> softmax(q k^T + causal) v`
-    as `[B, S, Hq, D]`, fp32, `q` pre-scaled; query head h uses key/value head `h // (Hq / Hkv)`.
+    """`construct(q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, D], cos [S, D], sin [S, D])` ->
+    `softmax(rope(q) rope(k)^T / sqrt(D) + causal) v` as `[B, S, Hq, D]`, fp32; query head h uses
+    key/value head `h // (Hq / Hkv)`.
 
-    Reads the projection layout directly (no transposes, no mask tensor), skips the key blocks
-    above the diagonal, and recomputes the probabilities in the backward instead of storing them."""
+    q and k come before RoPE: the kernel rotates them (HF rotate_half with the signed `sin` table of
+    `moetrain.layers.rope_tables`) and scales q, and its backward applies the transposed rotation,
+    so no RoPE op, transpose or mask tensor runs outside. It skips the key blocks above the diagonal
+    and recomputes the probabilities in the backward instead of storing them."""
 
     def __init__(self):
         super().__init__()
-        backward = _custom("CausalAttentionBackward", (F32,) * 5)
+        backward = _custom("CausalAttentionBackward", (F32,) * 7, output_dtypes=(F32,) * 3)
 
-        def bprop(q, k, v, out, dout):
-            grads = backward(q, k, v, out, dout)
-            dq, dk, dv = ops.split(grads, [q.size, k.size, v.size])
-            return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+        def bprop(q, k, v, cos, sin, out, dout):
+            dq, dk, dv = backward(q, k, v, cos, sin, out, dout)
+            return dq, dk, dv, ops.zeros_like(cos), ops.zeros_like(sin)
 
-        self.forward = _custom("CausalAttentionForward", (F32,) * 3, bprop)
+        self.forward = _custom("CausalAttentionForward", (F32,) * 5, bprop)
 
-    def construct(self, q, k, v):
-        return self.forward(q, k, v)
+    def construct(self, q, k, v, cos, sin):
+        return self.forward(q, k, v, cos, sin)
 
 
 class FusedLMHeadCrossEntropy(nn.Cell):
