@@ -254,6 +254,140 @@ def test_attention_layer_fused_equals_plain(ms, kernel_ops, jit):
 
 
 # ----------------------------------------------------------------------------------------------
+# Router
+# ----------------------------------------------------------------------------------------------
+
+def reference_routing(logits, bias, top_k, score_func, norm, scale):
+    """float64 numpy routing: (topk_idx, topk_weight, probs, tokens_per_expert)."""
+    logits = logits.astype(np.float64)
+    if score_func == "softmax":
+        scores = np.exp(logits - logits.max(1, keepdims=True))
+        scores /= scores.sum(1, keepdims=True)
+        probs = scores
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+        probs = scores / (scores.sum(1, keepdims=True) + 1e-20)
+    choice = scores + bias
+    idx = np.argsort(-choice, axis=1, kind="stable")[:, :top_k]     # best first, ties to the lower id
+    weight = np.take_along_axis(scores, idx, 1)
+    if norm:
+        weight = weight / (weight.sum(1, keepdims=True) + 1e-20)
+    counts = np.bincount(idx.reshape(-1), minlength=logits.shape[1]).astype(np.float64)
+    return idx, weight * scale, probs, counts
+
+
+def numeric_routing_gradient(logits, bias, idx, upstream_w, upstream_p, score_func, norm, scale, eps=1e-6):
+    """d/d logits of sum(upstream_w * topk_weight) + sum(upstream_p * probs), central differences in
+    float64 with the chosen experts held fixed (the selection is piecewise constant)."""
+    def objective(z):
+        if score_func == "softmax":
+            s = np.exp(z - z.max(1, keepdims=True))
+            s /= s.sum(1, keepdims=True)
+            p = s
+        else:
+            s = 1 / (1 + np.exp(-z))
+            p = s / (s.sum(1, keepdims=True) + 1e-20)
+        w = np.take_along_axis(s, idx, 1)
+        if norm:
+            w = w / (w.sum(1, keepdims=True) + 1e-20)
+        return (upstream_w * w * scale).sum() + (upstream_p * p).sum()
+
+    z = logits.astype(np.float64)
+    grad = np.zeros_like(z)
+    for index in np.ndindex(*z.shape):
+        plus, minus = z.copy(), z.copy()
+        plus[index] += eps
+        minus[index] -= eps
+        grad[index] = (objective(plus) - objective(minus)) / (2 * eps)
+    return grad
+
+
+ROUTER_CASES = pytest.mark.parametrize("score_func,norm,scale,experts,top_k", [
+    ("softmax", True, 1.0, 8, 2), ("softmax", False, 1.0, 5, 3), ("sigmoid", True, 2.5, 7, 2),
+    ("sigmoid", False, 1.0, 16, 1)], ids=["mixtral", "softmax-unnormed-k3", "deepseek-scaled", "sigmoid-k1"])
+
+
+@MODES
+@ROUTER_CASES
+def test_fused_router_matches_numpy(ms, kernel_ops, jit, score_func, norm, scale, experts, top_k):
+    rng = np.random.default_rng(6)
+    tokens = 37
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    bias = (0.3 * rng.standard_normal(experts)).astype(np.float32)     # steers the choice only
+    logits[4, :] = -3.0
+    logits[4, experts - 1] = 5.0          # row 4 scores expert E-1 best, but its bias keeps it out:
+    bias[experts - 1] = -10.0             # the bias steers the choice only; expert E-1 gets no rows
+    upstream_w = rng.standard_normal((tokens, top_k)).astype(np.float32)
+    upstream_p = rng.standard_normal((tokens, experts)).astype(np.float32)
+    op = kernel_ops.FusedRouter(top_k, score_func, norm, scale)
+    bias_t = ms.Tensor(bias)
+
+    def objective(z):
+        _, weight, probs, _ = op(z, bias_t)
+        return (weight * ms.Tensor(upstream_w)).sum() + (probs * ms.Tensor(upstream_p)).sum()
+
+    _, d_logits = grad_fn(ms, objective, 0, jit)(ms.Tensor(logits))
+    idx, weight, probs, counts = (t.asnumpy() for t in op(ms.Tensor(logits), bias_t))
+    idx_ref, weight_ref, probs_ref, counts_ref = reference_routing(logits, bias, top_k, score_func, norm, scale)
+    assert idx.dtype == np.int32
+    np.testing.assert_array_equal(idx, idx_ref)
+    np.testing.assert_allclose(weight, weight_ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(probs, probs_ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(counts, counts_ref)
+    assert counts[experts - 1] == 0
+    grad_ref = numeric_routing_gradient(logits, bias, idx_ref, upstream_w, upstream_p, score_func, norm, scale)
+    np.testing.assert_allclose(d_logits.asnumpy(), grad_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_router_one_token_and_nan_stays_in_range(ms, kernel_ops):
+    op = kernel_ops.FusedRouter(2, "softmax", True, 1.0)
+    idx, weight, _, counts = (t.asnumpy() for t in op(ms.Tensor(np.array([[0.1, 2.0, -1.0]], np.float32)),
+                                                      ms.Tensor(np.zeros(3, np.float32))))
+    np.testing.assert_array_equal(idx, [[1, 0]])
+    np.testing.assert_array_equal(counts, [1, 1, 0])
+    ties = ms.Tensor(np.ones((1, 3), np.float32))
+    np.testing.assert_array_equal(op(ties, ms.Tensor(np.zeros(3, np.float32)))[0].asnumpy(), [[0, 1]])
+    nan = np.full((2, 4), np.nan, np.float32)
+    idx, weight, _, _ = (t.asnumpy() for t in op(ms.Tensor(nan), ms.Tensor(np.zeros(4, np.float32))))
+    assert ((idx >= 0) & (idx < 4)).all() and (idx[:, 0] != idx[:, 1]).all()   # valid ids for the dispatcher
+    assert np.isnan(weight).all()                                              # the overflow check sees NaN
+
+
+@MODES
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_router_fused_equals_plain(ms, kernel_ops, jit, score_func):
+    """TopKRouter with the fused kernel and with the plain ops: same routing, weights, probs, logits
+    and the same gradients for the input and the router weight."""
+    from moetrain.moe.config import MoEConfig
+    from moetrain.moe.router import TopKRouter
+
+    cfg = MoEConfig(num_experts=6, top_k=2, ffn_hidden_size=8, score_func=score_func, route_scale=1.5)
+    ms.set_seed(1)
+    router = TopKRouter(12, cfg)
+    assert router.fused is not None
+    rng = np.random.default_rng(7)
+    x = ms.Tensor(rng.standard_normal((40, 12)).astype(np.float32))
+    bias = ms.Tensor((0.1 * rng.standard_normal(6)).astype(np.float32))
+    up_w, up_p = ms.Tensor(rng.standard_normal((40, 2)).astype(np.float32)), ms.Tensor(rng.standard_normal((40, 6)).astype(np.float32))
+
+    def objective(x_):
+        idx, weight, probs, logits = router(x_, bias)
+        return (weight * up_w).sum() + (probs * up_p).sum() + (logits ** 2).sum() * 0.1, idx
+
+    def run():
+        f = ms.value_and_grad(objective, 0, router.trainable_params(), has_aux=True)
+        (value, idx), (dx, (dweight,)) = (ms.jit(f) if jit else f)(x)
+        return [value.asnumpy(), idx.asnumpy(), dx.asnumpy(), dweight.asnumpy()]
+
+    fused = run()
+    kernel, router.fused = router.fused, None
+    plain = run()
+    router.fused = kernel
+    for name, a, b in zip(("value", "idx", "dx", "dweight"), fused, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
 # Fallback when the kernel library cannot be built
 # ----------------------------------------------------------------------------------------------
 

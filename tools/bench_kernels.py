@@ -64,8 +64,41 @@ def attention_piece(batch: int, seq: int, hidden: int, heads: int):
     return {"plain": plain, "fused": fused}, (x,), 0
 
 
+def router_piece(tokens: int, hidden: int, experts: int, top_k: int):
+    """TopKRouter (router matmul, softmax, top-k, combine weights, balance-loss probabilities) on `[T, H]`."""
+    from moetrain.moe.config import MoEConfig
+    from moetrain.moe.router import TopKRouter
+
+    cfg = MoEConfig(num_experts=experts, top_k=top_k, ffn_hidden_size=8)
+    ms.set_seed(0)
+    fused, plain = TopKRouter(hidden, cfg), TopKRouter(hidden, cfg)
+    plain.fused = None
+    x = Tensor(np.random.default_rng(0).standard_normal((tokens, hidden)).astype(np.float32))
+    bias = Tensor(np.zeros(experts, np.float32))
+    return {"plain": plain, "fused": fused}, (x, bias), 0
+
+
 PIECES = {"lm_head": lambda a: lm_head_piece(a.batch * a.seq, a.hidden, a.vocab),
-          "attention": lambda a: attention_piece(a.batch, a.seq, a.hidden, a.heads)}
+          "attention": lambda a: attention_piece(a.batch, a.seq, a.hidden, a.heads),
+          "router": lambda a: router_piece(a.batch * a.seq, a.hidden, a.experts, a.top_k)}
+
+
+class SumOfSquares(nn.Cell):
+    """A scalar of every float output (`sum(y * y)`), so that `value_and_grad` runs the whole backward."""
+
+    def __init__(self, cell):
+        super().__init__()
+        self.cell = cell
+
+    def construct(self, *args):
+        out = self.cell(*args)
+        if not isinstance(out, tuple):
+            out = (out,)
+        total = 0.0
+        for y in out:
+            if y.dtype == ms.float32:
+                total = total + (y * y).sum()
+        return total
 
 
 def timed(fn, args):
@@ -81,7 +114,7 @@ def run_piece(name: str, cells: dict, inputs, grad_positions, rounds: int, calls
     runners = {}
     for path, cell in cells.items():
         runners[(path, "fwd")] = ms.jit(cell)
-        runners[(path, "fwd+bwd")] = ms.jit(ms.value_and_grad(cell, grad_positions))
+        runners[(path, "fwd+bwd")] = ms.jit(ms.value_and_grad(SumOfSquares(cell), grad_positions))
     samples = {key: ([], []) for key in runners}
     for key, fn in runners.items():   # compile and warm up
         timed(fn, inputs)
@@ -107,6 +140,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)
     args = ap.parse_args(argv)
     ms.set_device("CPU")

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # are built for this CPU (-march=native; the CPU model is part of the cache key).
 ELEMENTWISE_FLAGS = ("-march=native", "-ffast-math")
 SOURCES = {"grouped_gemm.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
-           "attention.cc": ELEMENTWISE_FLAGS, "lm_head_loss.cc": ELEMENTWISE_FLAGS}
+           "attention.cc": ELEMENTWISE_FLAGS, "lm_head_loss.cc": ELEMENTWISE_FLAGS, "router.cc": ELEMENTWISE_FLAGS}
 HEADERS = ("common.h",)
 
 
@@ -53,6 +53,7 @@ def library_path() -> str:
     if compiler is None:
         raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
     lib_dir = _mindspore_lib_dir()
+    include_dir = os.path.join(os.path.dirname(lib_dir), "include")   # type_id.h: MindSpore's dtype ids
     if not os.path.isfile(os.path.join(lib_dir, "libdnnl.so.3")):
         raise KernelBuildError(f"libdnnl.so.3 not found in {lib_dir} (this MindSpore build has no oneDNN)")
     digest = hashlib.sha256(f"{mindspore.__version__} {compiler} {_cpu_model()} {SOURCES}".encode())
@@ -68,8 +69,8 @@ def library_path() -> str:
         objects = []
         for name, flags in SOURCES.items():
             objects.append(os.path.join(build_dir, name + ".o"))
-            _run([compiler, "-O3", "-std=c++17", "-fPIC", "-pthread", *flags, "-c", os.path.join(HERE, name),
-                  "-o", objects[-1]])
+            _run([compiler, "-O3", "-std=c++17", "-fPIC", "-pthread", *flags, f"-I{include_dir}", "-c",
+                  os.path.join(HERE, name), "-o", objects[-1]])
         library = os.path.join(build_dir, "kernels.so")
         _run([compiler, "-shared", "-pthread", "-o", library, *objects, f"-L{lib_dir}", "-l:libdnnl.so.3",
               f"-Wl,-rpath,{lib_dir}"])

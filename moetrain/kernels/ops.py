@@ -5,7 +5,9 @@ C++ functions in the library (`out_shape=None`), which MindSpore needs where it 
 without the Python primitive (e.g. a jitted step that returns a dict of stats)."""
 from __future__ import annotations
 
-from mindspore import nn, ops
+import numpy as np
+
+from mindspore import Tensor, nn, ops
 from mindspore.ops import CustomRegOp, DataType
 
 from moetrain.kernels import library_path
@@ -155,3 +157,34 @@ class LMHeadLogitStats(nn.Cell):
 
     def construct(self, h, weight, labels):
         return self.forward(h, weight, labels)
+
+
+class FusedRouter(nn.Cell):
+    """`construct(logits [T, E] fp32, bias [E]) -> (topk_idx [T, k] int32, topk_weight [T, k],
+    probs [T, E], tokens_per_expert [E])`: MoE top-k routing in one kernel each way.
+
+    scores = softmax(logits) or sigmoid(logits); the k largest `scores + bias` are chosen (the bias
+    steers the choice only and gets no gradient; ties go to the lower expert id, as `ops.topk`);
+    `topk_weight` = the chosen scores, over their sum (+1e-20) with `norm_topk_prob`, times
+    `route_scale`; `probs` = the softmax scores, or the sigmoid scores over their sum (+1e-20);
+    `tokens_per_expert` counts the assignments (no gradient). Gradients reach `logits` from
+    `topk_weight` and `probs`."""
+
+    def __init__(self, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True,
+                 route_scale: float = 1.0):
+        super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"FusedRouter: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        # k rows of (score function, norm_topk_prob, route_scale): the shape inference reads k from the shape
+        row = [1.0 if score_func == "sigmoid" else 0.0, 1.0 if norm_topk_prob else 0.0, float(route_scale)]
+        self.config = Tensor(np.tile(np.array(row, np.float32), (top_k, 1)))
+        backward = _custom("RouterBackward", (F32, I32, F32, F32, F32))
+
+        def bprop(logits, bias, config, out, dout):
+            d_logits = backward(logits, out[0], config, dout[1], dout[2])
+            return d_logits, ops.zeros_like(bias), ops.zeros_like(config)
+
+        self.forward = _custom("RouterForward", (F32, F32, F32), bprop, (I32, F32, F32, F32))
+
+    def construct(self, logits, bias):
+        return self.forward(logits, bias, self.config)
