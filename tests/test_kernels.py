@@ -388,6 +388,79 @@ def test_router_fused_equals_plain(ms, kernel_ops, jit, score_func):
 
 
 # ----------------------------------------------------------------------------------------------
+# AdamW over flat buffers, in place
+# ----------------------------------------------------------------------------------------------
+
+def reference_adam_step(p, m, v, g, lr, step, grad_scale, wd, beta1, beta2, eps, decoupled):
+    """float64, torch.optim.AdamW (decoupled) / Adam (L2 in the gradient) arithmetic; wd per element."""
+    g = g * grad_scale
+    if not decoupled:
+        g = g + wd * p
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    if decoupled:
+        p = p * (1 - lr * wd)
+    denom = np.sqrt(v) / np.sqrt(1 - beta2 ** step) + eps
+    return p - lr / (1 - beta1 ** step) * m / denom, m, v
+
+
+@MODES
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam-l2"])
+def test_fused_adamw_updates_in_place_like_torch(ms, kernel_ops, jit, decoupled):
+    from mindspore import Parameter
+
+    rng = np.random.default_rng(8)
+    n = 70001                                                  # not a multiple of the SIMD width
+    ends = np.array([30000, 30000, 50000, n], np.int64)        # an empty segment too
+    decay = np.array([0.1, 0.5, 0.0, 0.02], np.float32)
+    wd = np.repeat(decay, np.diff(np.concatenate([[0], ends])))
+    p0 = rng.standard_normal(n).astype(np.float32)
+    param = Parameter(ms.Tensor(p0), name="flat")
+    exp_avg = Parameter(ms.Tensor(np.zeros(n, np.float32)), name="flat_m")
+    exp_avg_sq = Parameter(ms.Tensor(np.zeros(n, np.float32)), name="flat_v")
+    op = kernel_ops.FusedAdamW(0.9, 0.95, 1e-8, decoupled)
+
+    def update(grad, lr, step, scale):
+        before = param * 1.0
+        op(param, exp_avg, exp_avg_sq, grad, lr, step, scale, ms.Tensor(ends), ms.Tensor(decay))  # output unused
+        return before, param * 1.0                             # reads ordered around the in-place update
+
+    update = ms.jit(update) if jit else update
+    p, m, v = p0.astype(np.float64), np.zeros(n), np.zeros(n)
+    for step, (lr, scale) in enumerate([(1e-2, 1.0), (5e-3, 0.5), (2e-3, 2.0)], start=1):
+        g = rng.standard_normal(n).astype(np.float32)
+        expected_before = p.copy()
+        p, m, v = reference_adam_step(p, m, v, g.astype(np.float64), lr, step, scale, wd, 0.9, 0.95, 1e-8, decoupled)
+        before, after = update(ms.Tensor(g), ms.Tensor([lr], ms.float32), ms.Tensor([float(step)], ms.float32),
+                               ms.Tensor([scale], ms.float32))
+        np.testing.assert_allclose(before.asnumpy(), expected_before, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(after.asnumpy(), p, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(param.asnumpy(), p, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(exp_avg.asnumpy(), m, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(exp_avg_sq.asnumpy(), v, rtol=1e-5, atol=1e-7)
+
+
+def test_decay_segments_merge_equal_neighbours(ms, kernel_ops):
+    ends, decay = kernel_ops.decay_segments([6, 4, 3, 0, 5], [0.1, 0.1, 0.0, 0.0, 0.1])
+    np.testing.assert_array_equal(ends.asnumpy(), [10, 13, 18])
+    np.testing.assert_allclose(decay.asnumpy(), [0.1, 0.0, 0.1])
+    with pytest.raises(ValueError, match="one weight decay per tensor"):
+        kernel_ops.decay_segments([3], [])
+
+
+def test_fused_adamw_rejects_bad_segments(ms, kernel_ops):
+    from mindspore import Parameter
+
+    buffers = [Parameter(ms.Tensor(np.zeros(10, np.float32)), name=f"b{i}") for i in range(3)]
+    op = kernel_ops.FusedAdamW()
+    one = ms.Tensor([1.0], ms.float32)
+    for ends in ([4, 9], [6, 4, 10]):          # not ending at N; not ascending
+        with pytest.raises(RuntimeError):
+            op(*buffers, ms.Tensor(np.ones(10, np.float32)), one, one, one, ms.Tensor(np.array(ends, np.int64)),
+               ms.Tensor(np.zeros(len(ends), np.float32))).asnumpy()
+
+
+# ----------------------------------------------------------------------------------------------
 # Fallback when the kernel library cannot be built
 # ----------------------------------------------------------------------------------------------
 

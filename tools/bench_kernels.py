@@ -78,9 +78,54 @@ def router_piece(tokens: int, hidden: int, experts: int, top_k: int):
     return {"plain": plain, "fused": fused}, (x, bias), 0
 
 
+def adamw_piece(num_params: int):
+    """One optimizer step over `num_params` fp32 parameters with a gradient multiplier (unscale x
+    clip): MindSpore's fused `AdamWeightDecay` on one flat buffer after a `Mul` (the plain flat
+    path; bias correction folded into lr / eps / decay as moetrain.optim does) against the in-place
+    kernel. No backward."""
+    from mindspore import Parameter
+
+    from moetrain.kernels.ops import FusedAdamW
+
+    rng = np.random.default_rng(0)
+    grad = Tensor(rng.standard_normal(num_params).astype(np.float32))
+    lr, step, scale = Tensor([1e-4], ms.float32), Tensor([3.0], ms.float32), Tensor([0.5], ms.float32)
+
+    def buffers(tag):
+        return [Parameter(Tensor(rng.standard_normal(num_params).astype(np.float32) * (i > 0)), name=f"{tag}{i}")
+                for i in range(3)]
+
+    class Plain(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.param, self.exp_avg, self.exp_avg_sq = buffers("plain")
+            self.kernel = ops.AdamWeightDecay()
+
+        def construct(self, grad_, lr_, step_, scale_):
+            c1 = 1.0 - ops.pow(Tensor(0.9, ms.float32), step_)
+            sqrt_c2 = ops.sqrt(1.0 - ops.pow(Tensor(0.95, ms.float32), step_))
+            step_lr = lr_ * sqrt_c2 / c1
+            return self.kernel(self.param, self.exp_avg, self.exp_avg_sq, step_lr.reshape(()), 0.9, 0.95,
+                               (1e-8 * sqrt_c2).reshape(()), (0.1 * lr_ / step_lr).reshape(()), grad_ * scale_)[0]
+
+    class Fused(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.param, self.exp_avg, self.exp_avg_sq = buffers("fused")
+            self.kernel = FusedAdamW(0.9, 0.95, 1e-8)
+            self.ends, self.decay = Tensor([num_params], ms.int64), Tensor([0.1], ms.float32)
+
+        def construct(self, grad_, lr_, step_, scale_):
+            return self.kernel(self.param, self.exp_avg, self.exp_avg_sq, grad_, lr_, step_, scale_, self.ends,
+                               self.decay)
+
+    return {"plain": Plain(), "fused": Fused()}, (grad, lr, step, scale), None
+
+
 PIECES = {"lm_head": lambda a: lm_head_piece(a.batch * a.seq, a.hidden, a.vocab),
           "attention": lambda a: attention_piece(a.batch, a.seq, a.hidden, a.heads),
-          "router": lambda a: router_piece(a.batch * a.seq, a.hidden, a.experts, a.top_k)}
+          "router": lambda a: router_piece(a.batch * a.seq, a.hidden, a.experts, a.top_k),
+          "adamw": lambda a: adamw_piece(a.params)}
 
 
 class SumOfSquares(nn.Cell):
@@ -113,8 +158,9 @@ def timed(fn, args):
 def run_piece(name: str, cells: dict, inputs, grad_positions, rounds: int, calls: int) -> list:
     runners = {}
     for path, cell in cells.items():
-        runners[(path, "fwd")] = ms.jit(cell)
-        runners[(path, "fwd+bwd")] = ms.jit(ms.value_and_grad(SumOfSquares(cell), grad_positions))
+        runners[(path, "fwd" if grad_positions is not None else "step")] = ms.jit(cell)
+        if grad_positions is not None:
+            runners[(path, "fwd+bwd")] = ms.jit(ms.value_and_grad(SumOfSquares(cell), grad_positions))
     samples = {key: ([], []) for key in runners}
     for key, fn in runners.items():   # compile and warm up
         timed(fn, inputs)
@@ -142,6 +188,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--params", type=int, default=17_800_000, help="optimizer buffer size (the bench model's)")
     ap.add_argument("--vocab", type=int, default=8192)
     args = ap.parse_args(argv)
     ms.set_device("CPU")

@@ -9,11 +9,12 @@ import numpy as np
 
 from mindspore import Tensor, nn, ops
 from mindspore.ops import CustomRegOp, DataType
+from mindspore.ops import signature as sig
 
 from moetrain.kernels import library_path
 
 
-F32, I32 = DataType.F32_Default, DataType.I32_Default
+F32, I32, I64 = DataType.F32_Default, DataType.I32_Default, DataType.I64_Default
 
 
 def _custom(name: str, input_dtypes, bprop=None, output_dtypes=(F32,)):
@@ -188,3 +189,60 @@ class FusedRouter(nn.Cell):
 
     def construct(self, logits, bias):
         return self.forward(logits, bias, self.config)
+
+
+def decay_segments(sizes, weight_decays):
+    """`(segment_ends int64 [K], segment_decay fp32 [K])` for FusedAdamW from the sizes and weight
+    decays of the tensors laid end to end in a flat buffer, adjacent runs of equal decay merged
+    (a ZeRO shard: pass the sizes of the pieces inside the shard)."""
+    if len(sizes) != len(weight_decays) or not len(sizes):
+        raise ValueError(f"decay_segments: need one weight decay per tensor, got {len(sizes)} sizes and "
+                         f"{len(weight_decays)} decays")
+    ends, decays, offset = [], [], 0
+    for size, decay in zip(sizes, weight_decays):
+        offset += int(size)
+        if decays and decays[-1] == float(decay):
+            ends[-1] = offset
+        else:
+            ends.append(offset)
+            decays.append(float(decay))
+    return Tensor(np.array(ends, np.int64)), Tensor(np.array(decays, np.float32))
+
+
+class _AdamWUpdatePrimitive(ops.Custom):
+    """The AdamWUpdate kernel with param, exp_avg and exp_avg_sq marked as written in place: MindSpore
+    then orders the op against every read of those Parameters in a jitted graph and keeps it even
+    though nothing uses its output (measured: without the marks a read placed after the op saw
+    the new value before it ran)."""
+    __mindspore_signature__ = (
+        sig.make_sig("param", sig.sig_rw.RW_WRITE), sig.make_sig("exp_avg", sig.sig_rw.RW_WRITE),
+        sig.make_sig("exp_avg_sq", sig.sig_rw.RW_WRITE), sig.make_sig("grad"), sig.make_sig("hyper"),
+        sig.make_sig("lr"), sig.make_sig("step"), sig.make_sig("grad_scale"), sig.make_sig("segment_ends"),
+        sig.make_sig("segment_decay"))
+
+
+class FusedAdamW(nn.Cell):
+    """AdamW (or Adam with L2, `decoupled=False`) over flat fp32 buffers, in place, one pass.
+
+    `construct(param, exp_avg, exp_avg_sq, grad, lr, step, grad_scale, segment_ends, segment_decay)`:
+    `param`, `exp_avg`, `exp_avg_sq` are fp32 Parameters of N elements (any shape), updated in place;
+    `grad` fp32 of N elements; `lr`, `step` (1-based), `grad_scale` (the gradient multiplier: loss
+    scale unscale x clip factor) fp32 `[1]` tensors; elements `[segment_ends[k-1], segment_ends[k])`
+    use weight decay `segment_decay[k]` (`segment_ends` int64 ascending, last = N). Returns a `[1]`
+    status tensor (0). Matches torch.optim.AdamW / Adam step for step (tests/test_kernels.py)."""
+
+    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, decoupled: bool = True):
+        super().__init__()
+        self.hyper = Tensor(np.array([beta1, beta2, eps, 1.0 if decoupled else 0.0], np.float32))
+        reg = CustomRegOp()
+        for i, name in enumerate(("param", "exp_avg", "exp_avg_sq", "grad", "hyper", "lr", "step", "grad_scale",
+                                  "segment_ends", "segment_decay")):
+            reg = reg.input(i, name)
+        reg = reg.output(0, "status").dtype_format(*(F32,) * 8, I64, F32, F32).target("CPU").get_op_info()
+        self.update = _AdamWUpdatePrimitive(f"{library_path()}:AdamWUpdate", out_shape=None, out_dtype=None,
+                                            func_type="aot", reg_info=reg)
+        self.update.add_prim_attr("side_effect_mem", True)
+
+    def construct(self, param, exp_avg, exp_avg_sq, grad, lr, step, grad_scale, segment_ends, segment_decay):
+        return self.update(param, exp_avg, exp_avg_sq, grad, self.hyper, lr, step, grad_scale, segment_ends,
+                           segment_decay)
