@@ -440,6 +440,19 @@ def test_fused_adamw_updates_in_place_like_torch(ms, kernel_ops, jit, decoupled)
         np.testing.assert_allclose(exp_avg_sq.asnumpy(), v, rtol=1e-5, atol=1e-7)
 
 
+@MODES
+def test_sum_of_squares_matches_numpy(ms, kernel_ops, jit):
+    rng = np.random.default_rng(9)
+    op = kernel_ops.SumOfSquares()
+    run = ms.jit(op) if jit else op
+    for x in (rng.standard_normal(300_001).astype(np.float32) * 3, np.float32([2.0]), rng.standard_normal((7, 5))):
+        x = x.astype(np.float32)
+        np.testing.assert_allclose(run(ms.Tensor(x)).asnumpy(), [(x.astype(np.float64) ** 2).sum()], rtol=1e-6)
+    inf = np.ones(100_000, np.float32)
+    inf[77_777] = np.inf
+    assert not np.isfinite(run(ms.Tensor(inf)).asnumpy()[0])     # the overflow check relies on this
+
+
 def test_decay_segments_merge_equal_neighbours(ms, kernel_ops):
     ends, decay = kernel_ops.decay_segments([6, 4, 3, 0, 5], [0.1, 0.1, 0.0, 0.0, 0.1])
     np.testing.assert_array_equal(ends.asnumpy(), [10, 13, 18])

@@ -122,10 +122,23 @@ def adamw_piece(num_params: int):
     return {"plain": Plain(), "fused": Fused()}, (grad, lr, step, scale), None
 
 
+def grad_norm_piece(num_params: int):
+    """Squared norm of a flat gradient buffer (for clipping): `(g * g).sum()` against the kernel."""
+    from moetrain.kernels.ops import SumOfSquares
+
+    class Plain(nn.Cell):
+        def construct(self, g):
+            return (g * g).sum()
+
+    grad = Tensor(np.random.default_rng(0).standard_normal(num_params).astype(np.float32))
+    return {"plain": Plain(), "fused": SumOfSquares()}, (grad,), None
+
+
 PIECES = {"lm_head": lambda a: lm_head_piece(a.batch * a.seq, a.hidden, a.vocab),
           "attention": lambda a: attention_piece(a.batch, a.seq, a.hidden, a.heads),
           "router": lambda a: router_piece(a.batch * a.seq, a.hidden, a.experts, a.top_k),
-          "adamw": lambda a: adamw_piece(a.params)}
+          "adamw": lambda a: adamw_piece(a.params),
+          "grad_norm": lambda a: grad_norm_piece(a.params)}
 
 
 class SumOfSquares(nn.Cell):

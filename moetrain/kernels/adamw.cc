@@ -1,5 +1,7 @@
-// AdamW over flat fp32 buffers in one pass, updating param, exp_avg and exp_avg_sq in place:
+// The optimizer's passes over flat fp32 buffers: AdamW in one pass, updating param, exp_avg and
+// exp_avg_sq in place, and the squared norm the gradient clipping needs.
 //
+//   SumOfSquares x [...] -> [1]: sum of x^2, accumulated in double (no gradient)
 //   AdamWUpdate  param [N], exp_avg [N], exp_avg_sq [N], grad [N], hyper [4], lr [1], step [1],
 //                grad_scale [1], segment_ends [K] int64, segment_decay [K] -> status [1] (0)
 //
@@ -23,6 +25,31 @@
 #include <vector>
 
 #include "common.h"
+
+extern "C" std::vector<int64_t> SumOfSquaresInferShape(int *ndims, int64_t **shapes, void *extra) { return {1}; }
+extern "C" int SumOfSquaresInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+
+extern "C" int SumOfSquares(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  if (nparam != 2 || !moetrain::Float32(dtypes[0])) return 1;
+  const float *x = static_cast<const float *>(params[0]);
+  const int64_t n = moetrain::Size(ndims[0], shapes[0]);
+  const int parts = moetrain::PartsFor(n, 1 << 16);
+  std::vector<double> partial(parts, 0.0);
+  moetrain::ParallelSplit(n, parts, [&](int part, int64_t begin, int64_t end) {
+    double total = 0.0;
+    for (int64_t b = begin; b < end; b += 4096) {   // float sums over short blocks vectorise; blocks add in double
+      float block = 0.0f;
+      for (int64_t i = b; i < std::min(end, b + 4096); ++i) block += x[i] * x[i];
+      total += block;
+    }
+    partial[part] = total;
+  });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  *static_cast<float *>(params[1]) = static_cast<float>(total);
+  return 0;
+}
 
 extern "C" std::vector<int64_t> AdamWUpdateInferShape(int *ndims, int64_t **shapes, void *extra) { return {1}; }
 extern "C" int AdamWUpdateInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }

@@ -191,6 +191,18 @@ class FusedRouter(nn.Cell):
         return self.forward(logits, bias, self.config)
 
 
+class SumOfSquares(nn.Cell):
+    """`construct(x fp32 [...]) -> [1]`: the sum of squares of all elements (blocks summed in double),
+    multi-threaded: the squared gradient norm of a flat buffer for clipping. No gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = _custom("SumOfSquares", (F32,))
+
+    def construct(self, x):
+        return self.kernel(x)
+
+
 def decay_segments(sizes, weight_decays):
     """`(segment_ends int64 [K], segment_decay fp32 [K])` for FusedAdamW from the sizes and weight
     decays of the tensors laid end to end in a flat buffer, adjacent runs of equal decay merged
