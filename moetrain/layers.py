@@ -274,9 +274,9 @@ class LMHeadCrossEntropy(nn.Cell):
 
     `construct(h [..., H] fp32, weight [V, H], labels [...] int) -> fp32 scalar`. The head weight is
     an input, so a tied head passes the embedding table. Build it only where `supported(...)`;
-    elsewhere a model runs its LM head and `CrossEntropy`. A vocabulary-parallel head (tp > 1)
-    reduces the per-slice partials of `moetrain.kernels.ops.LMHeadLogitStats` over the tp group
-    instead (see that class)."""
+    elsewhere a model runs its LM head and `CrossEntropy`, as it does for a vocabulary-parallel head
+    (tp > 1; the per-slice partials of `moetrain.kernels.ops.LMHeadLogitStats` are the piece a
+    fused vocabulary-parallel loss would reduce over the tp group, docs/performance.md)."""
 
     def __init__(self):
         super().__init__()
