@@ -148,7 +148,7 @@ class MultiHeadLatentAttention(CausalAttention):
         k_rot = self.rope(k_rot.reshape(batch, seq_len, 1, self.rope_dim)).astype(k_nope.dtype)
         q = ops.cat((q_nope, self.rope(q_rot).astype(q_nope.dtype)), -1)
         k = ops.cat((k_nope, ops.broadcast_to(k_rot, k_nope.shape[:-1] + (self.rope_dim,))), -1)
-        return self.wo(self.attend(q * self.scale, k, v))
+        return self.wo(self.attend(q, k, v, self.scale))   # RoPE already on the decoupled part
 
 
 class MTPLayer(nn.Cell):

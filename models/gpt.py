@@ -21,8 +21,8 @@ from typing import Optional
 import mindspore as ms
 from mindspore import nn, ops
 
-from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, RMSNorm,
-                             SwiGLUMLP, compute_dtype_of)
+from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
+                             RMSNorm, SwiGLUMLP, compute_dtype_of)
 from moetrain.modeling import MEAN, StatSpec, merge_stats, run_blocks, split_specs
 from moetrain.registry import register_model
 
@@ -123,6 +123,9 @@ class GPT(nn.Cell):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype)
         self.compute_dtype = compute_dtype_of(cfg.compute_dtype)
         self.cross_entropy = CrossEntropy()
+        self.vocab_size = cfg.vocab_size
+        # the LM head and loss in one kernel, never storing [tokens, vocab] logits (CPU, fp32)
+        self.fused_head_loss = LMHeadCrossEntropy() if LMHeadCrossEntropy.supported(cfg.compute_dtype) else None
         self.layer_stat_specs = {name: spec for block in self.layers if block.returns_stats
                                  for name, spec in block.stat_specs.items()}
         self.layer_stats = split_specs(self.layer_stat_specs)   # (summed, stacked) names, graph-safe
@@ -150,8 +153,17 @@ class GPT(nn.Cell):
 
     def head_loss(self, h, labels):
         """Final norm, head and next-token loss: `(loss, {"lm_loss"})`."""
-        lm_loss = self.cross_entropy(self.output_logits(h), labels)
+        lm_loss = self.lm_loss(h, labels)
         return lm_loss, {"lm_loss": lm_loss}
+
+    def lm_loss(self, h, labels):
+        """Final norm, LM head and mean cross-entropy of the last hidden state `[B, S, H]`: fused where
+        the kernel exists and the head holds the whole vocabulary; a vocabulary-parallel head (tp > 1)
+        takes the plain path, whose loss is reduced over the tp group."""
+        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
+        if self.fused_head_loss is not None and weight.shape[0] == self.vocab_size:
+            return self.fused_head_loss(self.final_norm(h), weight, labels)
+        return self.cross_entropy(self.output_logits(h), labels)
 
     def output_logits(self, h):
         """Final norm and LM head: fp32 hidden `[B, S, H]` -> fp32 logits `[B, S, V]`."""

@@ -188,6 +188,10 @@ class RotaryEmbedding(nn.Cell):
         self.half = head_dim // 2
         self.interleaved = interleaved
 
+    def tables(self, seq_len: int):
+        """fp32 `(cos, signed_sin)` `[seq_len, head_dim]` for positions `0..seq_len-1`."""
+        return self.cos[:seq_len].reshape(seq_len, -1), self.signed_sin[:seq_len].reshape(seq_len, -1)
+
     def construct(self, x):
         seq_len = x.shape[1]
         if self.interleaved:   # [.., (x0 x1) (x2 x3) ..] -> [x0 x2 .. | x1 x3 ..]
@@ -240,8 +244,9 @@ class CausalAttention(nn.Cell):
     -> `[B, S, n * d_v]`. Query head `h` uses K/V head `h // (n / n_kv)` (HF `repeat_kv`).
 
     With `moetrain.kernels` available and fp32 compute, `core` is the fused causal-attention kernel:
-    it reads the projection layout `[B, S, heads, head_dim]` (no transposes, no mask tensor) and
-    skips the key blocks above the diagonal (a `d_v < d` value is zero-padded to `d` for it).
+    it reads the projection layout `[B, S, heads, head_dim]` (no transposes, no mask tensor), applies
+    RoPE and the 1/sqrt(head_dim) scale itself and skips the key blocks above the diagonal (a
+    `d_v < d` value is zero-padded to `d` for it).
     Otherwise GQA runs without repeating K/V: the query heads sharing one K/V head are laid out as
     one `[group * S, d]` block, so one batched matmul per K/V head covers the group."""
 
@@ -257,16 +262,29 @@ class CausalAttention(nn.Cell):
         # Positions for the causal mask, built per call: a stored [S, S] mask is 4 GB at 32k.
         self.positions = Tensor(np.arange(max_positions, dtype=np.int32))
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, scale: float, rope=None):
+        """`softmax(scale * rope(q) rope(k)^T + causal) v`: q `[B, S, n, d]`, k `[B, S, n_kv, d]`, v
+        `[B, S, n_kv, d_v]` -> `[B, S, n * d_v]`; `rope` (a `RotaryEmbedding` over all d) or None.
+        The fused kernel applies RoPE and 1/sqrt(d) itself: another scale is folded into q, and
+        without RoPE it gets identity tables (cos 1, sin 0)."""
         batch, seq_len, _, head_dim = q.shape
         value_dim = v.shape[-1]
         if self.fused:
+            if rope is not None:
+                cos, sin = rope.tables(seq_len)
+            else:
+                cos, sin = ops.ones((seq_len, head_dim), ms.float32), ops.zeros((seq_len, head_dim), ms.float32)
+            if scale != head_dim ** -0.5:
+                q = q * (scale * head_dim ** 0.5)
             if value_dim != head_dim:
                 v = ops.cat((v, ops.zeros(v.shape[:-1] + (head_dim - value_dim,), v.dtype)), axis=-1)
-            out = self.core(q, k, v)                                       # [B, S, n, d]
+            out = self.core(q, k, v, cos, sin)                             # [B, S, n, d]
             if value_dim != head_dim:
                 out = ops.split(out, [value_dim, head_dim - value_dim], axis=-1)[0]
             return out.reshape(batch, seq_len, -1)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        q = q * scale
         num_kv_heads = k.shape[2]
         group = q.shape[2] // num_kv_heads
         # [B, S, n, d] -> [B, n, S, d]; query heads of one K/V group become one row block.
@@ -284,8 +302,8 @@ class CausalAttention(nn.Cell):
 class Attention(CausalAttention):
     """Causal grouped-query self-attention with RoPE (Llama); softmax in fp32.
 
-    `project(x)` gives the roped q, k and v `[B, S, heads, head_dim]`; a variant (Qwen3's q/k
-    norms) overrides it and keeps the rest."""
+    `project(x)` gives q, k (before RoPE) and v `[B, S, heads, head_dim]`; a variant (Qwen3's q/k
+    norms) overrides it and keeps the rest. RoPE is applied in `attend` (inside the fused kernel)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_positions: int, rope_theta: float = 10000.0, init_std: float = 0.02,
@@ -304,11 +322,11 @@ class Attention(CausalAttention):
         return projection(x).reshape(x.shape[0], x.shape[1], -1, self.head_dim)
 
     def project(self, x):
-        return self.rope(self.heads(self.wq, x)), self.rope(self.heads(self.wk, x)), self.heads(self.wv, x)
+        return self.heads(self.wq, x), self.heads(self.wk, x), self.heads(self.wv, x)
 
     def construct(self, x):
         q, k, v = self.project(x)
-        return self.wo(self.attend(q * self.scale, k, v))
+        return self.wo(self.attend(q, k, v, self.scale, self.rope))
 
 
 class SwiGLUMLP(nn.Cell):
@@ -338,3 +356,28 @@ class CrossEntropy(nn.Cell):
     def construct(self, logits, labels):
         return self.loss(logits.reshape(-1, logits.shape[-1]).astype(ms.float32),
                          labels.reshape(-1).astype(ms.int32))
+
+
+class LMHeadCrossEntropy(nn.Cell):
+    """Mean cross-entropy of the LM head's logits `h @ weight.T` against `labels`, fused: the
+    `[tokens, vocab]` logits are never stored (`moetrain.kernels`, fp32; rows go through the head
+    in chunks of a few MB, and in training mode one pass yields the loss and both gradients).
+
+    `construct(h [..., H] fp32, weight [V, H], labels [...] int) -> fp32 scalar`. The head weight is
+    an input, so a tied head passes the embedding table. Build it only where `supported(...)`;
+    elsewhere a model runs its LM head and `CrossEntropy`, as it does for a vocabulary-parallel head
+    (tp > 1; the per-slice partials of `moetrain.kernels.ops.LMHeadLogitStats` are the piece a
+    fused vocabulary-parallel loss would reduce over the tp group, docs/performance.md)."""
+
+    def __init__(self):
+        super().__init__()
+        from moetrain.kernels.ops import FusedLMHeadCrossEntropy
+
+        self.fused = FusedLMHeadCrossEntropy()
+
+    @staticmethod
+    def supported(compute_dtype) -> bool:
+        return kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
+
+    def construct(self, h, weight, labels):
+        return self.fused(h.reshape(-1, h.shape[-1]).astype(ms.float32), weight, labels.reshape(-1).astype(ms.int32))
