@@ -23,7 +23,7 @@ from mindspore import nn, ops
 
 from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
                              RMSNorm, SwiGLUMLP, compute_dtype_of)
-from moetrain.modeling import MEAN, StatSpec, merge_stats, run_blocks, split_specs
+from moetrain.modeling import MEAN, StatSpec, merge_stats, reused_block, run_blocks, split_specs
 from moetrain.registry import register_model
 
 
@@ -85,6 +85,7 @@ class TransformerBlock(nn.Cell):
 
     returns_stats = False
 
+    @reused_block
     def __init__(self, cfg: GPTConfig, attention: Optional[nn.Cell] = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)

@@ -25,6 +25,7 @@ from mindspore import nn, ops
 from models.gpt import GPT, GPTConfig, TransformerBlock, build_attention
 from moetrain.layers import RMSNorm, compute_dtype_of
 from moetrain.moe.config import MoEConfig
+from moetrain.modeling import reused_block
 from moetrain.moe.layer import MoELayer, update_expert_bias
 from moetrain.registry import register_model
 
@@ -62,6 +63,7 @@ class MoEBlock(nn.Cell):
 
     returns_stats = True
 
+    @reused_block
     def __init__(self, cfg: MoEGPTConfig, attention: Optional[nn.Cell] = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)

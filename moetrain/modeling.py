@@ -21,6 +21,7 @@ per family in `moetrain.parallel.plans` by module paths; expert parallelism find
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
@@ -48,6 +49,18 @@ def stat_specs_of(model) -> Dict[str, StatSpec]:
 def summed_stats(specs: Dict[str, StatSpec]) -> Tuple[str, ...]:
     """The stats that add up over micro-batches and data-parallel ranks (the others average)."""
     return tuple(name for name, spec in specs.items() if spec.reduce == SUM)
+
+
+def reused_block(init):
+    """Decorate a block's `__init__`: MindSpore compiles ONE graph per block class and init
+    arguments and reuses it for every layer (`ms.lazy_inline` with the "front" policy: the reused
+    sub-graph is inlined in the frontend, after autodiff, so CPU and GPU run it as well as Ascend;
+    the default policy fails on CPU with "Input[0] must be a Primitive ValueNode"). The first step's
+    compile then grows far slower than the depth (docs/performance.md, "Compile time at depth");
+    results are bitwise the same. `MOETRAIN_CELL_REUSE=0` turns it off (A/B measurements)."""
+    if os.environ.get("MOETRAIN_CELL_REUSE", "1") == "0":
+        return init
+    return ms.lazy_inline(init, policy="front")
 
 
 def split_specs(specs: Dict[str, StatSpec]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:

@@ -129,6 +129,9 @@ def test_bench_prints_one_sane_json_line(ms):
         assert result[key] > 0, key
     assert 0 < result["mfu"] <= 1
     assert result["step_ms_min"] <= result["step_ms_median"] <= result["step_ms_max"]
+    # compilation reported apart from the step: the first step is the compile plus about one step
+    assert result["first_step_s"] > result["compile_s"] > 0
+    assert result["compile_s"] == pytest.approx(result["first_step_s"] - result["step_ms_median"] / 1e3, abs=0.011)
     # the fields agree with each other and with a FLOP count made by hand
     tokens = 2 * 32
     assert result["tokens_per_s"] == pytest.approx(tokens / (result["step_ms_median"] / 1e3), rel=2e-3)
