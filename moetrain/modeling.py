@@ -99,16 +99,16 @@ def run_blocks(blocks, h, summed: Tuple[str, ...], stacked: Tuple[str, ...], con
     rows = {name: [] for name in stacked}
     aux = zero
     for block in blocks:
-        out = block(h) if context is None else block(h, context)
+        args = (h,) if context is None else (h, context)
         if block.returns_stats:
-            h, stats = out
+            h, stats = block(*args)
             for name in summed:
                 totals[name] = totals[name] + stats[name].astype(ms.float32)
             for name in stacked:
                 rows[name].append(stats[name].astype(ms.float32))
             aux = aux + block.weighted_aux(stats)
         else:
-            h = out
+            h = block(*args)
     for name in stacked:
         if rows[name]:
             totals[name] = ops.stack(rows[name])
