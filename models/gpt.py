@@ -23,7 +23,7 @@ from mindspore import nn, ops
 
 from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
                              RMSNorm, SwiGLUMLP, compute_dtype_of)
-from moetrain.modeling import MEAN, StatSpec, merge_stats, reused_block, run_blocks, split_specs
+from moetrain.modeling import MEAN, StatSpec, attention_context, merge_stats, reused_block, run_blocks, split_specs
 from moetrain.registry import register_model
 
 
@@ -81,7 +81,8 @@ def build_attention(cfg: GPTConfig) -> Attention:
 
 
 class TransformerBlock(nn.Cell):
-    """Pre-norm attention + SwiGLU block; input and output fp32 `[B, S, H]`."""
+    """Pre-norm attention + SwiGLU block; input and output fp32 `[B, S, H]`; `context`: packed
+    documents for the attention (`moetrain.modeling.attention_context`), or None."""
 
     returns_stats = False
 
@@ -94,14 +95,17 @@ class TransformerBlock(nn.Cell):
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, cfg.output_init_std,
                              cfg.compute_dtype)
 
-    def construct(self, x):
-        h = x + self.attention(self.attention_norm(x)).astype(ms.float32)
+    def construct(self, x, context=None):
+        h = x + self.attention(self.attention_norm(x), context).astype(ms.float32)
         return h + self.mlp(self.ffn_norm(h)).astype(ms.float32)
 
 
 @register_model("gpt", config=GPTConfig)
 class GPT(nn.Cell):
-    """`construct(input_ids, labels) -> (loss, {"lm_loss"})`; `logits(input_ids) -> fp32 [B, S, V]`.
+    """`construct(input_ids, labels[, document_ids, position_ids]) -> (loss, {"lm_loss"})`;
+    `logits(input_ids[, document_ids, position_ids]) -> fp32 [B, S, V]`. With document and position
+    ids (packed documents, docs/data.md) attention stays inside each document and RoPE uses the
+    given positions.
 
     Made of the pieces `moetrain/modeling.py` describes (embed_tokens, run_layers, head_loss), so a
     pipeline stage runs the same code on its part of the model."""
@@ -148,12 +152,14 @@ class GPT(nn.Cell):
                              f"for at most model.seq_length={self.max_positions}")
         return self.embed(input_ids)
 
-    def run_layers(self, h):
-        """The blocks this model holds on `h` (before the final norm): `(h, stats, weighted_aux)`."""
-        return run_blocks(self.layers, h, *self.layer_stats)
+    def run_layers(self, h, context=None):
+        """The blocks this model holds on `h` (before the final norm): `(h, stats, weighted_aux)`;
+        `context`: the attention context (`moetrain.modeling.attention_context`)."""
+        return run_blocks(self.layers, h, *self.layer_stats, context)
 
-    def head_loss(self, h, labels):
-        """Final norm, head and next-token loss: `(loss, {"lm_loss"})`."""
+    def head_loss(self, h, labels, context=None):
+        """Final norm, head and next-token loss: `(loss, {"lm_loss"})` (`context`: for a head with
+        attention blocks, such as DeepSeek's MTP)."""
         lm_loss = self.lm_loss(h, labels)
         return lm_loss, {"lm_loss": lm_loss}
 
@@ -184,11 +190,12 @@ class GPT(nn.Cell):
         return logits.astype(ms.float32)
 
     # ---- the whole model ------------------------------------------------------------------------
-    def logits(self, input_ids):
-        h, _, _ = self.run_layers(self.embed_tokens(input_ids))
+    def logits(self, input_ids, document_ids=None, position_ids=None):
+        h, _, _ = self.run_layers(self.embed_tokens(input_ids), attention_context(document_ids, position_ids))
         return self.output_logits(h)
 
-    def construct(self, input_ids, labels):
-        h, stats, aux = self.run_layers(self.embed_tokens(input_ids))
-        loss, head_stats = self.head_loss(h, labels)
+    def construct(self, input_ids, labels, document_ids=None, position_ids=None):
+        context = attention_context(document_ids, position_ids)
+        h, stats, aux = self.run_layers(self.embed_tokens(input_ids), context)
+        loss, head_stats = self.head_loss(h, labels, context)
         return loss + aux, merge_stats(stats, head_stats, self.layer_stats[1])

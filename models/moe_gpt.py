@@ -58,8 +58,9 @@ class MoEGPTConfig(GPTConfig):
 
 
 class MoEBlock(nn.Cell):
-    """Pre-norm attention + MoE block. `construct(x [B, S, H])` -> `(x, moe_stats)`; the stats and
-    how they combine are the MoE layer's (`MoELayer.stat_specs`)."""
+    """Pre-norm attention + MoE block. `construct(x [B, S, H], context=None)` -> `(x, moe_stats)`; the
+    stats and how they combine are the MoE layer's (`MoELayer.stat_specs`); `context`: packed
+    documents for the attention, or None."""
 
     returns_stats = True
 
@@ -79,8 +80,8 @@ class MoEBlock(nn.Cell):
     def weighted_aux(self, stats):
         return self.moe.weighted_aux(stats)
 
-    def construct(self, x):
-        h = x + self.attention(self.attention_norm(x)).astype(ms.float32)
+    def construct(self, x, context=None):
+        h = x + self.attention(self.attention_norm(x), context).astype(ms.float32)
         y, stats = self.moe(self.ffn_norm(h))
         return h + y.astype(ms.float32), stats
 

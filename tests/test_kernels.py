@@ -238,16 +238,23 @@ def rotation_matrices(seq, dim, theta=10000.0):
     return mats
 
 
-def reference_rope_attention(q, k, v, upstream):
-    """float64: output and gradients for q, k, v (pre-RoPE) of sum(upstream * attention), GQA."""
+def reference_rope_attention(q, k, v, upstream, positions=None, documents=None):
+    """float64: output and gradients for q, k, v (pre-RoPE) of sum(upstream * attention), GQA.
+    `positions` [B, S]: the position each token is rotated at (None: 0..S-1); `documents` [B, S]: query
+    t sees key u only if u <= t and documents[t] == documents[u] (None: causal only)."""
     batch, seq, q_heads, dim = q.shape
     group = q_heads // k.shape[2]
-    rot = rotation_matrices(seq, dim)
-    qr = np.einsum("sij,bshj->bshi", rot, q.astype(np.float64)) / np.sqrt(dim)
-    kr = np.repeat(np.einsum("sij,bshj->bshi", rot, k.astype(np.float64)), group, 2)
+    if positions is None:
+        positions = np.broadcast_to(np.arange(seq), (batch, seq))
+    rot = rotation_matrices(int(positions.max()) + 1, dim)[positions]          # [B, S, D, D]
+    qr = np.einsum("bsij,bshj->bshi", rot, q.astype(np.float64)) / np.sqrt(dim)
+    kr = np.repeat(np.einsum("bsij,bshj->bshi", rot, k.astype(np.float64)), group, 2)
     v64 = np.repeat(v.astype(np.float64), group, 2)
     scores = np.einsum("bihd,bjhd->bhij", qr, kr)
-    scores[:, :, np.triu(np.ones((seq, seq), bool), 1)] = -np.inf
+    hidden = np.broadcast_to(np.triu(np.ones((seq, seq), bool), 1), (batch, seq, seq))
+    if documents is not None:
+        hidden = hidden | (documents[:, :, None] != documents[:, None, :])
+    scores = np.where(hidden[:, None], -np.inf, scores)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     out = np.einsum("bhij,bjhd->bihd", probs, v64)
@@ -257,8 +264,8 @@ def reference_rope_attention(q, k, v, upstream):
     fold = (batch, seq, k.shape[2], group, dim)        # sum the gradients of a K/V group's heads
     dkr = np.einsum("bhij,bihd->bjhd", dscores, qr).reshape(fold).sum(3)
     dv = np.einsum("bhij,bihd->bjhd", probs, upstream).reshape(fold).sum(3)
-    dq = np.einsum("sji,bshj->bshi", rot, dqr) / np.sqrt(dim)     # R^T
-    dk = np.einsum("sji,bshj->bshi", rot, dkr)
+    dq = np.einsum("bsji,bshj->bshi", rot, dqr) / np.sqrt(dim)     # R^T
+    dk = np.einsum("bsji,bshj->bshi", rot, dkr)
     return out, dq, dk, dv
 
 
@@ -312,6 +319,105 @@ def test_attention_layer_fused_equals_plain(ms, kernel_ops, jit):
     layer.core, layer.fused = core, True
     for name, a, b in zip(["loss", "dx"] + [p.name for p in params], fused, plain):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+# data.reset_attention_mask / data.reset_position_ids: which of the two the packed layout carries
+LAYOUTS = {"documents+positions": (True, True), "documents": (True, False), "positions": (False, True)}
+
+
+def packed_layout(lengths_per_row, layout="documents+positions"):
+    """(document_ids, position_ids) int32 [B, S] of rows packed with documents of the given lengths, as
+    moetrain.data yields them for `layout` (LAYOUTS): ids 0, 1, ... per row, else zeros; positions
+    restarting per document, else 0..S-1."""
+    mask, restart = LAYOUTS[layout]
+    documents = np.array([np.repeat(np.arange(len(lengths)), lengths) for lengths in lengths_per_row], np.int32)
+    positions = np.array([np.concatenate([np.arange(n) for n in lengths]) for lengths in lengths_per_row], np.int32)
+    if not restart:
+        positions = np.broadcast_to(np.arange(documents.shape[1], dtype=np.int32), documents.shape).copy()
+    return documents * mask, positions
+
+
+# rows: documents of one token (first, middle, last), a boundary at position 0 of a row (the row starts
+# a new document: ids start at 0, position 0), a row of one document; 150 tokens: the boundaries fall
+# inside and across 64-row blocks
+DOCUMENT_CASES = {
+    "short-docs-and-single-tokens": ([[1, 3, 1, 2, 1], [4, 4], [8]], 2, 2, 4),
+    "long-rows-across-blocks": ([[1, 70, 64, 15], [150]], 4, 2, 8),
+}
+
+
+@MODES
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("case", list(DOCUMENT_CASES))
+def test_fused_attention_with_documents_matches_numpy(ms, kernel_ops, jit, case, layout):
+    """The kernel with document ids and per-token positions (packed documents) against float64. (RoPE
+    is relative, so restarting positions changes nothing where documents are masked: the positions-only
+    layout is the one that tests the per-token rotation.)"""
+    from moetrain.layers import RotaryEmbedding
+
+    lengths, q_heads, kv_heads, dim = DOCUMENT_CASES[case]
+    documents, positions = packed_layout(lengths, layout)
+    batch, seq = documents.shape
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((batch, seq, q_heads, dim)).astype(np.float32)
+    k = rng.standard_normal((batch, seq, kv_heads, dim)).astype(np.float32)
+    v = rng.standard_normal((batch, seq, kv_heads, dim)).astype(np.float32)
+    upstream = rng.standard_normal((batch, seq, q_heads, dim)).astype(np.float32)
+    cos, sin = RotaryEmbedding(dim, seq + 7).tables(seq + 7)       # more rows than positions used
+    op = kernel_ops.FusedCausalAttention()
+    pos, doc = ms.Tensor(positions), ms.Tensor(documents)
+
+    def loss(q_, k_, v_):
+        return (op(q_, k_, v_, cos, sin, pos, doc) * ms.Tensor(upstream)).sum()
+
+    _, grads = grad_fn(ms, loss, (0, 1, 2), jit)(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v))
+    expected = reference_rope_attention(q, k, v, upstream, positions, documents)
+    got = [op(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), cos, sin, pos, doc).asnumpy()] + [g.asnumpy() for g in grads]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+    # ids that are not a packed run (a document id coming back) are masked key by key
+    shuffled = documents[:, ::-1].copy()
+    out = op(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), cos, sin, pos, ms.Tensor(shuffled)).asnumpy()
+    np.testing.assert_allclose(out, reference_rope_attention(q, k, v, upstream, positions, shuffled)[0],
+                               rtol=1e-4, atol=1e-5)
+
+
+@MODES
+@pytest.mark.parametrize("layout", ["documents+positions", "positions"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+def test_attention_layer_with_documents_matches_numpy(ms, kernel_ops, jit, fused, layout):
+    """The Attention layer given packed documents `(document_ids, position_ids)`, through the fused
+    kernel and through the plain path (RoPE gathered per token, additive document mask): output and
+    input gradient against float64."""
+    from moetrain.layers import Attention, CausalAttentionCore
+
+    ms.set_seed(0)
+    hidden, heads, kv_heads, dim = 16, 4, 2, 8
+    layer = Attention(hidden, heads, kv_heads, dim, max_positions=40)
+    if not fused:
+        layer.core, layer.fused = CausalAttentionCore(), False
+    documents, positions = packed_layout([[1, 6, 1, 4], [12]], layout)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 12, hidden)).astype(np.float32)
+    upstream = rng.standard_normal((2, 12, hidden)).astype(np.float32)
+    context = (ms.Tensor(documents), ms.Tensor(positions))
+
+    def loss(x_):
+        return (layer(x_, context) * ms.Tensor(upstream)).sum()
+
+    f = ms.value_and_grad(loss, 0)
+    _, dx = (ms.jit(f) if jit else f)(ms.Tensor(x))
+    out = layer(ms.Tensor(x), context).asnumpy()
+
+    w = {name: p.asnumpy().astype(np.float64) for name, p in layer.parameters_and_names()}
+    q, k, v = (np.einsum("bsh,oh->bso", x, w[f"{n}.weight"]).reshape(2, 12, -1, dim) for n in ("wq", "wk", "wv"))
+    d_attn = np.einsum("bsh,hi->bsi", upstream, w["wo.weight"]).reshape(2, 12, heads, dim)
+    attn, dq, dk, dv = reference_rope_attention(q, k, v, d_attn, positions, documents)
+    np.testing.assert_allclose(out, np.einsum("bsi,hi->bsh", attn.reshape(2, 12, -1), w["wo.weight"]),
+                               rtol=1e-4, atol=1e-5)
+    expected_dx = sum(np.einsum("bso,oh->bsh", g.reshape(2, 12, -1), w[f"{n}.weight"])
+                      for n, g in (("wq", dq), ("wk", dk), ("wv", dv)))
+    np.testing.assert_allclose(dx.asnumpy(), expected_dx, rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -550,6 +656,10 @@ BAD_INPUTS = {   # case: (the failing call, the kernel function that must report
     "label-out-of-vocab-eval": ("ops.LMHeadLogitStats(strict=True)(h, head, labels)", "LMHeadLogitStatsStrict"),
     "segments-not-ending-at-n": ("adamw([4, 9])", "AdamWUpdate"),
     "segments-not-ascending": ("adamw([6, 4, 10])", "AdamWUpdate"),
+    "position-outside-rope-table": ("ops.FusedCausalAttention()(*[ms.Tensor(np.ones((1, 4, 2, 4), np.float32))] * 3, "
+                                    "ms.Tensor(np.ones((4, 4), np.float32)), ms.Tensor(np.zeros((4, 4), np.float32)), "
+                                    "ms.Tensor(np.array([[0, 1, 2, 4]], np.int32)), ms.Tensor(np.zeros((1, 4), np.int32)))",
+                                    "DocumentAttentionForward"),
 }
 
 

@@ -64,6 +64,32 @@ def attention_piece(batch: int, seq: int, hidden: int, heads: int):
     return {"plain": plain, "fused": fused}, (x,), 0
 
 
+def packed_attention_piece(batch: int, seq: int, hidden: int, heads: int, document: int):
+    """The Attention layer on packed documents of `document` tokens (`data.reset_attention_mask` and
+    `reset_position_ids`): the fused kernel and the plain path (document mask, gathered RoPE), beside
+    the fused kernel on the same input without documents (plain causal attention over the window)."""
+    from moetrain.layers import Attention, CausalAttentionCore
+
+    class Packed(nn.Cell):
+        def __init__(self, layer, documents=True):
+            super().__init__()
+            self.layer, self.documents = layer, documents
+
+        def construct(self, x, document_ids, position_ids):
+            return self.layer(x, (document_ids, position_ids) if self.documents else None)
+
+    ms.set_seed(0)
+    fused = Attention(hidden, heads, heads, hidden // heads, seq)
+    plain = Attention(hidden, heads, heads, hidden // heads, seq)
+    plain.core, plain.fused = CausalAttentionCore(), False
+    x = Tensor(np.random.default_rng(0).standard_normal((batch, seq, hidden)).astype(np.float32))
+    tokens = np.arange(seq)
+    ids = np.broadcast_to(tokens // document, (batch, seq)).astype(np.int32)
+    positions = np.broadcast_to(tokens % document, (batch, seq)).astype(np.int32)
+    cells = {"plain": Packed(plain), "fused": Packed(fused), "fused_causal": Packed(fused, documents=False)}
+    return cells, (x, Tensor(ids), Tensor(positions)), 0
+
+
 def router_piece(tokens: int, hidden: int, experts: int, top_k: int):
     """TopKRouter (router matmul, softmax, top-k, combine weights, balance-loss probabilities) on `[T, H]`."""
     from moetrain.moe.config import MoEConfig
@@ -136,6 +162,7 @@ def grad_norm_piece(num_params: int):
 
 PIECES = {"lm_head": lambda a: lm_head_piece(a.batch * a.seq, a.hidden, a.vocab),
           "attention": lambda a: attention_piece(a.batch, a.seq, a.hidden, a.heads),
+          "packed_attention": lambda a: packed_attention_piece(a.batch, a.seq, a.hidden, a.heads, a.document),
           "router": lambda a: router_piece(a.batch * a.seq, a.hidden, a.experts, a.top_k),
           "adamw": lambda a: adamw_piece(a.params),
           "grad_norm": lambda a: grad_norm_piece(a.params)}
@@ -199,6 +226,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--document", type=int, default=64, help="tokens per document (packed_attention)")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--params", type=int, default=17_800_000, help="optimizer buffer size (the bench model's)")

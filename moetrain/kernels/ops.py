@@ -92,6 +92,12 @@ class FusedCausalAttention(nn.Cell):
     `softmax(rope(q) rope(k)^T / sqrt(D) + causal) v` as `[B, S, Hq, D]`, fp32; query head h uses
     key/value head `h // (Hq / Hkv)`.
 
+    Packed documents: `construct(q, k, v, cos [P, D], sin [P, D], positions, document_ids)` with
+    int32 `[B, S]` ids: query t sees key u only if `u <= t` and `document_ids[t] == document_ids[u]`,
+    and token t is rotated at position `positions[t]` (row of the tables; one outside `[0, P)` fails
+    the op). Where the ids never decrease along a row (moetrain.data's layout) the keys before a row
+    block's earliest document start are skipped, not only those above the diagonal.
+
     q and k come before RoPE: the kernel rotates them (HF rotate_half with the signed `sin` table of
     `moetrain.layers.rope_tables`) and scales q, and its backward applies the transposed rotation,
     so no RoPE op, transpose or mask tensor runs outside. It skips the key blocks above the diagonal
@@ -106,9 +112,20 @@ class FusedCausalAttention(nn.Cell):
             return dq, dk, dv, ops.zeros_like(cos), ops.zeros_like(sin)
 
         self.forward = _custom("CausalAttentionForward", (F32,) * 5, bprop)
+        documents_backward = _custom("DocumentAttentionBackward", (F32,) * 5 + (I32, I32, F32, F32),
+                                     output_dtypes=(F32,) * 3)
 
-    def construct(self, q, k, v, cos, sin):
-        return self.forward(q, k, v, cos, sin)
+        def documents_bprop(q, k, v, cos, sin, positions, document_ids, out, dout):
+            dq, dk, dv = documents_backward(q, k, v, cos, sin, positions, document_ids, out, dout)
+            return (dq, dk, dv, ops.zeros_like(cos), ops.zeros_like(sin), ops.zeros_like(positions),
+                    ops.zeros_like(document_ids))
+
+        self.documents_forward = _custom("DocumentAttentionForward", (F32,) * 5 + (I32, I32), documents_bprop)
+
+    def construct(self, q, k, v, cos, sin, positions=None, document_ids=None):
+        if positions is None:
+            return self.forward(q, k, v, cos, sin)
+        return self.documents_forward(q, k, v, cos, sin, positions, document_ids)
 
 
 class FusedLMHeadCrossEntropy(nn.Cell):
