@@ -19,7 +19,9 @@ Against `moe_gpt` it changes two things and adds one:
   Its inputs are the tokens `labels` already holds, so it needs only `(h, labels)` and the shared
   embedding and head: `mtp_loss` is the mean cross-entropy over depths, and the model's loss adds
   `mtp_loss_weight * mtp_loss`. A depth works on the first S-k positions (causal attention makes
-  that equal to masking the last k); RoPE is relative, so the positions may start at 0.
+  that equal to masking the last k); RoPE is relative, so the positions may start at 0. With packed
+  documents its attention uses the main stack's document and position ids of those positions (as
+  Megatron's MTP reuses the main attention mask and rotary positions).
 
 Parameter names beyond `moe_gpt`'s:
 
@@ -112,7 +114,9 @@ class DeepSeekV3Config(MoEGPTConfig):
 
 
 class MultiHeadLatentAttention(CausalAttention):
-    """MLA (DeepSeek-V2/V3); `construct(x [B, S, H]) -> [B, S, H]` in the compute dtype.
+    """MLA (DeepSeek-V2/V3); `construct(x [B, S, H], context=None) -> [B, S, H]` in the compute dtype;
+    `context`: packed documents (`CausalAttention`): RoPE, applied here to the decoupled part only,
+    rotates at its position ids, and `attend` masks across documents.
 
     Head counts are read from the `wq_b`/`wq` and `wkv_b` outputs, so a tensor-parallel plan may
     split those column-wise (and `wo` row-wise) while the latent projections and norms stay whole."""
@@ -138,21 +142,23 @@ class MultiHeadLatentAttention(CausalAttention):
         self.head_dim = cfg.head_dim
         self.scale = cfg.softmax_scale
 
-    def construct(self, x):
+    def construct(self, x, context=None):
         batch, seq_len = x.shape[0], x.shape[1]
+        position_ids = None if context is None else context[1]
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora else self.wq(x)
         q_nope, q_rot = ops.split(q.reshape(batch, seq_len, -1, self.head_dim), [self.nope_dim, self.rope_dim], -1)
         latent, k_rot = ops.split(self.wkv_a(x), [self.latent_dim, self.rope_dim], -1)
         kv = self.wkv_b(self.kv_norm(latent)).reshape(batch, seq_len, -1, self.nope_dim + self.value_dim)
         k_nope, v = ops.split(kv, [self.nope_dim, self.value_dim], -1)
-        k_rot = self.rope(k_rot.reshape(batch, seq_len, 1, self.rope_dim)).astype(k_nope.dtype)
-        q = ops.cat((q_nope, self.rope(q_rot).astype(q_nope.dtype)), -1)
+        k_rot = self.rope(k_rot.reshape(batch, seq_len, 1, self.rope_dim), position_ids).astype(k_nope.dtype)
+        q = ops.cat((q_nope, self.rope(q_rot, position_ids).astype(q_nope.dtype)), -1)
         k = ops.cat((k_nope, ops.broadcast_to(k_rot, k_nope.shape[:-1] + (self.rope_dim,))), -1)
-        return self.wo(self.attend(q * self.scale, k, v))
+        return self.wo(self.attend(q, k, v, self.scale, context=context))   # RoPE already on the decoupled part
 
 
 class MTPLayer(nn.Cell):
-    """One multi-token-prediction depth: `construct(h [B, n, H], emb [B, n, H]) -> (normed h, moe_stats)`."""
+    """One multi-token-prediction depth: `construct(h [B, n, H], emb [B, n, H], context=None) -> (normed h,
+    moe_stats)`; `context`: the attention context of those n positions, or None."""
 
     def __init__(self, cfg: DeepSeekV3Config):
         super().__init__()
@@ -162,9 +168,9 @@ class MTPLayer(nn.Cell):
         self.block = MoEBlock(cfg, MultiHeadLatentAttention(cfg))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def construct(self, h, emb):
+    def construct(self, h, emb, context=None):
         x = self.eh_proj(ops.cat((self.enorm(emb), self.hnorm(h)), -1)).astype(ms.float32)
-        x, stats = self.block(x)
+        x, stats = self.block(x, context)
         return self.final_norm(x), stats
 
 
@@ -199,25 +205,28 @@ class DeepSeekV3(MoEGPT):
             return MoEBlock(self.cfg, attention)
         return TransformerBlock(self.cfg, attention)
 
-    def mtp_depth_step(self, k: int, h, labels):
+    def mtp_depth_step(self, k: int, h, labels, context=None):
         """MTP depth k+1: `(normed h [B, S-k-1, H], logits [B, S-k-1, V], moe_stats)`; row i predicts
         token i+k+2 (`labels[:, i+k+1]`). `h`: the previous depth's output, or for k = 0 the main
-        stack's output before the final norm `[B, S, H]`; `labels [B, S]`."""
+        stack's output before the final norm `[B, S, H]`; `labels [B, S]`; `context`: the main
+        stack's attention context `[B, S]` (None: causal), cut to the first S-k-1 positions."""
         n = labels.shape[1] - k - 1
-        h, stats = self.mtp[k](h[:, :n], self.embed(labels[:, k:k + n]))
+        if context is not None:
+            context = (context[0][:, :n], context[1][:, :n])
+        h, stats = self.mtp[k](h[:, :n], self.embed(labels[:, k:k + n]), context)
         return h, self.head_logits(h), stats
 
-    def head_loss(self, h, labels):
+    def head_loss(self, h, labels, context=None):
         """lm_loss, and with MTP: `mtp_loss` (mean over depths) weighted into the loss, the MTP
         blocks' MoE stats (their aux terms weighted in too) and their `expert_load` rows."""
-        loss, stats = super().head_loss(h, labels)
+        loss, stats = super().head_loss(h, labels, context)
         if self.mtp_depth:
             summed, stacked = self.layer_stats
             zero = ops.zeros((), ms.float32)
             totals = {name: zero for name in summed}
             rows, mtp_loss = [], zero
             for k in range(self.mtp_depth):
-                h, logits, mtp_stats = self.mtp_depth_step(k, h, labels)
+                h, logits, mtp_stats = self.mtp_depth_step(k, h, labels, context)
                 mtp_loss = mtp_loss + self.cross_entropy(logits, labels[:, k + 1:])
                 for name in summed:
                     totals[name] = totals[name] + mtp_stats[name].astype(ms.float32)

@@ -25,6 +25,7 @@ from mindspore import nn, ops
 from models.gpt import GPT, GPTConfig, TransformerBlock, build_attention
 from moetrain.layers import RMSNorm, compute_dtype_of
 from moetrain.moe.config import MoEConfig
+from moetrain.modeling import reused_block
 from moetrain.moe.layer import MoELayer, update_expert_bias
 from moetrain.registry import register_model
 
@@ -57,11 +58,13 @@ class MoEGPTConfig(GPTConfig):
 
 
 class MoEBlock(nn.Cell):
-    """Pre-norm attention + MoE block. `construct(x [B, S, H])` -> `(x, moe_stats)`; the stats and
-    how they combine are the MoE layer's (`MoELayer.stat_specs`)."""
+    """Pre-norm attention + MoE block. `construct(x [B, S, H], context=None)` -> `(x, moe_stats)`; the
+    stats and how they combine are the MoE layer's (`MoELayer.stat_specs`); `context`: packed
+    documents for the attention, or None."""
 
     returns_stats = True
 
+    @reused_block
     def __init__(self, cfg: MoEGPTConfig, attention: Optional[nn.Cell] = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -77,8 +80,8 @@ class MoEBlock(nn.Cell):
     def weighted_aux(self, stats):
         return self.moe.weighted_aux(stats)
 
-    def construct(self, x):
-        h = x + self.attention(self.attention_norm(x)).astype(ms.float32)
+    def construct(self, x, context=None):
+        h = x + self.attention(self.attention_norm(x), context).astype(ms.float32)
         y, stats = self.moe(self.ffn_norm(h))
         return h + y.astype(ms.float32), stats
 

@@ -58,8 +58,8 @@ class QKNormAttention(Attention):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def project(self, x):
-        q = self.rope(self.q_norm(self.heads(self.wq, x)).astype(self.wq.compute_dtype))
-        k = self.rope(self.k_norm(self.heads(self.wk, x)).astype(self.wk.compute_dtype))
+        q = self.q_norm(self.heads(self.wq, x)).astype(self.wq.compute_dtype)
+        k = self.k_norm(self.heads(self.wk, x)).astype(self.wk.compute_dtype)
         return q, k, self.heads(self.wv, x)
 
 

@@ -444,6 +444,7 @@ def _validate(cfg: Config, source: str) -> None:
         if problems:
             raise ConfigError(f"{source}: the parallel layout cannot run:\n  - " + "\n  - ".join(problems))
     _validate_data(cfg.data, source)
+    _validate_document_layout(cfg, source)
     need(cfg.optimizer.lr >= 0, "optimizer.lr", "must be >= 0")
     need(cfg.checkpoint.keep_max >= 1, "checkpoint.keep_max", "must be >= 1 (the latest checkpoint is always kept)")
     need(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0 (0: only at the end)")
@@ -470,11 +471,28 @@ def _validate_data(data: DataConfig, source: str) -> None:
             parse_blend(value, f"data.{key}")
         except DataError as exc:
             raise ConfigError(f"{source}: {exc}") from None
-    # TODO(issue 14 item 4): remove once the models take document_ids / position_ids.
-    for key in ("reset_attention_mask", "reset_position_ids"):
-        if getattr(data, key):
-            raise ConfigError(f"{source}: key 'data.{key}': document-aware attention is not wired into the model "
-                              f"yet (the dataset already yields document_ids and position_ids); set it to false")
+
+
+def _validate_document_layout(cfg: Config, source: str) -> None:
+    """data.reset_attention_mask / reset_position_ids add document_ids and position_ids to every LM
+    batch: the model must take them (moetrain/modeling.py, "Packed documents")."""
+    import inspect
+
+    from moetrain import registry
+
+    keys = [key for key in ("reset_attention_mask", "reset_position_ids") if getattr(cfg.data, key)]
+    if not keys:
+        return
+    if cfg.data.type != "lm":
+        raise ConfigError(f"{source}: key 'data.{keys[0]}': packed documents exist only in LM data (data.type lm), "
+                          f"got data.type {cfg.data.type!r}; set it to false")
+    entry = registry.get_model(cfg.model.name)
+    taken = inspect.signature(entry.cls.construct).parameters
+    if not {"document_ids", "position_ids"} <= set(taken):
+        raise ConfigError(f"{source}: key 'data.{keys[0]}': model {cfg.model.name!r} ({entry.cls.__name__}.construct"
+                          f"{inspect.signature(entry.cls.construct)}) does not take document_ids and position_ids; "
+                          f"set it to false, or give the model those arguments (moetrain/modeling.py, "
+                          f"\"Packed documents\")")
 
 
 # (key, test, what it must be): counts, sizes and rates that have no meaning below their bound

@@ -174,7 +174,8 @@ def _shared_rope_tensors(head_dim: int, max_positions: int, theta: float, yarn=N
 
 
 class RotaryEmbedding(nn.Cell):
-    """Applies RoPE to `[B, S, heads, head_dim]` tensors at positions `0..S-1`.
+    """Applies RoPE to `[B, S, heads, head_dim]` tensors at positions `0..S-1`, or at int32
+    `positions [B, S]` (positions restarting per packed document, `data.reset_position_ids`).
 
     `interleaved`: the rotary pairs are adjacent dims `(x0, x1), (x2, x3), ...` (DeepSeek's
     checkpoints, HF `rope_interleave`); they are de-interleaved first, so the output is in the
@@ -186,24 +187,31 @@ class RotaryEmbedding(nn.Cell):
         # Plain tensors, not Parameters: derived from the config, never trained or saved.
         self.cos, self.signed_sin = _shared_rope_tensors(head_dim, max_positions, float(theta), yarn)
         self.half = head_dim // 2
+        self.max_positions = max_positions
         self.interleaved = interleaved
 
-    def construct(self, x):
+    def tables(self, seq_len: int):
+        """fp32 `(cos, signed_sin)` `[seq_len, head_dim]` for positions `0..seq_len-1`."""
+        return self.cos[:seq_len].reshape(seq_len, -1), self.signed_sin[:seq_len].reshape(seq_len, -1)
+
+    def construct(self, x, positions=None):
         seq_len = x.shape[1]
         if self.interleaved:   # [.., (x0 x1) (x2 x3) ..] -> [x0 x2 .. | x1 x3 ..]
             x = x.reshape(x.shape[:-1] + (self.half, 2)).swapaxes(-1, -2).reshape(x.shape)
-        cos = self.cos[:seq_len].astype(x.dtype)
-        sin = self.signed_sin[:seq_len].astype(x.dtype)
+        if positions is None:                                   # [S, 1, D]: the same for every row
+            cos, sin = self.cos[:seq_len], self.signed_sin[:seq_len]
+        else:                                                   # [B, S, 1, D]: each token's own position
+            cos, sin = ops.gather(self.cos, positions, 0), ops.gather(self.signed_sin, positions, 0)
         first, second = ops.split(x, self.half, axis=-1)
-        return x * cos + ops.cat((second, first), axis=-1) * sin
+        return x * cos.astype(x.dtype) + ops.cat((second, first), axis=-1) * sin.astype(x.dtype)
 
 
 class CausalAttentionCore(nn.Cell):
     """`softmax(q k^T + mask) v` for grouped queries, with a hand-written backward.
 
     q `[B, n_kv, group * S, d]` (pre-scaled; the `group` query heads of one K/V head stacked
-    along rows), k, v `[B, n_kv, S, d]`, mask `[S, S]` additive fp32. Returns `(out, probs)`;
-    `probs` is returned only so the backward can reuse it.
+    along rows), k, v `[B, n_kv, S, d]`, mask `[S, S]` (packed documents: `[B, 1, 1, S, S]`)
+    additive fp32. Returns `(out, probs)`; `probs` is returned only so the backward can reuse it.
 
     The backward uses the FlashAttention identity `rowsum(dP * P) = rowsum(dO * O)`, a
     reduction over `d` instead of over `S`: on CPU this halves the attention fwd+bwd time
@@ -239,11 +247,18 @@ class CausalAttention(nn.Cell):
     `attend(q, k, v)`: q `[B, S, n, d]` pre-scaled, k `[B, S, n_kv, d]`, v `[B, S, n_kv, d_v]`
     -> `[B, S, n * d_v]`. Query head `h` uses K/V head `h // (n / n_kv)` (HF `repeat_kv`).
 
+    Packed documents: `context` is None, or `(document_ids, position_ids)`, int32 `[B, S]` each, of
+    the whole (never sequence-split) batch (`moetrain.modeling.attention_context`; docs/data.md):
+    query t then sees key u only if `u <= t` and both are in the same document, and RoPE rotates
+    token t at `position_ids[t]`.
+
     With `moetrain.kernels` available and fp32 compute, `core` is the fused causal-attention kernel:
-    it reads the projection layout `[B, S, heads, head_dim]` (no transposes, no mask tensor) and
-    skips the key blocks above the diagonal (a `d_v < d` value is zero-padded to `d` for it).
+    it reads the projection layout `[B, S, heads, head_dim]` (no transposes, no mask tensor), applies
+    RoPE and the 1/sqrt(head_dim) scale itself and skips the key blocks above the diagonal (and, with
+    documents, before the block's documents; a `d_v < d` value is zero-padded to `d` for it).
     Otherwise GQA runs without repeating K/V: the query heads sharing one K/V head are laid out as
-    one `[group * S, d]` block, so one batched matmul per K/V head covers the group."""
+    one `[group * S, d]` block, so one batched matmul per K/V head covers the group; documents add
+    a `[B, 1, 1, S, S]` additive mask."""
 
     def __init__(self, max_positions: int, compute_dtype=ms.float32):
         super().__init__()
@@ -257,16 +272,35 @@ class CausalAttention(nn.Cell):
         # Positions for the causal mask, built per call: a stored [S, S] mask is 4 GB at 32k.
         self.positions = Tensor(np.arange(max_positions, dtype=np.int32))
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, scale: float, rope=None, context=None):
+        """`softmax(scale * rope(q) rope(k)^T + mask) v`: q `[B, S, n, d]`, k `[B, S, n_kv, d]`, v
+        `[B, S, n_kv, d_v]` -> `[B, S, n * d_v]`; `rope` (a `RotaryEmbedding` over all d) or None;
+        `context` None (causal) or `(document_ids, position_ids)` (see the class).
+        The fused kernel applies RoPE and 1/sqrt(d) itself: another scale is folded into q, and
+        without RoPE it gets identity tables (cos 1, sin 0)."""
         batch, seq_len, _, head_dim = q.shape
         value_dim = v.shape[-1]
         if self.fused:
+            if rope is not None:   # with positions: every row, the kernel reads the row of each token
+                cos, sin = rope.tables(seq_len if context is None else rope.max_positions)
+            else:
+                cos, sin = ops.ones((seq_len, head_dim), ms.float32), ops.zeros((seq_len, head_dim), ms.float32)
+            if scale != head_dim ** -0.5:
+                q = q * (scale * head_dim ** 0.5)
             if value_dim != head_dim:
                 v = ops.cat((v, ops.zeros(v.shape[:-1] + (head_dim - value_dim,), v.dtype)), axis=-1)
-            out = self.core(q, k, v)                                       # [B, S, n, d]
+            if context is None:
+                out = self.core(q, k, v, cos, sin)                          # [B, S, n, d]
+            else:
+                document_ids, position_ids = context
+                out = self.core(q, k, v, cos, sin, position_ids, document_ids)
             if value_dim != head_dim:
                 out = ops.split(out, [value_dim, head_dim - value_dim], axis=-1)[0]
             return out.reshape(batch, seq_len, -1)
+        if rope is not None:
+            position_ids = None if context is None else context[1]
+            q, k = rope(q, position_ids), rope(k, position_ids)
+        q = q * scale
         num_kv_heads = k.shape[2]
         group = q.shape[2] // num_kv_heads
         # [B, S, n, d] -> [B, n, S, d]; query heads of one K/V group become one row block.
@@ -274,8 +308,13 @@ class CausalAttention(nn.Cell):
         k = k.transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
         positions = self.positions[:seq_len]
-        # Additive mask, -1e9 above the diagonal: finite, so it can never produce NaN.
-        mask = (positions.reshape(1, -1) > positions.reshape(-1, 1)).astype(ms.float32) * -1e9
+        hidden = positions.reshape(1, -1) > positions.reshape(-1, 1)     # [S, S]: key after query
+        if context is not None:                                          # [B, 1, 1, S, S]: or another document
+            document_ids = context[0]
+            hidden = ops.logical_or(hidden, document_ids.reshape(batch, -1, 1) != document_ids.reshape(batch, 1, -1))
+            hidden = hidden.reshape(batch, 1, 1, seq_len, seq_len)
+        # Additive mask, -1e9 where hidden: finite, so it can never produce NaN.
+        mask = hidden.astype(ms.float32) * -1e9
         out, _ = self.core(q, k, v, mask)                                # [B, n_kv, group * S, d_v]
         out = out.reshape(batch, -1, seq_len, value_dim).transpose(0, 2, 1, 3)
         return out.reshape(batch, seq_len, -1)
@@ -284,8 +323,9 @@ class CausalAttention(nn.Cell):
 class Attention(CausalAttention):
     """Causal grouped-query self-attention with RoPE (Llama); softmax in fp32.
 
-    `project(x)` gives the roped q, k and v `[B, S, heads, head_dim]`; a variant (Qwen3's q/k
-    norms) overrides it and keeps the rest."""
+    `construct(x [B, S, H], context=None)`; `context`: packed documents, see `CausalAttention`.
+    `project(x)` gives q, k (before RoPE) and v `[B, S, heads, head_dim]`; a variant (Qwen3's q/k
+    norms) overrides it and keeps the rest. RoPE is applied in `attend` (inside the fused kernel)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  max_positions: int, rope_theta: float = 10000.0, init_std: float = 0.02,
@@ -304,11 +344,11 @@ class Attention(CausalAttention):
         return projection(x).reshape(x.shape[0], x.shape[1], -1, self.head_dim)
 
     def project(self, x):
-        return self.rope(self.heads(self.wq, x)), self.rope(self.heads(self.wk, x)), self.heads(self.wv, x)
+        return self.heads(self.wq, x), self.heads(self.wk, x), self.heads(self.wv, x)
 
-    def construct(self, x):
+    def construct(self, x, context=None):
         q, k, v = self.project(x)
-        return self.wo(self.attend(q * self.scale, k, v))
+        return self.wo(self.attend(q, k, v, self.scale, self.rope, context))
 
 
 class SwiGLUMLP(nn.Cell):
@@ -338,3 +378,28 @@ class CrossEntropy(nn.Cell):
     def construct(self, logits, labels):
         return self.loss(logits.reshape(-1, logits.shape[-1]).astype(ms.float32),
                          labels.reshape(-1).astype(ms.int32))
+
+
+class LMHeadCrossEntropy(nn.Cell):
+    """Mean cross-entropy of the LM head's logits `h @ weight.T` against `labels`, fused: the
+    `[tokens, vocab]` logits are never stored (`moetrain.kernels`, fp32; rows go through the head
+    in chunks of a few MB, and in training mode one pass yields the loss and both gradients).
+
+    `construct(h [..., H] fp32, weight [V, H], labels [...] int) -> fp32 scalar`. The head weight is
+    an input, so a tied head passes the embedding table. Build it only where `supported(...)`;
+    elsewhere a model runs its LM head and `CrossEntropy`, as it does for a vocabulary-parallel head
+    (tp > 1; the per-slice partials of `moetrain.kernels.ops.LMHeadLogitStats` are the piece a
+    fused vocabulary-parallel loss would reduce over the tp group, docs/performance.md)."""
+
+    def __init__(self):
+        super().__init__()
+        from moetrain.kernels.ops import FusedLMHeadCrossEntropy
+
+        self.fused = FusedLMHeadCrossEntropy()
+
+    @staticmethod
+    def supported(compute_dtype) -> bool:
+        return kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
+
+    def construct(self, h, weight, labels):
+        return self.fused(h.reshape(-1, h.shape[-1]).astype(ms.float32), weight, labels.reshape(-1).astype(ms.int32))

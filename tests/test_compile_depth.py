@@ -138,3 +138,52 @@ def test_failed_compile_names_the_model_and_layout_and_leaves_no_dump_in_the_wor
     assert list(workdir.iterdir()) == [], "MindSpore wrote into the working directory"
     if "analysis:" in message:
         assert str(run / "logs" / "compile") in message
+
+
+REUSE_SCRIPT = """
+import sys
+import numpy as np
+import mindspore as ms
+sys.path.insert(0, {root!r})
+from moetrain.config import load_config
+from moetrain.trainer import build_model, setup_device
+
+setup_device("cpu")
+cfg = load_config({config!r}, ["model.num_layers=3", "model.first_k_dense=1", "model.tie_embeddings=true",
+                                "model.hidden_size=32", "model.moe.num_experts=4", "model.moe.ffn_hidden_size=32"])
+ms.set_seed(0)
+model = build_model(cfg)
+params = model.trainable_params()
+ids = ms.Tensor(np.random.default_rng(0).integers(0, 2048, (2, 32)).astype(np.int32))
+def loss_of(i, l):
+    return model(i, l)[0]
+
+
+grad_fn = ms.value_and_grad(loss_of, None, params)
+
+
+def step(i, l):
+    return grad_fn(i, l)
+
+
+loss, grads = ms.jit(step)(ids, ids)
+np.savez(sys.argv[1], loss=loss.asnumpy(), **{{p.name: g.asnumpy() for p, g in zip(params, grads)}})
+"""
+
+
+def test_cell_reuse_compiles_one_block_graph_with_bitwise_the_same_results(tmp_path):
+    """Blocks are compiled once and reused for every layer (`moetrain.modeling.reused_block`); the
+    jitted loss and every gradient are bitwise those of the plain per-layer graph."""
+    script = tmp_path / "reuse.py"
+    script.write_text(REUSE_SCRIPT.format(root=ROOT, config=os.path.join(ROOT, CONFIG)))
+    results = {}
+    for reuse in ("1", "0"):
+        out = tmp_path / f"reuse{reuse}.npz"
+        env = {**os.environ, "MOETRAIN_CELL_REUSE": reuse}
+        proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[reuse] = dict(np.load(out))
+    assert sorted(results["1"]) == sorted(results["0"]) and len(results["1"]) > 10
+    for name, value in results["0"].items():
+        np.testing.assert_array_equal(results["1"][name], value, err_msg=name)

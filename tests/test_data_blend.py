@@ -69,7 +69,7 @@ def test_parse_blend_errors(spec, message):
         parse_blend(spec)
 
 
-def test_config_checks_blends_and_refuses_document_masking(tmp_path):
+def test_config_checks_blends(tmp_path):
     base = "configs/moe_tiny.yaml"
     cfg = load_config(os.path.join(REPO, base), ["data.path=[0.7, a/x_train, 0.3, b/y_train]",
                                                   "data.eval_path={x: [1, a/x_eval], y: [1, b/y_eval]}"])
@@ -78,9 +78,6 @@ def test_config_checks_blends_and_refuses_document_masking(tmp_path):
         load_config(os.path.join(REPO, base), ["data.eval_path=[0.7, a/x_eval, 0.3]"])
     with pytest.raises(ConfigError, match=r"data\.path: the weight of 'a' must be a finite number >= 0, got -1"):
         load_config(os.path.join(REPO, base), ["data.path=[-1, a, 2, b]"])
-    for key in ("reset_attention_mask", "reset_position_ids"):
-        with pytest.raises(ConfigError, match=rf"'data\.{key}': document-aware attention is not wired into the model yet"):
-            load_config(os.path.join(REPO, base), [f"data.{key}=true"])
 
 
 # ------------------------------------------------------------------------------------------ the mix

@@ -50,7 +50,7 @@ from moetrain.dist import comm
 from moetrain.dist.comm import PairLink
 from moetrain.dist.sharding import mark_role
 from moetrain.layout import split_layers
-from moetrain.modeling import StatSpec, keep_stage, merge_stats, split_specs, stat_rows
+from moetrain.modeling import StatSpec, attention_context, keep_stage, merge_stats, split_specs, stat_rows
 from moetrain.parallel.runner import as_tensors
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -191,9 +191,11 @@ def drive_in_process(runs: Sequence) -> List:
 class PipelineStage(nn.Cell):
     """This rank's part of a layered model (moetrain/modeling.py): `keep_stage` cut the model down to
     layers `[start, end)`, the embedding on the first stage and the head on the last; `construct`
-    calls the model's pieces. `construct(x, labels)` -> `(out, stats)`: `out` is the hidden state
-    `[B, S, H]`, or on the last stage its loss part; `stats["loss"]` is this stage's part of the
-    model's loss (its layers' weighted aux terms, + the head's loss on the last)."""
+    calls the model's pieces. `construct(x, labels, *side)` -> `(out, stats)`: `out` is the hidden
+    state `[B, S, H]`, or on the last stage its loss part; `stats["loss"]` is this stage's part of the
+    model's loss (its layers' weighted aux terms, + the head's loss on the last). `side`: the batch's
+    fields after `(input_ids, labels)` (packed documents: document_ids, position_ids), which every
+    stage's attention reads."""
 
     def __init__(self, model, start: int, end: int, num_stages: int, stage: int):
         super().__init__(auto_prefix=False)   # the model's parameter names stay
@@ -203,11 +205,12 @@ class PipelineStage(nn.Cell):
         keep_stage(model, start, end, self.is_first, self.is_last)
         self.model = model
 
-    def construct(self, x, labels=None):
+    def construct(self, x, labels=None, *side):
+        context = attention_context(*side)
         h = self.model.embed_tokens(x) if self.is_first else x
-        h, stats, aux = self.model.run_layers(h)
+        h, stats, aux = self.model.run_layers(h, context)
         if self.is_last:
-            loss, head_stats = self.model.head_loss(h, labels)
+            loss, head_stats = self.model.head_loss(h, labels, context)
             stats = merge_stats(stats, head_stats, self.stacked)
             stats["loss"] = loss + aux
             return stats["loss"], stats
@@ -260,29 +263,30 @@ class PipelineExecutor:
         pack = flatten if flatten is not None else tuple
 
         # jitted functions return tuples, never dicts (see the trainer): stats leave as (keys, values)
-        def forward(x, labels):
-            out, stats = stage(x, labels)
+        # `side`: the micro-batch's fields after (input_ids, labels), given to every stage
+        def forward(x, labels, *side):
+            out, stats = stage(x, labels, *side)
             return out, tuple(stats.keys()), tuple(stats.values())
 
-        def loss_of(x, labels, scale):            # last stage: its loss part, scaled
-            loss, stats = stage(x, labels)
+        def loss_of(x, labels, scale, *side):     # last stage: its loss part, scaled
+            loss, stats = stage(x, labels, *side)
             return loss * scale, stats
 
-        def objective(x, dout, scale):            # other stages: <out, dout> + scale * aux
-            out, stats = stage(x, None)
+        def objective(x, dout, scale, *side):     # other stages: <out, dout> + scale * aux
+            out, stats = stage(x, None, *side)
             return (out * dout).sum() + stats["loss"] * scale
 
         input_position = None if first else 0    # the first stage's input is token ids
         loss_grad = ms.value_and_grad(loss_of, input_position, self.params, has_aux=True)
         objective_grad = ms.value_and_grad(objective, input_position, self.params)
 
-        def forward_backward(x, labels, scale):
-            (_, stats), grads = loss_grad(x, labels, scale)
+        def forward_backward(x, labels, scale, *side):
+            (_, stats), grads = loss_grad(x, labels, scale, *side)
             param_grads, dx = _split_grads(grads, first)
             return tuple(stats.keys()), tuple(stats.values()), pack(param_grads), dx
 
-        def backward(x, dout, scale):
-            _, grads = objective_grad(x, dout, scale)
+        def backward(x, dout, scale, *side):
+            _, grads = objective_grad(x, dout, scale, *side)
             param_grads, dx = _split_grads(grads, first)
             return pack(param_grads), dx
 
@@ -291,12 +295,12 @@ class PipelineExecutor:
 
         jitted_forward, jitted_forward_backward = wrap(forward), wrap(forward_backward)
 
-        def forward_with_dict(x, labels):
-            out, keys, values = jitted_forward(x, labels)
+        def forward_with_dict(x, labels, *side):
+            out, keys, values = jitted_forward(x, labels, *side)
             return out, dict(zip(keys, values))
 
-        def forward_backward_with_dict(x, labels, scale):
-            keys, values, grads, dx = jitted_forward_backward(x, labels, scale)
+        def forward_backward_with_dict(x, labels, scale, *side):
+            keys, values, grads, dx = jitted_forward_backward(x, labels, scale, *side)
             return dict(zip(keys, values)), grads, dx
 
         self._forward, self._forward_backward = forward_with_dict, forward_backward_with_dict
@@ -305,7 +309,8 @@ class PipelineExecutor:
     def steps(self, batches: Sequence[Tuple], scale, activation_shape: Tuple[int, ...]):
         """Generator over this stage's schedule; yields `Exchange`s, returns `(grads, stats)` with
         grads summed over micro-batches and `stats[m]` the stage's stats of micro-batch m.
-        `batches[m]` = (input_ids, labels) Tensors (only the first / last stage reads them)."""
+        `batches[m]` = (input_ids, labels, *side) Tensors (only the first / last stage reads input_ids /
+        labels; every stage reads `side`)."""
         stage = self.stage
         held: Dict[int, object] = {}       # micro -> stage input kept for the backward (last stage: its dx)
         received = {NEXT: {}, PREV: {}}     # link -> micro -> output gradient (next) / activation (prev)
@@ -326,14 +331,15 @@ class PipelineExecutor:
                     received[op.link][op.recv] = reply
                 continue
             m = op.micro
+            side = tuple(batches[m][2:])
             if op.kind == FORWARD:
                 x = batches[m][0] if stage.is_first else received[PREV].pop(m)
                 if stage.is_last:
-                    stats[m], micro_grads, dx = self._forward_backward(x, batches[m][1], scale)
+                    stats[m], micro_grads, dx = self._forward_backward(x, batches[m][1], scale, *side)
                     add(micro_grads)
                     held[m] = dx
                 else:
-                    outgoing[NEXT][m], stats[m] = self._forward(x, None)
+                    outgoing[NEXT][m], stats[m] = self._forward(x, None, *side)
                     held[m] = x
                 self.in_flight += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -343,7 +349,7 @@ class PipelineExecutor:
                 if stage.is_last:
                     dx = kept
                 else:
-                    micro_grads, dx = self._backward(kept, received[NEXT].pop(m), scale)
+                    micro_grads, dx = self._backward(kept, received[NEXT].pop(m), scale, *side)
                     add(micro_grads)
                 if not stage.is_first:
                     outgoing[PREV][m] = dx
@@ -358,7 +364,7 @@ class PipelineExecutor:
         x = batch[0]
         if not stage.is_first:
             x = yield Exchange(PREV, None, 0, None, activation_shape)
-        out, stats = self._forward(x, batch[1] if stage.is_last else None)
+        out, stats = self._forward(x, batch[1] if stage.is_last else None, *batch[2:])
         if not stage.is_last:
             yield Exchange(NEXT, 0, None, out, activation_shape)
         return stats

@@ -42,6 +42,7 @@ class MicroBatchRunner:
 
     def __init__(self, model, opt_step, specs: Dict[str, StatSpec], jit: bool):
         self.model, self.specs = model, specs
+        self.grad_bytes_held = 0     # bytes of the gradient buffers kept between micro-batches (measured)
 
         def forward(scale, *batch):
             loss, stats = model(*batch)
@@ -65,6 +66,7 @@ class MicroBatchRunner:
         for batch in batches:
             loss, keys, values, micro = self._grad_step(scale, *as_tensors(batch))
             grads = micro if grads is None else self._accumulate(ms.mutable(grads), ms.mutable(micro))
+            self.grad_bytes_held = sum(int(np.prod(g.shape)) * g.itemsize for g in grads)
             losses.append(loss)
             stats.append({k: v.asnumpy() for k, v in zip(keys, values)})
         return grads, reduce_micro_batches(losses, stats, self.specs)

@@ -245,10 +245,11 @@ class VocabParallelCrossEntropy(CrossEntropy):
 # Module mixins (switched in by the styles below)
 # ---------------------------------------------------------------------------------------------
 class _RegionInput:
-    """The module's input enters the tp region once, for all its column-parallel projections."""
+    """The module's input enters the tp region once, for all its column-parallel projections; other
+    arguments (an attention's packed-document context: whole-sequence ids) pass unchanged."""
 
-    def construct(self, x):
-        return self.base_construct(enter_region(x, self.tp_group, self.tp_entry))
+    def construct(self, x, *args):
+        return self.base_construct(enter_region(x, self.tp_group, self.tp_entry), *args)
 
 
 class _RegionOutput:
