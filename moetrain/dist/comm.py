@@ -698,9 +698,12 @@ class PairLink:
 
             prims = primitives()
             out_tag, in_tag = (0, 1) if self.lower else (1, 0)     # lower -> upper is tag 0
-            world = GlobalComm.WORLD_COMM_GROUP   # on the world group, rank in group == global rank
-            self._prims[key] = (prims.Send(out_tag, self.peer, group=world),
-                                prims.Receive(in_tag, self.peer, list(shape), dtype, group=world))
+            # on the world group, rank in group == global rank. group_back is passed too: its default
+            # is GlobalComm.WORLD_COMM_GROUP read when mindspore.ops is imported, i.e. "hccl_world_group"
+            # before init() names the GPU ("nccl_world_group") or CPU ("mccl_world_group") world
+            world = GlobalComm.WORLD_COMM_GROUP
+            self._prims[key] = (prims.Send(out_tag, self.peer, group=world, group_back=world),
+                                prims.Receive(in_tag, self.peer, list(shape), dtype, group=world, group_back=world))
         return self._prims[key]
 
     def exchange(self, payload, recv_shape=None, dtype=ms.float32):

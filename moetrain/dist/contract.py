@@ -47,6 +47,7 @@ Other modules (e.g. MoE operators) plug into the same switch with `comm.backend_
 """
 from __future__ import annotations
 
+import collections
 import functools
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -77,6 +78,10 @@ _DTYPE_CODES = (mstype.float32, mstype.float16, mstype.bfloat16, mstype.int32, m
 _OPCODES = ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll", "AlltoAllV", "Broadcast", "Send", "Receive")
 _MAX_DIMS, _MAX_ATTRS = 8, 6
 _SPLIT = 4096   # ints travel as (v // 4096, v % 4096): exact in float32 up to 2**36
+
+
+# stand-ins constructed per op name in this process (evidence of which native path ran; tests read it)
+CONSTRUCTED: collections.Counter = collections.Counter()
 
 
 class ContractError(ValueError):
@@ -411,7 +416,11 @@ def _require_same(table: np.ndarray, members, group: str, what: str) -> None:
 # The stand-ins (constructor and call convention of the MindSpore primitives)
 # ---------------------------------------------------------------------------------------------
 class _Primitive(nn.Cell):
-    """PyNative: `__call__` checks the call locally and across the group, then runs the kernel.
+    """`group=None` is the world communicator, resolved when the stand-in is built (MindSpore's
+    signatures default to `GlobalComm.WORLD_COMM_GROUP` evaluated at import, which on CPU is
+    "hccl_world_group" until `init()` renames it "mccl_world_group").
+
+    PyNative: `__call__` checks the call locally and across the group, then runs the kernel.
     Under ms.jit only `construct` is compiled: local checks at compile time, then the kernel."""
 
     op = ""
@@ -419,6 +428,7 @@ class _Primitive(nn.Cell):
     def __init__(self, group):
         super().__init__()
         check_platform(f"ops.{self.op}", PLATFORMS[self.op])
+        CONSTRUCTED[self.op] += 1
         self.group = GlobalComm.WORLD_COMM_GROUP if group is None else group
         self.members = group_ranks(self.group)
         self.rank_in_group = _position(self.group, self.members, f"ops.{self.op}")
@@ -453,7 +463,7 @@ _REDUCE_OPS = (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD)
 class AllReduce(_Primitive):
     op = "AllReduce"
 
-    def __init__(self, op=ReduceOp.SUM, group=GlobalComm.WORLD_COMM_GROUP):
+    def __init__(self, op=ReduceOp.SUM, group=None):
         if op not in _REDUCE_OPS:
             raise TypeError(f"contract ops.AllReduce: op must be one of {_REDUCE_OPS}, got {op!r}")
         super().__init__(group)
@@ -469,14 +479,14 @@ class AllReduce(_Primitive):
 class AllGather(_Primitive):
     op = "AllGather"
 
-    def __init__(self, group=GlobalComm.WORLD_COMM_GROUP):
+    def __init__(self, group=None):
         super().__init__(group)
 
 
 class ReduceScatter(_Primitive):
     op = "ReduceScatter"
 
-    def __init__(self, op=ReduceOp.SUM, group=GlobalComm.WORLD_COMM_GROUP):
+    def __init__(self, op=ReduceOp.SUM, group=None):
         super().__init__(group)
         if op != ReduceOp.SUM:
             raise NotImplementedError(f"{self.what}: only ReduceOp.SUM has a CPU reference here")
@@ -485,7 +495,7 @@ class ReduceScatter(_Primitive):
 class AlltoAll(_Primitive):
     op = "AlltoAll"
 
-    def __init__(self, split_count, split_dim, concat_dim, group=GlobalComm.WORLD_COMM_GROUP):
+    def __init__(self, split_count, split_dim, concat_dim, group=None):
         for name, value in (("split_count", split_count), ("split_dim", split_dim), ("concat_dim", concat_dim)):
             if not isinstance(value, int):
                 raise TypeError(f"contract ops.AlltoAll: {name} must be an int, got {value!r}")
@@ -499,7 +509,7 @@ class AlltoAll(_Primitive):
 class Broadcast(_Primitive):
     op = "Broadcast"
 
-    def __init__(self, root_rank, group=GlobalComm.WORLD_COMM_GROUP):
+    def __init__(self, root_rank, group=None):
         if not isinstance(root_rank, int):
             raise TypeError(f"contract ops.Broadcast: root_rank must be an int, got {root_rank!r}")
         super().__init__(group)
@@ -527,7 +537,7 @@ class Broadcast(_Primitive):
 class AlltoAllV(_Primitive):
     op = "AlltoAllV"
 
-    def __init__(self, group=GlobalComm.WORLD_COMM_GROUP, block_size=1):
+    def __init__(self, group=None, block_size=1):
         if not isinstance(block_size, int) or block_size < 1:
             raise TypeError(f"contract ops.AlltoAllV: block_size must be a positive int, got {block_size!r}")
         super().__init__(group)
@@ -591,13 +601,14 @@ class _PointToPoint(nn.Cell):
     def __init__(self, sr_tag, peer, group, group_back):
         super().__init__()
         check_platform(f"ops.{self.op}", PLATFORMS[self.op])
+        CONSTRUCTED[self.op] += 1
         for name, value in (("sr_tag", sr_tag), ("peer rank", peer)):
             if not isinstance(value, int):
                 raise TypeError(f"contract ops.{self.op}: {name} must be an int, got {value!r}")
         self.group = GlobalComm.WORLD_COMM_GROUP if group is None else group
         self.what = f"contract ops.{self.op}(sr_tag={sr_tag}) on {self.group!r}"
         self.tag, self.peer = sr_tag, peer
-        group_ranks(group_back)
+        group_ranks(GlobalComm.WORLD_COMM_GROUP if group_back is None else group_back)
 
     def _meet(self, shape, dtype) -> str:
         """Check this side against the other one; returns the pair communicator."""
@@ -629,8 +640,8 @@ class _PointToPoint(nn.Cell):
 class Send(_PointToPoint):
     op = "Send"
 
-    def __init__(self, sr_tag, dest_rank, group=GlobalComm.WORLD_COMM_GROUP,
-                 group_back=GlobalComm.WORLD_COMM_GROUP):
+    def __init__(self, sr_tag, dest_rank, group=None,
+                 group_back=None):
         super().__init__(sr_tag, dest_rank, group, group_back)
 
     def __call__(self, x):
@@ -644,8 +655,8 @@ class Send(_PointToPoint):
 class Receive(_PointToPoint):
     op = "Receive"
 
-    def __init__(self, sr_tag, src_rank, shape, dtype, group=GlobalComm.WORLD_COMM_GROUP,
-                 group_back=GlobalComm.WORLD_COMM_GROUP):
+    def __init__(self, sr_tag, src_rank, shape, dtype, group=None,
+                 group_back=None):
         super().__init__(sr_tag, src_rank, group, group_back)
         if dtype not in _RECEIVE_DTYPES:
             raise TypeError(f"{self.what}: dtype {dtype} is not accepted (accepted: {[str(d) for d in _RECEIVE_DTYPES]})")

@@ -4,6 +4,10 @@ real Trainer (`fit`: metrics.jsonl, evaluation) in this process, one after anoth
     python tests/workers/train_runs_worker.py OUT_DIR RUN [RUN ...]
     RUN = NAME:CONFIG:key=value,key=value,...      (CONFIG relative to the repository root)
 
+An override whose key starts with MOETRAIN_ sets that environment variable for the run instead
+(e.g. MOETRAIN_CONTRACT_TARGET=GPU: the contract backend's target is read per op, so runs of one
+job can take different native paths); the previous value is restored after the run.
+
 Works under msrun (several runs in one job: MindSpore starts its communication once per process,
 so runs after the first reuse the device setting and the communicators of an earlier run with the
 same layout) and alone (one process). Each run trains into OUT_DIR/NAME (rank 0 writes
@@ -56,9 +60,12 @@ def reuse_parallel_context(trainer_module):
 
             ctx = topology.ParallelContext.build(get_group_size(), get_rank(), *key).with_world_name(
                 GlobalComm.WORLD_COMM_GROUP)
+            from moetrain.dist import contract
+
             for name, ranks in ctx.communicators_to_create():
                 if name not in created:
                     create_group(name, list(ranks))
+                contract.register_group(name, ranks)
         created.update(name for name, _ in ctx.communicators_to_create())
         contexts[key] = ctx
         return ctx
@@ -70,6 +77,7 @@ def main():
     out_dir, runs = sys.argv[1], sys.argv[2:]
     from moetrain import trainer as trainer_module
     from moetrain.config import load_config
+    from moetrain.dist import comm, contract
     from moetrain.dist.sharding import shard_spec
     from moetrain.parallel.tensor_parallel import is_sequence_parallel
 
@@ -77,12 +85,24 @@ def main():
     for run in runs:
         name, config, overrides = run.split(":", 2)
         run_dir = os.path.join(out_dir, name)
+        overrides = [o for o in overrides.split(",") if o]
+        env = dict(o.split("=", 1) for o in overrides if o.startswith("MOETRAIN_"))
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         cfg = load_config(os.path.join(ROOT, config),
-                          [o for o in overrides.split(",") if o] + [f"train.output_dir={run_dir}"])
-        start = time.perf_counter()
+                          [o for o in overrides if not o.startswith("MOETRAIN_")] + [f"train.output_dir={run_dir}"])
+        start, built = time.perf_counter(), dict(contract.CONSTRUCTED)
         trainer = trainer_module.Trainer(cfg)
         result = trainer.fit()
         seconds = time.perf_counter() - start
+        backend = {"comm_backend": comm.backend_name(), "native_target": comm.native_target(),
+                   "contract_primitives": {op: count - built.get(op, 0) for op, count in contract.CONSTRUCTED.items()
+                                           if count > built.get(op, 0)}}
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
         pctx, pipeline, model = trainer.pctx, (trainer.runner if trainer.pctx.pp > 1 else None), trainer.model
         params = list(model.get_parameters())    # expert_bias too (moved by the balancing step)
         record = {
@@ -96,6 +116,7 @@ def main():
             "optimizer_state_bytes": trainer.opt_step.optimizer_state_bytes(),
             "train": {k: plain(v) for k, v in result["train"].items()},
             "eval": result["eval"],
+            **backend,
         }
         if pipeline is not None:
             record.update(peak_in_flight=pipeline.peak_in_flight, step_bytes_sent=pipeline.step_bytes_sent,
