@@ -7,10 +7,11 @@ MindSpore primitive the Ascend or the GPU path calls is a checked CPU reference
 
 reproducing one process (loss, lm/aux/z losses and the gradient norm within 1e-4 over 3 steps,
 expert loads exact). Each run's rank files name the backend, the target and the stand-ins that
-comm constructed, so a run cannot pass on the emulation by accident. That the contract bites (a
-mutated axis, root, group, count or pairing fails) is tested op by op in tests/test_comm.py
-(`test_mutated_native_call_site_fails`); here a mutated call site inside a training step fails the
-run: the pipeline's Receive with the wrong peer.
+comm constructed, so a run cannot pass on the emulation by accident (the Ascend-only AlltoAll
+refuses to be built on the GPU path). That the contract bites (a mutated axis, root, group, count or
+pairing fails) is tested op by op in tests/test_comm.py (`test_mutated_native_call_site_fails`);
+negative control for this file: the contract's AlltoAll concatenating its sources in reverse order
+makes the Ascend dp2·ep2 losses differ at the third decimal (docs/parallel_engine.md).
 """
 import json
 import os
