@@ -119,3 +119,38 @@ def run_workers(script: str, nproc: int, args: Sequence[str] = (), timeout: floa
     leftovers = kill_leftovers(os.path.join(job_dir, ""))
     return WorkerRun(proc.returncode, output, os.path.join(job_dir, "out"), os.path.join(job_dir, "logs"),
                      seconds, leftovers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer runs (tests/workers/train_runs_worker.py)
+# ---------------------------------------------------------------------------------------------
+TRAIN_RUNS_WORKER = "tests/workers/train_runs_worker.py"
+
+
+def step_records(run_dir: str) -> List[Dict]:
+    """The training-step records of a run's metrics.jsonl (rank 0's)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if "loss" in r]
+
+
+def train_one_process(out_dir: str, spec: str, timeout: float = 1200) -> str:
+    """Train one run (`NAME:CONFIG:overrides`, see the worker) in a process of its own (one trainer per
+    process keeps MindSpore's state clean); returns the run's folder."""
+    result = subprocess.run([sys.executable, os.path.join(REPO, TRAIN_RUNS_WORKER), out_dir, spec], cwd=out_dir,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return os.path.join(out_dir, spec.split(":", 1)[0])
+
+
+STEP_KEYS = ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")
+
+
+def assert_same_steps(reference: List[Dict], steps: List[Dict], name: str, num_steps: int, rtol: float = 1e-4) -> None:
+    """A parallel run's step records against the one-process run's: the steps, the losses and the
+    gradient norm within `rtol`, the expert loads exactly (the same routing)."""
+    assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(1, num_steps + 1)), name
+    for key in STEP_KEYS:
+        np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in reference], rtol=rtol,
+                                   err_msg=f"{name}: {key}")
+    for a, b in zip(reference, steps):
+        np.testing.assert_array_equal(b["expert_load"], a["expert_load"], err_msg=name)

@@ -10,6 +10,7 @@ import pytest
 from distributed import run_workers
 from workers.comm_cases import (CASES, LINK_EXCHANGES, MUTATIONS, PHASES, WORLD, case_input, group_ranks,
                                 link_payload, loss_weight, phase_cases, position)
+from workers.comm_recorder import emulated_bytes, native_bytes
 
 REGION_OPS = {"copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region"}
 PHASE_MODES = [(label, mode) for label, _, _, modes in PHASES for mode in modes]
@@ -91,37 +92,6 @@ def case_arrays(name, shape_of, op, kind, kw):
 # Bytes from the recorded primitive calls: textbook algorithms, written here independently of
 # moetrain (n ranks, S bytes entering the primitive on this rank)
 # ---------------------------------------------------------------------------------------------
-def tensor_bytes(t):
-    return int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
-
-
-def native_bytes(call):
-    n, r, prim = call["n"], call["rank"], call["prim"]
-    size = sum(tensor_bytes(t) for t in call["tensors"])
-    if prim == "AllReduce":          # ring: reduce-scatter then all-gather, 2(n-1) chunks of S/n
-        return 2 * (n - 1) / n * size
-    if prim == "AllGather":          # ring: this rank's shard and n-2 others' are passed on
-        return (n - 1) * size
-    if prim in ("ReduceScatter", "AlltoAll"):   # every chunk but its own leaves the rank once
-        return (n - 1) / n * size
-    if prim == "AlltoAllV":          # the elements addressed to other ranks
-        itemsize = np.dtype(call["tensors"][0]["dtype"]).itemsize
-        return itemsize * call["block_size"] * sum(c for j, c in enumerate(call["send"]) if j != r)
-    if prim == "Broadcast":          # ring from the root: everyone but the root's predecessor forwards
-        return 0 if r == (call["root"] - 1) % n else size
-    if prim == "Send":
-        return size
-    if prim == "Receive":
-        return 0
-    raise ValueError(prim)
-
-
-def emulated_bytes(call):
-    assert call["prim"] == "AllReduce", call
-    n = call["n"]
-    return 2 * (n - 1) / n * sum(tensor_bytes(t) for t in call["tensors"])
-
-
 def bytes_by_kind(calls, source, kinds, count, fixed_kind=None):
     totals = {}
     for call in calls:

@@ -9,7 +9,6 @@ layers on (docs/performance.md, "Compile time at depth"). The model mixes dense 
 First-step times are recorded (`seconds` in the rank files) but not asserted: timings live in
 tools/compile_depth.py and docs/performance.md.
 """
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-from distributed import run_workers  # noqa: E402
+from distributed import assert_same_steps, run_workers, step_records, train_one_process  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/moe_tiny.yaml"
@@ -41,16 +40,10 @@ MODEL = [
 RUNS = {"tp2": ["parallel.model_parallel=2"],
         "pp2": ["parallel.pipeline_stage=2"],
         "dp2_ep2": ["parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.optimizer_shard=1"]}
-STEP_KEYS = ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")
 
 
 def spec(name, parallel=()):
     return f"{name}:{CONFIG}:" + ",".join(MODEL + list(parallel))
-
-
-def step_records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if "loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +51,7 @@ def one_process(tmp_path_factory):
     """The reference, in its own process (one trainer per process keeps MindSpore's state clean).
     Micro-batches of one sample and the per-micro-batch aux loss: every layout sees the same
     micro-batches, so losses and routing are the same."""
-    out = str(tmp_path_factory.mktemp("one_process"))
-    result = subprocess.run([sys.executable, os.path.join(ROOT, WORKER), out, spec("reference")], cwd=out,
-                            capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return step_records(os.path.join(out, "reference"))
+    return step_records(train_one_process(str(tmp_path_factory.mktemp("one_process")), spec("reference")))
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +65,8 @@ def launch(tmp_path_factory):
 @pytest.mark.slow
 def test_sixteen_layers_train_on_every_layout_and_reproduce_one_process(one_process, launch):
     for name, steps in launch.items():
-        reference = one_process
-        assert [r["step"] for r in steps] == [r["step"] for r in reference] == [1, 2, 3], name
-        for key in STEP_KEYS:
-            np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in reference], rtol=1e-4,
-                                       err_msg=f"{name}: {key}")
-        for a, b in zip(reference, steps):
-            np.testing.assert_array_equal(b["expert_load"], a["expert_load"], err_msg=name)
-            assert len(a["expert_load"]) == LAYERS // 2
+        assert_same_steps(one_process, steps, name, num_steps=3)
+        assert all(len(r["expert_load"]) == LAYERS // 2 for r in one_process)
 
 
 BROKEN_MODEL = """

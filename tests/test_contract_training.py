@@ -15,19 +15,17 @@ makes the Ascend dp2·ep2 losses differ at the third decimal (docs/parallel_engi
 """
 import json
 import os
-import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-from distributed import run_workers  # noqa: E402
+from distributed import TRAIN_RUNS_WORKER, assert_same_steps, run_workers, step_records, train_one_process  # noqa: E402
+from workers.comm_recorder import native_bytes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/moe_tiny.yaml"
 KJV = os.path.join(ROOT, "data", "kjv_tiny", "kjv_tiny")
-WORKER = "tests/workers/train_runs_worker.py"
 MODEL = [
     f"data.path={KJV}_train", f"data.eval_path={KJV}_eval", f"data.tokenizer={KJV}.model",
     "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
@@ -45,20 +43,17 @@ DP2_EP2 = ["parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.m
 TP2_PP2 = ["parallel.model_parallel=2", "parallel.pipeline_stage=2", "parallel.use_seq_parallel=true"]
 LAUNCHES = {
     2: {"ascend_dp2_ep2": DP2_EP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=Ascend"],
-        "gpu_dp2_ep2": DP2_EP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]},
+        "gpu_dp2_ep2": DP2_EP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"],
+        # PyNative: the contract checks every call across the ranks too, and the primitive calls are recorded
+        "ascend_dp2_ep2_pynative": DP2_EP2 + ["train.jit=false", "+record_primitives", CONTRACT,
+                                              "MOETRAIN_CONTRACT_TARGET=Ascend"]},
     4: {"ascend_tp2_pp2": TP2_PP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=Ascend"],
         "gpu_tp2_pp2": TP2_PP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]},
 }
-STEP_KEYS = ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")
 
 
 def spec(name, parallel=()):
     return f"{name}:{CONFIG}:" + ",".join(MODEL + list(parallel))
-
-
-def step_records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if "loss" in r]
 
 
 def rank_records(run_dir, nproc):
@@ -68,16 +63,12 @@ def rank_records(run_dir, nproc):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The reference, on the emulated backend in its own process (one trainer per process)."""
-    out = str(tmp_path_factory.mktemp("one_process"))
-    result = subprocess.run([sys.executable, os.path.join(ROOT, WORKER), out, spec("reference")], cwd=out,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return step_records(os.path.join(out, "reference"))
+    return step_records(train_one_process(str(tmp_path_factory.mktemp("one_process")), spec("reference"), 600))
 
 
 def launch(nproc, tmp_path_factory):
     runs = LAUNCHES[nproc]
-    job = run_workers(WORKER, nproc, [spec(name, parallel) for name, parallel in runs.items()], timeout=900,
+    job = run_workers(TRAIN_RUNS_WORKER, nproc, [spec(name, parallel) for name, parallel in runs.items()], timeout=900,
                       job_dir=str(tmp_path_factory.mktemp(f"contract{nproc}"))).check()
     return {name: (step_records(os.path.join(job.out_dir, name)), rank_records(os.path.join(job.out_dir, name), nproc))
             for name in runs}
@@ -94,13 +85,8 @@ def four_ranks(tmp_path_factory):
 
 
 def assert_reproduces(reference, steps, name):
-    assert [r["step"] for r in steps] == [r["step"] for r in reference] == [1, 2, 3], name
-    for key in STEP_KEYS:
-        np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in reference], rtol=1e-4,
-                                   err_msg=f"{name}: {key}")
-    for a, b in zip(reference, steps):
-        np.testing.assert_array_equal(b["expert_load"], a["expert_load"], err_msg=name)
-        assert b["dropped"] == a["dropped"] == 0, name    # dropless
+    assert_same_steps(reference, steps, name, num_steps=3)
+    assert all(b["dropped"] == a["dropped"] == 0 for a, b in zip(reference, steps)), name    # dropless
 
 
 def assert_ran_the_native_path(ranks, target, must, must_not):
@@ -135,3 +121,21 @@ def test_tp2_pp2_native_path_reproduces_one_process(one_process, four_ranks, tar
                                must_not=("AlltoAll", "AlltoAllV"))
     for info in ranks:   # 4 micro-batches of [1, 16, 64] fp32 (sequence split over tp) each way per step
         assert info["step_bytes_sent"] == 4 * 16 * 64 * 4, info["rank"]
+
+
+@pytest.mark.distributed
+def test_pynative_run_checked_across_ranks_and_its_ledger_counts_the_primitives_it_called(one_process, two_ranks):
+    """dp2·ep2 on the Ascend path in PyNative: every primitive call is checked against the other
+    rank's (op, shape, dtype, attributes) and recorded with the buffer that entered it; the ledger's
+    native bytes over the whole fit equal the textbook count of those buffers (the dispatcher's
+    padded AlltoAll buffers included), per rank."""
+    name = "ascend_dp2_ep2_pynative"
+    steps, ranks = two_ranks[name]
+    assert_reproduces(one_process, steps, name)
+    for info in ranks:
+        calls = info["primitive_calls"]
+        assert {"AlltoAll", "AllReduce"} <= {c["prim"] for c in calls}, info["rank"]
+        booked = info["ledger"]["native"]
+        assert booked.get("ep", 0) > 0 and booked.get("dp", 0) > 0, booked
+        recorded = sum(native_bytes(c) for c in calls)
+        assert sum(booked.values()) == pytest.approx(recorded, abs=len(booked)), (info["rank"], booked, recorded)

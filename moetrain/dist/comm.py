@@ -739,9 +739,10 @@ def barrier(group: Optional[Group] = None) -> None:
     if group is None:
         if not GlobalComm.INITED or get_group_size() == 1:
             return
-        name = GlobalComm.WORLD_COMM_GROUP
+        name, kind, n = GlobalComm.WORLD_COMM_GROUP, "world", get_group_size()
     elif group.size == 1:
         return
     else:
-        name = group.name
+        name, kind, n = group.name, group.kind, group.size
+    _book(kind, _ring(n, 4), _ring(n, 4), False)   # one float32 all-reduced, like any other traffic
     primitives().AllReduce(ReduceOp.SUM, name)(Tensor(np.ones(1, np.float32))).asnumpy()

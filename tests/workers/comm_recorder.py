@@ -4,8 +4,9 @@ It wraps `__call__` of `mindspore.ops.AllReduce` (what the emulation calls) and 
 stand-ins (what the native path calls) and records, per call, the primitive, its communicator, the
 group size and this rank's place in it (asked from MindSpore, not from moetrain), the shape and
 dtype of every tensor that entered it, and the attributes that decide the traffic (root, counts).
-tests/test_comm.py turns these records into bytes with textbook formulas of its own and compares
-them with comm's ledger. Jitted graphs never call `__call__`, so only PyNative calls are seen.
+`native_bytes` / `emulated_bytes` turn these records into bytes with textbook formulas of their own
+(ring algorithms on the recorded buffers, not comm's code), which tests/test_comm.py and
+tests/test_contract_training.py compare with comm's ledger. Jitted graphs never call `__call__`, so only PyNative calls are seen.
 """
 import contextlib
 
@@ -72,3 +73,37 @@ def describe(source, name, prim, args):
         entry["send"] = [int(c) for c in np.asarray(args[1]).reshape(-1)]
         entry["block_size"] = prim.block_size
     return entry
+
+
+# ---------------------------------------------------------------------------------------------
+# textbook byte counts of one recorded call (bytes this rank sends)
+# ---------------------------------------------------------------------------------------------
+def tensor_bytes(t):
+    return int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(t["dtype"]).itemsize
+
+
+def native_bytes(call):
+    n, r, prim = call["n"], call["rank"], call["prim"]
+    size = sum(tensor_bytes(t) for t in call["tensors"])
+    if prim == "AllReduce":          # ring: reduce-scatter then all-gather, 2(n-1) chunks of S/n
+        return 2 * (n - 1) / n * size
+    if prim == "AllGather":          # ring: this rank's shard and n-2 others' are passed on
+        return (n - 1) * size
+    if prim in ("ReduceScatter", "AlltoAll"):   # every chunk but its own leaves the rank once
+        return (n - 1) / n * size
+    if prim == "AlltoAllV":          # the elements addressed to other ranks
+        itemsize = np.dtype(call["tensors"][0]["dtype"]).itemsize
+        return itemsize * call["block_size"] * sum(c for j, c in enumerate(call["send"]) if j != r)
+    if prim == "Broadcast":          # ring from the root: everyone but the root's predecessor forwards
+        return 0 if r == (call["root"] - 1) % n else size
+    if prim == "Send":
+        return size
+    if prim == "Receive":
+        return 0
+    raise ValueError(prim)
+
+
+def emulated_bytes(call):
+    assert call["prim"] == "AllReduce", call
+    n = call["n"]
+    return 2 * (n - 1) / n * sum(tensor_bytes(t) for t in call["tensors"])

@@ -6,7 +6,10 @@ real Trainer (`fit`: metrics.jsonl, evaluation) in this process, one after anoth
 
 An override whose key starts with MOETRAIN_ sets that environment variable for the run instead
 (e.g. MOETRAIN_CONTRACT_TARGET=GPU: the contract backend's target is read per op, so runs of one
-job can take different native paths); the previous value is restored after the run.
+job can take different native paths); the previous value is restored after the run. The override
+`+record_primitives` records the primitives the native path calls during `fit` (tests/workers/
+comm_recorder.py; PyNative, so with train.jit=false) beside the comm ledger's totals: the rank file
+gets `primitive_calls` and `ledger`.
 
 Works under msrun (several runs in one job: MindSpore starts its communication once per process,
 so runs after the first reuse the device setting and the communicators of an earlier run with the
@@ -15,6 +18,7 @@ metrics.jsonl); every rank writes OUT_DIR/NAME/rank_<r>.json (coordinates, pipel
 shard spec of every parameter, its last step record) and OUT_DIR/NAME/rank_<r>.npz (its parameters
 after training).
 """
+import contextlib
 import json
 import os
 import sys
@@ -73,6 +77,24 @@ def reuse_parallel_context(trainer_module):
     trainer_module._init_parallel, trainer_module.setup_device = init_once, setup_device_once
 
 
+_RECORDER = []
+
+
+@contextlib.contextmanager
+def recorded(wanted: bool):
+    """The primitive calls made inside the block (comm_recorder, installed on first use), or nothing."""
+    if not wanted:
+        yield []
+        return
+    if not _RECORDER:
+        from comm_recorder import Recorder
+
+        _RECORDER.append(Recorder())
+        _RECORDER[0].install()
+    with _RECORDER[0].recording() as calls:
+        yield calls
+
+
 def main():
     out_dir, runs = sys.argv[1], sys.argv[2:]
     from moetrain import trainer as trainer_module
@@ -87,14 +109,19 @@ def main():
         run_dir = os.path.join(out_dir, name)
         overrides = [o for o in overrides.split(",") if o]
         env = dict(o.split("=", 1) for o in overrides if o.startswith("MOETRAIN_"))
+        record_calls = "+record_primitives" in overrides
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
-        cfg = load_config(os.path.join(ROOT, config),
-                          [o for o in overrides if not o.startswith("MOETRAIN_")] + [f"train.output_dir={run_dir}"])
+        cfg = load_config(os.path.join(ROOT, config), [o for o in overrides if not o.startswith(("MOETRAIN_", "+"))]
+                          + [f"train.output_dir={run_dir}"])
         start, built = time.perf_counter(), dict(contract.CONSTRUCTED)
         trainer = trainer_module.Trainer(cfg)
-        result = trainer.fit()
+        with recorded(record_calls) as calls, comm.CommLedger() as ledger:
+            result = trainer.fit()
         seconds = time.perf_counter() - start
+        traffic = {"primitive_calls": [c for c in calls if c["source"] == "contract"],
+                   "ledger": {"native": ledger.bytes_by_group(backward=True),
+                              "emulated": ledger.bytes_by_group(backward=True, emulated=True)}} if record_calls else {}
         backend = {"comm_backend": comm.backend_name(), "native_target": comm.native_target(),
                    "contract_primitives": {op: count - built.get(op, 0) for op, count in contract.CONSTRUCTED.items()
                                            if count > built.get(op, 0)}}
@@ -117,6 +144,7 @@ def main():
             "train": {k: plain(v) for k, v in result["train"].items()},
             "eval": result["eval"],
             **backend,
+            **traffic,
         }
         if pipeline is not None:
             record.update(peak_in_flight=pipeline.peak_in_flight, step_bytes_sent=pipeline.step_bytes_sent,
