@@ -2,7 +2,8 @@
 MindSpore primitive the Ascend or the GPU path calls is a checked CPU reference
 (`moetrain/dist/contract.py`), and the real Trainer trains a moe_tiny-width model on
 
-    2 ranks (one launch):  dp2·ep2, alltoall dispatcher, dropless   Ascend path (AlltoAll), GPU path (AllGather)
+    2 ranks (one launch):  dp2·ep2, alltoall dispatcher, dropless   Ascend path (AlltoAll, jit),
+                                                                    GPU path (AllGather, PyNative)
     4 ranks (one launch):  tp2·pp2, 1F1B, sequence parallel         Ascend path, GPU path (PairLink: Send/Receive)
 
 reproducing one process (loss, lm/aux/z losses and the gradient norm within 1e-4 over 3 steps,
@@ -11,7 +12,9 @@ comm constructed, so a run cannot pass on the emulation by accident (the Ascend-
 refuses to be built on the GPU path). That the contract bites (a mutated axis, root, group, count or
 pairing fails) is tested op by op in tests/test_comm.py (`test_mutated_native_call_site_fails`);
 negative control for this file: the contract's AlltoAll concatenating its sources in reverse order
-makes the Ascend dp2·ep2 losses differ at the third decimal (docs/parallel_engine.md).
+makes the Ascend dp2·ep2 losses differ at the third decimal (docs/parallel_engine.md). The byte
+ledger is compared with the primitive calls the worker recorded (buffer shapes that entered them):
+over the whole PyNative GPU dp2·ep2 run, and over the host-driven calls of the Ascend tp2·pp2 run.
 """
 import json
 import os
@@ -42,12 +45,11 @@ DP2_EP2 = ["parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.m
            "parallel.optimizer_shard=1"]
 TP2_PP2 = ["parallel.model_parallel=2", "parallel.pipeline_stage=2", "parallel.use_seq_parallel=true"]
 LAUNCHES = {
+    # the GPU run in PyNative: the contract checks every call across the ranks too, and the worker
+    # records every primitive call (tests/workers/comm_recorder.py) for the ledger test
     2: {"ascend_dp2_ep2": DP2_EP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=Ascend"],
-        "gpu_dp2_ep2": DP2_EP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"],
-        # PyNative: the contract checks every call across the ranks too, and the primitive calls are recorded
-        "ascend_dp2_ep2_pynative": DP2_EP2 + ["train.jit=false", "+record_primitives", CONTRACT,
-                                              "MOETRAIN_CONTRACT_TARGET=Ascend"]},
-    4: {"ascend_tp2_pp2": TP2_PP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=Ascend"],
+        "gpu_dp2_ep2": DP2_EP2 + ["train.jit=false", "+record_primitives", CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]},
+    4: {"ascend_tp2_pp2": TP2_PP2 + ["+record_primitives", CONTRACT, "MOETRAIN_CONTRACT_TARGET=Ascend"],
         "gpu_tp2_pp2": TP2_PP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]},
 }
 
@@ -121,20 +123,34 @@ def test_tp2_pp2_native_path_reproduces_one_process(one_process, four_ranks, tar
                                must_not=("AlltoAll", "AlltoAllV"))
     for info in ranks:   # 4 micro-batches of [1, 16, 64] fp32 (sequence split over tp) each way per step
         assert info["step_bytes_sent"] == 4 * 16 * 64 * 4, info["rank"]
+    if target == "Ascend":
+        # recorded: the host-driven calls (the stages' compute is jitted): PairLink's Send/Receive, one
+        # per micro-batch and step (3 x 4) plus the first stage's evaluation batch, and the metric
+        # all-reduces over the pp group; the ledger books all of it under "pp"
+        for info in ranks:
+            calls, booked = info["primitive_calls"], info["ledger"]["native"]
+            sends = [c for c in calls if c["prim"] == "Send"]
+            receives = [c for c in calls if c["prim"] == "Receive"]
+            first = info["pp_rank"] == 0
+            assert (len(sends), len(receives)) == ((13, 12) if first else (12, 13)), info["rank"]
+            assert all(c["tensors"][0]["shape"] == [1, 16, 64] for c in sends), info["rank"]
+            assert set(booked) == {"pp"}, booked
+            assert booked["pp"] == pytest.approx(sum(native_bytes(c) for c in calls), abs=1), (info["rank"], booked)
 
 
 @pytest.mark.distributed
-def test_pynative_run_checked_across_ranks_and_its_ledger_counts_the_primitives_it_called(one_process, two_ranks):
-    """dp2·ep2 on the Ascend path in PyNative: every primitive call is checked against the other
-    rank's (op, shape, dtype, attributes) and recorded with the buffer that entered it; the ledger's
-    native bytes over the whole fit equal the textbook count of those buffers (the dispatcher's
-    padded AlltoAll buffers included), per rank."""
-    name = "ascend_dp2_ep2_pynative"
-    steps, ranks = two_ranks[name]
-    assert_reproduces(one_process, steps, name)
+def test_pynative_run_checked_across_ranks_and_its_ledger_counts_the_primitives_it_called(two_ranks):
+    """dp2·ep2 on the GPU path in PyNative: every primitive call is checked against the other rank's
+    (op, shape, dtype, attributes) and recorded with the buffer that entered it; the ledger's native
+    bytes over the whole fit equal the textbook count of those buffers (the dispatcher's padded
+    outboxes, gathered whole on GPU, included), per rank."""
+    _, ranks = two_ranks["gpu_dp2_ep2"]
     for info in ranks:
         calls = info["primitive_calls"]
-        assert {"AlltoAll", "AllReduce"} <= {c["prim"] for c in calls}, info["rank"]
+        gathered = [c["tensors"][0]["shape"] for c in calls if c["prim"] == "AllGather"]
+        # this rank's outbox [1, dst, 1, bound = T min(k, L) = 64, hidden]: padded to the bound
+        assert [1, 2, 1, 64, 64] in gathered, info["rank"]
+        assert not {"AlltoAll", "AlltoAllV"} & {c["prim"] for c in calls}, info["rank"]
         booked = info["ledger"]["native"]
         assert booked.get("ep", 0) > 0 and booked.get("dp", 0) > 0, booked
         recorded = sum(native_bytes(c) for c in calls)
