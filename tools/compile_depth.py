@@ -45,21 +45,21 @@ def worker(out_json: str, config: str, layout: list, depths: list) -> None:
     reuse_parallel_context(trainer_module)
     results = []
     for depth in depths:
-        with tempfile.TemporaryDirectory(prefix=f"depth{depth}-") as out:
-            cfg = load_config(config, overrides(depth, out) + layout)
-            start = time.perf_counter()
-            trainer = trainer_module.Trainer(cfg)
-            built = time.perf_counter() - start
-            first = trainer._first_step()
-            second = trainer.train_step()
-            trainer.logger.close()
-            results.append({"depth": depth, "build_s": round(built, 2), "first_step_s": round(first["step_time_s"], 2),
-                            "step_s": round(second["step_time_s"], 3),
-                            "compile_s": round(first["step_time_s"] - second["step_time_s"], 2),
-                            "loss": [first["loss"], second["loss"]], "grad_norm": [first["grad_norm"],
-                                                                                 second["grad_norm"]]})
-            if trainer.rank == 0:
-                print(json.dumps(results[-1]), flush=True)
+        out = os.path.join(os.path.dirname(out_json), f"depth{depth}")   # one folder shared by the ranks
+        cfg = load_config(config, overrides(depth, out) + layout)
+        start = time.perf_counter()
+        trainer = trainer_module.Trainer(cfg)
+        built = time.perf_counter() - start
+        first = trainer._first_step()
+        second = trainer.train_step()
+        trainer.logger.close()
+        results.append({"depth": depth, "build_s": round(built, 2), "first_step_s": round(first["step_time_s"], 2),
+                        "step_s": round(second["step_time_s"], 3),
+                        "compile_s": round(first["step_time_s"] - second["step_time_s"], 2),
+                        "loss": [first["loss"], second["loss"]], "grad_norm": [first["grad_norm"],
+                                                                             second["grad_norm"]]})
+        if trainer.rank == 0:
+            print(json.dumps(results[-1]), flush=True)
     if trainer.rank == 0:
         with open(out_json, "w") as fh:
             json.dump(results, fh)
