@@ -2,7 +2,9 @@
 real Trainer (`fit`: metrics.jsonl, evaluation) in this process, one after another.
 
     python tests/workers/train_runs_worker.py OUT_DIR RUN [RUN ...]
-    RUN = NAME:CONFIG:key=value,key=value,...      (CONFIG relative to the repository root)
+    RUN = NAME:CONFIG:key=value,key=value,...      (CONFIG relative to the repository root, or absolute)
+
+`resume=CHECKPOINT_DIR` among the overrides resumes that run from a checkpoint (`--resume DIR`).
 
 Works under msrun (several runs in one job: MindSpore starts its communication once per process,
 so runs after the first reuse the device setting and the communicators of an earlier run with the
@@ -77,10 +79,12 @@ def main():
     for run in runs:
         name, config, overrides = run.split(":", 2)
         run_dir = os.path.join(out_dir, name)
+        overrides = [o for o in overrides.split(",") if o]
+        resume = next((o[len("resume="):] for o in overrides if o.startswith("resume=")), None)
         cfg = load_config(os.path.join(ROOT, config),
-                          [o for o in overrides.split(",") if o] + [f"train.output_dir={run_dir}"])
+                          [o for o in overrides if not o.startswith("resume=")] + [f"train.output_dir={run_dir}"])
         start = time.perf_counter()
-        trainer = trainer_module.Trainer(cfg)
+        trainer = trainer_module.Trainer(cfg, resume=resume)
         result = trainer.fit()
         seconds = time.perf_counter() - start
         pctx, pipeline, model = trainer.pctx, (trainer.runner if trainer.pctx.pp > 1 else None), trainer.model
