@@ -1,19 +1,23 @@
 """DeepSeek-V3 (MLA, MTP) and Qwen3-MoE on every parallel dimension, each against one process.
 
 One 2-rank msrun launch trains, one after another (tests/workers/train_runs_worker.py):
-  deepseek_tp2       MLA heads split (wq_b/wkv_b column-, wo row-parallel; latents whole), MTP block
-                     split like the layers, full recompute; saves a checkpoint at step 2
-  deepseek_pp2       dense layer | MoE layer + head + MTP (the embedding on both stages), selective
-                     recompute; saves a checkpoint at step 2
-  deepseek_dp2_ep2   half the experts per rank (MTP block's too), ZeRO-2
-  qwen3_tp2_sp       per-head q/k norms on local heads, sequence parallel
-  qwen3_pp2
-  mixtral_dp2_ep2    an imported Hugging Face Mixtral continued through checkpoint.load_path
-and one one-process subprocess per family gives the reference (DeepSeek's also resumes the tp2 and
-pp2 checkpoints on one process). Tiny widths, the shipped KJV tokenizer's 2048 tokens, 3 steps of 4
-micro-batches of one sample, per-micro-batch aux loss: every layout sees the same micro-batches, so
-losses, aux terms, MTP loss and gradient norm agree within 1e-4 and expert loads exactly (the
-aux-loss-free bias moves every step, so routing in steps 2 and 3 depends on the balancing too).
+  deepseek_tp2          MLA heads split (wq_b/wkv_b column-, wo row-parallel; latents whole), MTP block
+                        split like the layers, full recompute
+  deepseek_pp2          dense layer | MoE layer + head + MTP (the embedding on both stages), selective
+                        recompute; saves a checkpoint at step 2
+  deepseek_dp2_ep2      half the experts per rank (MTP block's too), ZeRO-2
+  deepseek_ep2_from_pp2 dp2·ep2 ZeRO-2 resuming deepseek_pp2's checkpoint (two stages' files, the
+                        embedding in both -> ep slices and ZeRO-sharded optimizer state)
+  qwen3_tp2_sp          per-head q/k norms on local heads, sequence parallel, selective recompute;
+                        saves a checkpoint at step 2
+  qwen3_dp2_ep2         half the experts per rank, ZeRO-1
+  qwen3_pp2_from_tp2    pp2 (full recompute) resuming qwen3_tp2_sp's checkpoint
+  mixtral_dp2_ep2       an imported Hugging Face Mixtral continued through checkpoint.load_path
+and one one-process subprocess trains both families' references. Tiny widths, the shipped KJV
+tokenizer's 2048 tokens, 3 steps of 4 micro-batches of one sample, per-micro-batch aux loss: every
+layout sees the same micro-batches, so losses, aux terms, MTP loss and gradient norm agree within
+1e-4 and expert loads exactly (the aux-loss-free bias moves every step, so routing in steps 2 and 3
+depends on the balancing too). A resumed run's step 3 matches the reference's step 3 the same way.
 """
 import json
 import os
@@ -50,14 +54,19 @@ QWEN3 = ("configs/qwen3_moe_tiny.yaml", RUN + [
     "model.moe.aux_loss_coeff=0.01"])
 SAVE = [f"checkpoint.save_steps={SAVED_AT}"]
 DP2_EP2 = ["parallel.data_parallel=2", "parallel.expert_parallel=2"]
-RUNS = {
-    "deepseek_tp2": (DEEPSEEK, ["parallel.model_parallel=2", "parallel.recompute=full"] + SAVE),
-    "deepseek_pp2": (DEEPSEEK, ["parallel.pipeline_stage=2", "parallel.recompute=selective"] + SAVE),
+TP2, PP2 = ["parallel.model_parallel=2"], ["parallel.pipeline_stage=2"]
+RUNS = {   # name: (family, overrides); the runs that resume come after the runs they resume
+    "deepseek_tp2": (DEEPSEEK, TP2 + ["parallel.recompute=full"]),
+    "deepseek_pp2": (DEEPSEEK, PP2 + ["parallel.recompute=selective"] + SAVE),
     "deepseek_dp2_ep2": (DEEPSEEK, DP2_EP2 + ["parallel.optimizer_shard=2"]),
-    "qwen3_tp2_sp": (QWEN3, ["parallel.model_parallel=2", "parallel.use_seq_parallel=true"]),
-    "qwen3_pp2": (QWEN3, ["parallel.pipeline_stage=2"]),
+    "qwen3_tp2_sp": (QWEN3, TP2 + ["parallel.use_seq_parallel=true", "parallel.recompute=selective"] + SAVE),
+    "qwen3_dp2_ep2": (QWEN3, DP2_EP2 + ["parallel.optimizer_shard=1"]),
 }
-RESUMED = ("deepseek_tp2", "deepseek_pp2")   # their step-2 checkpoints resume on one process
+RESUMED = {   # name: (the run whose step-2 checkpoint it resumes, its own overrides)
+    "deepseek_ep2_from_pp2": ("deepseek_pp2", DP2_EP2 + ["parallel.optimizer_shard=2"]),
+    "qwen3_pp2_from_tp2": ("qwen3_tp2_sp", PP2 + ["parallel.recompute=full"]),
+}
+FAMILIES = {"deepseek": DEEPSEEK, "qwen3": QWEN3}
 STEP_KEYS = {"deepseek": ("loss", "lm_loss", "mtp_loss", "aux_loss", "seq_aux_loss", "z_loss", "grad_norm"),
              "qwen3": ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")}
 
@@ -106,21 +115,22 @@ def mixtral_config(imported_mixtral, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory, mixtral_config):
+    job_dir = str(tmp_path_factory.mktemp("families"))
+    out = os.path.join(job_dir, "out")                       # run_workers' output folder
     runs = [spec(name, family, extra) for name, (family, extra) in RUNS.items()]
+    runs += [spec(name, FAMILIES[saver.split("_")[0]], extra + [f"resume={checkpoint_dir(os.path.join(out, saver))}"])
+             for name, (saver, extra) in RESUMED.items()]
     runs.append(f"mixtral_dp2_ep2:{mixtral_config}:" + ",".join(DP2_EP2))
-    job = run_workers(WORKER, 2, runs, timeout=1800, job_dir=str(tmp_path_factory.mktemp("families"))).check()
-    return job.out_dir
+    job = run_workers(WORKER, 2, runs, timeout=1800, job_dir=job_dir).check()
+    assert job.out_dir == out
+    return out
 
 
 @pytest.fixture(scope="module")
-def one_process(launch, tmp_path_factory):
-    """{run name: step records} of the one-process references; `resumed_<layout>`: the one-process
-    continuation of that layout's step-2 checkpoint."""
+def one_process(tmp_path_factory):
+    """{family: step records} of the one-process references."""
     out = str(tmp_path_factory.mktemp("one_process"))
-    resumes = [spec(f"resumed_{name}", DEEPSEEK, [f"resume={checkpoint_dir(os.path.join(launch, name))}"])
-               for name in RESUMED]
-    one_process_runs(out, [spec("deepseek", DEEPSEEK)] + resumes)
-    one_process_runs(out, [spec("qwen3", QWEN3)])
+    one_process_runs(out, [spec(name, family) for name, family in FAMILIES.items()])
     return {name: step_records(os.path.join(out, name)) for name in os.listdir(out)
             if os.path.isfile(os.path.join(out, name, "metrics.jsonl"))}
 
@@ -178,36 +188,48 @@ def test_family_layouts_split_what_they_should(launch):
         assert ep["shards"][prefix + "moe.experts.w_up"][1:] == [0, 1, 2, "ep"]
         assert ep["shapes"][prefix + "moe.experts.w_up"][0] == 4
     assert ep["zero_level"] == 2
+    qwen_ep = rank_info("qwen3_dp2_ep2", 0)
+    assert qwen_ep["zero_level"] == 1 and qwen_ep["shapes"]["layers.1.moe.experts.w_up"][0] == 2   # 2 of 4
+    resumed_ep = rank_info("deepseek_ep2_from_pp2", 1)
+    assert resumed_ep["shards"]["mtp.0.block.moe.experts.w_up"][1:] == [0, 1, 2, "ep"]
+    assert rank_info("qwen3_pp2_from_tp2", 1)["stage_layers"] == [1, 2]
     pp_params = [dict(np.load(os.path.join(launch, "deepseek_pp2", f"rank_{r}.npz"))) for r in (0, 1)]
     np.testing.assert_array_equal(pp_params[0]["embed.weight"], pp_params[1]["embed.weight"])   # one weight, two copies
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints: saved on tp2 / pp2, resumed on one process
+# Checkpoints: saved on one layout, resumed on another
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", RESUMED)
-def test_deepseek_checkpoint_resumes_on_one_process(launch, one_process, layout):
-    """The step-2 checkpoint of a tp2 / pp2 run, MTP weights and their optimizer state included,
-    continues on one process exactly as the run that saved it continued (1e-5)."""
-    saved = checkpoint_dir(os.path.join(launch, layout))
-    with open(os.path.join(saved, "metadata.json")) as fh:
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_family_checkpoint_resumes_on_another_layout(launch, one_process, name):
+    """A step-2 checkpoint (DeepSeek's MTP weights and their optimizer state included) resliced for
+    another layout continues as the one process does (step 3 within 1e-4, expert loads exactly), and
+    as the run that saved it did."""
+    saver, _ = RESUMED[name]
+    family = name.split("_")[0]
+    with open(os.path.join(checkpoint_dir(os.path.join(launch, saver)), "metadata.json")) as fh:
         tensors = json.load(fh)["tensors"]
-    parts = {tensors[key]["part"] for key in tensors if ".mtp.0.block.attention.wkv_b." in f".{key}"}
-    assert parts == {"model", "optimizer"}, "the MTP block's weights or optimizer state are not in the checkpoint"
-    pieces = tensors["mtp.0.block.attention.wq_b.weight"]["pieces"]
-    if layout == "deepseek_tp2":
+    if family == "deepseek":
+        parts = {tensors[key]["part"] for key in tensors if ".mtp.0.block.attention.wkv_b." in f".{key}"}
+        assert parts == {"model", "optimizer"}, "the MTP block's weights or optimizer state are not in the checkpoint"
+        pieces = tensors["mtp.0.block.attention.wq_b.weight"]["pieces"]
+    else:
+        pieces = tensors["layers.1.attention.wq.weight"]["pieces"]
+    if "_tp2" in saver:
         assert sorted((p["slice_kind"], p["index"]) for p in pieces) == [("tp", 0), ("tp", 1)]
     else:
         assert {p["file"] for p in pieces} == {"model-rank00001.safetensors"}   # the last stage's
-    resumed = one_process[f"resumed_{layout}"]
-    continued = step_records(os.path.join(launch, layout))[SAVED_AT:]
+    resumed = step_records(os.path.join(launch, name))
+    continued = step_records(os.path.join(launch, saver))[SAVED_AT:]
+    reference = one_process[family][SAVED_AT:]
     assert [r["step"] for r in resumed] == [r["step"] for r in continued] == list(range(SAVED_AT + 1, STEPS + 1))
-    for key in STEP_KEYS["deepseek"]:
-        np.testing.assert_allclose([r[key] for r in resumed], [r[key] for r in continued], rtol=1e-5,
-                                   err_msg=f"{layout}: {key}")
-    for a, b in zip(continued, resumed):
+    for key in STEP_KEYS[family]:
+        for other, what in ((reference, "one process"), (continued, saver)):
+            np.testing.assert_allclose([r[key] for r in resumed], [r[key] for r in other], rtol=1e-4,
+                                       err_msg=f"{name} against {what}: {key}")
+    for a, b in zip(reference, resumed):
         np.testing.assert_array_equal(b["expert_load"], a["expert_load"])
 
 
