@@ -13,7 +13,7 @@ One 2-rank msrun launch trains, one after another (tests/workers/train_runs_work
   qwen3_dp2_ep2         half the experts per rank, ZeRO-1
   qwen3_pp2_from_tp2    pp2 (full recompute) resuming qwen3_tp2_sp's checkpoint
   mixtral_dp2_ep2       an imported Hugging Face Mixtral continued through checkpoint.load_path
-and one one-process subprocess trains both families' references. Tiny widths, the shipped KJV
+and one one-process subprocess, running beside the launch, trains both families' references. Tiny widths, the shipped KJV
 tokenizer's 2048 tokens, 3 steps of 4 micro-batches of one sample, per-micro-batch aux loss: every
 layout sees the same micro-batches, so losses, aux terms, MTP loss and gradient norm agree within
 1e-4 and expert loads exactly (the aux-loss-free bias moves every step, so routing in steps 2 and 3
@@ -85,14 +85,6 @@ def checkpoint_dir(run_dir, step=SAVED_AT):
     return os.path.join(run_dir, "checkpoints", f"step_{step:08d}")
 
 
-def one_process_runs(out, runs):
-    """`runs` (worker specs) trained one after another in one fresh process (one trainer per process
-    at a time keeps MindSpore's state clean)."""
-    result = subprocess.run([sys.executable, WORKER, out, *runs], cwd=out, capture_output=True, text=True,
-                            timeout=1800)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-
 # ---------------------------------------------------------------------------------------------
 # The jobs (module-scoped: each runs once for all the tests that read it)
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +106,22 @@ def mixtral_config(imported_mixtral, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory, mixtral_config):
+def reference_job(tmp_path_factory):
+    """Both families' one-process references, trained one after another in one fresh process that
+    starts before the launch and runs beside it (the ranks leave a core idle while they wait)."""
+    out = str(tmp_path_factory.mktemp("one_process"))
+    log = open(os.path.join(out, "reference.log"), "w+")    # a file: a pipe could fill and stall it
+    proc = subprocess.Popen([sys.executable, WORKER, out, *(spec(name, family) for name, family in FAMILIES.items())],
+                            cwd=out, stdout=log, stderr=subprocess.STDOUT)
+    yield proc, log
+    if proc.poll() is None:     # a failed launch: do not leave the reference behind
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory, mixtral_config, reference_job):
     job_dir = str(tmp_path_factory.mktemp("families"))
     out = os.path.join(job_dir, "out")                       # run_workers' output folder
     runs = [spec(name, family, extra) for name, (family, extra) in RUNS.items()]
@@ -127,12 +134,14 @@ def launch(tmp_path_factory, mixtral_config):
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(launch, reference_job):
     """{family: step records} of the one-process references."""
-    out = str(tmp_path_factory.mktemp("one_process"))
-    one_process_runs(out, [spec(name, family) for name, family in FAMILIES.items()])
-    return {name: step_records(os.path.join(out, name)) for name in os.listdir(out)
-            if os.path.isfile(os.path.join(out, name, "metrics.jsonl"))}
+    proc, log = reference_job
+    if proc.wait(timeout=1800) != 0:
+        log.seek(0)
+        raise AssertionError(f"the one-process reference failed:\n{log.read()[-3000:]}")
+    out = os.path.dirname(log.name)
+    return {name: step_records(os.path.join(out, name)) for name in FAMILIES}
 
 
 # ---------------------------------------------------------------------------------------------
