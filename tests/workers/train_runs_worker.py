@@ -1,5 +1,5 @@
-"""Worker of tests/test_parallel_3d.py and tests/test_pipeline.py: train one or more runs with the
-real Trainer (`fit`: metrics.jsonl, evaluation) in this process, one after another.
+"""Worker of tests/test_parallel_3d.py, test_pipeline.py and test_families_parallel.py: train one or
+more runs with the real Trainer (`fit`: metrics.jsonl, evaluation) in this process, one after another.
 
     python tests/workers/train_runs_worker.py OUT_DIR RUN [RUN ...]
     RUN = NAME:CONFIG:key=value,key=value,...      (CONFIG relative to the repository root, or absolute)
