@@ -14,10 +14,11 @@ One 2-rank msrun launch trains, one after another (tests/workers/train_runs_work
   qwen3_pp2_from_tp2    pp2 (full recompute) resuming qwen3_tp2_sp's checkpoint
   mixtral_dp2_ep2       an imported Hugging Face Mixtral continued through checkpoint.load_path
 and one one-process subprocess, running beside the launch, trains both families' references. Tiny
-widths, the shipped KJV tokenizer's 2048 tokens, 3 steps of 4 micro-batches of one sample, per-micro-batch aux loss: every
-layout sees the same micro-batches, so losses, aux terms, MTP loss and gradient norm agree within
-1e-4 and expert loads exactly (the aux-loss-free bias moves every step, so routing in steps 2 and 3
-depends on the balancing too). A resumed run's step 3 matches the reference's step 3 the same way.
+widths, the shipped KJV tokenizer's 2048 tokens, 3 steps of 4 micro-batches of one sample, per-micro-
+batch aux loss: every layout sees the same micro-batches, so losses, aux terms, MTP loss and gradient
+norm agree within 1e-4 and expert loads exactly (the aux-loss-free bias moves every step, so routing in
+steps 2 and 3 depends on the balancing too).
+A resumed run's step 3 matches the reference's step 3 the same way.
 """
 import json
 import os

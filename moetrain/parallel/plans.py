@@ -62,7 +62,8 @@ QWEN3_MOE_TP_PLAN = {
 
 def _as_mtp_block(plan: Mapping) -> Dict:
     """The `layers.*.` entries of `plan` for the multi-token-prediction blocks (`mtp.*.block.`)."""
-    return {"mtp.*.block." + key[len("layers.*."):]: style for key, style in plan.items() if key.startswith("layers.*.")}
+    return {"mtp.*.block." + key[len("layers.*."):]: style for key, style in plan.items()
+            if key.startswith("layers.*.")}
 
 
 # DeepSeek-V3's MLA: the up-projections wq_b (wq without a query latent) and wkv_b give whole heads,
