@@ -61,6 +61,7 @@ class ModelShape:
     ffn: Optional[int] = None               # the dense FFN width, None when every layer is MoE
     experts: int = 0                        # 0: no MoE layers
     shared_ffn: int = 0
+    mtp_depth: int = 0                      # multi-token-prediction modules (DeepSeek-V3)
 
     @classmethod
     def of(cls, model_cfg) -> "ModelShape":
@@ -72,7 +73,7 @@ class ModelShape:
                    vocab=get("vocab_size"),
                    ffn=get("ffn_hidden_size") if layers is None or len(moe_layers) < layers else None,
                    experts=moe.num_experts if moe is not None else 0,
-                   shared_ffn=moe.shared_hidden_size if moe is not None else 0)
+                   shared_ffn=moe.shared_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,10 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
         if seq_length:
             need(seq_length % L.tp == 0, f"the sequence length ({seq_length}) is not divisible by "
                  f"parallel.model_parallel ({L.tp}), which sequence parallelism needs")
+        need(not m.mtp_depth, f"parallel.use_seq_parallel with multi-token prediction (model.mtp_depth="
+             f"{m.mtp_depth}): an MTP depth k reads the first S-k-1 positions of the whole sequence, which the "
+             f"sequence-parallel split does not hold; set use_seq_parallel=false (tensor parallelism without it "
+             f"splits MTP as it splits the layers) or model.mtp_depth=0")
     if m.layers is not None:
         try:
             split_layers(m.layers, L.pp, L.pipeline_layers)

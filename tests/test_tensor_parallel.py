@@ -212,16 +212,30 @@ def tiny_model_config(name, **over):
 
     raw = dict(name=name, vocab_size=48, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
                ffn_hidden_size=24, seq_length=8)
-    if name == "moe_gpt":
+    if name != "gpt":
         raw["moe"] = dict(num_experts=4, top_k=2, ffn_hidden_size=8, num_shared_experts=1)
+    if name == "qwen3_moe":     # head_dim apart from hidden / heads, a dense layer 0
+        raw.update(head_dim=8, mlp_only_layers=[0])
+    if name == "deepseek_v3":   # MLA (every head its own K/V), a dense layer 0, one MTP depth
+        del raw["num_kv_heads"]
+        raw.update(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4,
+                   first_k_dense=1, mtp_depth=1)
     raw.update(over)
     return model_config_from_dict(raw)
 
 
-@pytest.mark.parametrize("name", ["gpt", "moe_gpt"])
+# Kept whole inside the attention's tensor-parallel region, feeding only this rank's heads: gradient
+# summed over tp with or without sequence parallelism (plans.HeadShared).
+HEAD_SHARED = ("attention.q_norm.weight", "attention.k_norm.weight", "attention.wq_a.weight",
+               "attention.wkv_a.weight", "attention.kv_norm.weight")
+
+
+@pytest.mark.parametrize("name", ["gpt", "moe_gpt", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 def test_plan_keeps_this_ranks_slice_of_every_split_parameter(name, sequence_parallel):
-    """Rank 1 of a 2-rank tp group (slicing needs no communication)."""
+    """Rank 1 of a 2-rank tp group (slicing needs no communication). DeepSeek-V3: the MLA
+    up-projections (wq_b, wkv_b) and the MTP block's split like the layers'; with sequence
+    parallelism (refused with MTP by moetrain.layout) the model is built without MTP."""
     import mindspore as ms
 
     from moetrain.parallel.plans import TP_PLANS
@@ -232,14 +246,18 @@ def test_plan_keeps_this_ranks_slice_of_every_split_parameter(name, sequence_par
 
     ms.set_device("CPU")
     ms.set_seed(3)
-    model = get_model(name).cls(tiny_model_config(name))
+    over = {"mtp_depth": 0} if name == "deepseek_v3" and sequence_parallel else {}
+    model = get_model(name).cls(tiny_model_config(name, **over))
     before = {p.name: p.asnumpy().copy() for p in model.trainable_params()}
     parallelize_module(model, TP_PLANS[name], Group("tp", (0, 1), 1, "unused"), sequence_parallel)
     params = {p.name: p for p in model.trainable_params()}
     assert list(params) == list(before)                          # same parameters, same names
+    if name == "deepseek_v3" and not sequence_parallel:
+        assert "mtp.0.block.attention.wkv_b.weight" in params
     split_axis = {"embed.weight": 0, "lm_head.weight": 0}
     for p in params:
-        if p.endswith(("wq.weight", "wk.weight", "wv.weight", "w_gate.weight", "w_up.weight")):
+        if p.endswith(("wq.weight", "wk.weight", "wv.weight", "w_gate.weight", "w_up.weight", "wq_b.weight",
+                       "wkv_b.weight")):
             split_axis[p] = 0
         elif p.endswith(("wo.weight", "w_down.weight")):
             split_axis[p] = 1
@@ -252,7 +270,8 @@ def test_plan_keeps_this_ranks_slice_of_every_split_parameter(name, sequence_par
         else:                                                    # norms, router, routed experts: replicated
             assert spec.axis is None, pname
             np.testing.assert_array_equal(param.asnumpy(), before[pname])
-        assert is_sequence_parallel(param) == (sequence_parallel and pname.endswith("norm.weight")), pname
+        summed_over_tp = pname.endswith(HEAD_SHARED) or (sequence_parallel and pname.endswith("norm.weight"))
+        assert is_sequence_parallel(param) == summed_over_tp, pname
     with pytest.raises(ValueError, match="only once"):
         parallelize_module(model, TP_PLANS[name], Group("tp", (0, 1), 1, "unused"), sequence_parallel)
 
@@ -268,6 +287,10 @@ def test_layout_checks_name_every_size_that_does_not_split():
         assert expected in message
     assert layout_problems(Layout(tp=2, sequence_parallel=True), ModelShape.of(tiny_model_config("gpt")),
                            seq_length=8) == []
+    mtp = ModelShape.of(tiny_model_config("deepseek_v3"))        # MTP reads positions SP does not hold
+    assert layout_problems(Layout(tp=2), mtp, seq_length=8) == []
+    (problem,) = layout_problems(Layout(tp=2, sequence_parallel=True), mtp, seq_length=8)
+    assert "model.mtp_depth=1" in problem and "use_seq_parallel=false" in problem
     with pytest.raises(ValueError, match="is not divisible by tp=2"):   # sizes found only while slicing
         from moetrain.parallel.tensor_parallel import shard_parameter
         from moetrain.dist.topology import Group
@@ -318,10 +341,12 @@ def loss_and_grads(name, policy, jit):
 def test_recompute_leaves_loss_stats_and_gradients_unchanged(name, jit):
     """Loss, MoE stats (expert loads, aux and z losses) and gradients of two consecutive steps equal
     the run without recompute. (Recomputing a whole MoE block under jit returned the first step's
-    stats on the second, or did not compile: see plans.recompute_boundaries.)"""
+    stats on the second, or did not compile: see plans.recompute_boundaries.)
+    (DeepSeek-V3 and Qwen3-MoE with recompute against one process without it: the msrun runs of
+    tests/test_families_parallel.py.)"""
     reference = loss_and_grads(name, "none", jit)
     assert reference[0][0] != reference[1][0]
-    if name == "moe_gpt":
+    if name != "gpt":
         assert not np.array_equal(reference[0][1]["expert_load"], reference[1][1]["expert_load"])
     for policy in ("selective", "full"):
         for call, ((loss, stats, grads), (loss_rc, stats_rc, grads_rc)) in enumerate(
@@ -333,6 +358,27 @@ def test_recompute_leaves_loss_stats_and_gradients_unchanged(name, jit):
                 np.testing.assert_allclose(stats_rc[key], value, rtol=1e-6, atol=0, err_msg=f"{where} {key}")
             for g, g_rc in zip(grads, grads_rc):
                 np.testing.assert_allclose(g_rc, g, rtol=0, atol=1e-6 * max(1.0, np.abs(g).max()), err_msg=where)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_family_recompute_plans_name_their_cells(name, policy):
+    """Every pattern of the family's recompute policies names cells of the model (DeepSeek-V3's MTP
+    block included), and applying the policy marks cells there (no compile: cells are only marked)."""
+    import mindspore as ms
+
+    from moetrain.parallel.plans import RECOMPUTE_PLANS, apply_recompute
+    from moetrain.parallel.tensor_parallel import modules_matching
+    from moetrain.registry import get_model
+
+    ms.set_device("CPU")
+    model = get_model(name).cls(tiny_model_config(name))
+    for pattern in RECOMPUTE_PLANS[name][policy]:   # the fused attention kernel is one cell shared by every
+        # layer, so it is listed once (under layers.0): a later `attention.core` pattern may find none
+        assert any(modules_matching(model, pattern)) or pattern.endswith("attention.core"), pattern
+    assert apply_recompute(model, RECOMPUTE_PLANS[name][policy]) > 0
+    marked = {path.split(".")[0] for path, cell in model.cells_and_names() if getattr(cell, "_has_config_recompute", 0)}
+    assert marked == ({"layers", "mtp"} if name == "deepseek_v3" else {"layers"}), marked
 
 
 def test_recompute_lowers_activation_memory_in_pynative():

@@ -70,7 +70,8 @@ _ROLE_ATTR = "moetrain_role"
 @dataclass(frozen=True)
 class ParamRole:
     expert: bool = False               # a routed expert's weight: replicas are the edp group, not dp
-    sequence_parallel: bool = False    # used on this rank's sequence chunk only: gradient summed over tp
+    sequence_parallel: bool = False    # gradient partial over tp (used on this rank's sequence chunk, or
+                                       # feeding only its heads): summed over tp
     tied_group: str = ""               # group kind of the ranks that hold this same (tied) parameter
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Sequence
 
 from moetrain.moe.layer import MoELayer
-from moetrain.parallel.tensor_parallel import (ColwiseParallel, RegionInput, RegionOutput, RowwiseParallel,
-                                               SequenceParallel, VocabParallel, WholeSequence,
+from moetrain.parallel.tensor_parallel import (ColwiseParallel, HeadShared, RegionInput, RegionOutput,
+                                               RowwiseParallel, SequenceParallel, VocabParallel, WholeSequence,
                                                modules_matching, parallelize_module)
 
 # Llama-style GPT: attention and MLP are tensor-parallel regions between sequence-parallel norms.
@@ -52,12 +52,52 @@ MOE_GPT_TP_PLAN = {
     "layers.*.moe.shared_experts.w_down": RowwiseParallel(sequence=False),
 }
 
+# Qwen3-MoE: the per-head q/k norms (one weight over head_dim) run on this rank's heads.
+QWEN3_MOE_TP_PLAN = {
+    **MOE_GPT_TP_PLAN,
+    "layers.*.attention.q_norm": HeadShared(),
+    "layers.*.attention.k_norm": HeadShared(),
+}
+
+
+def _as_mtp_block(plan: Mapping) -> Dict:
+    """The `layers.*.` entries of `plan` for the multi-token-prediction blocks (`mtp.*.block.`)."""
+    return {"mtp.*.block." + key[len("layers.*."):]: style for key, style in plan.items()
+            if key.startswith("layers.*.")}
+
+
+# DeepSeek-V3's MLA: the up-projections wq_b (wq without a query latent) and wkv_b give whole heads,
+# column-wise; the down-projections, the latent norms and the shared RoPE key stay whole (each rank
+# computes them; their gradient is summed over tp); wo is row-parallel (the GPT entry). The MTP
+# blocks are split as the layers are, and an MTP depth's final norm feeds the vocabulary-parallel
+# head as the model's does. Sequence parallelism with MTP is refused by moetrain.layout.
+_DEEPSEEK_V3_LAYERS = {
+    **MOE_GPT_TP_PLAN,
+    "layers.*.attention.wq_a": HeadShared(),
+    "layers.*.attention.q_norm": HeadShared(),
+    "layers.*.attention.wq_b": ColwiseParallel(),
+    "layers.*.attention.wkv_a": HeadShared(),
+    "layers.*.attention.kv_norm": HeadShared(),
+    "layers.*.attention.wkv_b": ColwiseParallel(),
+}
+DEEPSEEK_V3_TP_PLAN = {
+    **_DEEPSEEK_V3_LAYERS,
+    **_as_mtp_block(_DEEPSEEK_V3_LAYERS),
+    "mtp.*.final_norm": (SequenceParallel(), RegionOutput()),
+}
+
 # Cells to recompute per policy (module path patterns).
 GPT_RECOMPUTE = {"full": ("layers.*",), "selective": ("layers.*.attention.core",)}
 MOE_GPT_RECOMPUTE = {"full": ("layers.*",), "selective": ("layers.*.attention.core", "layers.*.moe.experts")}
+DEEPSEEK_V3_RECOMPUTE = {"full": ("layers.*", "mtp.*"),
+                         "selective": MOE_GPT_RECOMPUTE["selective"] + ("mtp.*.block.attention.core",
+                                                                        "mtp.*.block.moe.experts")}
 
-TP_PLANS: Dict[str, Mapping] = {"gpt": GPT_TP_PLAN, "moe_gpt": MOE_GPT_TP_PLAN}
-RECOMPUTE_PLANS: Dict[str, Mapping[str, Sequence[str]]] = {"gpt": GPT_RECOMPUTE, "moe_gpt": MOE_GPT_RECOMPUTE}
+TP_PLANS: Dict[str, Mapping] = {"gpt": GPT_TP_PLAN, "moe_gpt": MOE_GPT_TP_PLAN, "qwen3_moe": QWEN3_MOE_TP_PLAN,
+                                "deepseek_v3": DEEPSEEK_V3_TP_PLAN}
+RECOMPUTE_PLANS: Dict[str, Mapping[str, Sequence[str]]] = {"gpt": GPT_RECOMPUTE, "moe_gpt": MOE_GPT_RECOMPUTE,
+                                                           "qwen3_moe": MOE_GPT_RECOMPUTE,
+                                                           "deepseek_v3": DEEPSEEK_V3_RECOMPUTE}
 
 
 def register_plans(model_name: str, tp_plan: Mapping = None, recompute: Mapping[str, Sequence[str]] = None) -> None:

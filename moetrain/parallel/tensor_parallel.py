@@ -17,7 +17,10 @@ styles keyed by module path (`moetrain/parallel/plans.py` declares them per mode
 
 Attention needs nothing of its own: wq/wk/wv are column-parallel (whole heads: rank r holds query
 heads [r·h/n, ..) and kv-heads [r·kv/n, ..), so GQA groups stay on one rank), wo is row-parallel, and
-`Attention` reads its local head counts from the weight shapes.
+`Attention` reads its local head counts from the weight shapes. A module left whole inside the
+region whose output feeds only this rank's heads (MLA's down-projections and latent norms, Qwen3's
+per-head q/k norms) gets `HeadShared`: each rank computes its parameters' gradient from its own
+heads only, so those gradients are summed over tp.
 
 Modules are converted in place, as FSDP2's `fully_shard` does: the Parameter objects (so their
 names, and everything holding them) stay, their data is sliced, and the module's class is switched
@@ -98,7 +101,8 @@ def shard_parameter(param, axis: int, group: Group) -> None:
 
 
 def mark_sequence_parallel(param) -> None:
-    """`param` is used on this rank's sequence chunk only: its gradient must be summed over tp."""
+    """This rank's gradient of `param` is a partial sum over tp (`param` is used on this rank's
+    sequence chunk only, or feeds only this rank's heads): `OptimizerStep` sums it over tp."""
     mark_role(param, sequence_parallel=True)
 
 
@@ -342,6 +346,18 @@ class SequenceParallel:
 
 
 @dataclass(frozen=True)
+class HeadShared:
+    """A module kept whole inside a tensor-parallel region whose output feeds only this rank's heads
+    (MLA's wq_a / q_norm / wkv_a / kv_norm, Qwen3's q_norm / k_norm): every rank computes it on the
+    same input, but its parameters' gradient on a rank comes from that rank's heads only, so it is
+    summed over tp (the input's gradient is summed by the region's entry, as for every projection)."""
+
+    def apply(self, module, ctx: PlanContext) -> None:
+        for param in module.get_parameters():
+            mark_sequence_parallel(param)
+
+
+@dataclass(frozen=True)
 class WholeSequence:
     """Replicated over tp; with SP it gathers the whole sequence first (see `_WholeSequence`)."""
 
@@ -351,7 +367,7 @@ class WholeSequence:
 
 
 Style = Union[ColwiseParallel, RowwiseParallel, VocabParallel, RegionInput, RegionOutput, SequenceParallel,
-              WholeSequence]
+              HeadShared, WholeSequence]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Worker of tests/test_parallel_3d.py and tests/test_pipeline.py: train one or more runs with the
-real Trainer (`fit`: metrics.jsonl, evaluation) in this process, one after another.
+"""Worker of tests/test_parallel_3d.py, test_pipeline.py and test_families_parallel.py: train one or
+more runs with the real Trainer (`fit`: metrics.jsonl, evaluation) in this process, one after another.
 
     python tests/workers/train_runs_worker.py OUT_DIR RUN [RUN ...]
-    RUN = NAME:CONFIG:key=value,key=value,...      (CONFIG relative to the repository root)
+    RUN = NAME:CONFIG:key=value,key=value,...      (CONFIG relative to the repository root, or absolute)
+
+`resume=CHECKPOINT_DIR` among the overrides resumes that run from a checkpoint (`--resume DIR`).
 
 An override whose key starts with MOETRAIN_ sets that environment variable for the run instead
 (e.g. MOETRAIN_CONTRACT_TARGET=GPU: the contract backend's target is read per op, so runs of one
@@ -110,12 +112,14 @@ def main():
         overrides = [o for o in overrides.split(",") if o]
         env = dict(o.split("=", 1) for o in overrides if o.startswith("MOETRAIN_"))
         record_calls = "+record_primitives" in overrides
+        resume = next((o[len("resume="):] for o in overrides if o.startswith("resume=")), None)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
-        cfg = load_config(os.path.join(ROOT, config), [o for o in overrides if not o.startswith(("MOETRAIN_", "+"))]
+        cfg = load_config(os.path.join(ROOT, config),
+                          [o for o in overrides if not o.startswith(("MOETRAIN_", "+", "resume="))]
                           + [f"train.output_dir={run_dir}"])
         start, built = time.perf_counter(), dict(contract.CONSTRUCTED)
-        trainer = trainer_module.Trainer(cfg)
+        trainer = trainer_module.Trainer(cfg, resume=resume)
         with recorded(record_calls) as calls, comm.CommLedger() as ledger:
             result = trainer.fit()
         seconds = time.perf_counter() - start
