@@ -10,6 +10,7 @@ sees the normed hidden state of all `[B, S, H]` tokens (sequence boundaries feed
                                               loss = lm_loss + Σ_term coeff_term * stats[term]
     expert_load  [num_moe_layers, E]          tokens routed to each expert
     dropped, routed                           token-expert assignments dropped / routed, all layers
+    expert_rows                               rows the expert GEMMs computed, all layers
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from moetrain.moe.layer import MoELayer, update_expert_bias
 from moetrain.registry import register_model
 
 AUX_TERMS = ("aux_loss", "seq_aux_loss", "z_loss")
-COUNT_TERMS = ("dropped", "routed")
+COUNT_TERMS = ("dropped", "routed", "expert_rows")
 
 
 @dataclass(kw_only=True)

@@ -24,7 +24,7 @@ from moetrain.config import Config, dump_config
 from moetrain.logger import MetricsLogger, print_rank0
 
 # Stats that add up over micro-batches and ranks; every other stat is averaged.
-SUMMED_STATS = ("expert_load", "dropped", "routed", "correct")
+SUMMED_STATS = ("expert_load", "dropped", "routed", "expert_rows", "correct")
 
 
 class LossScaler:
@@ -168,6 +168,7 @@ class Trainer:
         from mindspore import nn, ops
 
         from moetrain.checkpoint import manager as ckpt
+        from moetrain.moe.capacity import adaptive_steps
         from moetrain.data import GlobalBatchSampler, build_datasets
         from moetrain.parallel.data_parallel import OptimizerStep, accumulate
         from moetrain.parallel.expert_parallel import parallelize_moe
@@ -236,8 +237,9 @@ class Trainer:
             return loss, tuple(stats.keys()), tuple(stats.values())
 
         wrap = ms.jit if t.jit else (lambda fn: fn)
-        self._grad_step, self._accumulate = wrap(grad_step), wrap(accumulate)
-        self._evaluate = wrap(evaluate)
+        # dropless MoE dispatch buffers sized from the routing counts, re-run on overflow
+        self._grad_step, self._evaluate = adaptive_steps(self.model, self.pctx, wrap, grad_step, evaluate)
+        self._accumulate = wrap(accumulate)
 
         if resume_path:
             self.load(resume_path)

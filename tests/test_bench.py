@@ -70,8 +70,8 @@ def test_grouped_matmul_matches_numpy(ms, kernel_ops, jit):
 def test_grouped_matmul_rejects_expert_out_of_range(ms, kernel_ops):
     op = kernel_ops.GroupedMatmul()
     x, w = ms.Tensor(np.ones((4, 3), np.float32)), ms.Tensor(np.ones((2, 3, 5), np.float32))
-    with pytest.raises(RuntimeError):
-        op(x, w, ms.Tensor(np.array([0, 1, 2, 1], np.int32))).asnumpy()
+    with pytest.raises(RuntimeError):      # E (= 2) marks padding; E + 1 is out of range
+        op(x, w, ms.Tensor(np.array([0, 1, 3, 1], np.int32))).asnumpy()
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["pynative", "jit"])
@@ -162,33 +162,57 @@ def test_fused_causal_attention_matches_numpy(ms, kernel_ops, jit):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["pynative", "jit"])
-def test_exact_dropless_layout_equals_padded_blocks(ms, kernel_ops, jit):
-    """Same weights, same routing: the exact layout (grouped GEMM, no padding) and the padded
-    blocks layout give the same output and gradients."""
+def test_exact_dropless_layout_equals_capacity_layout(ms, kernel_ops, jit):
+    """Same weights, same routing: the rows layout (grouped GEMM kernel, padding rows skipped) and
+    the capacity layout (batched matmul) give the same output and gradients."""
     from moetrain.moe.config import MoEConfig
     from moetrain.moe.layer import MoELayer
 
     cfg = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=16, aux_loss_coeff=0.01)
     ms.set_seed(0)
     layer = MoELayer(12, cfg)
-    assert layer.dispatcher.block_size == 1                     # the exact layout is the default here
+    assert (layer.experts.compute, layer.dispatcher.layout) == ("kernel", "rows")   # the default here
     x = ms.Tensor(np.random.default_rng(2).standard_normal((2, 15, 12)).astype(np.float32))
     params = layer.trainable_params()
 
-    def run(block_size):
-        layer.dispatcher.block_size = block_size
+    def run(compute, layout):
+        layer.experts.compute, layer.dispatcher.layout = compute, layout
 
         def loss(inputs):
             y, stats = layer(inputs)
-            return (y * y).sum() + layer.weighted_aux(stats)
+            return (y * y).sum() + layer.weighted_aux(stats), stats["expert_rows"]
 
-        grad_fn = ms.value_and_grad(loss, 0, params)
-        value, (dx, dparams) = (ms.jit(grad_fn) if jit else grad_fn)(x)
-        return [value.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dparams]
+        grad_fn = ms.value_and_grad(loss, 0, params, has_aux=True)
+        (value, rows), (dx, dparams) = (ms.jit(grad_fn) if jit else grad_fn)(x)
+        return float(rows.asnumpy()), [value.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dparams]
 
-    exact, blocks = run(1), run(4)
-    for name, a, b in zip(["loss", "dx"] + [p.name for p in params], exact, blocks):
+    (exact_rows, exact), (capacity_rows, capacity) = run("kernel", "rows"), run("bmm", "capacity")
+    assert exact_rows == 2 * 15 * 2 and capacity_rows == 4 * 2 * 15      # routed rows; E x T at the bound
+    for name, a, b in zip(["loss", "dx"] + [p.name for p in params], exact, capacity):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_grouped_matmul_kernel_skips_padding_rows(ms, kernel_ops):
+    """Rows whose expert id is E are padding: zero output, zero input gradient, no weight gradient."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    w = rng.standard_normal((2, 4, 3)).astype(np.float32)
+    row_expert = np.array([0, 0, 1, 2, 2, 2], np.int32)        # three padding rows
+    upstream = rng.standard_normal((6, 3)).astype(np.float32)
+    op = kernel_ops.GroupedMatmul()
+
+    def loss(x_, w_):
+        return (op(x_, w_, ms.Tensor(row_expert)) * ms.Tensor(upstream)).sum()
+
+    y = op(ms.Tensor(x), ms.Tensor(w), ms.Tensor(row_expert)).asnumpy()
+    _, (dx, dw) = ms.value_and_grad(loss, (0, 1))(ms.Tensor(x), ms.Tensor(w))
+    real = row_expert < 2
+    want = np.where(real[:, None], np.einsum("nk,nkf->nf", x, w[np.minimum(row_expert, 1)]), 0)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    want_dx = np.where(real[:, None], np.einsum("nf,nkf->nk", upstream, w[np.minimum(row_expert, 1)]), 0)
+    np.testing.assert_allclose(dx.asnumpy(), want_dx, rtol=1e-5, atol=1e-6)
+    want_dw = np.stack([x[row_expert == e].T @ upstream[row_expert == e] for e in range(2)])
+    np.testing.assert_allclose(dw.asnumpy(), want_dw, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

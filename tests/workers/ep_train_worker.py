@@ -6,7 +6,9 @@ process and write every step's record (loss, expert loads, drops, ...) of this r
 
 Under msrun (one job, several runs: MindSpore starts its communication once per process) or
 alone (one process). Writes OUT_DIR/rank_<r>.json = {run name: [step records]}; a record holds
-the trainer's step record and this rank's bytes per group kind in that step ("bytes").
+the trainer's step record, this rank's bytes per group kind in that step ("bytes"; PyNative only),
+and where the dispatch buffers are managed, their capacities after the step and the calls / re-runs
+of the step function so far.
 """
 import json
 import os
@@ -54,6 +56,11 @@ def main():
             record = {k: (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) for k, v in record.items()}
             record["bytes"] = {"native": ledger.bytes_by_group(backward=True),
                                "emulated": ledger.bytes_by_group(backward=True, emulated=True)}
+            step_fn = trainer._grad_step      # an AdaptiveStep when the dispatch buffers are managed
+            if hasattr(step_fn, "controller"):
+                record["capacities"] = [{f: getattr(d, f) for f in d.capacity_fields()}
+                                        for d in step_fn.controller.dispatchers]
+                record["calls"], record["reruns"] = step_fn.calls, step_fn.reruns
             records.append(record)
         trainer.logger.close()
         results[name] = records

@@ -1,0 +1,176 @@
+"""Load-proportional static buffers for dropless MoE dispatch: bucketed capacities, chosen on the host
+from the routing counts, with a re-run of the micro-batch when one overflows.
+
+Inside `ms.jit` every buffer has a static shape, yet how many rows an expert-parallel rank sends to
+another (or an expert receives) is known only once the router has run. A dropless dispatcher
+therefore sizes its buffers with Python ints ("capacities", read when the graph is built):
+
+    AllToAllDispatcher   pair_capacity    rows rank i sends to rank j (each exchange: [ep, C, H])
+    (bmm experts only)   expert_capacity  rows one local expert computes ([L, C_e, H])
+    AllGatherDispatcher  expert_capacity  (bmm experts only)
+    SortDispatcher       expert_capacity  (bmm experts only)
+
+0 means the bound (`T min(k, L)` per pair, `ep T` per expert): exact for any routing, and what a
+dispatcher uses when nobody manages it (tests, the pipeline schedule). `AdaptiveStep` manages them
+for the trainer's step and evaluation functions:
+
+1. Run the micro-batch with the current capacities (a graph compiled once per set of capacities;
+   graphs are kept, so a set seen before costs nothing).
+2. Every rank's `expert_load` (assignments per expert, per layer, already a stat of the step) is
+   all-gathered over the world on the host: one small collective per micro-batch. From these
+   counts every rank computes the same rows each buffer needed (`needed_capacity`).
+3. If a buffer was too small, the rows past it were not exchanged: the outputs are wrong, so the
+   micro-batch is run again (all ranks together) with capacities grown to
+   `bucket(needed * HEADROOM)`. Dropless stays exact under any routing.
+4. Otherwise the capacities shrink when the largest need over the last `WINDOW` micro-batches
+   fits a bucket below `SHRINK * capacity` (hysteresis against recompiling back and forth).
+
+`bucket` rounds up to `m 2^e` with `m` in 8..15 (at most 12.5 % padding; 8 sizes per doubling),
+which bounds how many graphs a run compiles. Costs: the first micro-batch runs at the bound; one
+compile per new capacity set; a re-run per overflow; one host sync and a `[world, layers, E]`
+all-gather per micro-batch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+HEADROOM = 1.25      # capacity = bucket(needed * HEADROOM) when (re)sizing
+SHRINK = 1 / 1.5     # shrink only to a bucket below SHRINK * current capacity
+WINDOW = 16          # micro-batches whose largest need decides a shrink
+
+
+def bucket(rows: int) -> int:
+    """The smallest `m 2^e >= rows` with `m` in 8..15 (every size up to 16), at least 1."""
+    rows = max(1, int(rows))
+    if rows <= 16:
+        return rows
+    step = 2 ** (rows.bit_length() - 4)          # rows in [8 step, 16 step)
+    return -(-rows // step) * step
+
+
+def sized(needed: int) -> int:
+    """The capacity chosen for a buffer that needed `needed` rows."""
+    return bucket(math.ceil(needed * HEADROOM))
+
+
+class CapacityController:
+    """Host-side sizing of the capacities of `dispatchers` (one per MoE layer, in the order of the
+    rows of the `expert_load` stat) for a world whose ep groups are `ep_groups` (lists of ranks)."""
+
+    def __init__(self, dispatchers: Sequence, ep_groups: Sequence[Sequence[int]]):
+        self.dispatchers = list(dispatchers)
+        self.ep_groups = [list(g) for g in ep_groups]
+        self.history: List[Dict[str, List[int]]] = [{f: [] for f in d.capacity_fields()} for d in self.dispatchers]
+        self.changes: List[str] = []
+
+    def key(self) -> Tuple[int, ...]:
+        return tuple(getattr(d, f) for d in self.dispatchers for f in d.capacity_fields())
+
+    def needed(self, loads: np.ndarray) -> List[Dict[str, int]]:
+        """Rows each buffer needed, per layer: the maximum over ep groups. `loads [world, layers, E]`."""
+        if loads.ndim != 3 or loads.shape[1] != len(self.dispatchers):
+            raise ValueError(f"expert_load of every rank must be [world, {len(self.dispatchers)} MoE layers, E], "
+                             f"got {loads.shape}")
+        out = []
+        for layer, dispatcher in enumerate(self.dispatchers):
+            per_group = [dispatcher.needed_capacity(loads[group, layer]) for group in self.ep_groups]
+            out.append({f: max(int(n[f]) for n in per_group) for f in dispatcher.capacity_fields()})
+        return out
+
+    def update(self, loads: np.ndarray) -> bool:
+        """Checks the last call against its counts and resizes. True when a buffer overflowed, i.e.
+        the call must be run again (with the grown capacities now set)."""
+        overflow = False
+        for layer, (dispatcher, needs) in enumerate(zip(self.dispatchers, self.needed(loads))):
+            for field, need in needs.items():
+                history = self.history[layer][field]
+                history.append(need)
+                del history[:-WINDOW]
+                current = getattr(dispatcher, field)
+                if current and need > current:
+                    overflow = True
+                    self._set(dispatcher, layer, field, sized(need), "overflow")
+                elif not current:                      # ran at the bound: size it from the counts
+                    self._set(dispatcher, layer, field, sized(need), "sized")
+                elif sized(max(history)) < SHRINK * current:
+                    self._set(dispatcher, layer, field, sized(max(history)), "shrink")
+        return overflow
+
+    def _set(self, dispatcher, layer: int, field: str, value: int, why: str) -> None:
+        self.changes.append(f"layer {layer} {field} {getattr(dispatcher, field) or 'bound'} -> {value} ({why})")
+        setattr(dispatcher, field, value)
+
+
+class AdaptiveStep:
+    """`fn(*args)` (returning `(loss, stat_keys, stat_values, ...)`) with capacities managed by
+    `controller`: compiled with `wrap` once per capacity set, re-run when a buffer overflowed.
+    `gather(load [layers, E]) -> [world, layers, E]` collects every rank's counts."""
+
+    def __init__(self, fn: Callable, wrap: Callable, controller: CapacityController,
+                 gather: Callable[[np.ndarray], np.ndarray], log: Callable[[str], None] = print):
+        self.fn, self.wrap, self.controller, self.gather, self.log = fn, wrap, controller, gather, log
+        self.compiled: Dict[Tuple[int, ...], Callable] = {}
+        self.calls = self.reruns = 0
+
+    def __call__(self, *args):
+        while True:
+            key = self.controller.key()
+            if key not in self.compiled:
+                self.compiled[key] = self.wrap(self.fn)   # a new jit wrapper compiles a new graph
+            out = self.compiled[key](*args)
+            self.calls += 1
+            keys, values = out[1], out[2]
+            if "expert_load" not in keys:
+                raise ValueError(f"AdaptiveStep: the step's stats {tuple(keys)} lack 'expert_load', which sizes "
+                                 f"the MoE dispatch buffers")
+            load = values[list(keys).index("expert_load")].asnumpy().astype(np.float64)
+            rerun = self.controller.update(self.gather(load.reshape(len(self.controller.dispatchers), -1)))
+            if self.controller.changes:
+                self.log("moetrain: MoE dispatch capacities: " + "; ".join(self.controller.changes)
+                         + ("; re-running the micro-batch" if rerun else ""))
+                self.controller.changes.clear()
+            if not rerun:
+                return out
+            self.reruns += 1
+
+
+def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable) -> Tuple[Callable, ...]:
+    """`fns` wrapped with `wrap` (e.g. `ms.jit`), as `AdaptiveStep`s sharing one controller when
+    `model` has dropless MoE dispatchers with capacities to manage; plainly otherwise. The pipeline
+    schedule (pp > 1) runs its stages itself: its dispatchers keep the bound."""
+    from moetrain.parallel.expert_parallel import moe_layers
+
+    layers = moe_layers(model)
+    dispatchers = [layer.dispatcher for layer in layers]
+    if pctx.pp > 1 or not any(getattr(d, "capacity_fields", lambda: ())() for d in dispatchers):
+        return tuple(wrap(fn) for fn in fns)
+    controller = CapacityController(dispatchers, ep_groups_of(pctx))
+    gather = _world_gather(pctx)
+    log = (lambda line: print(line, flush=True)) if pctx.rank == 0 else (lambda line: None)
+    return tuple(AdaptiveStep(fn, wrap, controller, gather, log) for fn in fns)
+
+
+def ep_groups_of(pctx) -> List[List[int]]:
+    """The distinct ep groups of the world (lists of global ranks)."""
+    from moetrain.parallel.topology import ParallelContext
+
+    groups = {ParallelContext.build(pctx.world_size, r, pctx.dp, pctx.tp, pctx.pp, pctx.ep).group("ep").ranks
+              for r in range(pctx.world_size)}
+    return [list(g) for g in sorted(groups)]
+
+
+def _world_gather(pctx) -> Callable[[np.ndarray], np.ndarray]:
+    world = pctx.group("world")
+    if world.size == 1:
+        return lambda load: load[None]
+    from mindspore import Tensor
+
+    from moetrain.parallel import comm
+
+    def gather(load: np.ndarray) -> np.ndarray:
+        rows = comm.all_gather(Tensor(load[None].astype(np.float32)), world).asnumpy()
+        return rows.astype(np.float64)
+    return gather
