@@ -219,6 +219,9 @@ class Trainer:
         self.micro_batch_size = cfg.micro_batch_size
 
         model, opt_step = self.model, self.opt_step
+        # a bound method, not the object: once opt_step's own jitted methods have run, MindSpore 2.10
+        # resolves the object as a function when a graph using it is compiled again (measured)
+        flatten = opt_step.flatten
 
         def forward(scale, *batch):
             loss, stats = model(*batch)
@@ -230,7 +233,7 @@ class Trainer:
         # nodes whose side effects make MindSpore 2.10's compile time exponential in depth.
         def grad_step(scale, *batch):
             (_, loss, stats), grads = grad_fn(scale, *batch)
-            return loss, tuple(stats.keys()), tuple(stats.values()), opt_step.flatten(grads)
+            return loss, tuple(stats.keys()), tuple(stats.values()), flatten(grads)
 
         def evaluate(*batch):
             loss, stats = model(*batch)

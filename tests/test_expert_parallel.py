@@ -105,6 +105,7 @@ def reference_group(data, ranks, routing_kind, capacity_factor):
         for key, full in grads.items():
             out[rank][key] = full[position * local:(position + 1) * local]
         out[rank]["to"] = to[rank]
+        out[rank]["rank"] = rank
         out[rank]["sent"] = int(to[rank].sum() - to[rank][position])
         out[rank]["received"] = int(sum(to[r][position] for r in ranks) - to[rank][position])
         out[rank]["routed_here"] = int(per_expert[position * local:(position + 1) * local].sum())
@@ -121,15 +122,18 @@ def group_refs(case):
 
 
 def capacities_from_routing(case, refs):
-    """The dropless buffer sizes of the case, computed here from the numpy routing: per ep group, the
-    largest pair count (tight) or the bound T min(k, L); per local expert, the most rows received."""
+    """The dropless buffer sizes of the case, computed here from the numpy routing, per ep group:
+    per destination rank, the most rows one source sends it (tight) or the bound T min(k, L); per
+    local expert, the most rows it receives (tight) or ep T."""
     local = C.EXPERTS // case.ep
     out = {}
     for base in range(0, C.WORLD, case.ep):
         ranks = C.ep_group_of(base, case.ep)
-        tight = case.capacity == "tight"
-        pair = max(int(refs[r]["to"].max()) for r in ranks) if tight else C.TOKENS * min(C.TOP_K, local)
-        expert = max(int(refs[r]["received_per_expert"].max()) for r in ranks) if tight else case.ep * C.TOKENS
+        if case.capacity == "tight":
+            pair = [max(1, *(int(refs[r]["to"][d]) for r in ranks)) for d in range(case.ep)]   # runs >= 1 row
+            expert = max(int(refs[r]["received_per_expert"].max()) for r in ranks)
+        else:
+            pair, expert = [C.TOKENS * min(C.TOP_K, local)] * case.ep, case.ep * C.TOKENS
         for r in ranks:
             out[r] = {"pair": pair, "expert": expert}
     return out
@@ -142,8 +146,10 @@ def expected_expert_rows(case, ref, capacity):
     if case.capacity_factor:
         cap = max(1, min(math.ceil(case.capacity_factor * C.TOKENS * C.TOP_K / C.EXPERTS), C.TOKENS))
         return local * case.ep * cap
-    if case.compute == "bmm" or case.path == "gpu":
-        return local * capacity["expert"]
+    if case.compute == "bmm" or case.path == "gpu":   # capped by what can arrive: ep x min(T, C_me) rows
+        me = C.ep_group_of(ref["rank"], case.ep).index(ref["rank"])
+        arriving = C.TOKENS if case.dispatcher == "allgather" or case.path == "gpu" else capacity["pair"][me]
+        return local * min(capacity["expert"], case.ep * min(C.TOKENS, arriving))
     return ref["routed_here"]
 
 
@@ -173,10 +179,10 @@ def test_dispatcher_matches_numpy_loop(layer_run, name):
         assert float(got["expert_rows"]) == expected_expert_rows(case, ref, capacity[rank]), f"{name} rank {rank}"
         got_capacity = reports[rank][name]["capacity"]
         if case.capacity == "tight" and not case.capacity_factor:   # sized as computed here
-            want = {"pair_capacity": capacity[rank]["pair"], "expert_capacity": capacity[rank]["expert"]}
+            want = {"pair_capacity": list(capacity[rank]["pair"]), "expert_capacity": capacity[rank]["expert"]}
             assert got_capacity == {k: want[k] for k in got_capacity}, f"{name} rank {rank}: {got_capacity}"
         else:
-            assert set(got_capacity.values()) <= {0}, f"{name} rank {rank}: {got_capacity}"
+            assert not any(got_capacity.values()), f"{name} rank {rank}: {got_capacity}"
 
 
 @pytest.mark.distributed
@@ -189,7 +195,7 @@ def test_ascend_and_gpu_paths_reproduce_the_cpu_path(layer_run, name):
     for rank in range(C.WORLD):
         got, want = case_arrays(arrays, name, rank), case_arrays(arrays, twin, rank)
         for key in ("y", "dx", "dweight", "dw_gate", "dw_up", "dw_down", "load"):
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"{name} vs {twin} {key}")
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=f"{name} vs {twin} {key}")
     case = C.CASES[name]
     if case.path == "gpu":          # no AlltoAll on GPU: alltoall runs as allgather there
         assert {r[name]["dispatcher"] for r in reports} == {"AllGatherDispatcher"}
@@ -228,7 +234,11 @@ def spec_native_bytes(case, ref, capacity):
         cap = max(1, min(math.ceil(case.capacity_factor * C.TOKENS * C.TOP_K / C.EXPERTS), C.TOKENS))
         return 4 * (n - 1) / n * C.EXPERTS * cap * row
     counts = (n - 1) / n * n * local * 4                      # the per-expert counts, forward only
-    return counts + 4 * (n - 1) / n * n * capacity["pair"] * row   # [n, C, H] dispatch + combine, fwd + bwd
+    me = C.ep_group_of(ref["rank"], n).index(ref["rank"])
+    to_others = sum(c for j, c in enumerate(capacity["pair"]) if j != me)
+    from_others = (n - 1) * capacity["pair"][me]
+    # dispatch sends C_j to each other j and gets C_me from each; combine the reverse; fwd + bwd each
+    return counts + 2 * (to_others + from_others) * row
 
 
 PYNATIVE = [n for n, c in C.CASES.items() if c.mode == "pynative"]
@@ -252,8 +262,8 @@ def test_ep_bytes_match_the_buffers_that_entered_the_collectives(layer_run, name
         assert report["emulated"] == pytest.approx(recorded, abs=1), f"{name} rank {rank}"
         assert report["native"] == pytest.approx(spec_native_bytes(case, refs[rank], capacity[rank]), abs=1), \
             f"{name} rank {rank}: {report}"
-        if case.dispatcher == "alltoall" and not case.capacity_factor and case.path == "cpu":
-            token_buffer = case.ep * case.ep * capacity[rank]["pair"] * C.HIDDEN
+        if case.dispatcher == "alltoall" and not case.capacity_factor and case.path != "gpu":
+            token_buffer = case.ep * case.ep * max(capacity[rank]["pair"]) * C.HIDDEN   # [src, dst, max C_j, H]
             assert [int(np.prod(s)) for s, _ in calls].count(token_buffer) == 4, f"{name} rank {rank}: {calls}"
 
 
@@ -268,18 +278,17 @@ def test_jitted_calls_book_nothing(layer_run):
 
 @pytest.mark.distributed
 def test_dropless_alltoall_moves_rows_in_proportion_to_the_routing(layer_run):
-    """Tight buffers exchange the largest pair's rows per pair (padding only up to it), the bound
-    T min(k, L) rows; with random routing over ep=2 the tight exchange is within 1.3x of the routed
-    rows and a fraction of the bound's."""
+    """Tight buffers: destination j gets the largest count any source sends it, so a rank sends
+    sum_j C_j rows, within 1.3x of its T k routed rows under random routing, and fewer than half
+    the bound's; with routing skewed to experts 0 and 1 (ep=4) the idle ranks get 1-row runs."""
     _, reports = layer_run
     tight, bound = "alltoall-ep2-dropless-random", "alltoall-ep2-dropless-random-bound"
-    refs = group_refs(C.CASES[tight])
     for rank in range(C.WORLD):
         pair = reports[rank][tight]["capacity"]["pair_capacity"]
-        exchanged_rows = 2 * pair                            # [ep, C, H] per all-to-all
-        assert exchanged_rows <= 1.3 * C.TOKENS * C.TOP_K, (rank, pair)
-        assert reports[rank][tight]["native"] < 0.7 * reports[rank][bound]["native"]
-        assert refs[rank]["sent"] > 0
+        assert sum(pair) <= 1.3 * C.TOKENS * C.TOP_K, (rank, pair)
+        assert reports[rank][tight]["native"] < 0.75 * reports[rank][bound]["native"]
+        one = reports[rank]["alltoall-ep4-dropless-one"]["capacity"]["pair_capacity"]
+        assert one[2:] == [1, 1] and min(one[:2]) >= C.TOKENS // 2, one
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +336,7 @@ TINY_MOE = ",".join([
     "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
     "model.ffn_hidden_size=128", "model.seq_length=32", "model.moe.num_experts=4", "model.moe.top_k=2",
     "model.moe.ffn_hidden_size=64", "model.moe.bias_update_rate=0.01",      # the bias follows the global load
-    "train.steps=5", "train.global_batch_size=8", "train.micro_batch_size=2", "lr_schedule.warmup_steps=2",
+    "train.steps=3", "train.global_batch_size=8", "train.micro_batch_size=2", "lr_schedule.warmup_steps=2",
     f"data.path={DATA}/kjv_tiny_train", f"data.tokenizer={DATA}/kjv_tiny.model", "data.eval_path=",
     "checkpoint.save_at_end=false", "checkpoint.save_steps=0", "logging.tensorboard=false",
     "logging.progress_bar=false", "logging.log_interval=1"])
@@ -366,7 +375,7 @@ def training(tmp_path_factory):
 def test_training_matches_one_process(training, run):
     reference, ranks = training
     expected = reference[EP_RUNS[run][0]]
-    assert len(expected) == 5
+    assert len(expected) == 3
     for rank, results in enumerate(ranks):
         for step, (got, want) in enumerate(zip(results[run], expected)):
             where = f"{run} rank {rank} step {step + 1}"

@@ -5,12 +5,12 @@ Inside `ms.jit` every buffer has a static shape, yet how many rows an expert-par
 another (or an expert receives) is known only once the router has run. A dropless dispatcher
 therefore sizes its buffers with Python ints ("capacities", read when the graph is built):
 
-    AllToAllDispatcher   pair_capacity    rows rank i sends to rank j (each exchange: [ep, C, H])
+    AllToAllDispatcher   pair_capacity    per destination j: rows every source sends j (C_j)
     (bmm experts only)   expert_capacity  rows one local expert computes ([L, C_e, H])
     AllGatherDispatcher  expert_capacity  (bmm experts only)
     SortDispatcher       expert_capacity  (bmm experts only)
 
-0 means the bound (`T min(k, L)` per pair, `ep T` per expert): exact for any routing, and what a
+Unset (0 / `()`) means the bound (`T min(k, L)` per pair, `ep T` per expert): exact for any routing, and what a
 dispatcher uses when nobody manages it (tests, the pipeline schedule). `AdaptiveStep` manages them
 for the trainer's step and evaluation functions:
 
@@ -20,8 +20,9 @@ for the trainer's step and evaluation functions:
    all-gathered over the world on the host: one small collective per micro-batch. From these
    counts every rank computes the same rows each buffer needed (`needed_capacity`).
 3. If a buffer was too small, the rows past it were not exchanged: the outputs are wrong, so the
-   micro-batch is run again (all ranks together) with capacities grown to
-   `bucket(needed * HEADROOM)`. Dropless stays exact under any routing.
+   micro-batch is run again (all ranks together) with that capacity grown to `sized(needed)`
+   (the need plus two standard deviations of a count, bucketed), and by at least GROWTH.
+   Dropless stays exact under any routing.
 4. Otherwise the capacities shrink when the largest need over the last `WINDOW` micro-batches
    fits a bucket below `SHRINK * capacity` (hysteresis against recompiling back and forth).
 
@@ -37,7 +38,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-HEADROOM = 1.25      # capacity = bucket(needed * HEADROOM) when (re)sizing
+SPREAD = 2.0         # headroom in standard deviations of a count (~sqrt(count), multinomial routing)
+GROWTH = 1.5         # an overflowing capacity grows at least this much (few recompiles while routing drifts)
 SHRINK = 1 / 1.5     # shrink only to a bucket below SHRINK * current capacity
 WINDOW = 16          # micro-batches whose largest need decides a shrink
 
@@ -52,24 +54,28 @@ def bucket(rows: int) -> int:
 
 
 def sized(needed: int) -> int:
-    """The capacity chosen for a buffer that needed `needed` rows."""
-    return bucket(math.ceil(needed * HEADROOM))
+    """The capacity chosen for a buffer that needed `needed` rows: the need plus SPREAD standard
+    deviations of a multinomial count (`sqrt(needed)`), bucketed. Relative headroom shrinks as
+    counts grow: 1.5x at 32 rows, 1.13x at 1024 (before the bucket's rounding)."""
+    return bucket(math.ceil(needed + SPREAD * math.sqrt(needed)))
 
 
 class CapacityController:
     """Host-side sizing of the capacities of `dispatchers` (one per MoE layer, in the order of the
-    rows of the `expert_load` stat) for a world whose ep groups are `ep_groups` (lists of ranks)."""
+    rows of the `expert_load` stat) for a world whose ep groups are `ep_groups` (lists of ranks).
+    A capacity is an int, or a tuple of ints sized element by element (e.g. one per destination)."""
 
     def __init__(self, dispatchers: Sequence, ep_groups: Sequence[Sequence[int]]):
         self.dispatchers = list(dispatchers)
         self.ep_groups = [list(g) for g in ep_groups]
-        self.history: List[Dict[str, List[int]]] = [{f: [] for f in d.capacity_fields()} for d in self.dispatchers]
+        self.history: List[Dict[str, List[np.ndarray]]] = [{f: [] for f in d.capacity_fields()}
+                                                            for d in self.dispatchers]
         self.changes: List[str] = []
 
-    def key(self) -> Tuple[int, ...]:
+    def key(self) -> Tuple:
         return tuple(getattr(d, f) for d in self.dispatchers for f in d.capacity_fields())
 
-    def needed(self, loads: np.ndarray) -> List[Dict[str, int]]:
+    def needed(self, loads: np.ndarray) -> List[Dict[str, np.ndarray]]:
         """Rows each buffer needed, per layer: the maximum over ep groups. `loads [world, layers, E]`."""
         if loads.ndim != 3 or loads.shape[1] != len(self.dispatchers):
             raise ValueError(f"expert_load of every rank must be [world, {len(self.dispatchers)} MoE layers, E], "
@@ -77,7 +83,8 @@ class CapacityController:
         out = []
         for layer, dispatcher in enumerate(self.dispatchers):
             per_group = [dispatcher.needed_capacity(loads[group, layer]) for group in self.ep_groups]
-            out.append({f: max(int(n[f]) for n in per_group) for f in dispatcher.capacity_fields()})
+            out.append({f: np.max([np.asarray(n[f], np.int64) for n in per_group], axis=0)
+                        for f in dispatcher.capacity_fields()})
         return out
 
     def update(self, loads: np.ndarray) -> bool:
@@ -90,18 +97,23 @@ class CapacityController:
                 history.append(need)
                 del history[:-WINDOW]
                 current = getattr(dispatcher, field)
-                if current and need > current:
-                    overflow = True
-                    self._set(dispatcher, layer, field, sized(need), "overflow")
-                elif not current:                      # ran at the bound: size it from the counts
-                    self._set(dispatcher, layer, field, sized(need), "sized")
-                elif sized(max(history)) < SHRINK * current:
-                    self._set(dispatcher, layer, field, sized(max(history)), "shrink")
+                now = np.broadcast_to(np.asarray(current or 0, np.int64), need.shape)
+                recent = np.max(history, axis=0)
+                grow = (now > 0) & (need > now)
+                new = np.where(now == 0, _sized(need), now)                  # ran at the bound: size it
+                new = np.where(grow, np.maximum(_sized(need), _bucketed(GROWTH * now)), new)
+                new = np.where((now > 0) & ~grow & (_sized(recent) < SHRINK * now), _sized(recent), new)
+                if (new != now).any():
+                    value = tuple(int(v) for v in new) if need.ndim else int(new)
+                    why = "overflow" if grow.any() else ("sized" if (now == 0).all() else "shrink")
+                    self.changes.append(f"layer {layer} {field} {current or 'bound'} -> {value} ({why})")
+                    setattr(dispatcher, field, value)
+                overflow |= bool(grow.any())
         return overflow
 
-    def _set(self, dispatcher, layer: int, field: str, value: int, why: str) -> None:
-        self.changes.append(f"layer {layer} {field} {getattr(dispatcher, field) or 'bound'} -> {value} ({why})")
-        setattr(dispatcher, field, value)
+
+_sized = np.vectorize(lambda need: sized(int(need)), otypes=[np.int64])
+_bucketed = np.vectorize(lambda rows: bucket(math.ceil(rows)), otypes=[np.int64])
 
 
 class AdaptiveStep:

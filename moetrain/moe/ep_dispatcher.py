@@ -10,11 +10,11 @@ assignments, so summing both over the data-parallel group gives the one-process 
 * `AllToAllDispatcher` (`parallel.moe_token_dispatcher: alltoall`, Megatron's alltoall; needs
   AlltoAll: CPU (emulated) and Ascend):
   - dropless: sort by expert (hence by destination), exchange the per-expert counts `[ep, L]`, then
-    the tokens in one all-to-all of `[ep, C, H]`: each destination's run of rows padded to the
-    pair capacity C (`moetrain.moe.capacity`: sized from the counts, re-run on overflow; 0 = the
-    bound `T min(k, L)`, exact for any routing). The receiver sorts what it got by local expert
-    (rows layout: only the received rows are computed; capacity layout: `[L, C_e, H]`), runs the
-    experts, and the reverse all-to-all returns the rows to their sources.
+    the tokens in one all-to-all-v: destination j gets `C_j` rows from every source, its run
+    padded to that (`pair_capacity`, sized by `moetrain.moe.capacity` from the counts, re-run on
+    overflow; unset = the bound `T min(k, L)`, exact for any routing). The receiver sorts what it
+    got by local expert (rows layout: only the received rows are computed; capacity layout:
+    `[L, C_e, H]`), runs the experts, and the reverse all-to-all-v returns the rows.
   - capacity (`capacity_factor > 0`, GShard): each rank fills its own `[E, C, H]` buffer, dropping
     exactly as one process would with its micro-batch, then one fixed-size all-to-all of
     `[ep, L C, H]` each way.
@@ -23,7 +23,7 @@ assignments, so summing both over the data-parallel group gives the one-process 
   layout: exactly those; capacity layout: `[L, C_e, H]`), reduce-scatter the partial outputs.
 
 Byte counters ("ep" row of `comm.CommLedger`): every exchange books the buffer it really moves,
-padding included (`[ep, C, H]` per all-to-all).
+padding included (`sum_j C_j` rows sent per dropless all-to-all-v).
 """
 from __future__ import annotations
 
@@ -119,19 +119,26 @@ class _EPDispatcher(nn.Cell):
 # ---------------------------------------------------------------------------------------------
 class AllToAllDispatcher(_EPDispatcher):
     """Tokens to the ranks of their experts and back by all-to-all in the `ep` group (see module
-    docstring). `pair_capacity`: rows per (source, destination) pair of the dropless exchange."""
+    docstring). `pair_capacity`: per destination rank, the rows every source sends it in the
+    dropless exchange (`()`: the bound `T min(k, L)` for all)."""
 
     def __init__(self, num_experts: int, top_k: int, capacity_factor: float, group: Group,
                  layout: str = "rows"):
         super().__init__("AllToAllDispatcher", num_experts, top_k, capacity_factor, group, layout)
-        self.pair_capacity = 0      # 0: the bound T min(k, L)
+        self.pair_capacity: Tuple[int, ...] = ()
 
     def capacity_fields(self) -> Tuple[str, ...]:
         return () if self.capacity_factor > 0 else ("pair_capacity",) + super().capacity_fields()
 
-    def needed_capacity(self, loads: np.ndarray) -> Dict[str, int]:
+    def needed_capacity(self, loads: np.ndarray) -> Dict[str, object]:
         pairs = loads.reshape(self.n, self.n, self.num_local).sum(-1)      # [source, destination]
-        return {"pair_capacity": int(pairs.max()), **super().needed_capacity(loads)}
+        return {"pair_capacity": tuple(max(1, int(c)) for c in pairs.max(0)), **super().needed_capacity(loads)}
+
+    def _pair_capacities(self, num_tokens: int) -> Tuple[int, ...]:
+        """Rows each destination gets from every source, at most the bound and at least 1 (static)."""
+        bound = num_tokens * min(self.top_k, self.num_local)     # a token picks k distinct experts
+        chosen = self.pair_capacity or (bound,) * self.n
+        return tuple(max(1, min(int(c), bound)) for c in chosen)
 
     def dispatch(self, x, topk_idx, topk_weight):
         counts = expert_counts(topk_idx, self.num_experts)
@@ -149,45 +156,51 @@ class AllToAllDispatcher(_EPDispatcher):
     def _dispatch_dropless(self, x, topk_idx, counts, state):
         num_tokens, hidden = x.shape
         n, num_local, top_k = self.n, self.num_local, self.top_k
-        bound = num_tokens * min(top_k, num_local)      # a token picks k distinct experts
-        capacity = min(self.pair_capacity or bound, bound)
-        num_sorted = num_tokens * top_k
-        # sender: sorted by expert, so each destination's rows are one run; pad each run to C
+        caps = self._pair_capacities(num_tokens)
+        mine, total, num_sorted = caps[self.rank], sum(caps), num_tokens * top_k
+        # sender: sorted by expert, so each destination's rows are one run; destination j's run is
+        # padded to caps[j] rows at a fixed place of the send buffer
         sorted_rows, slot = self.ops.permute(x, topk_idx, self.num_experts)
-        state["slot"] = slot
         per_destination = counts.reshape(n, num_local).sum(1)
         run_end = ops.cumsum(per_destination, 0)
         run_start = run_end - per_destination
-        column = ops.arange(capacity, dtype=ms.int32).reshape(1, capacity)
-        send_index = ops.where(column < per_destination.reshape(n, 1), run_start.reshape(n, 1) + column,
-                               ops.full((n, capacity), num_sorted, dtype=ms.int32))
-        send = _rows_or_zero(sorted_rows, send_index.reshape(-1)).reshape(n, capacity, hidden)
-        # where each sorted row comes back (rows past a run's C were not sent: an overflow, re-run)
+        capacity = ops.concat([ops.full((1,), c, dtype=ms.int32) for c in caps])
+        place = ops.cumsum(capacity, 0) - capacity                       # first send row of each destination
+        row_destination = ops.concat([ops.full((c,), j, dtype=ms.int32) for j, c in enumerate(caps)])
+        column = ops.arange(total, dtype=ms.int32) - ops.gather(place, row_destination, 0)
+        send_index = ops.where(column < ops.gather(per_destination, row_destination, 0),
+                               ops.gather(run_start, row_destination, 0) + column,
+                               ops.full((total,), num_sorted, dtype=ms.int32))
+        send = _rows_or_zero(sorted_rows, send_index)                                        # [sum caps, H]
+        # where each sorted row comes back (rows past a run's capacity were not sent: an overflow,
+        # which the host detects from the counts and re-runs)
         sorted_row = ops.arange(num_sorted, dtype=ms.int32)
         destination = (sorted_row.reshape(-1, 1) >= run_end.reshape(1, n)).astype(ms.int32).sum(1)
         offset = sorted_row - ops.gather(run_start, destination, 0)
-        state["back_index"] = ops.where(offset < capacity, destination * capacity + offset,
-                                        ops.full_like(offset, n * capacity))
+        back_index = ops.where(offset < ops.gather(capacity, destination, 0),
+                               ops.gather(place, destination, 0) + offset, ops.full_like(offset, total))
 
         # counts first (one fp32 per local expert to each other rank; no backward), then the tokens
         recv_counts = comm.all_to_all(ops.stop_gradient(counts.reshape(n, num_local).astype(ms.float32)),
                                       self.group)                                             # [source, L]
         # the two exchanges do not depend on each other through data: order them (same on every rank)
         send = ops.depend(send, recv_counts)
-        recv = comm.all_to_all(send, self.group)                                              # [source, C, H]
+        recv = comm.all_to_all_v(send, caps, (mine,) * n, self.group, max(caps))             # [source * mine, H]
 
         # receiver: row c from a source belongs to local expert #(segment ends <= c); L = padding
-        segment_end = ops.minimum(ops.cumsum(recv_counts.astype(ms.int32), 1), capacity)
-        local = (column.reshape(1, capacity, 1) >= segment_end.reshape(n, 1, num_local)).astype(ms.int32).sum(-1)
+        segment_end = ops.minimum(ops.cumsum(recv_counts.astype(ms.int32), 1), mine)
+        column = ops.arange(mine, dtype=ms.int32).reshape(1, mine, 1)
+        local = (column >= segment_end.reshape(n, 1, num_local)).astype(ms.int32).sum(-1)
+        state["slot"] = slot
+        state["back_index"] = back_index
         state["dropped"] = ops.zeros((), ms.float32)
-        return self._to_local(recv.reshape(n * capacity, hidden), local.reshape(-1, 1),
-                              min(n * num_tokens, n * capacity), state)
+        return self._to_local(recv, local.reshape(-1, 1), n * min(num_tokens, mine), state)
 
     def _combine_dropless(self, expert_output, state):
-        hidden = expert_output.shape[-1]
-        returned = self._from_local(expert_output, state)                                   # receive order
-        back = comm.all_to_all(returned.reshape(self.n, -1, hidden), self.group)
-        sorted_rows = _rows_or_zero(back.reshape(-1, hidden), state["back_index"])
+        caps = self._pair_capacities(state["topk_weight"].shape[0])
+        returned = self._from_local(expert_output, state)                                   # [source * mine, H]
+        back = comm.all_to_all_v(returned, (caps[self.rank],) * self.n, caps, self.group, max(caps))
+        sorted_rows = _rows_or_zero(back, state["back_index"])
         return self.ops.unpermute(sorted_rows, state["slot"], state["topk_weight"])
 
     # ---- capacity ---------------------------------------------------------------------------
