@@ -197,55 +197,85 @@ def test_bucket_pads_at_most_an_eighth():
     assert len({bucket(r) for r in range(1025, 2049)}) == 8
 
 
-def alltoall_dispatcher(ep=2, experts=4):
+def alltoall_dispatcher():
+    """ep=4, 8 experts (2 per rank), top-2, capacity layout: a pair capacity per destination and
+    an expert capacity."""
     from moetrain.moe.ep_dispatcher import AllToAllDispatcher
     from moetrain.parallel.topology import ParallelContext
 
-    return AllToAllDispatcher(experts, 2, 0.0, ParallelContext.build(ep, 0, ep, ep=ep).group("ep"), "capacity")
+    return AllToAllDispatcher(8, 2, 0.0, ParallelContext.build(4, 0, 4, ep=4).group("ep"), "capacity")
+
+
+BALANCED = np.full((4, 1, 8), 25.0)          # [world, layers, E]: T = 100 tokens a rank, 50 rows a pair
 
 
 def test_controller_sizes_grows_on_overflow_and_shrinks_late(ms):
     from moetrain.moe.capacity import WINDOW, CapacityController, sized
 
     dispatcher = alltoall_dispatcher()
-    controller = CapacityController([dispatcher], [[0, 1]])
-    # loads [world, layers, E]: rank 0 sends 30 rows to rank 1's experts (2, 3), rank 1 sends 5 to rank 0's
-    loads = np.array([[[10, 10, 20, 10]], [[3, 2, 20, 20]]], np.float64)
-    assert dispatcher.needed_capacity(loads[:, 0]) == {"pair_capacity": (20, 40), "expert_capacity": 40}
-    assert not controller.update(loads)                       # ran at the bound: nothing overflowed
-    assert dispatcher.pair_capacity == (sized(20), sized(40)) and dispatcher.expert_capacity == sized(40)
+    controller = CapacityController([dispatcher], [[0, 1, 2, 3]])
+    assert dispatcher.needed_capacity(BALANCED[:, 0]) == {"pair_capacity": (50,) * 4, "expert_capacity": 100}
+    assert dispatcher.capacity_bound(BALANCED[:, 0]) == {"pair_capacity": (200,) * 4, "expert_capacity": 400}
+    assert not controller.update(BALANCED)                    # ran at the bound: nothing overflowed
+    assert dispatcher.pair_capacity == (sized(50),) * 4 and dispatcher.expert_capacity == sized(100)
     key = controller.key()
-    hot = loads.copy()
-    hot[1, 0] = [3, 2, 50, 50]                                # rank 1 keeps 100 rows: past its capacity
+    hot = BALANCED.copy()
+    hot[1, 0] = [5, 5, 5, 5, 5, 5, 85, 85]                    # rank 1 sends 170 rows to rank 3
     assert controller.update(hot)                             # -> re-run
-    assert dispatcher.pair_capacity[1] >= sized(100) and dispatcher.pair_capacity[0] == sized(20)
-    assert controller.key() != key
-    for _ in range(WINDOW):                                   # a window of small needs: shrink back
-        controller.update(loads)
-    assert dispatcher.pair_capacity == (sized(20), sized(40))
+    assert dispatcher.pair_capacity == (sized(50),) * 3 + (200,)      # grown, capped at the bound T min(k, L)
+    assert dispatcher.expert_capacity == sized(75 + 85) and controller.key() != key
+    for _ in range(WINDOW):                                   # a window of balanced counts: shrink back
+        assert not controller.update(BALANCED)
+    assert dispatcher.pair_capacity == (sized(50),) * 4 and dispatcher.expert_capacity == sized(100)
 
 
 def test_adaptive_step_reruns_an_overflowing_call_with_a_new_graph(ms):
-    from moetrain.moe.capacity import AdaptiveStep, CapacityController
+    from moetrain.moe.capacity import AdaptiveStep, CapacityController, sized
 
     dispatcher = alltoall_dispatcher()
-    controller = CapacityController([dispatcher], [[0, 1]])
-    dispatcher.pair_capacity, dispatcher.expert_capacity = (4, 4), 8
-    loads = iter([np.array([[[9, 0, 0, 0]]]), np.array([[[9, 0, 0, 0]]])])
-    seen = []
+    controller = CapacityController([dispatcher], [[0, 1, 2, 3]])
+    dispatcher.pair_capacity, dispatcher.expert_capacity = (64,) * 4, 128
+    hot = BALANCED.copy()
+    hot[:, 0] = [40, 40, 20, 20, 20, 20, 20, 20]              # every rank sends 80 rows to rank 0
+    seen, wraps = [], []
 
     def step(x):
         seen.append(dispatcher.pair_capacity)
-        return x, ("expert_load",), (ms.Tensor(next(loads).reshape(1, 4).astype(np.float32)),)
+        return x, ("expert_load",), (ms.Tensor(hot[0].astype(np.float32)),)
 
-    wraps = []
-    adaptive = AdaptiveStep(step, lambda fn: wraps.append(fn) or fn, controller, lambda load: np.stack([load, 0 * load]),
+    adaptive = AdaptiveStep(step, lambda fn: wraps.append(fn) or fn, controller, lambda load: hot,
                             log=lambda line: None)
     assert adaptive("out")[0] == "out"
-    assert seen == [(4, 4), (sized_of(9), 4)] and adaptive.reruns == 1 and len(wraps) == 2
+    assert seen == [(64,) * 4, (sized(80), 64, 64, 64)] and adaptive.reruns == 1 and len(wraps) == 2
+    assert adaptive("again")[0] == "again" and len(wraps) == 2        # that graph is reused: no compile
 
 
-def sized_of(need):
-    from moetrain.moe.capacity import sized
+def test_first_capacities_are_a_multiple_of_the_even_share(ms, monkeypatch):
+    from moetrain.moe.capacity import CapacityController, prior, sized, tokens_per_call
 
-    return sized(need)
+    assert tokens_per_call((ms.Tensor(1.0), ms.Tensor(np.zeros((2, 8), np.int32)))) == 16
+    assert tokens_per_call((ms.Tensor(np.zeros((2, 8), np.float32)),)) == 0
+    dispatcher = alltoall_dispatcher()
+    CapacityController([dispatcher], [[0, 1, 2, 3]]).prime(100, prior=2.0)   # even share: 50 rows a pair
+    assert dispatcher.pair_capacity == (sized(100),) * 4 and dispatcher.expert_capacity == sized(200)
+    capped = alltoall_dispatcher()
+    CapacityController([capped], [[0, 1, 2, 3]]).prime(100, prior=8.0)
+    assert capped.pair_capacity == (200,) * 4 and capped.expert_capacity == 400           # the bounds
+    monkeypatch.setenv("MOETRAIN_MOE_CAPACITY_PRIOR", "0")
+    with pytest.raises(ValueError, match="MOETRAIN_MOE_CAPACITY_PRIOR='0': must be a number > 0"):
+        prior()
+
+
+def test_controller_sizes_each_layer_from_its_own_row_of_the_loads(ms):
+    """Two MoE layers, a world of two ep groups: each layer follows its row of `expert_load`, and
+    a capacity is the largest need over the groups."""
+    from moetrain.moe.capacity import CapacityController, sized
+
+    first, second = alltoall_dispatcher(), alltoall_dispatcher()
+    controller = CapacityController([first, second], [[0, 1, 2, 3], [4, 5, 6, 7]])
+    loads = np.full((8, 2, 8), 25.0)                          # [world, layers, E]
+    loads[5, 1] = [0, 0, 0, 0, 0, 0, 100, 100]                # layer 1, rank 5 -> its group's rank 3 only
+    controller.update(loads)
+    assert first.pair_capacity == (sized(50),) * 4 and first.expert_capacity == sized(100)
+    assert second.pair_capacity == (sized(50),) * 3 + (200,)          # all 200 rows: the bound T min(k, L)
+    assert second.expert_capacity == sized(175)

@@ -15,7 +15,8 @@ dispatcher uses when nobody manages it (tests, the pipeline schedule). `Adaptive
 for the trainer's step and evaluation functions:
 
 1. Run the micro-batch with the current capacities (a graph compiled once per set of capacities;
-   graphs are kept, so a set seen before costs nothing).
+   graphs are kept, so a set seen before costs nothing). Before any counts are seen they are
+   PRIOR (2, or `MOETRAIN_MOE_CAPACITY_PRIOR`) times the even share, sized, at most the bound.
 2. Every rank's `expert_load` (assignments per expert, per layer, already a stat of the step) is
    all-gathered over the world on the host: one small collective per micro-batch. From these
    counts every rank computes the same rows each buffer needed (`needed_capacity`).
@@ -27,17 +28,18 @@ for the trainer's step and evaluation functions:
    fits a bucket below `SHRINK * capacity` (hysteresis against recompiling back and forth).
 
 `bucket` rounds up to `m 2^e` with `m` in 8..15 (at most 12.5 % padding; 8 sizes per doubling),
-which bounds how many graphs a run compiles. Costs: the first micro-batch runs at the bound; one
-compile per new capacity set; a re-run per overflow; one host sync and a `[world, layers, E]`
-all-gather per micro-batch.
+which bounds how many graphs a run compiles. Costs: one compile per new capacity set; a re-run
+per overflow; one host sync and a `[world, layers, E]` all-gather per micro-batch.
 """
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+PRIOR = 2.0          # before any counts: capacities for PRIOR x the even share (MOETRAIN_MOE_CAPACITY_PRIOR)
 SPREAD = 2.0         # headroom in standard deviations of a count (~sqrt(count), multinomial routing)
 GROWTH = 1.5         # an overflowing capacity grows at least this much (few recompiles while routing drifts)
 SHRINK = 1 / 1.5     # shrink only to a bucket below SHRINK * current capacity
@@ -72,6 +74,18 @@ class CapacityController:
                                                             for d in self.dispatchers]
         self.changes: List[str] = []
 
+    def prime(self, num_tokens: int, prior: float = PRIOR) -> None:
+        """Capacities for calls of `num_tokens` tokens a rank before any counts are seen: `prior`
+        times the even share (every expert `T k / E` rows from every rank), sized, at most the bound."""
+        group = len(self.ep_groups[0])
+        for dispatcher in self.dispatchers:
+            even = np.full((group, dispatcher.num_experts), num_tokens * dispatcher.top_k / dispatcher.num_experts)
+            needs, bounds = dispatcher.needed_capacity(even), dispatcher.capacity_bound(even)
+            for field in dispatcher.capacity_fields():
+                if not getattr(dispatcher, field):
+                    value = np.minimum(_sized(np.ceil(prior * np.asarray(needs[field]))), bounds[field])
+                    setattr(dispatcher, field, tuple(int(v) for v in value) if value.ndim else int(value))
+
     def key(self) -> Tuple:
         return tuple(getattr(d, f) for d in self.dispatchers for f in d.capacity_fields())
 
@@ -87,11 +101,17 @@ class CapacityController:
                         for f in dispatcher.capacity_fields()})
         return out
 
+    def bounds(self, loads: np.ndarray) -> List[Dict[str, np.ndarray]]:
+        """Per layer, the capacities past which nothing can overflow."""
+        return [{f: np.asarray(b[f], np.int64) for f in d.capacity_fields()}
+                for d, b in ((d, d.capacity_bound(loads[:, layer])) for layer, d in enumerate(self.dispatchers))]
+
     def update(self, loads: np.ndarray) -> bool:
         """Checks the last call against its counts and resizes. True when a buffer overflowed, i.e.
         the call must be run again (with the grown capacities now set)."""
         overflow = False
-        for layer, (dispatcher, needs) in enumerate(zip(self.dispatchers, self.needed(loads))):
+        for layer, (dispatcher, needs, bounds) in enumerate(zip(self.dispatchers, self.needed(loads),
+                                                                self.bounds(loads))):
             for field, need in needs.items():
                 history = self.history[layer][field]
                 history.append(need)
@@ -103,6 +123,7 @@ class CapacityController:
                 new = np.where(now == 0, _sized(need), now)                  # ran at the bound: size it
                 new = np.where(grow, np.maximum(_sized(need), _bucketed(GROWTH * now)), new)
                 new = np.where((now > 0) & ~grow & (_sized(recent) < SHRINK * now), _sized(recent), new)
+                new = np.minimum(new, bounds[field])                         # past the bound nothing overflows
                 if (new != now).any():
                     value = tuple(int(v) for v in new) if need.ndim else int(new)
                     why = "overflow" if grow.any() else ("sized" if (now == 0).all() else "shrink")
@@ -128,6 +149,10 @@ class AdaptiveStep:
         self.calls = self.reruns = 0
 
     def __call__(self, *args):
+        if self.calls == 0 and not any(self.controller.key()):
+            tokens = tokens_per_call(args)
+            if tokens:
+                self.controller.prime(tokens, prior())
         while True:
             key = self.controller.key()
             if key not in self.compiled:
@@ -147,6 +172,28 @@ class AdaptiveStep:
             if not rerun:
                 return out
             self.reruns += 1
+
+
+def tokens_per_call(args) -> int:
+    """Tokens one call routes per MoE layer: the size of its first integer argument of rank >= 2
+    (the token ids `[B, S]` of the trainer's step functions); 0 when there is none."""
+    for arg in args:
+        shape, dtype = getattr(arg, "shape", ()), str(getattr(arg, "dtype", ""))
+        if len(shape) >= 2 and "Int" in dtype:
+            return int(np.prod(shape))
+    return 0
+
+
+def prior() -> float:
+    value = os.environ.get("MOETRAIN_MOE_CAPACITY_PRIOR", str(PRIOR))
+    try:
+        parsed = float(value)
+    except ValueError:
+        parsed = -1.0
+    if not parsed > 0:
+        raise ValueError(f"MOETRAIN_MOE_CAPACITY_PRIOR={value!r}: must be a number > 0 (the first capacities, "
+                         f"in multiples of the even share of rows)")
+    return parsed
 
 
 def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable) -> Tuple[Callable, ...]:

@@ -74,6 +74,10 @@ class SortDispatcher(nn.Cell):
     def needed_capacity(self, loads: np.ndarray) -> Dict[str, int]:
         return {"expert_capacity": int(loads.max())}
 
+    def capacity_bound(self, loads: np.ndarray) -> Dict[str, int]:
+        """The capacities past which no routing can overflow (T, from `loads`: every rank routes T k)."""
+        return {"expert_capacity": int(loads.sum(-1).max()) // self.top_k}
+
     # ---- dispatch / combine ---------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weight):
         num_tokens, hidden = x.shape

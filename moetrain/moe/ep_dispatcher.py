@@ -81,6 +81,12 @@ class _EPDispatcher(nn.Cell):
         rank of one ep group): here the most any expert receives."""
         return {"expert_capacity": int(loads.sum(0).max())}
 
+    def capacity_bound(self, loads: np.ndarray) -> Dict[str, object]:
+        """The capacities past which no routing can overflow (T, from `loads`: every rank routes T k)."""
+        num_tokens = int(loads.sum(-1).max()) // self.top_k
+        return {"expert_capacity": self.n * num_tokens,
+                "pair_capacity": (num_tokens * min(self.top_k, self.num_local),) * self.n}
+
     def _to_local(self, rows, ids, bound: int, state):
         """Candidate rows `rows [M, H]`, `ids [M, k]` local expert of each assignment (L: not for
         this rank) -> (the experts' input, `state`): rows layout (exactly the assignments for this

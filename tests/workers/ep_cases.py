@@ -31,8 +31,7 @@ def _case(dispatcher, ep, cf, routing, mode="pynative", path="cpu", compute=None
 
 CASES = {
     "alltoall-ep2-dropless-random": _case("alltoall", 2, 0.0, "random"),
-    "alltoall-ep2-dropless-random-bound": _case("alltoall", 2, 0.0, "random", capacity="bound"),
-    "alltoall-ep2-dropless-skewed": _case("alltoall", 2, 0.0, "skewed"),
+    "alltoall-ep2-dropless-skewed": _case("alltoall", 2, 0.0, "skewed", capacity="bound"),
     "alltoall-ep4-dropless-skewed": _case("alltoall", 4, 0.0, "skewed", "jit"),
     "alltoall-ep4-dropless-one": _case("alltoall", 4, 0.0, "one"),
     "alltoall-ep2-cap-skewed": _case("alltoall", 2, CAPACITY_FACTOR, "skewed"),
