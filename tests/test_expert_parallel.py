@@ -154,9 +154,20 @@ def expected_expert_rows(case, ref, capacity):
 
 
 @pytest.fixture(scope="module")
-def layer_run():
-    run = run_workers("tests/workers/ep_layer_worker.py", nproc=C.WORLD, timeout=600).check()
-    return run.npz_results(), run.json_results()
+def ep_job(request):
+    """One 4-rank msrun job: the dispatcher cases, then, when the training tests are selected, the
+    dp4 training runs (one launch instead of two). The first dispatch capacities of the training
+    runs are half the even share, so their first micro-batch overflows and is re-run."""
+    training_selected = any("training" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    runs = [f"{name}:{TINY_MOE},parallel.data_parallel=4,{overrides}" for name, (_, overrides) in EP_RUNS.items()]
+    return run_workers("tests/workers/ep_layer_worker.py", nproc=C.WORLD, timeout=1800,
+                       args=[CONFIG, *runs] if training_selected else [],
+                       env={"MOETRAIN_MOE_CAPACITY_PRIOR": "0.5"}).check()
+
+
+@pytest.fixture(scope="module")
+def layer_run(ep_job):
+    return ep_job.npz_results(), ep_job.json_results()
 
 
 def case_arrays(arrays, name, rank):
@@ -359,7 +370,7 @@ WORKER = os.path.join(REPO, "tests", "workers", "ep_train_worker.py")
 
 
 @pytest.fixture(scope="module")
-def training(tmp_path_factory):
+def training(ep_job, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ep-train-reference"))
     references = [f"dropless:{TINY_MOE}", f"capacity:{TINY_MOE},{CAPACITY}"]
     done = subprocess.run([sys.executable, WORKER, out, CONFIG, *references], cwd=out, capture_output=True,
@@ -367,11 +378,11 @@ def training(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
     with open(os.path.join(out, "rank_0.json")) as fh:
         reference = json.load(fh)
-    runs = [f"{name}:{TINY_MOE},parallel.data_parallel=4,{overrides}" for name, (_, overrides) in EP_RUNS.items()]
-    # first dispatch capacities at half the even share: the first micro-batch overflows and is re-run
-    job = run_workers(WORKER, nproc=4, args=[CONFIG, *runs], timeout=1500,
-                      env={"MOETRAIN_MOE_CAPACITY_PRIOR": "0.5"}).check()
-    return reference, job.json_results()
+    ranks = []
+    for rank in range(C.WORLD):
+        with open(os.path.join(ep_job.out_dir, "train", f"rank_{rank}.json")) as fh:
+            ranks.append(json.load(fh))
+    return reference, ranks
 
 
 @pytest.mark.slow

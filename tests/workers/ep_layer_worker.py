@@ -4,7 +4,10 @@ an expert-parallel dispatcher and this rank's slice of the experts, forward and 
 primitive (a test-only recorder); then the 'global' aux-loss scope of a MoELayer. Writes
 <out>/rank_<r>.npz (arrays) and <out>/rank_<r>.json (ledgers, recorded buffers, capacities, timings).
 
-    python tests/workers/ep_layer_worker.py OUT_DIR
+    python tests/workers/ep_layer_worker.py OUT_DIR [CONFIG RUN ...]
+
+With CONFIG and RUNs, the training runs of ep_train_worker.py follow in the same job (one msrun
+launch instead of two), their records in OUT_DIR/train/rank_<r>.json.
 """
 import json
 import os
@@ -122,6 +125,13 @@ def main():
     np.savez(os.path.join(out_dir, f"rank_{rank}.npz"), **arrays)
     with open(os.path.join(out_dir, f"rank_{rank}.json"), "w") as f:
         json.dump(report, f)
+
+    if len(sys.argv) > 2:
+        from ep_train_worker import train_runs
+
+        os.makedirs(os.path.join(out_dir, "train"), exist_ok=True)
+        train_runs(os.path.join(out_dir, "train"), sys.argv[2], sys.argv[3:],
+                   {(4, 1, 1, 4): contexts[4], (4, 1, 1, 2): contexts[2]})
 
 
 if __name__ == "__main__":
