@@ -21,8 +21,9 @@ from typing import Optional
 import mindspore as ms
 from mindspore import nn, ops
 
-from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, RMSNorm,
-                             SwiGLUMLP, compute_dtype_of)
+from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
+                             RMSNorm, SwiGLUMLP, compute_dtype_of)
+from moetrain.modeling import MEAN, StatSpec, attention_context, merge_stats, reused_block, run_blocks, split_specs
 from moetrain.registry import register_model
 
 
@@ -80,24 +81,38 @@ def build_attention(cfg: GPTConfig) -> Attention:
 
 
 class TransformerBlock(nn.Cell):
-    """Pre-norm attention + SwiGLU block; input and output fp32 `[B, S, H]`."""
+    """Pre-norm attention + SwiGLU block; input and output fp32 `[B, S, H]`; `context`: packed
+    documents for the attention (`moetrain.modeling.attention_context`), or None."""
 
-    def __init__(self, cfg: GPTConfig):
+    returns_stats = False
+
+    @reused_block
+    def __init__(self, cfg: GPTConfig, attention: Optional[nn.Cell] = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attention = build_attention(cfg)
+        self.attention = attention if attention is not None else build_attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, cfg.output_init_std,
                              cfg.compute_dtype)
 
-    def construct(self, x):
-        h = x + self.attention(self.attention_norm(x)).astype(ms.float32)
+    def construct(self, x, context=None):
+        h = x + self.attention(self.attention_norm(x), context).astype(ms.float32)
         return h + self.mlp(self.ffn_norm(h)).astype(ms.float32)
 
 
 @register_model("gpt", config=GPTConfig)
 class GPT(nn.Cell):
-    """`construct(input_ids, labels) -> (loss, {"lm_loss"})`; `logits(input_ids) -> fp32 [B, S, V]`."""
+    """`construct(input_ids, labels[, document_ids, position_ids]) -> (loss, {"lm_loss"})`;
+    `logits(input_ids[, document_ids, position_ids]) -> fp32 [B, S, V]`. With document and position
+    ids (packed documents, docs/data.md) attention stays inside each document and RoPE uses the
+    given positions.
+
+    Made of the pieces `moetrain/modeling.py` describes (embed_tokens, run_layers, head_loss), so a
+    pipeline stage runs the same code on its part of the model."""
+
+    EMBEDDING_CELLS = ("embed",)
+    HEAD_CELLS = ("final_norm", "lm_head")
+    head_stat_rows = 0
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -113,13 +128,56 @@ class GPT(nn.Cell):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype)
         self.compute_dtype = compute_dtype_of(cfg.compute_dtype)
         self.cross_entropy = CrossEntropy()
+        self.vocab_size = cfg.vocab_size
+        # the LM head and loss in one kernel, never storing [tokens, vocab] logits (CPU, fp32)
+        self.fused_head_loss = LMHeadCrossEntropy() if LMHeadCrossEntropy.supported(cfg.compute_dtype) else None
+        self.layer_stat_specs = {name: spec for block in self.layers if block.returns_stats
+                                 for name, spec in block.stat_specs.items()}
+        self.layer_stats = split_specs(self.layer_stat_specs)   # (summed, stacked) names, graph-safe
 
     def build_block(self, layer_index: int) -> nn.Cell:
         return TransformerBlock(self.cfg)
 
+    @property
+    def needs_embedding_in_head(self) -> bool:
+        return self.tie_embeddings
+
+    def stat_specs(self):
+        return {**self.layer_stat_specs, "lm_loss": StatSpec(MEAN)}
+
+    # ---- the pieces -------------------------------------------------------------------------
+    def embed_tokens(self, input_ids):
+        if input_ids.shape[-1] > self.max_positions:
+            raise ValueError(f"input has {input_ids.shape[-1]} tokens per sequence but the model was built "
+                             f"for at most model.seq_length={self.max_positions}")
+        return self.embed(input_ids)
+
+    def run_layers(self, h, context=None):
+        """The blocks this model holds on `h` (before the final norm): `(h, stats, weighted_aux)`;
+        `context`: the attention context (`moetrain.modeling.attention_context`)."""
+        return run_blocks(self.layers, h, *self.layer_stats, context)
+
+    def head_loss(self, h, labels, context=None):
+        """Final norm, head and next-token loss: `(loss, {"lm_loss"})` (`context`: for a head with
+        attention blocks, such as DeepSeek's MTP)."""
+        lm_loss = self.lm_loss(h, labels)
+        return lm_loss, {"lm_loss": lm_loss}
+
+    def lm_loss(self, h, labels):
+        """Final norm, LM head and mean cross-entropy of the last hidden state `[B, S, H]`: fused where
+        the kernel exists and the head holds the whole vocabulary; a vocabulary-parallel head (tp > 1)
+        takes the plain path, whose loss is reduced over the tp group."""
+        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
+        if self.fused_head_loss is not None and weight.shape[0] == self.vocab_size:
+            return self.fused_head_loss(self.final_norm(h), weight, labels)
+        return self.cross_entropy(self.output_logits(h), labels)
+
     def output_logits(self, h):
         """Final norm and LM head: fp32 hidden `[B, S, H]` -> fp32 logits `[B, S, V]`."""
-        h = self.final_norm(h)
+        return self.head_logits(self.final_norm(h))
+
+    def head_logits(self, h):
+        """The LM head (tied or not) on normed hidden states: `[B, S, H]` -> fp32 `[B, S, V]`."""
         if self.tie_embeddings:
             batch, seq_len = h.shape[0], h.shape[1]
             weight = self.embed.weight
@@ -131,18 +189,13 @@ class GPT(nn.Cell):
             logits = self.lm_head(h)
         return logits.astype(ms.float32)
 
-    def check_length(self, input_ids):
-        if input_ids.shape[-1] > self.max_positions:
-            raise ValueError(f"input has {input_ids.shape[-1]} tokens per sequence but the model was built "
-                             f"for at most model.seq_length={self.max_positions}")
-
-    def logits(self, input_ids):
-        self.check_length(input_ids)
-        h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h)
+    # ---- the whole model ------------------------------------------------------------------------
+    def logits(self, input_ids, document_ids=None, position_ids=None):
+        h, _, _ = self.run_layers(self.embed_tokens(input_ids), attention_context(document_ids, position_ids))
         return self.output_logits(h)
 
-    def construct(self, input_ids, labels):
-        loss = self.cross_entropy(self.logits(input_ids), labels)
-        return loss, {"lm_loss": loss}
+    def construct(self, input_ids, labels, document_ids=None, position_ids=None):
+        context = attention_context(document_ids, position_ids)
+        h, stats, aux = self.run_layers(self.embed_tokens(input_ids), context)
+        loss, head_stats = self.head_loss(h, labels, context)
+        return loss + aux, merge_stats(stats, head_stats, self.layer_stats[1])

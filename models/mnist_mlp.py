@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import mindspore as ms
 from mindspore import nn, ops
 
+from moetrain.modeling import SUM, StatSpec
 from moetrain.registry import register_model
 
 
@@ -32,6 +33,9 @@ class MnistMLP(nn.Cell):
         if self.dtype != ms.float32:
             self.to_float(self.dtype)
         self.xent = ops.SparseSoftmaxCrossEntropyWithLogits()
+
+    def stat_specs(self):
+        return {"correct": StatSpec(SUM)}      # correct predictions add up over micro-batches and ranks
 
     def logits(self, images):
         x = images

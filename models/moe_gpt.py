@@ -5,17 +5,18 @@ Layer `i` is MoE when `i >= first_k_dense` and `(i - first_k_dense) % moe_layer_
 sees the normed hidden state of all `[B, S, H]` tokens (sequence boundaries feed the sequence aux loss); its parameters live under
 `layers.{i}.moe.*` (router.weight, experts.w_gate/w_up/w_down, shared_experts.*, expert_bias).
 
-`construct` returns `loss = lm_loss + sum over MoE layers of (coeff * aux term)` and stats:
+`construct` (the GPT's, through its pieces) returns `loss = lm_loss + sum over MoE layers of
+(coeff * aux term)` and the MoE layers' stats (`MoELayer.stat_specs`):
     lm_loss, aux_loss, seq_aux_loss, z_loss   unweighted aux terms summed over MoE layers, so
                                               loss = lm_loss + Σ_term coeff_term * stats[term]
-    expert_load  [num_moe_layers, E]          tokens routed to each expert
+    expert_load  [num_moe_layers, E]          tokens routed to each expert, one row per MoE layer
     dropped, routed                           token-expert assignments dropped / routed, all layers
     expert_rows                               rows the expert GEMMs computed, all layers
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
@@ -25,11 +26,10 @@ from mindspore import nn, ops
 from models.gpt import GPT, GPTConfig, TransformerBlock, build_attention
 from moetrain.layers import RMSNorm, compute_dtype_of
 from moetrain.moe.config import MoEConfig
+from moetrain.modeling import reused_block
 from moetrain.moe.layer import MoELayer, update_expert_bias
 from moetrain.registry import register_model
 
-AUX_TERMS = ("aux_loss", "seq_aux_loss", "z_loss")
-COUNT_TERMS = ("dropped", "routed", "expert_rows")
 
 
 @dataclass(kw_only=True)
@@ -59,18 +59,30 @@ class MoEGPTConfig(GPTConfig):
 
 
 class MoEBlock(nn.Cell):
-    """Pre-norm attention + MoE block. `construct(x [B, S, H])` -> `(x, moe_stats)`."""
+    """Pre-norm attention + MoE block. `construct(x [B, S, H], context=None)` -> `(x, moe_stats)`; the
+    stats and how they combine are the MoE layer's (`MoELayer.stat_specs`); `context`: packed
+    documents for the attention, or None."""
 
-    def __init__(self, cfg: MoEGPTConfig):
+    returns_stats = True
+
+    @reused_block
+    def __init__(self, cfg: MoEGPTConfig, attention: Optional[nn.Cell] = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attention = build_attention(cfg)
+        self.attention = attention if attention is not None else build_attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.moe = MoELayer(cfg.hidden_size, cfg.moe, init_std=cfg.init_std,
                             compute_dtype=compute_dtype_of(cfg.compute_dtype))
 
-    def construct(self, x):
-        h = x + self.attention(self.attention_norm(x)).astype(ms.float32)
+    @property
+    def stat_specs(self):
+        return self.moe.stat_specs
+
+    def weighted_aux(self, stats):
+        return self.moe.weighted_aux(stats)
+
+    def construct(self, x, context=None):
+        h = x + self.attention(self.attention_norm(x), context).astype(ms.float32)
         y, stats = self.moe(self.ffn_norm(h))
         return h + y.astype(ms.float32), stats
 
@@ -79,49 +91,17 @@ class MoEBlock(nn.Cell):
 class MoEGPT(GPT):
     """GPT with MoE layers; see the module docstring for the loss and stats."""
 
-    def __init__(self, cfg: MoEGPTConfig):
-        super().__init__(cfg)
-        self.moe_layer_indices = tuple(cfg.moe_layers)
-
     def build_block(self, layer_index: int) -> nn.Cell:
         return MoEBlock(self.cfg) if self.cfg.is_moe_layer(layer_index) else TransformerBlock(self.cfg)
 
-    def forward_with_stats(self, input_ids):
-        """`(logits, moe_stats, weighted_aux)` where weighted_aux = Σ_layers coeff·aux terms."""
-        self.check_length(input_ids)
-        h = self.embed(input_ids)
-        zero = ops.zeros((), ms.float32)
-        totals = {term: zero for term in AUX_TERMS + COUNT_TERMS}
-        weighted_aux = zero
-        loads = []
-        for index in range(len(self.layers)):
-            if index in self.moe_layer_indices:
-                h, stats = self.layers[index](h)
-                for term in AUX_TERMS + COUNT_TERMS:
-                    totals[term] = totals[term] + stats[term].astype(ms.float32)
-                weighted_aux = weighted_aux + self.layers[index].moe.weighted_aux(stats)
-                loads.append(stats["expert_load"].astype(ms.float32))
-            else:
-                h = self.layers[index](h)
-        totals["expert_load"] = ops.stack(loads)
-        return self.output_logits(h), totals, weighted_aux
-
-    def logits(self, input_ids):
-        return self.forward_with_stats(input_ids)[0]
-
-    def construct(self, input_ids, labels):
-        logits, stats, weighted_aux = self.forward_with_stats(input_ids)
-        lm_loss = self.cross_entropy(logits, labels)
-        stats["lm_loss"] = lm_loss
-        return lm_loss + weighted_aux, stats
-
     def moe_modules(self):
-        """The MoE layer cells, in layer order (row `j` of `expert_load` is `moe_modules()[j]`)."""
-        return [self.layers[i].moe for i in self.moe_layer_indices]
+        """The MoE layers this model holds, in layer order (row `j` of its `expert_load`)."""
+        return [block.moe for block in self.layers if block.returns_stats]
 
     def update_expert_bias(self, expert_load: np.ndarray) -> None:
-        """Aux-loss-free balancing (DeepSeek-V3), outside the gradient: nudge every MoE layer's
-        `expert_bias` from its row of `expert_load [num_moe_layers, E]` (token counts)."""
+        """Aux-loss-free balancing (DeepSeek-V3), outside the gradient: nudge every MoE layer this
+        model holds from its row of `expert_load [num_moe_layers, E]` (token counts; a pipeline stage
+        passes its own rows)."""
         expert_load = np.asarray(expert_load)
         layers = self.moe_modules()
         if expert_load.shape != (len(layers), self.cfg.moe.num_experts):

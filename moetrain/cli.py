@@ -1,4 +1,4 @@
-"""`moetrain` command line: train (and, as they land, convert, forward, plan)."""
+"""`moetrain` command line: train, plan, convert (hf-import, hf-export, consolidate, upcycle), forward."""
 from __future__ import annotations
 
 import argparse
@@ -10,11 +10,17 @@ os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (set GL
 
 def _train(args) -> int:
     from moetrain.config import load_config
+    from moetrain.faults import EXIT_PREEMPTED
     from moetrain.trainer import Trainer
 
     cfg = load_config(args.config, args.set)
-    trainer = Trainer(cfg, resume=args.resume)
+    trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     result = trainer.fit()
+    if result.get("preempted"):
+        if trainer.rank == 0:
+            print(f"moetrain: stopped after step {trainer.step} on a signal; the checkpoint is saved. Run the same "
+                  f"command with --resume to continue (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     final = result["eval"]
     if "eval_accuracy" in final:
         print(f"final test accuracy: {final['eval_accuracy']:.4f} (eval_loss {final['eval_loss']:.4f})")
@@ -33,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
                        help="resume from the latest complete checkpoint of the run's output dir, "
                             "or of DIR (a run folder or one checkpoint folder)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start a new run in an output dir that holds one: its checkpoints and metrics are "
+                            "first moved into <output_dir>/overwritten-<run id>/")
     train.set_defaults(func=_train)
 
     forward = sub.add_parser("forward", help="fp32 logits of a batch of token ids from a model directory",
@@ -40,12 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     forward.set_defaults(func=_delegate("moetrain.forward", "main"))
     sub.add_parser("plan", help="parameters, FLOPs, memory and communication of a config's layout; --search",
                    add_help=False).set_defaults(func=_delegate("moetrain.plan", "main"))
-    convert = sub.add_parser("convert", help="checkpoint interchange: hf-import, hf-export, reshard, consolidate")
+    convert = sub.add_parser("convert", help="checkpoint interchange: hf-import, hf-export, upcycle, reshard, consolidate")
     conv = convert.add_subparsers(dest="conversion", required=True)
-    conv.add_parser("hf-import", help="Mixtral/Llama-format HF_DIR -> moetrain model directory",
+    conv.add_parser("hf-import", help="Llama/Mixtral/DeepSeek-V3/Qwen3-MoE HF_DIR -> moetrain model directory",
                     add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.hf", "main_import"))
-    conv.add_parser("hf-export", help="moetrain model directory -> Mixtral/Llama format",
+    conv.add_parser("hf-export", help="moetrain model directory -> Hugging Face format (--layout fused)",
                     add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.hf", "main_export"))
+    conv.add_parser("upcycle", help="dense gpt model directory -> MoE model directory with the same forward",
+                    add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.upcycle", "main"))
     conv.add_parser("reshard", help="training checkpoint (or model directory) -> checkpoint of another layout",
                     add_help=False).set_defaults(func=_delegate("moetrain.checkpoint.distributed", "main_reshard"))
     conv.add_parser("consolidate", help="training checkpoint of any layout -> one model directory",
@@ -63,8 +74,9 @@ def _delegate(module: str, function: str):
 
 
 def main(argv=None) -> int:
-    from moetrain.checkpoint.manager import CheckpointError
+    from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
     from moetrain.config import ConfigError
+    from moetrain.faults import EXIT_HALTED, EXIT_SAVE_FAILED, TrainingHalted
 
     args, rest = build_parser().parse_known_args(argv)
     if rest and args.command == "train":
@@ -72,6 +84,12 @@ def main(argv=None) -> int:
     args.rest = rest
     try:
         return args.func(args)
+    except TrainingHalted as exc:
+        print(f"moetrain: training halted: {exc}", file=sys.stderr)
+        return EXIT_HALTED
+    except CheckpointSaveError as exc:
+        print(f"moetrain: checkpoint save failed: {exc}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
     except (ConfigError, CheckpointError) as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "checkpoint error"
         print(f"moetrain: {kind}: {exc}", file=sys.stderr)
@@ -79,6 +97,13 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"moetrain: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from moetrain.trainer import CompileError
+
+        if not isinstance(exc, CompileError):
+            raise
+        print(f"moetrain: compile error: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

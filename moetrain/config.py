@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from moetrain.layout import Layout, ModelShape, launched_world_size, layout_problems
+
 
 class ConfigError(ValueError):
     """A config problem, reported before any work starts."""
@@ -38,16 +40,21 @@ def choice(default, *choices, help=""):
 @dataclass
 class DataConfig:
     type: str = choice("lm", "lm", "mnist", help="dataset kind")
-    path: str = ""                     # training data: MNIST idx folder or token-shard prefix
-    eval_path: str = ""                # evaluation data (MNIST: same folder, t10k files)
+    # training data: MNIST idx folder or token-shard prefix; LM: also a blend, Megatron's
+    # [w1, prefix1, w2, prefix2, ...] or {name: [w, prefix], ...} (moetrain/data/blend.py)
+    path: Any = ""
+    eval_path: Any = ""                # evaluation data (MNIST: same folder, t10k files); a blend: eval_loss/<name>
     seq_length: int = 0                # LM sample length (0: take model.seq_length)
-    tokenizer: str = ""                # sentencepiece model the shards were made with
+    tokenizer: str = ""                # sentencepiece .model or tokenizer.json the shards were made with
     shuffle: bool = True
+    cache_dir: str = ""                # blend index cache ("": beside the first source's shards)
+    reset_attention_mask: bool = False  # document ids per token: attention stays inside a document
+    reset_position_ids: bool = False    # positions restart at each document
 
 
 @dataclass
 class ParallelConfig:
-    data_parallel: int = 1
+    data_parallel: int = 0             # 0: the launched world size / (model_parallel x pipeline_stage)
     model_parallel: int = 1            # tensor parallel
     pipeline_stage: int = 1
     expert_parallel: int = 1
@@ -62,6 +69,7 @@ class ParallelConfig:
     grad_reduce_dtype: str = choice("float32", "float32", "float16", "bfloat16")
     moe_token_dispatcher: str = choice("alltoall", "alltoall", "allgather")
     moe_aux_loss_scope: str = choice("micro_batch", "micro_batch", "sequence", "global")
+    data_parallel_inferred: bool = field(default=False, metadata={"internal": True})
 
 
 @dataclass
@@ -107,14 +115,24 @@ class TrainConfig:
     eval_interval: int = 0             # steps between evaluations; 0: only at the end
     eval_batch_size: int = 0           # 0: micro_batch_size
     eval_max_batches: int = 0          # 0: the whole evaluation set
+    # numerical faults in runs without a loss scaler (docs/faults.md): a non-finite loss or gradient,
+    # or a loss above loss_spike_factor x its running mean (0: no spike test), is skipped, rolled back
+    # to the last checkpoint (skipping the batches since), or stops the run; past nonfinite_limit
+    # faults the run stops
+    on_nonfinite: str = choice("skip", "skip", "rollback", "stop")
+    nonfinite_limit: int = 10
+    loss_spike_factor: float = 0.0
 
 
 @dataclass
 class CheckpointConfig:
+    load_path: str = ""                # start a new run (step 0, fresh optimizer) from these weights: a
+                                       # model directory or a training checkpoint of any layout
     save_steps: int = 0                # 0: only at the end of the run
     keep_max: int = 3
     save_at_end: bool = True
     async_save: bool = False
+    on_save_error: str = choice("stop", "stop", "continue")   # a failed save (disk full, I/O error)
 
 
 @dataclass
@@ -230,7 +248,25 @@ def load_config(path: str, overrides: Sequence[str] = ()) -> Config:
     raw = _read_yaml(path)
     for item in overrides:
         _apply_override(raw, item, f"{path} (--set)")
-    return config_from_dict(raw, source=path)
+    try:
+        return config_from_dict(raw, source=path)
+    except ConfigError as exc:
+        raise _blame_override(exc, path, overrides) from None
+
+
+def _blame_override(exc: ConfigError, path: str, overrides: Sequence[str]) -> ConfigError:
+    """An error about a key that a `--set` gave names that `--set`, not the file."""
+    import re
+
+    keys = re.findall(r"'([A-Za-z_][\w.\[\]]*)'", str(exc))
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if any(k == key or k.startswith(key + ".") or k.startswith(key + "[") for k in keys):
+            message = str(exc)
+            if message.startswith(f"{path}: "):
+                message = message[len(path) + 2:]
+            return ConfigError(f"--set {item} (on top of {path}): {message}")
+    return exc
 
 
 def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
@@ -249,8 +285,48 @@ def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
     cfg = _build(Config, raw, "", source)
     cfg.model = model_config_from_dict(model_raw, source)
     cfg.source = source
+    if cfg.parallel.data_parallel == 0:
+        if cfg.parallel.mode == "auto":     # the layout search sets it for the launched world size
+            cfg.parallel.data_parallel = 1
+        else:
+            infer_data_parallel(cfg, source)
     _validate(cfg, source)
     return cfg
+
+
+WORLD_SIZE_ENV = "MOETRAIN_WORLD_SIZE"   # the launch scripts' planned world size, for checks before msrun starts
+
+
+def infer_data_parallel(cfg: Config, source: str, world_size: Optional[int] = None) -> None:
+    """`parallel.data_parallel: 0` (the default): world size / (model_parallel x pipeline_stage), as
+    Megatron-Core and torchtitan do, with the world size as launched (msrun's MS_WORKER_NUM, or
+    MOETRAIN_WORLD_SIZE, which run_distributed.sh sets for its checks before msrun starts). Not
+    launched (one process, or a tool reading the config): 1. Logged on stderr when above 1."""
+    p, t = cfg.parallel, cfg.train
+    if world_size is None:
+        world_size = next((int(os.environ[v]) for v in (WORLD_SIZE_ENV, "MS_WORKER_NUM", "RANK_SIZE")
+                           if os.environ.get(v)), None)
+    if world_size is None:
+        p.data_parallel, p.data_parallel_inferred = 1, True
+        return
+    world = world_size
+    model_ranks = max(1, p.model_parallel) * max(1, p.pipeline_stage)
+    if world % model_ranks:
+        raise ConfigError(f"{source}: key 'parallel.data_parallel' is not set, so it is inferred as world size / "
+                          f"(model_parallel x pipeline_stage), but {world} processes are not divisible by "
+                          f"{p.model_parallel} x {p.pipeline_stage}: launch a multiple of {model_ranks} processes")
+    dp = world // model_ranks
+    if t.global_batch_size % dp:
+        fits = [d * model_ranks for d in range(1, t.global_batch_size + 1) if t.global_batch_size % d == 0][:6]
+        raise ConfigError(f"{source}: key 'parallel.data_parallel' is not set and would be inferred as {world} "
+                          f"processes / (model_parallel x pipeline_stage = {model_ranks}) = {dp}, which cannot split "
+                          f"train.global_batch_size={t.global_batch_size}: launch {fits} processes, or set "
+                          f"train.global_batch_size to a multiple of {dp}")
+    p.data_parallel, p.data_parallel_inferred = dp, True
+    if world > 1 and os.environ.get("RANK_ID", "0") == "0":
+        print(f"moetrain: parallel.data_parallel inferred from the world size: {world} processes / "
+              f"(model_parallel {p.model_parallel} x pipeline_stage {p.pipeline_stage}) = {dp}",
+              file=sys.stderr, flush=True)
 
 
 def model_config_from_dict(model_raw: Dict[str, Any], source: str = "<dict>"):
@@ -360,6 +436,15 @@ def _validate(cfg: Config, source: str) -> None:
         need(t.global_batch_size % (cfg.dp * p.micro_batch_num) == 0, "parallel.micro_batch_num",
              f"train.global_batch_size ({t.global_batch_size}) is not divisible by data_parallel ({cfg.dp}) x "
              f"micro_batch_num ({p.micro_batch_num})")
+    _check_ranges(cfg, need)
+    if p.mode != "auto":   # the layout rules (the world size only when a launcher announced it)
+        problems = layout_problems(Layout.of(cfg), ModelShape.of(cfg.model), world=launched_world_size(),
+                                   global_batch_size=t.global_batch_size,
+                                   seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None))
+        if problems:
+            raise ConfigError(f"{source}: the parallel layout cannot run:\n  - " + "\n  - ".join(problems))
+    _validate_data(cfg.data, source)
+    _validate_document_layout(cfg, source)
     need(cfg.optimizer.lr >= 0, "optimizer.lr", "must be >= 0")
     need(cfg.checkpoint.keep_max >= 1, "checkpoint.keep_max", "must be >= 1 (the latest checkpoint is always kept)")
     need(cfg.checkpoint.save_steps >= 0, "checkpoint.save_steps", "must be >= 0 (0: only at the end)")
@@ -372,6 +457,79 @@ def _validate(cfg: Config, source: str) -> None:
          "bfloat16 on Ascend")
     if cfg.precision.loss_scale != "none":
         need(cfg.precision.initial_loss_scale > 0, "precision.initial_loss_scale", "must be > 0")
+
+
+def _validate_data(data: DataConfig, source: str) -> None:
+    from moetrain.data import DataError
+    from moetrain.data.blend import parse_blend
+
+    for key in ("path", "eval_path"):
+        value = getattr(data, key)
+        if data.type != "lm" and not isinstance(value, str):
+            raise ConfigError(f"{source}: key 'data.{key}': a blend of datasets needs data.type lm, got {value!r}")
+        try:
+            parse_blend(value, f"data.{key}")
+        except DataError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+
+def _validate_document_layout(cfg: Config, source: str) -> None:
+    """data.reset_attention_mask / reset_position_ids add document_ids and position_ids to every LM
+    batch: the model must take them (moetrain/modeling.py, "Packed documents")."""
+    import inspect
+
+    from moetrain import registry
+
+    keys = [key for key in ("reset_attention_mask", "reset_position_ids") if getattr(cfg.data, key)]
+    if not keys:
+        return
+    if cfg.data.type != "lm":
+        raise ConfigError(f"{source}: key 'data.{keys[0]}': packed documents exist only in LM data (data.type lm), "
+                          f"got data.type {cfg.data.type!r}; set it to false")
+    entry = registry.get_model(cfg.model.name)
+    taken = inspect.signature(entry.cls.construct).parameters
+    if not {"document_ids", "position_ids"} <= set(taken):
+        raise ConfigError(f"{source}: key 'data.{keys[0]}': model {cfg.model.name!r} ({entry.cls.__name__}.construct"
+                          f"{inspect.signature(entry.cls.construct)}) does not take document_ids and position_ids; "
+                          f"set it to false, or give the model those arguments (moetrain/modeling.py, "
+                          f"\"Packed documents\")")
+
+
+# (key, test, what it must be): counts, sizes and rates that have no meaning below their bound
+_RANGES = [
+    ("train.seed", lambda v: v >= 0, ">= 0"),
+    ("train.stop_after", lambda v: v >= 0, ">= 0 (0: run to the end)"),
+    ("train.eval_interval", lambda v: v >= 0, ">= 0 (0: evaluate only at the end)"),
+    ("train.eval_batch_size", lambda v: v >= 0, ">= 0 (0: train.micro_batch_size)"),
+    ("train.eval_max_batches", lambda v: v >= 0, ">= 0 (0: the whole evaluation set)"),
+    ("train.nonfinite_limit", lambda v: v >= 0, ">= 0"),
+    ("train.loss_spike_factor", lambda v: v == 0 or v > 1, "0 (off) or > 1, e.g. 3"),
+    ("data.seq_length", lambda v: v >= 0, ">= 0 (0: model.seq_length)"),
+    ("lr_schedule.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("lr_schedule.decay_steps", lambda v: v >= 0, ">= 0 (0: the whole run)"),
+    ("lr_schedule.min_lr", lambda v: v >= 0, ">= 0"),
+    ("optimizer.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optimizer.eps", lambda v: v > 0, "> 0"),
+    ("optimizer.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optimizer.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optimizer.momentum", lambda v: v >= 0, ">= 0"),
+    ("optimizer.clip_grad_norm", lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    ("precision.scale_window", lambda v: v >= 1, ">= 1"),
+    ("precision.scale_factor", lambda v: v > 1, "> 1"),
+    ("parallel.grad_bucket_mb", lambda v: v > 0, "> 0"),
+]
+
+
+def _check_ranges(cfg: Config, need) -> None:
+    for key, ok, bound in _RANGES:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        need(ok(value), key, f"must be {bound}, got {value!r}")
+    model_seq = getattr(cfg.model, "seq_length", None)
+    if cfg.data.seq_length and model_seq:
+        need(cfg.data.seq_length <= model_seq, "data.seq_length",
+             f"{cfg.data.seq_length} is longer than 'model.seq_length' ({model_seq}), the longest sequence the "
+             f"model's position tables are built for: lower data.seq_length or raise model.seq_length")
 
 
 def dump_config(cfg: Config, path: str) -> None:

@@ -13,6 +13,8 @@ parallelism can later swap the projections for column/row-parallel versions unch
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -99,53 +101,117 @@ class RMSNorm(nn.Cell):
         return x * ops.rsqrt(variance + self.eps) * self.weight
 
 
-def rope_tables(head_dim: int, max_positions: int, theta: float):
+def rope_tables(head_dim: int, max_positions: int, theta: float, yarn=None):
     """cos/sin tables `[max_positions, head_dim]` in the HF "rotate_half" layout: frequency `i`
     drives dims `i` and `i + head_dim/2`. The sin table carries the sign of rotate_half
-    (`[-sin, +sin]`) so applying RoPE is `x * cos + swap_halves(x) * sin`."""
+    (`[-sin, +sin]`) so applying RoPE is `x * cos + swap_halves(x) * sin`.
+
+    `yarn`: None, or a `YarnScaling` (DeepSeek-V3's context extension): the frequencies are blended
+    between the original and the `factor`-interpolated ones, and cos/sin scaled by its attention
+    factor, as HF's `_compute_yarn_parameters`."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     # Angles in fp32 as HF computes them (at position 32k fp32 rounding moves an angle by ~1e-3,
     # so a float64 table would not reproduce HF logits); cos/sin of those angles in float64.
     exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
     inv_freq = np.float32(1.0) / np.float32(theta) ** exponents
-    angles = np.outer(np.arange(max_positions, dtype=np.float32), inv_freq).astype(np.float64)
-    cos = np.cos(np.concatenate([angles, angles], axis=-1))
-    sin = np.sin(angles)
+    scale = 1.0
+    if yarn is not None:
+        inv_freq, scale = yarn.inv_freq(head_dim, theta), yarn.attention_factor
+    angles = np.outer(np.arange(max_positions, dtype=np.float32), inv_freq).astype(np.float32).astype(np.float64)
+    cos = np.cos(np.concatenate([angles, angles], axis=-1)) * scale
+    sin = np.sin(angles) * scale
     signed_sin = np.concatenate([-sin, sin], axis=-1)
     return cos.astype(np.float32), signed_sin.astype(np.float32)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (HF `rope_parameters` with `rope_type: yarn`), hashable for the table cache."""
+    factor: float
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    @property
+    def attention_factor(self) -> float:
+        """Scale of cos/sin (so of q.k on the rotary dims by its square)."""
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def inv_freq(self, dim: int, theta: float) -> np.ndarray:
+        def correction_dim(rotations):
+            return dim * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+        extrapolation = np.float32(1.0) / pos_freqs
+        interpolation = np.float32(1.0) / (np.float32(self.factor) * pos_freqs)
+        keep = (np.float32(1.0) - ramp).astype(np.float32)     # 1: the original frequency
+        return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
 @functools.lru_cache(maxsize=8)
-def _shared_rope_tensors(head_dim: int, max_positions: int, theta: float):
+def _shared_rope_tensors(head_dim: int, max_positions: int, theta: float, yarn=None):
     # One copy for all layers: at 32k positions a table is 16 MB.
-    cos, signed_sin = rope_tables(head_dim, max_positions, theta)
+    cos, signed_sin = rope_tables(head_dim, max_positions, theta, yarn)
     return Tensor(cos[:, None, :]), Tensor(signed_sin[:, None, :])
 
 
 class RotaryEmbedding(nn.Cell):
-    """Applies RoPE to `[B, S, heads, head_dim]` tensors at positions `0..S-1`."""
+    """Applies RoPE to `[B, S, heads, head_dim]` tensors at positions `0..S-1`, or at int32
+    `positions [B, S]` (positions restarting per packed document, `data.reset_position_ids`).
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0):
+    `interleaved`: the rotary pairs are adjacent dims `(x0, x1), (x2, x3), ...` (DeepSeek's
+    checkpoints, HF `rope_interleave`); they are de-interleaved first, so the output is in the
+    rotate_half layout exactly as HF's `apply_rotary_pos_emb_interleave` returns it."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float = 10000.0, yarn=None,
+                 interleaved: bool = False):
         super().__init__()
         # Plain tensors, not Parameters: derived from the config, never trained or saved.
-        self.cos, self.signed_sin = _shared_rope_tensors(head_dim, max_positions, float(theta))
+        self.cos, self.signed_sin = _shared_rope_tensors(head_dim, max_positions, float(theta), yarn)
         self.half = head_dim // 2
+        self.max_positions = max_positions
+        self.interleaved = interleaved
 
-    def construct(self, x):
+    def tables(self, seq_len: int):
+        """fp32 `(cos, signed_sin)` `[seq_len, head_dim]` for positions `0..seq_len-1`."""
+        return self.cos[:seq_len].reshape(seq_len, -1), self.signed_sin[:seq_len].reshape(seq_len, -1)
+
+    def construct(self, x, positions=None):
         seq_len = x.shape[1]
-        cos = self.cos[:seq_len].astype(x.dtype)
-        sin = self.signed_sin[:seq_len].astype(x.dtype)
+        if self.interleaved:   # [.., (x0 x1) (x2 x3) ..] -> [x0 x2 .. | x1 x3 ..]
+            x = x.reshape(x.shape[:-1] + (self.half, 2)).swapaxes(-1, -2).reshape(x.shape)
+        if positions is None:                                   # [S, 1, D]: the same for every row
+            cos, sin = self.cos[:seq_len], self.signed_sin[:seq_len]
+        else:                                                   # [B, S, 1, D]: each token's own position
+            cos, sin = ops.gather(self.cos, positions, 0), ops.gather(self.signed_sin, positions, 0)
         first, second = ops.split(x, self.half, axis=-1)
-        return x * cos + ops.cat((second, first), axis=-1) * sin
+        return x * cos.astype(x.dtype) + ops.cat((second, first), axis=-1) * sin.astype(x.dtype)
 
 
 class CausalAttentionCore(nn.Cell):
     """`softmax(q k^T + mask) v` for grouped queries, with a hand-written backward.
 
     q `[B, n_kv, group * S, d]` (pre-scaled; the `group` query heads of one K/V head stacked
-    along rows), k, v `[B, n_kv, S, d]`, mask `[S, S]` additive fp32. Returns `(out, probs)`;
-    `probs` is returned only so the backward can reuse it.
+    along rows), k, v `[B, n_kv, S, d]`, mask `[S, S]` (packed documents: `[B, 1, 1, S, S]`)
+    additive fp32. Returns `(out, probs)`; `probs` is returned only so the backward can reuse it.
 
     The backward uses the FlashAttention identity `rowsum(dP * P) = rowsum(dO * O)`, a
     reduction over `d` instead of over `S`: on CPU this halves the attention fwd+bwd time
@@ -175,26 +241,27 @@ class CausalAttentionCore(nn.Cell):
         return self.matmul(dscores, k), self.matmul_tn(dscores, q), dv, ops.zeros_like(mask)
 
 
-class Attention(nn.Cell):
-    """Causal grouped-query self-attention with RoPE; softmax in fp32.
+class CausalAttention(nn.Cell):
+    """The causal softmax(q k^T) v step shared by the attention variants, with its speed choices.
 
-    GQA without repeating K/V: the query heads sharing one K/V head are laid out as one
-    `[group * S, head_dim]` block, so one batched matmul per K/V head covers the group
-    (query head `h` uses K/V head `h // group`, as in HF `repeat_kv`).
+    `attend(q, k, v)`: q `[B, S, n, d]` pre-scaled, k `[B, S, n_kv, d]`, v `[B, S, n_kv, d_v]`
+    -> `[B, S, n * d_v]`. Query head `h` uses K/V head `h // (n / n_kv)` (HF `repeat_kv`).
 
-    With `moetrain.kernels` available and fp32 compute, `core` is the fused causal-attention kernel
-    instead: it reads q, k, v in the projection layout `[B, S, heads, head_dim]` (no transposes,
-    no mask tensor) and skips the key blocks above the diagonal."""
+    Packed documents: `context` is None, or `(document_ids, position_ids)`, int32 `[B, S]` each, of
+    the whole (never sequence-split) batch (`moetrain.modeling.attention_context`; docs/data.md):
+    query t then sees key u only if `u <= t` and both are in the same document, and RoPE rotates
+    token t at `position_ids[t]`.
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 max_positions: int, rope_theta: float = 10000.0, init_std: float = 0.02,
-                 output_init_std: float = 0.02, compute_dtype=ms.float32):
+    With `moetrain.kernels` available and fp32 compute, `core` is the fused causal-attention kernel:
+    it reads the projection layout `[B, S, heads, head_dim]` (no transposes, no mask tensor), applies
+    RoPE and the 1/sqrt(head_dim) scale itself and skips the key blocks above the diagonal (and, with
+    documents, before the block's documents; a `d_v < d` value is zero-padded to `d` for it).
+    Otherwise GQA runs without repeating K/V: the query heads sharing one K/V head are laid out as
+    one `[group * S, d]` block, so one batched matmul per K/V head covers the group; documents add
+    a `[B, 1, 1, S, S]` additive mask."""
+
+    def __init__(self, max_positions: int, compute_dtype=ms.float32):
         super().__init__()
-        self.wq = Linear(hidden_size, num_heads * head_dim, init_std, compute_dtype)
-        self.wk = Linear(hidden_size, num_kv_heads * head_dim, init_std, compute_dtype)
-        self.wv = Linear(hidden_size, num_kv_heads * head_dim, init_std, compute_dtype)
-        self.wo = Linear(num_heads * head_dim, hidden_size, output_init_std, compute_dtype)
-        self.rope = RotaryEmbedding(head_dim, max_positions, rope_theta)
         self.fused = kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
         if self.fused:
             from moetrain.kernels.ops import FusedCausalAttention, shared
@@ -204,29 +271,84 @@ class Attention(nn.Cell):
             self.core = CausalAttentionCore(compute_dtype)
         # Positions for the causal mask, built per call: a stored [S, S] mask is 4 GB at 32k.
         self.positions = Tensor(np.arange(max_positions, dtype=np.int32))
-        self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
 
-    def construct(self, x):
-        batch, seq_len = x.shape[0], x.shape[1]
-        q = self.rope(self.wq(x).reshape(batch, seq_len, -1, self.head_dim))
-        k = self.rope(self.wk(x).reshape(batch, seq_len, -1, self.head_dim))
-        v = self.wv(x).reshape(batch, seq_len, -1, self.head_dim)
+    def attend(self, q, k, v, scale: float, rope=None, context=None):
+        """`softmax(scale * rope(q) rope(k)^T + mask) v`: q `[B, S, n, d]`, k `[B, S, n_kv, d]`, v
+        `[B, S, n_kv, d_v]` -> `[B, S, n * d_v]`; `rope` (a `RotaryEmbedding` over all d) or None;
+        `context` None (causal) or `(document_ids, position_ids)` (see the class).
+        The fused kernel applies RoPE and 1/sqrt(d) itself: another scale is folded into q, and
+        without RoPE it gets identity tables (cos 1, sin 0)."""
+        batch, seq_len, _, head_dim = q.shape
+        value_dim = v.shape[-1]
         if self.fused:
-            out = self.core(q * self.scale, k, v)                          # [B, S, n, d]
-            return self.wo(out.reshape(batch, seq_len, -1))
+            if rope is not None:   # with positions: every row, the kernel reads the row of each token
+                cos, sin = rope.tables(seq_len if context is None else rope.max_positions)
+            else:
+                cos, sin = ops.ones((seq_len, head_dim), ms.float32), ops.zeros((seq_len, head_dim), ms.float32)
+            if scale != head_dim ** -0.5:
+                q = q * (scale * head_dim ** 0.5)
+            if value_dim != head_dim:
+                v = ops.cat((v, ops.zeros(v.shape[:-1] + (head_dim - value_dim,), v.dtype)), axis=-1)
+            if context is None:
+                out = self.core(q, k, v, cos, sin)                          # [B, S, n, d]
+            else:
+                document_ids, position_ids = context
+                out = self.core(q, k, v, cos, sin, position_ids, document_ids)
+            if value_dim != head_dim:
+                out = ops.split(out, [value_dim, head_dim - value_dim], axis=-1)[0]
+            return out.reshape(batch, seq_len, -1)
+        if rope is not None:
+            position_ids = None if context is None else context[1]
+            q, k = rope(q, position_ids), rope(k, position_ids)
+        q = q * scale
         num_kv_heads = k.shape[2]
         group = q.shape[2] // num_kv_heads
         # [B, S, n, d] -> [B, n, S, d]; query heads of one K/V group become one row block.
-        q = (q * self.scale).transpose(0, 2, 1, 3).reshape(batch, num_kv_heads, group * seq_len, self.head_dim)
+        q = q.transpose(0, 2, 1, 3).reshape(batch, num_kv_heads, group * seq_len, head_dim)
         k = k.transpose(0, 2, 1, 3)
         v = v.transpose(0, 2, 1, 3)
         positions = self.positions[:seq_len]
-        # Additive mask, -1e9 above the diagonal: finite, so it can never produce NaN.
-        mask = (positions.reshape(1, -1) > positions.reshape(-1, 1)).astype(ms.float32) * -1e9
-        out, _ = self.core(q, k, v, mask)                                # [B, n_kv, group * S, d]
-        out = out.reshape(batch, -1, seq_len, self.head_dim).transpose(0, 2, 1, 3)
-        return self.wo(out.reshape(batch, seq_len, -1))
+        hidden = positions.reshape(1, -1) > positions.reshape(-1, 1)     # [S, S]: key after query
+        if context is not None:                                          # [B, 1, 1, S, S]: or another document
+            document_ids = context[0]
+            hidden = ops.logical_or(hidden, document_ids.reshape(batch, -1, 1) != document_ids.reshape(batch, 1, -1))
+            hidden = hidden.reshape(batch, 1, 1, seq_len, seq_len)
+        # Additive mask, -1e9 where hidden: finite, so it can never produce NaN.
+        mask = hidden.astype(ms.float32) * -1e9
+        out, _ = self.core(q, k, v, mask)                                # [B, n_kv, group * S, d_v]
+        out = out.reshape(batch, -1, seq_len, value_dim).transpose(0, 2, 1, 3)
+        return out.reshape(batch, seq_len, -1)
+
+
+class Attention(CausalAttention):
+    """Causal grouped-query self-attention with RoPE (Llama); softmax in fp32.
+
+    `construct(x [B, S, H], context=None)`; `context`: packed documents, see `CausalAttention`.
+    `project(x)` gives q, k (before RoPE) and v `[B, S, heads, head_dim]`; a variant (Qwen3's q/k
+    norms) overrides it and keeps the rest. RoPE is applied in `attend` (inside the fused kernel)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 max_positions: int, rope_theta: float = 10000.0, init_std: float = 0.02,
+                 output_init_std: float = 0.02, compute_dtype=ms.float32):
+        super().__init__(max_positions, compute_dtype)
+        self.wq = Linear(hidden_size, num_heads * head_dim, init_std, compute_dtype)
+        self.wk = Linear(hidden_size, num_kv_heads * head_dim, init_std, compute_dtype)
+        self.wv = Linear(hidden_size, num_kv_heads * head_dim, init_std, compute_dtype)
+        self.wo = Linear(num_heads * head_dim, hidden_size, output_init_std, compute_dtype)
+        self.rope = RotaryEmbedding(head_dim, max_positions, rope_theta)
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def heads(self, projection, x):
+        """`projection(x)` as `[B, S, heads, head_dim]`."""
+        return projection(x).reshape(x.shape[0], x.shape[1], -1, self.head_dim)
+
+    def project(self, x):
+        return self.heads(self.wq, x), self.heads(self.wk, x), self.heads(self.wv, x)
+
+    def construct(self, x, context=None):
+        q, k, v = self.project(x)
+        return self.wo(self.attend(q, k, v, self.scale, self.rope, context))
 
 
 class SwiGLUMLP(nn.Cell):
@@ -256,3 +378,28 @@ class CrossEntropy(nn.Cell):
     def construct(self, logits, labels):
         return self.loss(logits.reshape(-1, logits.shape[-1]).astype(ms.float32),
                          labels.reshape(-1).astype(ms.int32))
+
+
+class LMHeadCrossEntropy(nn.Cell):
+    """Mean cross-entropy of the LM head's logits `h @ weight.T` against `labels`, fused: the
+    `[tokens, vocab]` logits are never stored (`moetrain.kernels`, fp32; rows go through the head
+    in chunks of a few MB, and in training mode one pass yields the loss and both gradients).
+
+    `construct(h [..., H] fp32, weight [V, H], labels [...] int) -> fp32 scalar`. The head weight is
+    an input, so a tied head passes the embedding table. Build it only where `supported(...)`;
+    elsewhere a model runs its LM head and `CrossEntropy`, as it does for a vocabulary-parallel head
+    (tp > 1; the per-slice partials of `moetrain.kernels.ops.LMHeadLogitStats` are the piece a
+    fused vocabulary-parallel loss would reduce over the tp group, docs/performance.md)."""
+
+    def __init__(self):
+        super().__init__()
+        from moetrain.kernels.ops import FusedLMHeadCrossEntropy
+
+        self.fused = FusedLMHeadCrossEntropy()
+
+    @staticmethod
+    def supported(compute_dtype) -> bool:
+        return kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
+
+    def construct(self, h, weight, labels):
+        return self.fused(h.reshape(-1, h.shape[-1]).astype(ms.float32), weight, labels.reshape(-1).astype(ms.int32))

@@ -1,5 +1,10 @@
 """Rank-0 metrics: `metrics.jsonl` (one JSON object per optimizer step), tensorboard scalars,
-a progress line with ETA. Other ranks write only their own log file (set up by the launcher)."""
+a progress line with ETA. Other ranks write only their own log file (set up by the launcher).
+
+metrics.jsonl survives crashes: each record is one write of one line, flushed and fsynced, so a
+crash can only leave a torn *last* line; on resume that line is dropped (with a warning) and the
+records after the checkpoint's step are removed, by writing the kept lines to a temporary file
+that replaces the old one atomically."""
 from __future__ import annotations
 
 import json
@@ -7,7 +12,8 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, Optional
+import warnings
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -57,29 +63,38 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, keep_events: bool = False) -> None:
         """On resume, forget records of steps after the checkpoint: they will be redone."""
-        if not os.path.exists(self.path):
+        if os.path.exists(self.path):
+            truncate_metrics(self.path, step, keep_events)
+
+    def rewind(self, step: int) -> None:
+        """After a rollback to `step`: drop the later step records (kept: the fault events)."""
+        if not self.enabled:
             return
-        with open(self.path) as fh:
-            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
-        with open(self.path, "w") as fh:
-            fh.writelines(kept)
+        self.file.close()
+        self._truncate_after(step, keep_events=True)
+        self.file = open(self.path, "a")
 
     def log(self, record: Dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {k: _jsonable(v) for k, v in record.items()}
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(record) + "\n")     # one line, one write: a crash tears only the last
         self.file.flush()
+        os.fsync(self.file.fileno())
+        step = record["step"]
+        if "event" in record:       # a fault event (moetrain.faults): said on stderr where it happens
+            return
         if self.tb is not None:
             for tag, value in _scalars(record):
-                self.tb.add_scalar(tag, value, record["step"])
-        step = record["step"]
+                self.tb.add_scalar(tag, value, step)
         if "loss" in record and (step % self.log_interval == 0 or step == self.total_steps or step == 1):
             self._print_line(record)
         elif "eval_loss" in record:
             extra = f" eval_accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""
+            per_source = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in record.items() if k.startswith("eval_loss/")]
+            extra += f" ({', '.join(per_source)})" if per_source else ""
             print(f"[eval] step {step}: eval_loss {record['eval_loss']:.4f}{extra}", flush=True)
 
     def _print_line(self, r: Dict[str, Any]) -> None:
@@ -88,7 +103,7 @@ class MetricsLogger:
         done = step - self.start_step
         eta = elapsed / max(1, done) * (self.total_steps - step)
         parts = [f"step {step}/{self.total_steps}", f"loss {r['loss']:.4f}"]
-        for key in ("lm_loss", "aux_loss", "z_loss", "drop_rate"):
+        for key in ("lm_loss", "mtp_loss", "aux_loss", "z_loss", "drop_rate"):
             if key in r:
                 parts.append(f"{key} {r[key]:.4g}")
         if "expert_load" in r:
@@ -113,6 +128,34 @@ class MetricsLogger:
             self.file.close()
             if self.tb is not None:
                 self.tb.close()
+
+
+def read_metrics(path: str) -> List[Dict[str, Any]]:
+    """The records of a metrics.jsonl; a torn or unreadable line is skipped with a warning."""
+    records = []
+    with open(path, errors="replace") as fh:
+        lines = fh.readlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            torn = number == len(lines) and not line.endswith("\n")
+            warnings.warn(f"{path}: line {number} " + ("is a torn last line (the run was killed while writing it): "
+                          "dropped" if torn else "is not JSON: dropped"))
+    return records
+
+
+def truncate_metrics(path: str, step: int, keep_events: bool = False) -> None:
+    """Keep the records of steps <= `step` (and, with `keep_events`, every `event` record), atomically."""
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step or (keep_events and "event" in r)]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in kept)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def print_rank0(rank: int, *args) -> None:

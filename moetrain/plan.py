@@ -28,18 +28,14 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from moetrain.devices import GiB, DeviceProfile, get_device
+from moetrain.layout import RECOMPUTE_MODES, Layout, LayoutError, ModelShape, divisors, layout_problems
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FP32 = 4
 OPTIMIZER_FP32_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "momentum": 1, "sgd": 0}
-RECOMPUTE_MODES = ("none", "selective", "full")
 MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragmentation, workspace peaks
 THROUGHPUT_TIE = 0.005      # layouts within 0.5 % of the best throughput count as equally fast
 CPU_CONFIG = "configs/moe_tiny_8p.yaml"
-
-
-class LayoutError(ValueError):
-    """A layout that cannot run: the message lists every problem, each with its fix."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,6 +58,12 @@ class Arch:
     expert_ffn: int = 0
     shared_ffn: int = 0
     capacity_factor: float = 0.0
+    value_dim: int = 0                # per-head value width (MLA's v_head_dim); 0: head_dim
+    q_lora_rank: int = 0              # MLA (deepseek_v3): query bottleneck, 0: a plain query projection
+    kv_lora_rank: int = 0             # MLA key/value latent; 0: not MLA
+    rope_dim: int = 0                 # MLA: rotary part of head_dim (the decoupled key shared by the heads)
+    qk_norm: bool = False             # per-head q/k RMSNorm (qwen3_moe)
+    mtp_depth: int = 0                # multi-token-prediction modules after the stack (each an MoE block)
 
     @classmethod
     def of(cls, model_cfg) -> "Arch":
@@ -73,6 +75,11 @@ class Arch:
         arch = dict(vocab=model_cfg.vocab_size, hidden=model_cfg.hidden_size, layers=model_cfg.num_layers,
                     heads=model_cfg.num_heads, kv_heads=model_cfg.num_kv_heads or model_cfg.num_heads,
                     head_dim=model_cfg.head_dim, ffn=model_cfg.ffn_hidden_size, tied=model_cfg.tie_embeddings)
+        if getattr(model_cfg, "kv_lora_rank", 0):
+            arch.update(value_dim=model_cfg.v_head_dim, q_lora_rank=model_cfg.q_lora_rank,
+                        kv_lora_rank=model_cfg.kv_lora_rank, rope_dim=model_cfg.qk_rope_head_dim,
+                        mtp_depth=model_cfg.mtp_depth)
+        arch["qk_norm"] = getattr(model_cfg, "name", "") == "qwen3_moe"
         moe = getattr(model_cfg, "moe", None)
         if moe is not None:
             arch.update(moe_layers=tuple(model_cfg.moe_layers), experts=moe.num_experts, top_k=moe.top_k,
@@ -84,12 +91,45 @@ class Arch:
     def attention_width(self) -> int:
         return self.heads * self.head_dim
 
+    @property
+    def v_dim(self) -> int:
+        return self.value_dim or self.head_dim
+
     @functools.cached_property
-    def attention_params(self) -> int:            # wq, wk, wv, wo
-        return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.attention_width * self.hidden
+    def attention_split_params(self) -> int:
+        """Attention matmul weights split over tensor parallelism (by heads)."""
+        h, n, d = self.hidden, self.heads, self.head_dim
+        if not self.kv_lora_rank:                 # wq, wk, wv, wo
+            return h * (n + 2 * self.kv_heads) * d + n * d * h
+        query = (self.q_lora_rank or h) * n * d   # wq_b (or wq)
+        return query + self.kv_lora_rank * n * (d - self.rope_dim + self.v_dim) + n * self.v_dim * h  # + wkv_b, wo
+
+    @functools.cached_property
+    def attention_replicated_params(self) -> int:
+        """MLA's latent projections wq_a and wkv_a: whole on every tensor-parallel rank."""
+        if not self.kv_lora_rank:
+            return 0
+        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.rope_dim)
+
+    @property
+    def attention_params(self) -> int:            # every attention matmul weight
+        return self.attention_split_params + self.attention_replicated_params
+
+    @property
+    def attention_norm_params(self) -> int:       # norms inside attention: MLA latent norms, Qwen3 q/k norms
+        return self.q_lora_rank + self.kv_lora_rank + (2 * self.head_dim if self.qk_norm else 0)
+
+    def attention_core_flops(self, seq_length: int) -> float:
+        """Forward FLOPs of QK^T and AV per token in one layer: 2 S a (d_qk + d_v)."""
+        return 2 * seq_length * self.heads * (self.head_dim + self.v_dim)
+
+    @property
+    def mtp_layers(self) -> Tuple[int, ...]:
+        """Pseudo layer indices `layers .. layers + mtp_depth - 1` of the MTP blocks (MoE blocks)."""
+        return tuple(range(self.layers, self.layers + self.mtp_depth))
 
     def is_moe(self, layer: int) -> bool:
-        return layer in self.moe_layer_set
+        return layer in self.moe_layer_set or layer >= self.layers
 
     @functools.cached_property
     def moe_layer_set(self) -> frozenset:
@@ -127,59 +167,6 @@ class Job:
         return parameter_counts(self.model)
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    micro_batch_size: int = 1                 # sequences per micro-batch per data-parallel rank
-    num_micro_batches: int = 1                # per optimizer step (accumulation = pipeline micro-batches)
-    zero: int = 0                             # 0 none, 1 optimizer states, 2 + gradients
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    pipeline_layers: Optional[Tuple[int, ...]] = None
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @classmethod
-    def of(cls, cfg) -> "Layout":
-        p, t = cfg.parallel, cfg.train
-        dp = p.data_parallel
-        if t.micro_batch_size:
-            micro = t.micro_batch_size
-            count = max(1, t.global_batch_size // (dp * micro))
-            if p.micro_batch_num > 1 and p.micro_batch_num != count:
-                raise LayoutError(f"parallel.micro_batch_num ({p.micro_batch_num}) disagrees with "
-                                  f"train.global_batch_size / (data_parallel x train.micro_batch_size) = "
-                                  f"{t.global_batch_size} / ({dp} x {micro}); set one of them only")
-        elif p.micro_batch_num > 1:
-            count = p.micro_batch_num
-            micro = max(1, t.global_batch_size // (dp * count))
-        else:
-            count, micro = 1, max(1, t.global_batch_size // dp)
-        return cls(dp=dp, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel, micro_batch_size=micro,
-                   num_micro_batches=count, zero=p.optimizer_shard, recompute=p.recompute,
-                   sequence_parallel=p.use_seq_parallel, schedule=p.pipeline_schedule,
-                   pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None)
-
-    def parallel_settings(self) -> Dict[str, object]:
-        """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
-        return {"data_parallel": self.dp, "model_parallel": self.tp, "pipeline_stage": self.pp,
-                "expert_parallel": self.ep, "micro_batch_num": self.num_micro_batches,
-                "use_seq_parallel": self.sequence_parallel, "optimizer_shard": self.zero,
-                "recompute": self.recompute, "mode": "manual", "pipeline_schedule": self.schedule,
-                "pipeline_layers": list(self.pipeline_layers) if self.pipeline_layers else None}
-
-    def describe(self) -> str:
-        sp = " sp" if self.sequence_parallel else ""
-        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} ep{self.ep} zero{self.zero} "
-                f"recompute={self.recompute} micro={self.micro_batch_size}x{self.num_micro_batches}")
-
-
 def apply_layout(cfg, layout: Layout):
     """A copy of `cfg` set to run `layout` (its parallel.* keys and train.micro_batch_size)."""
     new = copy.deepcopy(cfg)
@@ -210,8 +197,11 @@ def parameter_counts(model_cfg) -> ParamCount:
     total = embedding + head + h                                   # + final norm
     matmul = a.vocab * h                                           # the LM head (tied or not)
     expert = frozen = inactive = 0
-    for layer in range(a.layers):
-        total += a.attention_params + 2 * h                        # + attention_norm, ffn_norm
+    for layer in list(range(a.layers)) + list(a.mtp_layers):
+        if layer >= a.layers:   # an MTP depth: enorm, hnorm, final_norm, eh_proj [H, 2H], then its block
+            total += 3 * h + 2 * h * h
+            matmul += 2 * h * h + a.vocab * h                      # eh_proj and the shared LM head again
+        total += a.attention_params + a.attention_norm_params + 2 * h   # + attention_norm, ffn_norm
         matmul += a.attention_params
         if a.is_moe(layer):
             routed = 3 * h * a.expert_ffn * a.experts
@@ -235,9 +225,10 @@ def count_parameters(model_cfg) -> Tuple[int, int]:
 
 
 def attention_flops_per_token(arch: Arch, seq_length: int) -> float:
-    """Training FLOPs of QK^T and AV per token over all layers: 3 x 2 matmuls x 2 x S x a x d_head
-    (the full S x S matrix, as in PaLM's MFU; a causal kernel skips half)."""
-    return 12 * arch.layers * arch.attention_width * seq_length
+    """Training FLOPs of QK^T and AV per token over all layers and MTP blocks: 3 x 2 S a (d_qk + d_v),
+    i.e. 12 L a d_head S when d_qk = d_v (the full S x S matrix, as in PaLM's MFU; a causal kernel
+    skips half)."""
+    return 3 * (arch.layers + arch.mtp_depth) * arch.attention_core_flops(seq_length)
 
 
 def flops_per_token(model_cfg, seq_length: int) -> float:
@@ -248,80 +239,18 @@ def flops_per_token(model_cfg, seq_length: int) -> float:
 # --------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layout_problems(job: Job, layout: Layout, world_size: Optional[int] = None) -> List[str]:
-    """Every reason `layout` cannot run `job` (empty when it can), each naming the keys and a fix."""
-    a, L = job.arch, layout
-    problems = []
-
-    def need(ok: bool, message: str):
-        if not ok:
-            problems.append(message)
-
-    for key, value in (("data_parallel", L.dp), ("model_parallel", L.tp), ("pipeline_stage", L.pp),
-                       ("expert_parallel", L.ep), ("micro_batch_num", L.num_micro_batches)):
-        need(value >= 1, f"parallel.{key} must be >= 1, got {value}")
-    if problems:
-        return problems
-    world = world_size or L.world
-    need(L.world == world,
-         f"data_parallel ({L.dp}) x model_parallel ({L.tp}) x pipeline_stage ({L.pp}) = {L.world} devices, but "
-         f"the world size is {world}: "
-         + (f"set data_parallel to {world // (L.tp * L.pp)}" if world % (L.tp * L.pp) == 0
-            else f"model_parallel x pipeline_stage must divide {world}") + " (or run `moetrain plan --search`)")
-    if not a.moe_layers:
-        need(L.ep == 1, f"parallel.expert_parallel ({L.ep}) > 1 needs a MoE model; set it to 1")
-    else:
-        need(L.dp % L.ep == 0, f"parallel.expert_parallel ({L.ep}) must divide data_parallel ({L.dp}): expert-"
-             f"parallel groups are carved out of the data-parallel group; use one of {_divisors(L.dp)}")
-        need(a.experts % L.ep == 0, f"model.moe.num_experts ({a.experts}) is not divisible by "
-             f"parallel.expert_parallel ({L.ep}): every rank must hold as many experts; use one of "
-             f"{[e for e in _divisors(a.experts) if L.dp % e == 0]}")
-        need(a.expert_ffn % L.tp == 0, f"model.moe.ffn_hidden_size ({a.expert_ffn}) is not divisible by "
-             f"parallel.model_parallel ({L.tp}) (experts are split along their FFN width)")
-        need(a.shared_ffn % L.tp == 0, f"the shared-expert FFN width ({a.shared_ffn}) is not divisible by "
-             f"parallel.model_parallel ({L.tp})")
-    need(a.heads % L.tp == 0, f"model.num_heads ({a.heads}) is not divisible by parallel.model_parallel ({L.tp}); "
-         f"use one of {_divisors(a.heads)}")
-    need(a.kv_heads % L.tp == 0, f"model.num_kv_heads ({a.kv_heads}) is not divisible by parallel.model_parallel "
-         f"({L.tp}): each tensor-parallel rank needs whole K/V heads; use one of {_divisors(a.kv_heads)}")
-    need(a.ffn % L.tp == 0 or len(a.moe_layers) == a.layers, f"model.ffn_hidden_size ({a.ffn}) is not "
-         f"divisible by parallel.model_parallel ({L.tp})")
-    need(a.vocab % L.tp == 0, f"model.vocab_size ({a.vocab}) is not divisible by parallel.model_parallel "
-         f"({L.tp}) (the embedding and LM head are split by vocabulary); pad the vocabulary")
-    if L.sequence_parallel:
-        need(L.tp > 1, "parallel.use_seq_parallel needs model_parallel > 1 (it shards along the sequence "
-             "what tensor parallelism replicates); set it to false")
-        need(job.seq_length % L.tp == 0, f"sequence length {job.seq_length} is not divisible by "
-             f"parallel.model_parallel ({L.tp}), which sequence parallelism needs")
-    if L.pipeline_layers:
-        need(len(L.pipeline_layers) == L.pp and sum(L.pipeline_layers) == a.layers
-             and min(L.pipeline_layers) >= 1,
-             f"parallel.pipeline_layers {list(L.pipeline_layers)} must list {L.pp} stages of >= 1 layers "
-             f"summing to model.num_layers ({a.layers})")
-    else:
-        need(a.layers % L.pp == 0, f"model.num_layers ({a.layers}) is not divisible by parallel.pipeline_stage "
-             f"({L.pp}); use one of {_divisors(a.layers)} or set parallel.pipeline_layers")
-    need(L.pp == 1 or L.num_micro_batches >= L.pp,
-         f"{L.num_micro_batches} micro-batch(es) per step cannot keep {L.pp} pipeline stages busy: need "
-         f"micro_batch_num >= pipeline_stage (raise train.global_batch_size or lower train.micro_batch_size)")
-    per_rank = L.micro_batch_size * L.num_micro_batches
-    need(L.micro_batch_size >= 1 and L.dp * per_rank == job.global_batch_size,
-         f"train.global_batch_size ({job.global_batch_size}) != data_parallel ({L.dp}) x micro-batch size "
-         f"({L.micro_batch_size}) x micro-batches ({L.num_micro_batches}); pick sizes so that "
-         f"global = dp x micro x accumulation")
-    need(L.zero in (0, 1, 2), f"parallel.optimizer_shard must be 0, 1 or 2, got {L.zero}")
-    need(L.recompute in RECOMPUTE_MODES, f"parallel.recompute must be one of {RECOMPUTE_MODES}, got {L.recompute!r}")
-    need(job.optimizer in OPTIMIZER_FP32_STATES, f"optimizer.name {job.optimizer!r} is not one of "
-         f"{sorted(OPTIMIZER_FP32_STATES)}")
+def plan_problems(job: Job, layout: Layout, world_size: Optional[int] = None) -> List[str]:
+    """Every reason `layout` cannot run `job` (empty when it can): the layout rules
+    (`moetrain.layout`) and what the planner itself needs (an optimizer it can cost)."""
+    problems = layout_problems(layout, ModelShape.of(job.model), world=world_size,
+                               global_batch_size=job.global_batch_size, seq_length=job.seq_length)
+    if job.optimizer not in OPTIMIZER_FP32_STATES:
+        problems.append(f"optimizer.name {job.optimizer!r} is not one of {sorted(OPTIMIZER_FP32_STATES)}")
     return problems
 
 
-def validate_layout(job: Job, layout: Layout, world_size: Optional[int] = None) -> None:
-    problems = layout_problems(job, layout, world_size)
+def validate_plan(job: Job, layout: Layout, world_size: Optional[int] = None) -> None:
+    problems = plan_problems(job, layout, world_size)
     if problems:
         raise LayoutError(f"layout {layout.describe()} cannot run:\n  - " + "\n  - ".join(problems))
 
@@ -332,7 +261,9 @@ def validate_layout(job: Job, layout: Layout, world_size: Optional[int] = None) 
 def stage_layer_lists(arch: Arch, layout: Layout) -> List[List[int]]:
     sizes = layout.pipeline_layers or [arch.layers // layout.pp] * layout.pp
     bounds = list(itertools.accumulate(sizes, initial=0))
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(layout.pp)]
+    stages = [list(range(bounds[i], bounds[i + 1])) for i in range(layout.pp)]
+    stages[-1] += list(arch.mtp_layers)          # the MTP blocks run after the stack, on the last stage
+    return stages
 
 
 def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int
@@ -344,8 +275,9 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     h, d, t = arch.hidden, dtype_bytes, layout.tp
     outside = t if layout.sequence_parallel else 1
     # attention: norm input (fp32) + QKV input; Q, K, V and the output O
-    attention = ((FP32 + d) * tokens * h / outside
-                 + d * tokens * arch.head_dim * (2 * arch.heads + 2 * arch.kv_heads) / t)
+    attention = ((FP32 + d) * tokens * h / outside           # Q, K, V, O (MLA: + its latents, whole)
+                 + d * tokens * (arch.head_dim * (arch.heads + arch.kv_heads) + arch.v_dim * (arch.heads + arch.kv_heads)) / t
+                 + d * tokens * (arch.q_lora_rank + arch.kv_lora_rank + arch.rope_dim))
     probs = d * arch.heads * seq_length * tokens / t            # softmax output, a x S x S per sequence
     if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up
         ffn = (FP32 + d) * tokens * h / outside + 4 * d * tokens * arch.ffn / t
@@ -396,7 +328,9 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     # ---- parameters held by one device of this stage
     dense = expert = frozen = 0.0
     for layer in layer_ids:
-        dense += arch.attention_params / t + 2 * h
+        dense += arch.attention_split_params / t + arch.attention_replicated_params + arch.attention_norm_params + 2 * h
+        if layer >= arch.layers:                 # MTP depth: its norms and eh_proj
+            dense += 3 * h + 2 * h * h
         if arch.is_moe(layer):
             dense += arch.experts * h + 3 * h * arch.shared_ffn / t
             expert += 3 * h * arch.expert_ffn * arch.experts / (L.ep * t)
@@ -426,7 +360,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d) for i in layer_ids]
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
-    logits = (2 * FP32 * tokens * arch.vocab / t + (FP32 + d) * tokens * h / outside) if last else 0.0
+    logits = (2 * FP32 * tokens * arch.vocab / t + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth) if last else 0.0
     working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
     by_mode = {
         "none": in_flight * sum(stored + probs for stored, probs in per_layer),
@@ -442,7 +376,9 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     for layer in layer_ids:
         matmul = arch.attention_params + (arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k
                                           + 3 * h * arch.shared_ffn if arch.is_moe(layer) else 3 * h * arch.ffn)
-        attention = 4 * arch.attention_width * s           # forward QK^T and AV per token
+        if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
+            matmul += 2 * h * h + arch.vocab * h
+        attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
         flops_per_token += 6 * matmul + 3 * attention
         if L.recompute == "full":
             flops_per_token += 2 * matmul + attention
@@ -454,7 +390,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     compute = tokens * flops_per_token / t / (peak * device.compute_efficiency)
 
     # ---- communication (bytes per device)
-    # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/parallel/comm.py):
+    # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/dist/comm.py):
     # all-gather and reduce-scatter move 2x the native bytes, all-to-all 2 x ep x.
     gather_factor = 2 if device.emulated_collectives else 1
     a2a_factor = 2 * L.ep if device.emulated_collectives else 1
@@ -548,7 +484,7 @@ class PlanResult:
 def plan_layout(job: Job, layout: Layout, device: Union[str, DeviceProfile] = "cpu", world_size=None,
                 source: str = "") -> PlanResult:
     """Plan `job` on `layout`; raises LayoutError if the layout is invalid."""
-    validate_layout(job, layout, world_size)
+    validate_plan(job, layout, world_size)
     return _plan_valid_layout(job, layout, get_device(device), source)
 
 
@@ -641,13 +577,13 @@ def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
     combination worth costing (ZeRO levels are all the same layout when dp = 1)."""
     arch = job.arch
     layouts = []
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
-            eps = _divisors(world_size) if arch.moe_layers else [1]
+            eps = divisors(world_size) if arch.moe_layers else [1]
             per_rank = job.global_batch_size // dp if job.global_batch_size % dp == 0 else 1
             for ep, count, zero, recompute, sp in itertools.product(
-                    [e for e in eps if e <= dp], _divisors(per_rank), (0, 1, 2) if dp > 1 else (0,),
+                    [e for e in eps if e <= dp], divisors(per_rank), (0, 1, 2) if dp > 1 else (0,),
                     RECOMPUTE_MODES, (False, True) if tp > 1 else (False,)):
                 layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, micro_batch_size=max(1, per_rank // count),
                                       num_micro_batches=count, zero=zero, recompute=recompute,
@@ -670,7 +606,7 @@ def choose_layout(cfg, world_size: int, device=None) -> Tuple[Dict[str, object],
     job = Job.of(cfg)
     candidates, fitting = [], []
     for layout in candidate_layouts(job, world_size):
-        problems = layout_problems(job, layout, world_size)
+        problems = plan_problems(job, layout, world_size)
         if problems:
             candidates.append(Candidate(layout, "invalid", " | ".join(problems), problems=problems))
             continue
@@ -744,6 +680,10 @@ def format_plan(result: PlanResult) -> str:
              f" model        {getattr(job.model, 'name', '?')}: {a.layers} layers, hidden {a.hidden}, {a.heads} heads "
              f"({a.kv_heads} kv, head_dim {a.head_dim}), ffn {a.ffn}, vocab {a.vocab}, seq {job.seq_length}"
              f"{', tied embeddings' if a.tied else ''}"]
+    if a.kv_lora_rank:
+        lines.append(f"              MLA: q_lora {a.q_lora_rank or 'none'}, kv_lora {a.kv_lora_rank}, q/k head "
+                     f"{a.head_dim - a.rope_dim} + rope {a.rope_dim}, v head {a.v_dim}"
+                     + (f"; MTP depth {a.mtp_depth} (one MoE block each, after the stack)" if a.mtp_depth else ""))
     if a.moe_layers:
         shared = f", shared ffn {a.shared_ffn}" if a.shared_ffn else ""
         capacity = f", capacity factor {a.capacity_factor:g}" if a.capacity_factor else ", dropless"
@@ -760,7 +700,8 @@ def format_plan(result: PlanResult) -> str:
         f" parameters   total {_count(p.total)} ({p.total:,}; trainable {p.trainable:,}); active per token "
         f"{_count(p.active)} ({p.active / p.total:.1%}); per device {_count(r.stages[r.peak_stage].params)}",
         f" FLOPs/token  {_flops(r.model_flops_per_token)} = 6 x {_count(p.matmul_active)} active matmul params "
-        f"+ 12 L (a d_head) S = {_flops(attention_flops_per_token(a, job.seq_length))}; with recompute "
+        f"+ 6 (L{' + MTP' if a.mtp_depth else ''}) a (d_qk + d_v) S = {_flops(attention_flops_per_token(a, job.seq_length))}; "
+        f"with recompute "
         f"{_flops(r.hardware_flops_per_token)}",
         rule,
         f" memory per device, stage {r.peak_stage} of {L.pp} (the most loaded)",
@@ -873,6 +814,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_plan_config(args.config, args.set)
+        if args.world and cfg.parallel.data_parallel_inferred:   # as a launch of --world processes would
+            from moetrain.config import infer_data_parallel
+
+            infer_data_parallel(cfg, cfg.source, args.world)
         if args.search:
             world = args.world or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
             _, search = choose_layout(cfg, world, args.device)

@@ -2,7 +2,8 @@
 
 A model is a `mindspore.nn.Cell` built as `ModelClass(cfg)` whose `construct(*batch)`
 returns `(loss, stats)`: `loss` is the fp32 scalar that is differentiated, `stats` a dict of
-tensors the trainer logs (e.g. `lm_loss`, `aux_loss`, `expert_load`, `correct`).
+tensors the trainer logs (e.g. `lm_loss`, `aux_loss`, `expert_load`, `correct`). What a model
+exposes for pipeline parallelism and how its stats combine: moetrain/modeling.py.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _load_zoo() -> None:
 
 
 def import_model_module(module: Optional[str]) -> None:
-    """Import a user's module (config key `model.module`) that registers more models."""
+    """Import a user's module (config key `model_module`) that registers more models."""
     if module:
         importlib.import_module(module)
 

@@ -18,6 +18,18 @@ def write_idx(path, array, magic):
         fh.write(array.astype(np.uint8).tobytes())
 
 
+@pytest.fixture(scope="module")
+def kernel_ops(ms):
+    """`moetrain.kernels.ops` (needs the module's `ms` fixture); skips where the kernels cannot be built."""
+    from moetrain import kernels
+
+    if not kernels.available():
+        pytest.skip("moetrain.kernels cannot be built here (no C++ compiler or no oneDNN in MindSpore)")
+    from moetrain.kernels import ops
+
+    return ops
+
+
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory):
     """A 256/64-sample MNIST-format folder with learnable labels (class = brightest row band)."""

@@ -292,8 +292,8 @@ class _VirtualRank:
 
         from moetrain.config import OptimizerConfig, ParallelConfig
         from moetrain.parallel.data_parallel import OptimizerStep
-        from moetrain.parallel.sharding import ShardSpec, mark_role, mark_shard
-        from moetrain.parallel.topology import ParallelContext
+        from moetrain.dist.sharding import ShardSpec, mark_role, mark_shard
+        from moetrain.dist.topology import ParallelContext
 
         dp, tp, ep, zero = layout
         self.pctx = ParallelContext.build(dp * tp, rank, dp, tp, 1, ep)

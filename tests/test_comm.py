@@ -1,4 +1,4 @@
-"""moetrain.parallel.comm against numpy: every op and its gradient on 4 msrun ranks (PyNative and
+"""moetrain.dist.comm against numpy: every op and its gradient on 4 msrun ranks (PyNative and
 ms.jit, world and 2-rank sub-groups), byte ledgers against their formulas, and the single-process
 behaviour (trivial groups, argument errors)."""
 import numpy as np
@@ -33,7 +33,7 @@ def reference(op, kind, kw, xs):
                 start = sum(a2av_counts(src, j) for j in range(r))
                 parts.append(xs[src][start:start + a2av_counts(src, r)])
             y = np.concatenate(parts, 0)
-        elif op in ("broadcast", "send_recv"):
+        elif op == "broadcast":
             y = xs[ranks[kw["src"]]]
         elif op == "copy_to_region":
             y = xs[r]
@@ -109,7 +109,7 @@ def test_data_movement_is_bit_exact(comm_job):
     """Gathers, all-to-alls and broadcasts add exact zeros in the CPU emulation: bitwise equal."""
     arrays, _ = comm_job
     for name, op, kind, shape_of, kw in CASES:
-        if op in ("all_gather", "all_to_all", "all_to_all_v", "broadcast", "send_recv", "gather_from_region"):
+        if op in ("all_gather", "all_to_all", "all_to_all_v", "broadcast", "gather_from_region"):
             xs, ys, _ = case_arrays(name, shape_of, op, kind, kw)
             for r in range(WORLD):
                 np.testing.assert_array_equal(arrays[r][f"jit/{name}/y"], ys[r], err_msg=f"{name} rank {r}")
@@ -167,7 +167,7 @@ def expected_traffic(op, n, size, kw, rank):
 @pytest.mark.distributed
 def test_byte_ledger_matches_formulas(comm_job):
     """PyNative execution books every op, forward and backward; jitted graphs book nothing (no side
-    effects in graphs: see moetrain/parallel/comm.py)."""
+    effects in graphs: see moetrain/dist/comm.py)."""
     _, reports = comm_job
     mode = "pynative"
     for report in reports:
@@ -205,14 +205,14 @@ def test_ledger_counts_every_executed_call(comm_job):
 def test_ops_on_a_trivial_group_are_the_identity():
     import mindspore as ms
 
-    from moetrain.parallel import comm
-    from moetrain.parallel.topology import ParallelContext
+    from moetrain.dist import comm
+    from moetrain.dist.topology import ParallelContext
 
     ctx = ParallelContext.single()
     x = ms.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
     g = ctx.group("tp")
     for out in (comm.all_reduce(x, g), comm.all_gather(x, g), comm.reduce_scatter(x, g), comm.all_to_all(x, g),
-                comm.all_to_all_v(x, [2], [2], g), comm.broadcast(x, 0, g), comm.send_recv(x, 0, 1, g),
+                comm.all_to_all_v(x, [2], [2], g), comm.broadcast(x, 0, g),
                 comm.copy_to_region(x, g), comm.reduce_from_region(x, g), comm.scatter_to_region(x, g),
                 comm.gather_from_region(x, g), comm.reduce_scatter_to_sequence(x, g),
                 comm.gather_from_sequence(x, g)):
@@ -221,7 +221,7 @@ def test_ops_on_a_trivial_group_are_the_identity():
 
 
 def _fake_pair():
-    from moetrain.parallel.topology import Group
+    from moetrain.dist.topology import Group
 
     return Group("ep", (0, 1), 0, "moe_g0_1")
 
@@ -236,13 +236,11 @@ def _fake_pair():
     (lambda comm, x, g: comm.all_to_all_v(x, [1, 1, 0], [1, 1, 0], g), "need 2 send and 2 recv counts"),
     (lambda comm, x, g: comm.all_to_all_v(x, [1, 1], [1, 3], g, max_count=2), "max_count=2 is below"),
     (lambda comm, x, g: comm.broadcast(x, 2, g), "source rank 2 is not a rank of the ep group (0, 1)"),
-    (lambda comm, x, g: comm.send_recv(x, 1, 1, g), "src and dst are both rank 1"),
-    (lambda comm, x, g: comm.send_recv(x, 0, 2, g), "destination rank 2 is not a rank of the ep group"),
 ])
 def test_bad_arguments_are_refused_with_the_numbers(call, message):
     import mindspore as ms
 
-    from moetrain.parallel import comm
+    from moetrain.dist import comm
 
     x = ms.Tensor(np.zeros((2, 3), np.float32))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

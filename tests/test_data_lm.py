@@ -209,7 +209,7 @@ def test_missing_and_empty_inputs(work, tmp_path):
         LMDataset(work["prefix"] + ".bin", 8)
     with pytest.raises(DataError, match="set data.path"):
         build_lm_dataset("", 8, VOCAB)
-    with pytest.raises(FileNotFoundError, match=r"input text .*absent\.txt.* does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"input .*absent\.txt.* does not exist"):
         preprocess_tool.preprocess([str(tmp_path / "absent.txt")], tok.path, str(tmp_path / "o"))
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\n")
@@ -299,3 +299,43 @@ def test_shipped_kjv_tiny_is_consistent():
     entropy = corpus_stats_tool.unigram_entropy(corpus_stats_tool.token_counts(held_out.shard))
     readme = open(os.path.join(KJV_TINY, "README.md"), encoding="utf-8").read()
     assert f"{entropy:.4f}" in readme  # README quotes the current eval baseline
+
+
+@pytest.mark.parametrize("reset_attention_mask, reset_position_ids", [(True, True), (True, False), (False, True)])
+def test_document_ids_and_positions_follow_eos(work, reset_attention_mask, reset_position_ids):
+    """Reference from the token stream alone: a document ends at its EOS (the last token of the
+    document), so the token after an EOS starts the next document at position 0."""
+    seq_length = 48
+    dataset = LMDataset(work["prefix"], seq_length, reset_attention_mask=reset_attention_mask,
+                        reset_position_ids=reset_position_ids)
+    assert dataset.fields == ("input_ids", "labels", "document_ids", "position_ids")
+    indices = np.arange(0, len(dataset), 7)
+    inputs, labels, document_ids, position_ids = dataset.batch(indices)
+    assert document_ids.dtype == position_ids.dtype == np.int32
+    assert document_ids.shape == position_ids.shape == inputs.shape == (indices.size, seq_length)
+    for row, i in enumerate(indices):
+        window = work["reference"][i * seq_length:(i + 1) * seq_length]
+        doc, position, expected_docs, expected_positions = 0, 0, [], []
+        for token in window:
+            expected_docs.append(doc)
+            expected_positions.append(position)
+            doc, position = (doc + 1, 0) if token == EOS_ID else (doc, position + 1)
+        assert document_ids[row].tolist() == (expected_docs if reset_attention_mask else [0] * seq_length)
+        assert position_ids[row].tolist() == (expected_positions if reset_position_ids else list(range(seq_length)))
+    assert document_ids.max() > 0 or not reset_attention_mask               # windows do span documents
+    single = dataset[int(indices[3])]
+    assert len(single) == 4 and all(np.array_equal(a, b[3]) for a, b in zip(single, (inputs, labels, document_ids,
+                                                                                         position_ids)))
+    assert LMDataset(work["prefix"], seq_length).fields == ("input_ids", "labels")
+
+
+def test_blended_batch_carries_document_layout(work):
+    from moetrain.data.blend import BlendedDataset
+
+    parts = [LMDataset(work["prefix"], 32, reset_attention_mask=True, reset_position_ids=True) for _ in range(2)]
+    blend = BlendedDataset([("a", 1, parts[0]), ("b", 1, parts[1])])
+    fields = blend.batch([1, len(parts[0]) + 2, 5])
+    expected = [parts[0][1], parts[1][2], parts[0][5]]
+    assert len(fields) == 4 and blend.fields == parts[0].fields
+    for k, field in enumerate(fields):
+        assert field.dtype == np.int32 and np.array_equal(field, np.stack([e[k] for e in expected]))

@@ -67,17 +67,26 @@ def test_dp4_reproduces_one_process_with_and_without_accumulation(tiny_mnist, tm
 
 
 def test_zero1_and_zero2_reproduce_data_parallel_and_shard_optimizer_state(tiny_mnist, tmp_path):
-    args = overrides(tiny_mnist)
+    """2 micro-batches per rank: ZeRO-1 and -2 train as plain data parallel; each rank keeps the
+    optimizer state of its 1/4 shard, and under ZeRO-2 also only its 1/4 of the gradients between
+    micro-batches (the buffers the runner really held, against a count from the parameter sizes)."""
+    args = overrides(tiny_mnist) + ["train.micro_batch_size=4"]
     single, trainer, _ = one_process(tmp_path, args)
     unsharded = trainer.opt_step.optimizer_state_bytes()
+    full_gradients = 4 * sum(int(p.size) for p in trainer.opt_step.params)
+    assert trainer.runner.grad_bytes_held == full_gradients
     for level in (1, 2):
         dp4, ranks = distributed(4, args + ["parallel.data_parallel=4", f"parallel.optimizer_shard={level}"])
         assert_same_training(single, dp4)
         # AdamW keeps m and v (fp32) for each rank's ceil(n / 4)-element shard of every parameter
         expected = sum(2 * 4 * math.ceil(n / 4) for n in ranks[0]["param_sizes"])
+        shard_gradients = sum(4 * math.ceil(n / 4) for n in ranks[0]["param_sizes"])
         for r in ranks:
             assert r["optimizer_state_bytes"] == expected
+            # level 1 accumulates the whole (padded) gradient, level 2 only this rank's shard
+            assert r["gradient_bytes_held"] == (shard_gradients if level == 2 else 4 * shard_gradients)
         assert expected / unsharded == pytest.approx(0.25, rel=2e-3)
+    assert shard_gradients / full_gradients == pytest.approx(0.25, rel=2e-3)
 
 
 MNIST_DIR = os.path.join(SHARED_DATA, "mnist")

@@ -160,7 +160,7 @@ def test_cpu_capacity_layout_without_kernels_reproduces_the_rows_layout(ms, monk
 
 def test_alltoall_on_gpu_runs_as_allgather_with_one_log_line(ms, capsys):
     from moetrain.moe import ep_dispatcher
-    from moetrain.parallel.topology import single_group
+    from moetrain.dist.topology import single_group
 
     ep_dispatcher._logged_gpu_fallback.clear()
     for _ in range(2):
@@ -201,7 +201,7 @@ def alltoall_dispatcher():
     """ep=4, 8 experts (2 per rank), top-2, capacity layout: a pair capacity per destination and
     an expert capacity."""
     from moetrain.moe.ep_dispatcher import AllToAllDispatcher
-    from moetrain.parallel.topology import ParallelContext
+    from moetrain.dist.topology import ParallelContext
 
     return AllToAllDispatcher(8, 2, 0.0, ParallelContext.build(4, 0, 4, ep=4).group("ep"), "capacity")
 

@@ -25,7 +25,6 @@ def ms():
     (dict(num_groups=4, topk_groups=3, top_k=2), "moe.topk_groups: .* cannot exceed top_k"),
     (dict(num_experts=8, num_groups=4, topk_groups=1, top_k=3), "moe.top_k: top_k .3. exceeds the 2 experts"),
     (dict(score_func="relu"), "moe.score_func: 'relu' is not one of"),
-    (dict(dispatcher="ring"), "moe.dispatcher: 'ring' is not one of"),
     (dict(aux_loss_coeff=-0.1), "moe.aux_loss_coeff: must be a number >= 0"),
     (dict(route_scale=0), "moe.route_scale: must be a number > 0"),
     (dict(num_experts=2.5), "moe.num_experts: must be an integer >= 1"),
@@ -46,12 +45,16 @@ def test_config_shared_hidden_size():
     assert MoEConfig(num_shared_experts=2, shared_ffn_hidden_size=80).shared_hidden_size == 80
 
 
-def test_unimplemented_dispatcher_is_a_clear_error():
-    from moetrain.moe.config import MoEConfig
-    from moetrain.moe.layer import MoELayer
+def test_the_removed_dispatcher_key_is_an_unknown_key(tmp_path):
+    """`model.moe.dispatcher` was accepted and then raised NotImplementedError; the dispatcher is
+    chosen by `parallel.moe_token_dispatcher` now, and the old key is refused at config load."""
+    import os
 
-    with pytest.raises(NotImplementedError, match="moe.dispatcher 'alltoall' is not implemented yet"):
-        MoELayer(8, MoEConfig(dispatcher="alltoall"))
+    from moetrain.config import ConfigError, load_config
+
+    cfg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "moe_tiny.yaml")
+    with pytest.raises(ConfigError, match="unknown key 'model.moe.dispatcher'"):
+        load_config(cfg, ["model.moe.dispatcher=alltoall"])
 
 
 # ----------------------------------------------------------------------------------------------

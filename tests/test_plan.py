@@ -7,7 +7,7 @@ import pytest
 
 from moetrain.devices import GiB, DeviceProfile, get_device
 from moetrain.plan import (THROUGHPUT_TIE, Job, Layout, LayoutError, _tie_key, apply_layout, choose_layout,
-                           count_parameters, explain_cannot_run_here, flops_per_token, format_plan, layout_problems,
+                           count_parameters, explain_cannot_run_here, flops_per_token, format_plan, plan_problems,
                            load_plan_config, main, parameter_counts, plan, plan_layout)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,27 +184,27 @@ def test_expert_all_to_all_volume():
 # ------------------------------------------------------------------------------- validation
 def test_validation_messages():
     job = Job(model=tiny_moe({"num_experts": 6}), seq_length=16, global_batch_size=16)
-    problems = layout_problems(job, Layout(dp=2, tp=8, pp=3, ep=4, micro_batch_size=3, num_micro_batches=2),
-                               world_size=32)
+    problems = plan_problems(job, Layout(dp=2, tp=8, pp=3, ep=4, micro_batch_size=3, num_micro_batches=2),
+                             world_size=32)
     text = "\n".join(problems)
-    assert "= 48 devices, but the world size is 32" in text
+    assert "= 48 processes, but 32 were launched" in text
     assert "parallel.expert_parallel (4) must divide data_parallel (2)" in text
     assert "model.moe.num_experts (6) is not divisible by parallel.expert_parallel (4)" in text
     assert "model.num_heads (4) is not divisible by parallel.model_parallel (8)" in text
     assert "model.num_kv_heads (2) is not divisible by parallel.model_parallel (8)" in text
-    assert "model.num_layers (4) is not divisible by parallel.pipeline_stage (3)" in text
+    assert "model.num_layers=4 cannot be split evenly into parallel.pipeline_stage=3 stages" in text
     assert "2 micro-batch(es) per step cannot keep 3 pipeline stages busy" in text
     assert "train.global_batch_size (16) != data_parallel (2) x micro-batch size (3) x micro-batches (2)" in text
     with pytest.raises(LayoutError, match="use_seq_parallel needs model_parallel > 1"):
         plan_layout(job, Layout(dp=16, sequence_parallel=True), EXACT)
     dense = Job(model=tiny_gpt(), seq_length=4, global_batch_size=4)
-    assert layout_problems(dense, Layout(dp=4, ep=2)) == [
+    assert plan_problems(dense, Layout(dp=4, ep=2)) == [
         "parallel.expert_parallel (2) > 1 needs a MoE model; set it to 1"]
 
 
 def test_plan_of_config_checks_world_size():
     cfg = tiny_moe_cfg(world=8)
-    with pytest.raises(LayoutError, match=r"= 8 devices, but the world size is 16: set data_parallel to 16"):
+    with pytest.raises(LayoutError, match=r"= 8 processes, but 16 were launched: set parallel.data_parallel=16"):
         plan(cfg, world_size=16)
     assert plan(cfg).layout.world == 8
 
@@ -214,7 +214,7 @@ def test_choose_layout_tiny_moe_world_8():
     cfg = tiny_moe_cfg()
     settings, search = choose_layout(cfg, 8, device="cpu")
     chosen = search.chosen
-    assert chosen.fits and layout_problems(Job.of(cfg), chosen.layout, 8) == []
+    assert chosen.fits and plan_problems(Job.of(cfg), chosen.layout, 8) == []
     assert settings["data_parallel"] * settings["model_parallel"] * settings["pipeline_stage"] == 8
     assert settings == chosen.layout.parallel_settings() and settings["mode"] == "manual"
     invalid = search.with_status("invalid")
@@ -292,7 +292,7 @@ def test_cli(capsys):
     assert main([MOE_1B, "--set", "train.micro_batch_size=16", "--set", "parallel.recompute=none"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main([MOE_1B, "--world", "16"]) == 2
-    assert "set data_parallel to 16" in capsys.readouterr().err
+    assert "set parallel.data_parallel=16" in capsys.readouterr().err
     assert main([MOE_1B, "--device", "gpu_h100", "--search", "--world", "8"]) in (0, 1)
     out = capsys.readouterr().out
     assert "layout search" in out and "8 x gpu_h100" in out
@@ -323,15 +323,15 @@ def test_run_8p_on_moe_1b_stops_before_workers_on_a_machine_without_ascend():
 @pytest.mark.parametrize("name", ["gpt_tiny", "moe_tiny"])
 def test_auto_mode_picks_a_layout_that_validates_and_fits(name, world):
     from moetrain.config import load_config
-    from moetrain.parallel.topology import validate_layout
+    from moetrain.layout import check_layout
     from moetrain.trainer import resolve_auto_layout
 
     cfg = load_config(os.path.join(CONFIGS, f"{name}.yaml"), ["parallel.mode=auto"])
     chosen, search = resolve_auto_layout(cfg, world)
     layout = Layout.of(chosen)
     assert chosen.parallel.mode == "manual" and layout == search.chosen.layout and layout.world == world
-    assert layout_problems(Job.of(chosen), layout, world) == []
-    validate_layout(world, layout.dp, layout.tp, layout.pp, layout.ep)
+    assert plan_problems(Job.of(chosen), layout, world) == []
+    check_layout(layout, world=world)
     result = plan(chosen, world_size=world)
     assert result.fits and result.step_seconds == pytest.approx(search.chosen.step_seconds)
     assert chosen.dp * chosen.micro_batch_size * chosen.num_micro_batches == cfg.train.global_batch_size

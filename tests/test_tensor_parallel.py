@@ -225,9 +225,9 @@ def test_plan_keeps_this_ranks_slice_of_every_split_parameter(name, sequence_par
     import mindspore as ms
 
     from moetrain.parallel.plans import TP_PLANS
-    from moetrain.parallel.sharding import shard_spec
+    from moetrain.dist.sharding import shard_spec
     from moetrain.parallel.tensor_parallel import is_sequence_parallel, parallelize_module
-    from moetrain.parallel.topology import Group
+    from moetrain.dist.topology import Group
     from moetrain.registry import get_model
 
     ms.set_device("CPU")
@@ -258,20 +258,19 @@ def test_plan_keeps_this_ranks_slice_of_every_split_parameter(name, sequence_par
 
 
 def test_layout_checks_name_every_size_that_does_not_split():
-    from moetrain.parallel.tensor_parallel import check_tensor_parallel
+    from moetrain.layout import Layout, ModelShape, layout_problems
 
     cfg = tiny_model_config("moe_gpt", vocab_size=50, num_heads=6, num_kv_heads=3, hidden_size=24, first_k_dense=1,
                             ffn_hidden_size=30)
-    with pytest.raises(ValueError) as err:
-        check_tensor_parallel(cfg, 4, sequence_parallel=True, seq_length=6)
-    message = str(err.value)
-    for expected in ("model.num_heads=6", "model.num_kv_heads=3", "model.vocab_size=50", "model.ffn_hidden_size=30",
-                     "data.seq_length=6", "choose parallel.model_parallel in [1, 2, 3, 6]"):
+    message = "\n".join(layout_problems(Layout(tp=4, sequence_parallel=True), ModelShape.of(cfg), seq_length=6))
+    for expected in ("model.num_heads (6)", "model.num_kv_heads (3)", "model.vocab_size (50)",
+                     "model.ffn_hidden_size (30)", "sequence length (6)", "choose model_parallel in [1, 2, 3, 6]"):
         assert expected in message
-    check_tensor_parallel(tiny_model_config("gpt"), 2, sequence_parallel=True, seq_length=8)   # fits: no error
+    assert layout_problems(Layout(tp=2, sequence_parallel=True), ModelShape.of(tiny_model_config("gpt")),
+                           seq_length=8) == []
     with pytest.raises(ValueError, match="is not divisible by tp=2"):   # sizes found only while slicing
         from moetrain.parallel.tensor_parallel import shard_parameter
-        from moetrain.parallel.topology import Group
+        from moetrain.dist.topology import Group
         from moetrain.layers import Linear
 
         shard_parameter(Linear(4, 5).weight, 0, Group("tp", (0, 1), 0, "unused"))

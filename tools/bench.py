@@ -10,6 +10,9 @@ graph compiles in the first) are not timed. Printed fields:
 
   tokens_per_s      batch * seq / median step time
   step_ms_median    median wall time of the timed steps (plus min and max)
+  compile_s         the first step's wall time minus the median step: graph compilation (the
+                    grad step, the optimizer's prepare and apply) and the first run's allocations
+  first_step_s      the first step's wall time
   mfu               model FLOPs (moetrain.plan.flops_per_token: 6 x active matmul params + the
                     attention matmuls) per second / peak_gflops
   peak_gflops       back-to-back fp32 matmul throughput of this machine, measured at start: the
@@ -191,9 +194,12 @@ def run(args) -> dict:
             trainer = Trainer(cfg)
             load_before = loadavg()
             times, cpu_times, records = [], [], []
+            first_step_s = None
             for step in range(args.warmup + args.steps):
                 start, cpu_start = time.perf_counter(), time.process_time()
                 records.append(trainer.train_step())
+                if step == 0:
+                    first_step_s = time.perf_counter() - start
                 if step >= args.warmup:
                     times.append(time.perf_counter() - start)
                     cpu_times.append(time.process_time() - cpu_start)
@@ -211,6 +217,8 @@ def run(args) -> dict:
         "step_ms_min": round(min(times) * 1e3, 1),
         "step_ms_max": round(max(times) * 1e3, 1),
         "cpu_ms_median": round(statistics.median(cpu_times) * 1e3, 1),
+        "compile_s": round(first_step_s - step_s, 2),
+        "first_step_s": round(first_step_s, 2),
         "mfu": round(model_flops / (peak_gflops * 1e9), 4),
         "model_gflops_per_s": round(model_flops / 1e9, 2),
         "peak_gflops": round(peak_gflops, 1),

@@ -10,6 +10,7 @@ command from the same directory to get the same sha256 (shards store it to detec
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from moetrain.data.tokenizer import Tokenizer, train_tokenizer
@@ -28,8 +29,12 @@ def main(argv=None) -> Tokenizer:
     parser.add_argument("--character-coverage", type=float, default=1.0)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    model_path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, args.model_type,
-                                 args.special_tokens, args.byte_fallback, args.character_coverage)
+    try:
+        model_path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, args.model_type,
+                                     args.special_tokens, args.byte_fallback, args.character_coverage)
+    except (ValueError, FileNotFoundError) as exc:      # bad input: the message, not a traceback
+        print(f"train_tokenizer.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     tokenizer = Tokenizer(model_path)
     print(f"{model_path}: vocab_size={tokenizer.vocab_size} unk={tokenizer.unk_id} bos={tokenizer.bos_id} "
           f"eos={tokenizer.eos_id} pad={tokenizer.pad_id} sha256={tokenizer.checksum} "

@@ -17,7 +17,7 @@ is `<state prefix>.<parameter name>` (`adam_m.layers.0.attn.wq.weight`) at any Z
 fp32 masters are `zero_master.<parameter name>` (at level 0 the parameter is its own master).
 
 A piece is the tensor a rank holds: a `ShardSpec` slice of the global tensor (tensor / expert
-parallel, see `moetrain.parallel.sharding`) and, under ZeRO, the `flat` range [start, stop) of that
+parallel, see `moetrain.dist.sharding`) and, under ZeRO, the `flat` range [start, stop) of that
 slice's flattened elements (the padding past the end is not saved). Inside a shard file a piece is
 stored under its key. Replicas are written once, by the first holder: rank 0 of the parameter's
 reduction group (dp, or edp for expert parameters) and tensor-parallel rank 0 unless the tensor is
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -37,14 +38,14 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from moetrain.checkpoint.manager import (MANIFEST, CheckpointError, CheckpointWriter, prune_checkpoints,
-                                         read_manifest, sha256_of, verify_files)
-from moetrain.parallel.sharding import MASTER_PREFIX, ShardSpec
+from moetrain.checkpoint.manager import (MANIFEST, METADATA, CheckpointError, CheckpointSaveError, CheckpointWriter,
+                                         latest_of_run, prune_checkpoints, read_manifest, sha256_of, verify_files)
+from moetrain.dist.sharding import MASTER_PREFIX, ShardSpec
 
-METADATA = "metadata.json"
 FORMAT = "moetrain-sharded-v1"
 PARTS = ("model", "optimizer")
 _INDEX = "pieces-rank{rank:05d}.json"    # one rank's piece list; merged into metadata.json by rank 0
+_FAILED = "failed-rank{rank:05d}.txt"    # an asynchronous save failed on that rank: rank 0 stops waiting
 ASYNC_COMMIT_TIMEOUT_S = 600.0          # rank 0 waits this long for the other ranks' files (async save)
 
 
@@ -130,7 +131,7 @@ class _RowPiece:
 
 def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
     """Every model and optimizer tensor this rank holds (`opt_step`: `OptimizerStep`)."""
-    from moetrain.parallel.sharding import reduction_group_kind, shard_spec
+    from moetrain.dist.sharding import reduction_group_kind, shard_spec
 
     out = []
     for param in model.get_parameters():
@@ -276,64 +277,130 @@ def finish_checkpoint(writer: CheckpointWriter, world_size: int, metadata: Dict[
     tensors, checksums = merge_indices(writer.tmp, world_size)
     writer.json(METADATA, {**metadata, "tensors": tensors})
     writer.copy("config.yaml", config_file)
-    return writer.commit(known=checksums)
+    return writer.commit(known=checksums, run_id=metadata.get("run_id"))
 
 
 class ShardedCheckpointer:
     """Saves one rank's share of every checkpoint; rank 0 completes and publishes it.
 
     With `async_save`, `save` only takes host copies of this rank's tensors (a few ms) and a
-    background thread writes them; rank 0's thread waits for every rank's piece index (a file, so no
-    collective runs off the main thread), then publishes. The next `save` (or `wait`) first finishes
-    the previous one and re-raises its error, if any."""
+    background (daemon) thread writes them; rank 0's thread waits for every rank's piece index (a
+    file, so no collective runs off the main thread), then publishes. The next `save` (or `wait`)
+    first finishes the previous one. A process that fails does not wait for the thread.
 
-    def __init__(self, root: str, pctx, keep_max: int, async_save: bool = False):
+    A failed write (disk full, I/O error) on any rank fails the save on every rank (they agree
+    through an all-reduce where a plain save would barrier): the temporary folder is removed, the
+    previous checkpoints stay as they were, and the error names the path. `on_save_error`: "stop"
+    raises CheckpointSaveError; "continue" warns and training goes on (the next save tries again)."""
+
+    def __init__(self, root: str, pctx, keep_max: int, async_save: bool = False, on_save_error: str = "stop"):
         self.root, self.pctx, self.keep_max, self.async_save = root, pctx, keep_max, async_save
+        self.on_save_error = on_save_error
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._pending: Optional[Tuple[int, CheckpointWriter, Optional[str]]] = None   # async: step, writer, run
 
-    def save(self, step: int, tensors: Sequence[LocalTensor], metadata: Dict[str, Any], config_file: str) -> str:
-        from moetrain.parallel import comm
-
+    def save(self, step: int, tensors: Sequence[LocalTensor], metadata: Dict[str, Any],
+             config_file: str) -> Optional[str]:
+        """Write checkpoint `step`; returns its path (None when it failed under on_save_error=continue)."""
         self.wait()
+        try:
+            return self._save(step, tensors, metadata, config_file)
+        except CheckpointSaveError as exc:
+            return self._failed(exc)
+
+    def wait(self) -> None:
+        """Finish the pending asynchronous save; a failure is handled as in `save`."""
+        try:
+            self._wait()
+        except CheckpointSaveError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: CheckpointSaveError) -> None:
+        if self.on_save_error == "stop":
+            raise exc
+        print(f"moetrain: warning: {exc} (checkpoint.on_save_error=continue: training goes on; the next save "
+              f"tries again)", file=sys.stderr, flush=True)
+        return None
+
+    def _attempt(self, writer: Optional[CheckpointWriter], step: int, fn) -> Optional[CheckpointSaveError]:
+        """Run `fn`; an OSError (ENOSPC, EIO, ...) becomes a CheckpointSaveError naming the folder."""
+        try:
+            fn()
+        except CheckpointSaveError as exc:
+            return exc
+        except OSError as exc:
+            where = writer.tmp if writer is not None else os.path.join(self.root, f"step_{step:08d}")
+            return CheckpointSaveError(f"could not write checkpoint {os.path.join(self.root, f'step_{step:08d}')} "
+                                       f"(files in {where}): {exc}")
+        return None
+
+    def _agree(self, error: Optional[CheckpointSaveError], step: int, writer: Optional[CheckpointWriter],
+               run_id: Optional[str]) -> None:
+        """Every rank learns whether any rank failed; then all raise, and rank 0 removes the folder."""
+        from moetrain.faults import failed_ranks
+
+        failed = failed_ranks(error is not None, self.pctx) if self.pctx.world_size > 1 else ([0] if error else [])
+        if not failed:
+            return
+        if self.pctx.rank == 0 and writer is not None:
+            shutil.rmtree(writer.tmp, ignore_errors=True)      # free what the failed save took
+        previous = latest_of_run(self.root, run_id)
+        kept = (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
+        if error is not None:
+            raise CheckpointSaveError(f"{error}; checkpoint step {step} was not saved, {kept}") from error
+        raise CheckpointSaveError(f"checkpoint step {step} failed on rank(s) {failed} (their logs name the path); "
+                                  f"it was not saved, {kept}")
+
+    def _save(self, step: int, tensors: Sequence[LocalTensor], metadata: Dict[str, Any], config_file: str) -> str:
         rank, world = self.pctx.rank, self.pctx.world_size
-        distributed = world > 1
-        writer = CheckpointWriter(self.root, step, suffix="job" if distributed else None, create=rank == 0)
-        if distributed:
-            comm.barrier()      # the folder exists before anyone writes into it
+        run_id = metadata.get("run_id")
+        holder: List[CheckpointWriter] = []
+        error = self._attempt(None, step, lambda: holder.append(
+            CheckpointWriter(self.root, step, suffix="job" if world > 1 else None, create=rank == 0)))
+        writer = holder[0] if holder else None
+        self._agree(error, step, writer, run_id)      # the folder exists before anyone writes into it
         whole = whole_parts(metadata["layout"], tensors)
         items = [(t, host_copy(t)) for t in tensors if t.writes]
         final = os.path.join(self.root, writer.name)
         if self.async_save:
+            self._pending = (step, writer, run_id)
             self._thread = threading.Thread(target=self._background, name=f"checkpoint-{writer.name}",
-                                            args=(writer, items, whole, metadata, config_file))
+                                            args=(writer, items, whole, metadata, config_file), daemon=True)
             self._thread.start()
             return final
-        write_rank_pieces(writer, rank, items, whole)
-        if distributed:
-            comm.barrier()
+        error = self._attempt(writer, step, lambda: write_rank_pieces(writer, rank, items, whole))
+        self._agree(error, step, writer, run_id)
         if rank == 0:
-            final = finish_checkpoint(writer, world, metadata, config_file)
-            prune_checkpoints(self.root, self.keep_max)
-        if distributed:
-            comm.barrier()
+            error = self._attempt(writer, step, lambda: (finish_checkpoint(writer, world, metadata, config_file),
+                                                         prune_checkpoints(self.root, self.keep_max, run_id, step)))
+        self._agree(error, step, writer, run_id)
         return final
 
     def _background(self, writer, items, whole, metadata, config_file) -> None:
+        rank = self.pctx.rank
         try:
-            write_rank_pieces(writer, self.pctx.rank, items, whole)
-            if self.pctx.rank == 0:
+            write_rank_pieces(writer, rank, items, whole)
+            if rank == 0:
                 self._wait_for_ranks(writer.tmp)
                 finish_checkpoint(writer, self.pctx.world_size, metadata, config_file)
-                prune_checkpoints(self.root, self.keep_max)
-        except BaseException as exc:  # re-raised on the main thread by wait()
+                prune_checkpoints(self.root, self.keep_max, metadata.get("run_id"), metadata["step"])
+        except BaseException as exc:  # handled on the main thread by wait()
             self._error = exc
             print(f"moetrain: asynchronous save of {writer.name} failed: {exc!r}", file=sys.stderr, flush=True)
+            try:    # tell rank 0's thread to stop waiting for this rank
+                with open(os.path.join(writer.tmp, _FAILED.format(rank=rank)), "w") as fh:
+                    fh.write(repr(exc))
+            except OSError:
+                pass
 
     def _wait_for_ranks(self, folder: str) -> None:
         deadline = time.monotonic() + ASYNC_COMMIT_TIMEOUT_S
         missing = list(range(self.pctx.world_size))
         while missing:
+            failed = [r for r in range(self.pctx.world_size) if os.path.isfile(os.path.join(folder, _FAILED.format(rank=r)))]
+            if failed:
+                raise CheckpointError(f"ranks {failed} failed to write their part of {folder}")
             missing = [r for r in missing if not os.path.isfile(os.path.join(folder, _INDEX.format(rank=r)))]
             if missing and time.monotonic() > deadline:
                 raise CheckpointError(f"ranks {missing} did not finish writing {folder} within "
@@ -341,14 +408,18 @@ class ShardedCheckpointer:
             if missing:
                 time.sleep(0.05)
 
-    def wait(self) -> None:
-        """Finish the pending asynchronous save; raise its error."""
+    def _wait(self) -> None:
+        if self._pending is None:
+            return
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"the previous asynchronous checkpoint save failed: {error!r}") from error
+        (step, writer, run_id), self._pending = self._pending, None
+        error, self._error = self._error, None
+        if error is not None and not isinstance(error, CheckpointSaveError):
+            wrapped = CheckpointSaveError(f"the asynchronous save of {writer.tmp} failed: {error!r}")
+            error = wrapped.with_traceback(error.__traceback__)
+        self._agree(error, step, writer, run_id)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -375,6 +446,11 @@ class CheckpointReader:
         elif os.path.isfile(os.path.join(path, "trainer_state.json")):
             raise CheckpointError(f"{path} was written by an older moetrain (trainer_state.json, no {METADATA}); "
                                   f"its format is not readable any more: retrain, or consolidate it with that version")
+        elif os.path.isfile(os.path.join(path, MANIFEST)) or os.path.basename(os.path.normpath(path)).startswith("step_"):
+            # a training checkpoint without its metadata: refuse, never fall back to "weights only at step 0"
+            raise CheckpointError(f"{path} is a training checkpoint without {METADATA} (damaged or not fully "
+                                  f"copied): its step, data position and optimizer layout are unknown; resume from "
+                                  f"another checkpoint")
         elif os.path.isfile(os.path.join(path, WEIGHTS_FILE)) and os.path.isfile(os.path.join(path, CONFIG_FILE)):
             self.manifest = None
             self.metadata = _model_dir_metadata(path)
@@ -538,7 +614,7 @@ def consolidate(src: str, out_dir: str) -> Dict[str, np.ndarray]:
 
 def parse_layout(text: str) -> Dict[str, int]:
     """`dp=4,tp=2,pp=1,ep=1,zero=1` (omitted sizes are 1, zero is 0) -> a validated layout dict."""
-    from moetrain.parallel.topology import LayoutError, validate_layout
+    from moetrain.layout import Layout, LayoutError, check_layout
 
     sizes = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "zero": 0}
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -551,7 +627,8 @@ def parse_layout(text: str) -> Dict[str, int]:
         raise ValueError(f"--to-layout: zero={sizes['zero']} must be 0, 1 or 2")
     world = sizes["dp"] * sizes["tp"] * sizes["pp"]
     try:
-        validate_layout(world, sizes["dp"], sizes["tp"], sizes["pp"], sizes["ep"])
+        check_layout(Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], ep=sizes["ep"],
+                            num_micro_batches=sizes["pp"], zero=sizes["zero"]), world=world)
     except LayoutError as exc:
         raise ValueError(f"--to-layout {text!r}: {exc}") from None
     return {"world_size": world, "dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"], "ep": sizes["ep"],
@@ -560,7 +637,7 @@ def parse_layout(text: str) -> Dict[str, int]:
 
 def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int) -> List[LocalTensor]:
     """The tensors rank `rank` of `layout` would hold, from the saved tensors' slicing rules."""
-    from moetrain.parallel.topology import ParallelContext
+    from moetrain.dist.topology import ParallelContext
 
     pctx = ParallelContext.build(layout["world_size"], rank, layout["dp"], layout["tp"], layout["pp"], layout["ep"])
     zero = layout["optimizer_shard"] > 0

@@ -1,106 +1,54 @@
-"""Hugging Face interchange: Mixtral <-> `moe_gpt`, Llama <-> `gpt`.
+"""Hugging Face interchange: Llama/Mistral <-> `gpt`, Mixtral <-> `moe_gpt`, DeepSeek-V3 <->
+`deepseek_v3`, Qwen3-MoE <-> `qwen3_moe`.
 
     moetrain convert hf-import HF_DIR OUT_DIR                       # -> model directory
     moetrain convert hf-export CKPT_DIR OUT_DIR [--layout fused]    # -> config.json + model.safetensors
 
 HF side: `config.json` plus `*.safetensors` (one file, or shards listed in
-`model.safetensors.index.json`; F32/F16/BF16). Mixtral experts come in two layouts, both read:
+`model.safetensors.index.json`; F32/F16/BF16, and FP8 block-quantized weights with
+`weight_scale_inv`, see `hf_io.py`). Routed experts come in two layouts, both read:
 
-    per_expert (transformers < 5)   model.layers.{i}.block_sparse_moe.gate.weight        [E, H]
-                                    model.layers.{i}.block_sparse_moe.experts.{j}.w1/w3.weight [F, H]
-                                    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight    [H, F]
-    fused (transformers >= 5)       model.layers.{i}.mlp.gate.weight                     [E, H]
-                                    model.layers.{i}.mlp.experts.gate_up_proj            [E, 2F, H] (w1 rows, then w3)
-                                    model.layers.{i}.mlp.experts.down_proj               [E, H, F]
+    per_expert (published checkpoints;       Mixtral   block_sparse_moe.gate.weight            [E, H]
+      what transformers 5 writes on save)              block_sparse_moe.experts.{j}.w1/w3.weight [F, H], w2 [H, F]
+                                             others    mlp.gate.weight, mlp.experts.{j}.{gate,up,down}_proj.weight
+    fused (transformers 5 in memory)         all       mlp.gate.weight                          [E, H]
+                                                       mlp.experts.gate_up_proj  [E, 2F, H] (gate rows, then up)
+                                                       mlp.experts.down_proj     [E, H, F]
 
-moetrain keeps experts as `moe.experts.w_gate / w_up [E, H, F]`, `w_down [E, F, H]` (batched-matmul
-friendly), so conversion transposes each expert matrix; everything else is renamed only. The
-router (`moe.router.weight`) sees the normed hidden state, softmax -> top-k -> renormalise, as in
-Mixtral. Tensors are converted to fp32 exactly (bf16/fp16 -> fp32 is lossless), so export after
-import reproduces the HF tensors bit for bit (in fp32).
+moetrain keeps experts as `moe.experts.w_gate / w_up [E, H, F]`, `w_down [E, F, H]`, so conversion
+transposes each expert matrix; everything else is renamed only. DeepSeek-V3's multi-token-prediction
+layer k sits at `model.layers.{num_hidden_layers + k}` in published checkpoints (its `enorm`, `hnorm`,
+`eh_proj`, `shared_head.norm`, a full decoder layer, and copies of the embedding and LM head, which
+moetrain shares: import checks that they are copies, export writes them). Import consumes every
+tensor or fails naming the leftovers. Tensors become fp32 exactly, so export after import reproduces
+the HF tensors bit for bit (in fp32).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
-import struct
 import sys
-from typing import Any, Dict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 
+from moetrain.checkpoint.hf_io import load_hf_weights, read_safetensors  # noqa: F401  (re-exported)
 from moetrain.checkpoint.model_dir import build_config_from_dict, load_model_dir, save_model_dir
 
 LAYOUTS = ("per_expert", "fused")
 
-# moetrain name -> HF name, inside `layers.{i}.` / `model.layers.{i}.`.
-_BLOCK_NAMES = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_DENSE_MLP_NAMES = {
-    "mlp.w_gate.weight": "mlp.gate_proj.weight",
-    "mlp.w_up.weight": "mlp.up_proj.weight",
-    "mlp.w_down.weight": "mlp.down_proj.weight",
-}
+_MODEL_TYPES = {"llama": "gpt", "mistral": "gpt", "mixtral": "moe_gpt", "deepseek_v3": "deepseek_v3",
+                "qwen3_moe": "qwen3_moe"}
+_DEFAULT_ROPE_THETA = {"mixtral": 1e6, "llama": 1e4, "mistral": 1e4, "deepseek_v3": 1e4, "qwen3_moe": 1e4}
+_DEFAULT_NORM_EPS = {"llama": 1e-6, "mistral": 1e-5, "mixtral": 1e-5, "deepseek_v3": 1e-6, "qwen3_moe": 1e-6}
 # HF tensors that carry no weights (old checkpoints saved the RoPE frequencies).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-_MODEL_TYPES = {"mixtral": "moe_gpt", "llama": "gpt", "mistral": "gpt"}
-_DEFAULT_ROPE_THETA = {"mixtral": 1e6, "llama": 1e4, "mistral": 1e4}
-
-
-# ----------------------------------------------------------------------------------------------
-# safetensors I/O (own reader: numpy has no bfloat16, which most HF checkpoints use)
-# ----------------------------------------------------------------------------------------------
-_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
-
-
-def read_safetensors(path: str) -> Dict[str, np.ndarray]:
-    """All tensors of a .safetensors file as fp32 arrays."""
-    with open(path, "rb") as fh:
-        header_len = struct.unpack("<Q", fh.read(8))[0]
-        header = json.loads(fh.read(header_len))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        raw = data[start:end]
-        if info["dtype"] == "BF16":   # the top half of an fp32: widen exactly
-            array = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        elif info["dtype"] in _SAFETENSORS_DTYPES:
-            array = raw.view(np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<"))
-        else:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}; only F32, F16, BF16 and F64 "
-                             f"weights can be imported (dequantize the checkpoint first)")
-        tensors[name] = array.astype(np.float32).reshape(info["shape"])
-    return tensors
-
-
-def load_hf_weights(hf_dir: str) -> Dict[str, np.ndarray]:
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as fh:
-            files = sorted(set(json.load(fh)["weight_map"].values()))
-        paths = [os.path.join(hf_dir, f) for f in files]
-    else:
-        paths = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if not paths:
-        raise FileNotFoundError(f"{hf_dir!r} has no *.safetensors weights (PyTorch .bin checkpoints are not "
-                                f"supported: re-save them with safetensors)")
-    weights = {}
-    for path in paths:
-        weights.update(read_safetensors(path))
-    return weights
+# DeepSeek-V3's aux-loss-free balancing: bias step per update (paper: 0.001) and sequence-wise aux loss.
+DEEPSEEK_BIAS_UPDATE_RATE = 1e-3
+DEEPSEEK_SEQ_AUX_LOSS = 1e-4
 
 
 def _write_atomic_json(path: str, obj) -> None:
@@ -111,18 +59,52 @@ def _write_atomic_json(path: str, obj) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Configs
+# Configs: config.json -> `model:` section
 # ----------------------------------------------------------------------------------------------
+def _refuse(hf: Dict[str, Any], key: str, why: str):
+    raise ValueError(f"config.json: {key}={hf.get(key)!r}: {why}; hf-import supports the plain "
+                     f"{hf.get('model_type')} architecture only")
+
+
+def _rope_parameters(hf: Dict[str, Any], model_type: str) -> Tuple[float, Dict[str, Any]]:
+    """`(rope_theta, scaling)`: transformers 5 `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    legacy = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    scaling = {**legacy, **params}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        scaling = {}
+    elif kind != "yarn" or model_type != "deepseek_v3":
+        key = "rope_parameters" if params.get("rope_type", "default") != "default" else "rope_scaling"
+        _refuse(hf, key, "RoPE scaling (linear, dynamic, llama3, ...) is not implemented (YaRN only for DeepSeek-V3)")
+    return float(theta if theta is not None else _DEFAULT_ROPE_THETA[model_type]), scaling
+
+
+def _check_common(hf: Dict[str, Any]) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(hf, "hidden_act", "only SwiGLU MLPs (silu) are implemented")
+    window = hf.get("sliding_window")
+    if window is not None and hf.get("use_sliding_window", True) and window < hf["max_position_embeddings"]:
+        _refuse(hf, "sliding_window", f"sliding-window attention (window {window} < max_position_embeddings "
+                                      f"{hf['max_position_embeddings']}) is not implemented")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            _refuse(hf, key, "projection biases are not implemented")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        _refuse(hf, "partial_rotary_factor", "partial RoPE is not implemented")
+    if hf.get("pretraining_tp", 1) not in (1, None):
+        _refuse(hf, "pretraining_tp", "set it to 1 (it only changes how HF splits the matmuls)")
+
+
 def hf_config_to_model_dict(hf: Dict[str, Any]) -> Dict[str, Any]:
-    """HF Mixtral/Llama config.json -> complete moetrain `model:` section (validated)."""
+    """HF config.json -> complete moetrain `model:` section (validated)."""
     model_type = hf.get("model_type")
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"config.json: model_type {model_type!r} is not supported; hf-import reads "
                          f"{sorted(_MODEL_TYPES)}")
-    _check_supported(hf, model_type)
-    rope_theta = hf.get("rope_theta")
-    if isinstance(hf.get("rope_parameters"), dict) and "rope_theta" in hf["rope_parameters"]:
-        rope_theta = hf["rope_parameters"]["rope_theta"]     # transformers >= 5
+    _check_common(hf)
+    rope_theta, scaling = _rope_parameters(hf, model_type)
     num_heads = hf["num_attention_heads"]
     model = {
         "name": _MODEL_TYPES[model_type],
@@ -134,25 +116,24 @@ def hf_config_to_model_dict(hf: Dict[str, Any]) -> Dict[str, Any]:
         "ffn_hidden_size": hf["intermediate_size"],
         "seq_length": hf["max_position_embeddings"],
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        "rope_theta": float(rope_theta if rope_theta is not None else _DEFAULT_ROPE_THETA[model_type]),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6 if model_type == "llama" else 1e-5)),
+        "rope_theta": rope_theta,
+        "norm_eps": float(hf.get("rms_norm_eps", _DEFAULT_NORM_EPS[model_type])),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "init_std": float(hf.get("initializer_range", 0.02)),
     }
     if model_type == "mixtral":
-        model.update(first_k_dense=0, moe_layer_freq=1, moe={
-            "num_experts": hf["num_local_experts"],
-            "top_k": hf["num_experts_per_tok"],
-            "ffn_hidden_size": hf["intermediate_size"],
-            "num_shared_experts": 0,
-            "score_func": "softmax",
-            "norm_topk_prob": True,
-            "route_scale": 1.0,
-            "num_groups": 1,
-            "topk_groups": 1,
-            "aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
-            "capacity_factor": 0.0,   # dropless, as Mixtral
-        })
+        model.update(first_k_dense=0, moe_layer_freq=1, moe=_moe_section(
+            num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], ffn_hidden_size=hf["intermediate_size"],
+            aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001))))
+    elif model_type == "qwen3_moe":
+        model.update(decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+                     mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+                     moe=_moe_section(num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+                                      top_k=hf["num_experts_per_tok"], ffn_hidden_size=hf["moe_intermediate_size"],
+                                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                                      aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001))))
+    elif model_type == "deepseek_v3":
+        model.update(_deepseek_fields(hf, scaling))
     try:
         cfg = build_config_from_dict(model)
     except ValueError as exc:
@@ -160,127 +141,279 @@ def hf_config_to_model_dict(hf: Dict[str, Any]) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _check_supported(hf: Dict[str, Any], model_type: str) -> None:
-    def refuse(key, why):
-        raise ValueError(f"config.json: {key}={hf.get(key)!r}: {why}; hf-import supports only the plain "
-                         f"Llama/Mixtral architecture")
-
-    if hf.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "only SwiGLU MLPs (silu) are implemented")
-    window = hf.get("sliding_window")
-    if window is not None and hf.get("use_sliding_window", True) and window < hf["max_position_embeddings"]:
-        refuse("sliding_window", f"sliding-window attention (window {window} < max_position_embeddings "
-                                 f"{hf['max_position_embeddings']}) is not implemented")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            refuse(key, "projection biases are not implemented")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse("partial_rotary_factor", "partial RoPE is not implemented")
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(key)
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-            refuse(key, "RoPE scaling (linear, dynamic, yarn, llama3, ...) is not implemented")
-    if hf.get("pretraining_tp", 1) != 1:
-        refuse("pretraining_tp", "set it to 1 (it only changes how HF splits the matmuls)")
+def _moe_section(**keys) -> Dict[str, Any]:
+    """A Mixtral-style `moe:` section (softmax, renormalised top-k, dropless) with `keys` replaced."""
+    moe = {"num_shared_experts": 0, "score_func": "softmax", "norm_topk_prob": True, "route_scale": 1.0,
+           "num_groups": 1, "topk_groups": 1, "capacity_factor": 0.0}
+    moe.update(keys)
+    return moe
 
 
+def _deepseek_fields(hf: Dict[str, Any], scaling: Dict[str, Any]) -> Dict[str, Any]:
+    if hf.get("scoring_func", "sigmoid") != "sigmoid":
+        _refuse(hf, "scoring_func", "DeepSeek-V3 routes with sigmoid scores")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        _refuse(hf, "topk_method", "DeepSeek-V3 uses noaux_tc (group-limited top-k with the correction bias)")
+    if hf.get("moe_layer_freq", 1) != 1:
+        _refuse(hf, "moe_layer_freq", "every layer after first_k_dense_replace is MoE in DeepSeek-V3")
+    num_heads = hf["num_attention_heads"]
+    fields = {
+        "num_kv_heads": num_heads, "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+        "q_lora_rank": hf.get("q_lora_rank") or 0, "kv_lora_rank": hf["kv_lora_rank"],
+        "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
+        "v_head_dim": hf["v_head_dim"], "rope_interleave": bool(hf.get("rope_interleave", True)),
+        "first_k_dense": hf.get("first_k_dense_replace", 0), "moe_layer_freq": 1,
+        "mtp_depth": hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0,
+        "moe": _moe_section(
+            num_experts=hf.get("n_routed_experts", hf.get("num_local_experts")), top_k=hf["num_experts_per_tok"],
+            ffn_hidden_size=hf["moe_intermediate_size"], num_shared_experts=hf.get("n_shared_experts") or 0,
+            score_func="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            route_scale=float(hf.get("routed_scaling_factor", 1.0)), num_groups=hf.get("n_group") or 1,
+            topk_groups=hf.get("topk_group") or 1, group_score_topk=2, aux_loss_coeff=0.0,
+            seq_aux_loss_coeff=float(hf.get("aux_loss_alpha", DEEPSEEK_SEQ_AUX_LOSS)),
+            bias_update_rate=DEEPSEEK_BIAS_UPDATE_RATE)}
+    if scaling:
+        fields.update(yarn_factor=float(scaling["factor"]),
+                      yarn_original_max_positions=int(scaling["original_max_position_embeddings"]),
+                      yarn_beta_fast=float(scaling.get("beta_fast") or 32), yarn_beta_slow=float(scaling.get("beta_slow") or 1),
+                      yarn_mscale=float(scaling.get("mscale") or 0.0),
+                      yarn_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0))
+        if scaling.get("attention_factor") is not None or scaling.get("truncate", True) is not True:
+            _refuse(hf, "rope_parameters", "YaRN with an explicit attention_factor or truncate: false is not implemented")
+    return fields
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs: `model:` section -> config.json
+# ----------------------------------------------------------------------------------------------
 def model_dict_to_hf_config(model: Dict[str, Any]) -> Dict[str, Any]:
-    """moetrain `model:` section -> HF config.json (Mixtral for moe_gpt, Llama for gpt)."""
+    """moetrain `model:` section -> HF config.json of its family."""
     cfg = build_config_from_dict(model)
+    exporters = {"gpt": _llama_config, "moe_gpt": _mixtral_config, "qwen3_moe": _qwen3_config,
+                 "deepseek_v3": _deepseek_config}
+    if cfg.name not in exporters:
+        raise ValueError(f"model.name {cfg.name!r} has no Hugging Face format; hf-export handles "
+                         f"{sorted(exporters)}")
     hf = {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_hidden_size,
-        "max_position_embeddings": cfg.seq_length,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
-        "torch_dtype": "float32",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_hidden_size, "max_position_embeddings": cfg.seq_length,
+        "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std, "hidden_act": "silu", "attention_dropout": 0.0, "torch_dtype": "float32",
         "use_cache": True,
     }
-    if cfg.name == "gpt":
-        hf.update(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False)
-        return hf
-    if cfg.name != "moe_gpt":
-        raise ValueError(f"model.name {cfg.name!r} has no Hugging Face format; hf-export handles gpt (Llama) "
-                         f"and moe_gpt (Mixtral)")
-    moe = cfg.moe
+    hf.update(exporters[cfg.name](cfg))
+    return hf
 
-    def refuse(key, value, want):
-        raise ValueError(f"model.{key}={value!r} cannot be expressed in the Mixtral format (needs {want})")
 
+def _refuse_export(family: str, key: str, value, want: str):
+    raise ValueError(f"model.{key}={value!r} cannot be expressed in the {family} format (needs {want})")
+
+
+def _check_moe_export(cfg, family: str, **want) -> None:
+    """Refuse MoE settings `family` cannot express; `want`: moe key -> (required value, why)."""
+    for key, (value, why) in want.items():
+        if getattr(cfg.moe, key) != value:
+            _refuse_export(family, f"moe.{key}", getattr(cfg.moe, key), why)
+
+
+def _llama_config(cfg) -> Dict[str, Any]:
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False, "mlp_bias": False}
+
+
+def _mixtral_config(cfg) -> Dict[str, Any]:
     if cfg.first_k_dense != 0:
-        refuse("first_k_dense", cfg.first_k_dense, "0: every layer is MoE")
+        _refuse_export("Mixtral", "first_k_dense", cfg.first_k_dense, "0: every layer is MoE")
     if cfg.moe_layer_freq != 1:
-        refuse("moe_layer_freq", cfg.moe_layer_freq, "1: every layer is MoE")
-    if moe.num_shared_experts:
-        refuse("moe.num_shared_experts", moe.num_shared_experts, "0")
-    if moe.score_func != "softmax":
-        refuse("moe.score_func", moe.score_func, "'softmax'")
-    if not moe.norm_topk_prob:
-        refuse("moe.norm_topk_prob", moe.norm_topk_prob, "true: Mixtral renormalises the top-k weights")
-    if moe.route_scale != 1.0:
-        refuse("moe.route_scale", moe.route_scale, "1.0")
-    if moe.num_groups != 1:
-        refuse("moe.num_groups", moe.num_groups, "1: no group-limited routing")
-    hf.update(model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=moe.ffn_hidden_size,
-              num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-              router_aux_loss_coef=moe.aux_loss_coeff, output_router_logits=False, router_jitter_noise=0.0,
-              sliding_window=None)
+        _refuse_export("Mixtral", "moe_layer_freq", cfg.moe_layer_freq, "1: every layer is MoE")
+    _check_moe_export(cfg, "Mixtral", num_shared_experts=(0, "0"), score_func=("softmax", "'softmax'"),
+                      norm_topk_prob=(True, "true: Mixtral renormalises the top-k weights"), route_scale=(1.0, "1.0"),
+                      num_groups=(1, "1: no group-limited routing"))
+    moe = cfg.moe
+    return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "intermediate_size": moe.ffn_hidden_size,
+            "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": False, "router_jitter_noise": 0.0,
+            "sliding_window": None}
+
+
+def _qwen3_config(cfg) -> Dict[str, Any]:
+    _check_moe_export(cfg, "Qwen3-MoE", num_shared_experts=(0, "0"), score_func=("softmax", "'softmax'"),
+                      route_scale=(1.0, "1.0"), num_groups=(1, "1: no group-limited routing"))
+    moe = cfg.moe
+    return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "moe_intermediate_size": moe.ffn_hidden_size,
+            "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": cfg.decoder_sparse_step, "mlp_only_layers": list(cfg.mlp_only_layers),
+            "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": False, "attention_bias": False,
+            "use_sliding_window": False, "sliding_window": None}
+
+
+def _deepseek_config(cfg) -> Dict[str, Any]:
+    if cfg.moe_layer_freq != 1:
+        _refuse_export("DeepSeek-V3", "moe_layer_freq", cfg.moe_layer_freq, "1: every layer after first_k_dense is MoE")
+    moe = cfg.moe
+    _check_moe_export(cfg, "DeepSeek-V3", score_func=("sigmoid", "'sigmoid'"),
+                      shared_ffn_hidden_size=(0, "0: n_shared_experts x moe_intermediate_size"))
+    if moe.num_shared_experts < 1:
+        _refuse_export("DeepSeek-V3", "moe.num_shared_experts", moe.num_shared_experts, ">= 1")
+    if moe.num_groups > 1 and moe.group_score_experts != 2:
+        _refuse_export("DeepSeek-V3", "moe.group_score_topk", moe.group_score_topk,
+                       "2: HF scores a group by its top-2 experts")
+    hf = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_key_value_heads": cfg.num_heads,
+          "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+          "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+          "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_rope_head_dim, "rope_interleave": cfg.rope_interleave,
+          "first_k_dense_replace": cfg.first_k_dense, "num_nextn_predict_layers": cfg.mtp_depth,
+          "moe_intermediate_size": moe.ffn_hidden_size, "n_routed_experts": moe.num_experts,
+          "num_experts_per_tok": moe.top_k, "n_shared_experts": moe.num_shared_experts,
+          "norm_topk_prob": moe.norm_topk_prob, "routed_scaling_factor": moe.route_scale, "n_group": moe.num_groups,
+          "topk_group": moe.topk_groups, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+          "aux_loss_alpha": moe.seq_aux_loss_coeff, "attention_bias": False}
+    if cfg.yarn is not None:
+        hf["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": cfg.yarn_factor,
+                              "original_max_position_embeddings": cfg.yarn_original_max_positions,
+                              "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
+                              "mscale": cfg.yarn_mscale, "mscale_all_dim": cfg.yarn_mscale_all_dim}
     return hf
 
 
 # ----------------------------------------------------------------------------------------------
-# Weights
+# Weights: one table of (moetrain names <-> HF names, conversion both ways) per model
 # ----------------------------------------------------------------------------------------------
+@dataclass
+class TensorMap:
+    """`ours` tensors <-> `theirs` tensors; `to_ours(*theirs) -> tuple(ours)`, `to_theirs(*ours) -> tuple(theirs)`."""
+    ours: Tuple[str, ...]
+    theirs: Tuple[str, ...]
+    to_ours: Callable = lambda *arrays: arrays
+    to_theirs: Callable = lambda *arrays: arrays
+
+
+def _rename(ours: str, theirs: str) -> TensorMap:
+    return TensorMap((ours,), (theirs,))
+
+
+def _experts_per_expert(ours: str, theirs: str, num_experts: int, names: Tuple[str, str, str]) -> TensorMap:
+    """`w_gate, w_up [E, H, F]`, `w_down [E, F, H]` <-> `{theirs}{j}.{gate,up,down name}.weight` `[out, in]`."""
+    hf_names = tuple(f"{theirs}{j}.{name}.weight" for name in names for j in range(num_experts))
+
+    def to_ours(*arrays):
+        return tuple(np.stack([a.T for a in arrays[k * num_experts:(k + 1) * num_experts]]) for k in range(3))
+
+    def to_theirs(*stacked):
+        return tuple(w[j].T for w in stacked for j in range(num_experts))
+
+    return TensorMap(tuple(f"{ours}{n}" for n in ("w_gate", "w_up", "w_down")), hf_names, to_ours, to_theirs)
+
+
+def _experts_fused(ours: str, theirs: str, ffn: int) -> TensorMap:
+    """`w_gate, w_up, w_down` <-> `gate_up_proj [E, 2F, H]` (gate rows first), `down_proj [E, H, F]`."""
+    def to_ours(gate_up, down):
+        return gate_up[:, :ffn].transpose(0, 2, 1), gate_up[:, ffn:].transpose(0, 2, 1), down.transpose(0, 2, 1)
+
+    def to_theirs(w_gate, w_up, w_down):
+        return np.concatenate([w_gate.transpose(0, 2, 1), w_up.transpose(0, 2, 1)], axis=1), w_down.transpose(0, 2, 1)
+
+    return TensorMap(tuple(f"{ours}{n}" for n in ("w_gate", "w_up", "w_down")),
+                     (f"{theirs}gate_up_proj", f"{theirs}down_proj"), to_ours, to_theirs)
+
+
+def _unbiased_routing(ours: str, num_experts: int, family: str) -> TensorMap:
+    """`expert_bias` of a family whose routing has none: zeros on import, must be zero on export."""
+    def to_theirs(bias):
+        if np.any(bias != 0):
+            raise ValueError(f"{ours} is non-zero (aux-loss-free balancing): {family} routing has no expert "
+                             f"bias, so the exported model would choose different experts")
+        return ()
+
+    return TensorMap((ours,), (), lambda: (np.zeros(num_experts, np.float32),), to_theirs)
+
+
+_LLAMA_ATTENTION = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+_DEEPSEEK_ATTENTION = {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj", "wq": "q_proj",
+                       "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
+_SWIGLU = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+def _block_maps(model: Dict[str, Any], moe: bool, ours: str, theirs: str, fused: bool) -> List[TensorMap]:
+    """One decoder layer: norms, attention, dense MLP or MoE (router, experts, shared experts, bias)."""
+    name = model["name"]
+    maps = [_rename(ours + "attention_norm.weight", theirs + "input_layernorm.weight"),
+            _rename(ours + "ffn_norm.weight", theirs + "post_attention_layernorm.weight")]
+    if name == "deepseek_v3":
+        used = ("wq_a", "q_norm", "wq_b") if model["q_lora_rank"] else ("wq",)
+        attention = {k: _DEEPSEEK_ATTENTION[k] for k in used + ("wkv_a", "kv_norm", "wkv_b", "wo")}
+    else:
+        attention = dict(_LLAMA_ATTENTION, **({"q_norm": "q_norm", "k_norm": "k_norm"} if name == "qwen3_moe" else {}))
+    maps += [_rename(f"{ours}attention.{k}.weight", f"{theirs}self_attn.{v}.weight") for k, v in attention.items()]
+    if not moe:
+        return maps + [_rename(f"{ours}mlp.{k}.weight", f"{theirs}mlp.{v}.weight") for k, v in _SWIGLU.items()]
+    experts = model["moe"]["num_experts"]
+    mixtral_names = name == "moe_gpt" and not fused
+    hf_moe = theirs + ("block_sparse_moe." if mixtral_names else "mlp.")
+    maps.append(_rename(ours + "moe.router.weight", hf_moe + "gate.weight"))
+    if fused:
+        maps.append(_experts_fused(ours + "moe.experts.", hf_moe + "experts.", model["moe"]["ffn_hidden_size"]))
+    else:
+        names = ("w1", "w3", "w2") if mixtral_names else ("gate_proj", "up_proj", "down_proj")
+        maps.append(_experts_per_expert(ours + "moe.experts.", hf_moe + "experts.", experts, names))
+    if model["moe"]["num_shared_experts"]:
+        maps += [_rename(f"{ours}moe.shared_experts.{k}.weight", f"{hf_moe}shared_experts.{v}.weight")
+                 for k, v in _SWIGLU.items()]
+    if name == "deepseek_v3":
+        maps.append(_rename(ours + "moe.expert_bias", hf_moe + "gate.e_score_correction_bias"))
+    else:
+        maps.append(_unbiased_routing(ours + "moe.expert_bias", experts, {"moe_gpt": "Mixtral"}.get(name, "Qwen3-MoE")))
+    return maps
+
+
+def tensor_maps(model: Dict[str, Any], fused_layers=lambda hf_prefix: False) -> Tuple[List[TensorMap], Dict[str, str]]:
+    """`(maps, copies)` for the `model:` section: every moetrain tensor's HF counterpart; `copies`:
+    HF tensors that duplicate a moetrain tensor (DeepSeek MTP embedding/head), HF name -> ours.
+    `fused_layers(hf_layer_prefix)` says which layers use the fused expert layout."""
+    cfg = build_config_from_dict(model)
+    maps = [_rename("embed.weight", "model.embed_tokens.weight"), _rename("final_norm.weight", "model.norm.weight")]
+    head = "embed.weight" if model["tie_embeddings"] else "lm_head.weight"
+    if not model["tie_embeddings"]:
+        maps.append(_rename("lm_head.weight", "lm_head.weight"))
+    is_moe = getattr(cfg, "is_moe_layer", lambda i: False)
+    for i in range(model["num_layers"]):
+        theirs = f"model.layers.{i}."
+        maps += _block_maps(model, is_moe(i), f"layers.{i}.", theirs, fused_layers(theirs))
+    copies = {}
+    for k in range(model.get("mtp_depth", 0)):
+        ours, theirs = f"mtp.{k}.", f"model.layers.{model['num_layers'] + k}."
+        maps += [_rename(ours + "enorm.weight", theirs + "enorm.weight"),
+                 _rename(ours + "hnorm.weight", theirs + "hnorm.weight"),
+                 _rename(ours + "eh_proj.weight", theirs + "eh_proj.weight"),
+                 _rename(ours + "final_norm.weight", theirs + "shared_head.norm.weight")]
+        maps += _block_maps(model, True, ours + "block.", theirs, fused_layers(theirs))
+        copies.update({theirs + "embed_tokens.weight": "embed.weight", theirs + "shared_head.head.weight": head})
+    return maps, copies
+
+
 def hf_to_state(hf: Dict[str, np.ndarray], model: Dict[str, Any]) -> Dict[str, np.ndarray]:
     """HF tensors -> moetrain state for the `model:` section `model` (from hf_config_to_model_dict)."""
-    used = set()
-
-    def take(name):
-        if name not in hf:
-            raise ValueError(f"the HF checkpoint has no tensor {name!r} (needed for a {model['name']} "
-                             f"model with {model['num_layers']} layers)")
-        used.add(name)
-        return hf[name]
-
-    state = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": take("model.norm.weight")}
-    if not model["tie_embeddings"]:
-        state["lm_head.weight"] = take("lm_head.weight")
-    for i in range(model["num_layers"]):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for name, hf_name in _BLOCK_NAMES.items():
-            state[ours + name] = take(theirs + hf_name)
-        if model["name"] == "gpt":
-            for name, hf_name in _DENSE_MLP_NAMES.items():
-                state[ours + name] = take(theirs + hf_name)
-            continue
-        num_experts = model["moe"]["num_experts"]
-        ffn = model["moe"]["ffn_hidden_size"]
-        if theirs + "mlp.experts.gate_up_proj" in hf:
-            state[ours + "moe.router.weight"] = take(theirs + "mlp.gate.weight")
-            gate_up = take(theirs + "mlp.experts.gate_up_proj")                    # [E, 2F, H]
-            state[ours + "moe.experts.w_gate"] = gate_up[:, :ffn].transpose(0, 2, 1)
-            state[ours + "moe.experts.w_up"] = gate_up[:, ffn:].transpose(0, 2, 1)
-            state[ours + "moe.experts.w_down"] = take(theirs + "mlp.experts.down_proj").transpose(0, 2, 1)
-        else:
-            moe = theirs + "block_sparse_moe."
-            state[ours + "moe.router.weight"] = take(moe + "gate.weight")
-            for name, hf_name in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2")):
-                state[f"{ours}moe.experts.{name}"] = np.stack(
-                    [take(f"{moe}experts.{j}.{hf_name}.weight").T for j in range(num_experts)])
-        state[ours + "moe.expert_bias"] = np.zeros(num_experts, np.float32)   # Mixtral routes without bias
+    maps, copies = tensor_maps(model, lambda prefix: prefix + "mlp.experts.gate_up_proj" in hf)
+    used, state = set(), {}
+    for m in maps:
+        absent = [n for n in m.theirs if n not in hf]
+        if absent:
+            depth = f", MTP depth {model['mtp_depth']}" if model.get("mtp_depth") else ""
+            raise ValueError(f"the HF checkpoint has no tensor {absent[0]!r} (needed for a {model['name']} model "
+                             f"with {model['num_layers']} layers{depth})")
+        used.update(m.theirs)
+        state.update(zip(m.ours, m.to_ours(*(hf[n] for n in m.theirs))))
+    for name, ours in copies.items():
+        if name in hf:   # published checkpoints carry these copies; they must equal the shared tensor
+            if hf[name].shape != state[ours].shape or not np.array_equal(hf[name], state[ours]):
+                raise ValueError(f"the HF checkpoint's {name!r} differs from the main model's {ours} counterpart; "
+                                 f"moetrain shares the embedding and LM head with the MTP layers")
+            used.add(name)
     unused = sorted(n for n in set(hf) - used if not n.endswith(_IGNORED_SUFFIXES))
     if unused:
         raise ValueError(f"the HF checkpoint has tensors this {model['name']} model has no place for: "
-                         f"{unused[:10]}{' ...' if len(unused) > 10 else ''} (another architecture?)")
+                         f"{unused[:10]}{' ...' if len(unused) > 10 else ''} (another architecture, or a config.json "
+                         f"that does not describe these weights?)")
     return {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in state.items()}
 
 
@@ -288,34 +421,11 @@ def state_to_hf(state: Dict[str, np.ndarray], model: Dict[str, Any], layout: str
     """moetrain state -> HF tensors (the inverse of `hf_to_state`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
-    hf = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["final_norm.weight"]}
-    if not model["tie_embeddings"]:
-        hf["lm_head.weight"] = state["lm_head.weight"]
-    for i in range(model["num_layers"]):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for name, hf_name in _BLOCK_NAMES.items():
-            hf[theirs + hf_name] = state[ours + name]
-        if model["name"] == "gpt":
-            for name, hf_name in _DENSE_MLP_NAMES.items():
-                hf[theirs + hf_name] = state[ours + name]
-            continue
-        bias = state[ours + "moe.expert_bias"]
-        if np.any(bias != 0):
-            raise ValueError(f"{ours}moe.expert_bias is non-zero (aux-loss-free balancing): Mixtral routing has "
-                             f"no expert bias, so the exported model would choose different experts")
-        w_gate, w_up, w_down = (state[f"{ours}moe.experts.{n}"] for n in ("w_gate", "w_up", "w_down"))
-        if layout == "fused":
-            hf[theirs + "mlp.gate.weight"] = state[ours + "moe.router.weight"]
-            hf[theirs + "mlp.experts.gate_up_proj"] = np.concatenate(
-                [w_gate.transpose(0, 2, 1), w_up.transpose(0, 2, 1)], axis=1)
-            hf[theirs + "mlp.experts.down_proj"] = w_down.transpose(0, 2, 1)
-        else:
-            moe = theirs + "block_sparse_moe."
-            hf[moe + "gate.weight"] = state[ours + "moe.router.weight"]
-            for j in range(w_gate.shape[0]):
-                hf[f"{moe}experts.{j}.w1.weight"] = w_gate[j].T
-                hf[f"{moe}experts.{j}.w3.weight"] = w_up[j].T
-                hf[f"{moe}experts.{j}.w2.weight"] = w_down[j].T
+    maps, copies = tensor_maps(model, lambda prefix: layout == "fused")
+    hf = {}
+    for m in maps:
+        hf.update(zip(m.theirs, m.to_theirs(*(state[n] for n in m.ours))))
+    hf.update({name: state[ours] for name, ours in copies.items()})
     return {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in hf.items()}
 
 
@@ -330,8 +440,9 @@ def hf_import(hf_dir: str, out_dir: str, check: bool = True) -> Dict[str, Any]:
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{hf_dir!r} is not a Hugging Face checkpoint: config.json is missing")
     with open(config_path) as fh:
-        model = hf_config_to_model_dict(json.load(fh))
-    state = hf_to_state(load_hf_weights(hf_dir), model)
+        hf_config = json.load(fh)
+    model = hf_config_to_model_dict(hf_config)
+    state = hf_to_state(load_hf_weights(hf_dir, hf_config.get("quantization_config")), model)
     if check:
         from moetrain.checkpoint.model_dir import build_model_from_dict, load_model_state
 
@@ -367,7 +478,7 @@ def _run(fn, argv) -> int:
 
 def main_import(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="moetrain convert hf-import",
-                                 description="Hugging Face Mixtral/Llama checkpoint -> moetrain model directory")
+                                 description="Hugging Face Llama/Mistral/Mixtral/DeepSeek-V3/Qwen3-MoE checkpoint -> moetrain model directory")
     ap.add_argument("hf_dir", help="folder with config.json and *.safetensors")
     ap.add_argument("out_dir", help="model directory to write (config.yaml + model.safetensors)")
 
@@ -381,11 +492,11 @@ def main_import(argv=None) -> int:
 
 def main_export(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="moetrain convert hf-export",
-                                 description="moetrain model directory -> Hugging Face Mixtral/Llama checkpoint")
+                                 description="moetrain model directory -> Hugging Face Llama/Mixtral/DeepSeek-V3/Qwen3-MoE checkpoint")
     ap.add_argument("ckpt_dir", help="model directory or training checkpoint folder")
     ap.add_argument("out_dir", help="folder to write config.json and model.safetensors to")
     ap.add_argument("--layout", choices=LAYOUTS, default="per_expert",
-                    help="Mixtral expert tensors: per_expert (transformers < 5) or fused (transformers >= 5)")
+                    help="routed-expert tensors: per_expert (published checkpoints, the default) or fused (transformers 5 in memory)")
 
     def go(args):
         args = ap.parse_args(args)

@@ -9,6 +9,7 @@ compiler being installed. `MOETRAIN_DISABLE_KERNELS=1` turns them off (for A/B m
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -16,13 +17,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # source -> extra compiler flags. The elementwise kernels need -ffast-math for vectorised expf and
 # are built for this CPU (-march=native; the CPU model is part of the cache key).
 ELEMENTWISE_FLAGS = ("-march=native", "-ffast-math")
 SOURCES = {"grouped_gemm.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
-           "attention.cc": ELEMENTWISE_FLAGS}
+           "attention.cc": ELEMENTWISE_FLAGS, "lm_head_loss.cc": ELEMENTWISE_FLAGS, "router.cc": ELEMENTWISE_FLAGS,
+           "adamw.cc": ELEMENTWISE_FLAGS}
 HEADERS = ("common.h",)
 
 
@@ -51,6 +54,7 @@ def library_path() -> str:
     if compiler is None:
         raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
     lib_dir = _mindspore_lib_dir()
+    include_dir = os.path.join(os.path.dirname(lib_dir), "include")   # type_id.h: MindSpore's dtype ids
     if not os.path.isfile(os.path.join(lib_dir, "libdnnl.so.3")):
         raise KernelBuildError(f"libdnnl.so.3 not found in {lib_dir} (this MindSpore build has no oneDNN)")
     digest = hashlib.sha256(f"{mindspore.__version__} {compiler} {_cpu_model()} {SOURCES}".encode())
@@ -66,8 +70,8 @@ def library_path() -> str:
         objects = []
         for name, flags in SOURCES.items():
             objects.append(os.path.join(build_dir, name + ".o"))
-            _run([compiler, "-O3", "-std=c++17", "-fPIC", "-pthread", *flags, "-c", os.path.join(HERE, name),
-                  "-o", objects[-1]])
+            _run([compiler, "-O3", "-std=c++17", "-fPIC", "-pthread", *flags, f"-I{include_dir}", "-c",
+                  os.path.join(HERE, name), "-o", objects[-1]])
         library = os.path.join(build_dir, "kernels.so")
         _run([compiler, "-shared", "-pthread", "-o", library, *objects, f"-L{lib_dir}", "-l:libdnnl.so.3",
               f"-Wl,-rpath,{lib_dir}"])
@@ -76,7 +80,10 @@ def library_path() -> str:
 
 
 def _run(command) -> None:
-    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except OSError as error:   # e.g. CXX names a compiler that does not exist
+        raise KernelBuildError(f"cannot run {command[0]!r}: {error}") from error
     if result.returncode != 0:
         raise KernelBuildError(f"building the moetrain CPU kernels failed:\n{' '.join(command)}\n{result.stderr}")
 
@@ -91,7 +98,10 @@ def _cpu_model() -> str:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True when the kernels can run here: CPU target, not disabled, and the library builds."""
+    """True when the kernels can run here: CPU target, not disabled, and the library builds.
+
+    Any build failure (no compiler, a compiler or linker error, an unwritable cache folder) makes
+    this False with one warning that says why: the callers then run the plain MindSpore ops."""
     import mindspore as ms
 
     if os.environ.get("MOETRAIN_DISABLE_KERNELS", "0") not in ("", "0"):
@@ -99,7 +109,10 @@ def available() -> bool:
     if ms.get_context("device_target") != "CPU":
         return False
     try:
-        library_path()
-    except KernelBuildError:
+        ctypes.CDLL(library_path())   # a library that builds but cannot load (a missing symbol) fails here
+    except Exception as error:   # noqa: BLE001 - whatever broke the build, the plain ops still work
+        warnings.warn(f"moetrain CPU kernels unavailable, using plain MindSpore ops (slower): "
+                      f"{type(error).__name__}: {error}. Set MOETRAIN_DISABLE_KERNELS=1 to silence this.",
+                      RuntimeWarning, stacklevel=2)
         return False
     return True

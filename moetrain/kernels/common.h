@@ -47,4 +47,11 @@ inline int64_t Rows(int ndim, const int64_t *shape) {
   return rows;
 }
 
+// Elements of a tensor.
+inline int64_t Size(int ndim, const int64_t *shape) {
+  int64_t size = 1;
+  for (int i = 0; i < ndim; ++i) size *= shape[i];
+  return size;
+}
+
 }  // namespace moetrain

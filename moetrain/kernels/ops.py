@@ -7,23 +7,29 @@ from __future__ import annotations
 
 import functools
 
-from mindspore import nn, ops
+import numpy as np
+
+from mindspore import Tensor, nn, ops
 from mindspore.ops import CustomRegOp, DataType
+from mindspore.ops import signature as sig
 
 from moetrain.kernels import library_path
 
 
-def _custom(name: str, input_dtypes, bprop=None):
-    """The kernel `name` of the library: inputs of `input_dtypes`, one fp32 output."""
+F32, I32, I64 = DataType.F32_Default, DataType.I32_Default, DataType.I64_Default
+
+
+def _custom(name: str, input_dtypes, bprop=None, output_dtypes=(F32,)):
+    """The kernel `name` of the library: inputs of `input_dtypes`, outputs of `output_dtypes` (a
+    tuple of tensors when there are several; their C++ shape inference returns one shape each)."""
     reg = CustomRegOp()
     for i in range(len(input_dtypes)):
         reg = reg.input(i, f"x{i}")
-    reg = reg.output(0, "y").dtype_format(*input_dtypes, DataType.F32_Default).target("CPU").get_op_info()
+    for i in range(len(output_dtypes)):
+        reg = reg.output(i, f"y{i}")
+    reg = reg.dtype_format(*input_dtypes, *output_dtypes).target("CPU").get_op_info()
     return ops.Custom(f"{library_path()}:{name}", out_shape=None, out_dtype=None, func_type="aot", bprop=bprop,
                       reg_info=reg)
-
-
-F32, I32 = DataType.F32_Default, DataType.I32_Default
 
 
 class GroupedMatmul(nn.Cell):
@@ -83,25 +89,195 @@ class FusedRMSNorm(nn.Cell):
 
 
 class FusedCausalAttention(nn.Cell):
-    """`construct(q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, D]) -> softmax(q k^T + causal) v`
-    as `[B, S, Hq, D]`, fp32, `q` pre-scaled; query head h uses key/value head `h // (Hq / Hkv)`.
+    """`construct(q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, D], cos [S, D], sin [S, D])` ->
+    `softmax(rope(q) rope(k)^T / sqrt(D) + causal) v` as `[B, S, Hq, D]`, fp32; query head h uses
+    key/value head `h // (Hq / Hkv)`.
 
-    Reads the projection layout directly (no transposes, no mask tensor), skips the key blocks
-    above the diagonal, and recomputes the probabilities in the backward instead of storing them."""
+    Packed documents: `construct(q, k, v, cos [P, D], sin [P, D], positions, document_ids)` with
+    int32 `[B, S]` ids: query t sees key u only if `u <= t` and `document_ids[t] == document_ids[u]`,
+    and token t is rotated at position `positions[t]` (row of the tables; one outside `[0, P)` fails
+    the op). Where the ids never decrease along a row (moetrain.data's layout) the keys before a row
+    block's earliest document start are skipped, not only those above the diagonal.
+
+    q and k come before RoPE: the kernel rotates them (HF rotate_half with the signed `sin` table of
+    `moetrain.layers.rope_tables`) and scales q, and its backward applies the transposed rotation,
+    so no RoPE op, transpose or mask tensor runs outside. It skips the key blocks above the diagonal
+    and recomputes the probabilities in the backward instead of storing them."""
 
     def __init__(self):
         super().__init__()
-        backward = _custom("CausalAttentionBackward", (F32,) * 5)
+        backward = _custom("CausalAttentionBackward", (F32,) * 7, output_dtypes=(F32,) * 3)
 
-        def bprop(q, k, v, out, dout):
-            grads = backward(q, k, v, out, dout)
-            dq, dk, dv = ops.split(grads, [q.size, k.size, v.size])
-            return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+        def bprop(q, k, v, cos, sin, out, dout):
+            dq, dk, dv = backward(q, k, v, cos, sin, out, dout)
+            return dq, dk, dv, ops.zeros_like(cos), ops.zeros_like(sin)
 
-        self.forward = _custom("CausalAttentionForward", (F32,) * 3, bprop)
+        self.forward = _custom("CausalAttentionForward", (F32,) * 5, bprop)
+        documents_backward = _custom("DocumentAttentionBackward", (F32,) * 5 + (I32, I32, F32, F32),
+                                     output_dtypes=(F32,) * 3)
 
-    def construct(self, q, k, v):
-        return self.forward(q, k, v)
+        def documents_bprop(q, k, v, cos, sin, positions, document_ids, out, dout):
+            dq, dk, dv = documents_backward(q, k, v, cos, sin, positions, document_ids, out, dout)
+            return (dq, dk, dv, ops.zeros_like(cos), ops.zeros_like(sin), ops.zeros_like(positions),
+                    ops.zeros_like(document_ids))
+
+        self.documents_forward = _custom("DocumentAttentionForward", (F32,) * 5 + (I32, I32), documents_bprop)
+
+    def construct(self, q, k, v, cos, sin, positions=None, document_ids=None):
+        if positions is None:
+            return self.forward(q, k, v, cos, sin)
+        return self.documents_forward(q, k, v, cos, sin, positions, document_ids)
+
+
+class FusedLMHeadCrossEntropy(nn.Cell):
+    """`construct(h [N, H], weight [V, H], labels [N] int32) -> mean_n CE(h_n weight^T, labels_n)`, fp32,
+    without ever storing the `[N, V]` logits (rows go through in chunks of a few MB).
+
+    In training mode (the default of this cell) one kernel returns the loss and its gradients for
+    `h` and `weight` (three GEMMs, the backward only scales them by the upstream gradient); after
+    `set_train(False)` a loss-only kernel (one GEMM) runs, whose backward recomputes the logits.
+    Every label must lie in `[0, V)`: one outside fails the op."""
+
+    def __init__(self):
+        super().__init__()
+
+        def loss_grad_bprop(h, weight, labels, out, dout):
+            return out[1] * dout[0], out[2] * dout[0], ops.zeros_like(labels)
+
+        self.loss_grad = _custom("LMHeadLossGrad", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
+        self.stats = LMHeadLogitStats(strict=True)
+        self.set_train(True)
+
+    def construct(self, h, weight, labels):
+        if self.training:
+            return self.loss_grad(h, weight, labels)[0].reshape(())
+        row_max, sum_exp, target = self.stats(h, weight, labels)
+        return (ops.log(sum_exp) + row_max - target).mean()
+
+
+class LMHeadLogitStats(nn.Cell):
+    """`construct(h [N, H], weight [Vs, H], labels [N] int32) -> (m, s, t)`, each `[N]` fp32: over the
+    logits `z = h weight^T` of this vocabulary slice, `m = max z`, `s = sum exp(z - m)` and
+    `t = z[label]` (0 for a label outside `[0, Vs)`; with `strict=True` such a label fails the op).
+
+    The partials of a vocabulary-parallel cross-entropy: with `M = max_r m_r` over the slices,
+    `loss_n = log(sum_r s_r exp(m_r - M)) + M - sum_r t_r`, where `m` is a shift the loss does not
+    depend on (use it under `stop_gradient`). Gradients flow from `s` and `t` to `h` and `weight`
+    (the backward recomputes the logits chunk by chunk)."""
+
+    def __init__(self, strict: bool = False):
+        super().__init__()
+        backward = _custom("LMHeadLogitStatsBackward", (F32, F32, I32, F32, F32, F32), output_dtypes=(F32, F32))
+
+        def bprop(h, weight, labels, out, dout):
+            dh, dweight = backward(h, weight, labels, out[0], dout[1], dout[2])
+            return dh, dweight, ops.zeros_like(labels)
+
+        name = "LMHeadLogitStatsStrict" if strict else "LMHeadLogitStats"
+        self.forward = _custom(name, (F32, F32, I32), bprop, (F32,) * 3)
+
+    def construct(self, h, weight, labels):
+        return self.forward(h, weight, labels)
+
+
+class FusedRouter(nn.Cell):
+    """`construct(logits [T, E] fp32, bias [E]) -> (topk_idx [T, k] int32, topk_weight [T, k],
+    probs [T, E], tokens_per_expert [E])`: MoE top-k routing in one kernel each way.
+
+    scores = softmax(logits) or sigmoid(logits); the k largest `scores + bias` are chosen (the bias
+    steers the choice only and gets no gradient; ties go to the lower expert id, as `ops.topk`);
+    `topk_weight` = the chosen scores, over their sum (+1e-20) with `norm_topk_prob`, times
+    `route_scale`; `probs` = the softmax scores, or the sigmoid scores over their sum (+1e-20);
+    `tokens_per_expert` counts the assignments (no gradient). Gradients reach `logits` from
+    `topk_weight` and `probs`."""
+
+    def __init__(self, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True,
+                 route_scale: float = 1.0):
+        super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"FusedRouter: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        # k rows of (score function, norm_topk_prob, route_scale): the shape inference reads k from the shape
+        row = [1.0 if score_func == "sigmoid" else 0.0, 1.0 if norm_topk_prob else 0.0, float(route_scale)]
+        self.config = Tensor(np.tile(np.array(row, np.float32), (top_k, 1)))
+        backward = _custom("RouterBackward", (F32, I32, F32, F32, F32))
+
+        def bprop(logits, bias, config, out, dout):
+            d_logits = backward(logits, out[0], config, dout[1], dout[2])
+            return d_logits, ops.zeros_like(bias), ops.zeros_like(config)
+
+        self.forward = _custom("RouterForward", (F32, F32, F32), bprop, (I32, F32, F32, F32))
+
+    def construct(self, logits, bias):
+        return self.forward(logits, bias, self.config)
+
+
+class SumOfSquares(nn.Cell):
+    """`construct(x fp32 [...]) -> [1]`: the sum of squares of all elements (blocks summed in double),
+    multi-threaded: the squared gradient norm of a flat buffer for clipping. No gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = _custom("SumOfSquares", (F32,))
+
+    def construct(self, x):
+        return self.kernel(x)
+
+
+def decay_segments(sizes, weight_decays):
+    """`(segment_ends int64 [K], segment_decay fp32 [K])` for FusedAdamW from the sizes and weight
+    decays of the tensors laid end to end in a flat buffer, adjacent runs of equal decay merged
+    (a ZeRO shard: pass the sizes of the pieces inside the shard)."""
+    if len(sizes) != len(weight_decays) or not len(sizes):
+        raise ValueError(f"decay_segments: need one weight decay per tensor, got {len(sizes)} sizes and "
+                         f"{len(weight_decays)} decays")
+    ends, decays, offset = [], [], 0
+    for size, decay in zip(sizes, weight_decays):
+        offset += int(size)
+        if decays and decays[-1] == float(decay):
+            ends[-1] = offset
+        else:
+            ends.append(offset)
+            decays.append(float(decay))
+    return Tensor(np.array(ends, np.int64)), Tensor(np.array(decays, np.float32))
+
+
+class _AdamWUpdatePrimitive(ops.Custom):
+    """The AdamWUpdate kernel with param, exp_avg and exp_avg_sq marked as written in place: MindSpore
+    then orders the op against every read of those Parameters in a jitted graph and keeps it even
+    though nothing uses its output (measured: without the marks a read placed after the op saw
+    the new value before it ran)."""
+    __mindspore_signature__ = (
+        sig.make_sig("param", sig.sig_rw.RW_WRITE), sig.make_sig("exp_avg", sig.sig_rw.RW_WRITE),
+        sig.make_sig("exp_avg_sq", sig.sig_rw.RW_WRITE), sig.make_sig("grad"), sig.make_sig("hyper"),
+        sig.make_sig("lr"), sig.make_sig("step"), sig.make_sig("grad_scale"), sig.make_sig("segment_ends"),
+        sig.make_sig("segment_decay"))
+
+
+class FusedAdamW(nn.Cell):
+    """AdamW (or Adam with L2, `decoupled=False`) over flat fp32 buffers, in place, one pass.
+
+    `construct(param, exp_avg, exp_avg_sq, grad, lr, step, grad_scale, segment_ends, segment_decay)`:
+    `param`, `exp_avg`, `exp_avg_sq` are fp32 Parameters of N elements (any shape), updated in place;
+    `grad` fp32 of N elements; `lr`, `step` (1-based), `grad_scale` (the gradient multiplier: loss
+    scale unscale x clip factor) fp32 `[1]` tensors; elements `[segment_ends[k-1], segment_ends[k])`
+    use weight decay `segment_decay[k]` (`segment_ends` int64 ascending, last = N). Returns a `[1]`
+    status tensor (0). Matches torch.optim.AdamW / Adam step for step (tests/test_kernels.py)."""
+
+    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, decoupled: bool = True):
+        super().__init__()
+        self.hyper = Tensor(np.array([beta1, beta2, eps, 1.0 if decoupled else 0.0], np.float32))
+        reg = CustomRegOp()
+        for i, name in enumerate(("param", "exp_avg", "exp_avg_sq", "grad", "hyper", "lr", "step", "grad_scale",
+                                  "segment_ends", "segment_decay")):
+            reg = reg.input(i, name)
+        reg = reg.output(0, "status").dtype_format(*(F32,) * 8, I64, F32, F32).target("CPU").get_op_info()
+        self.update = _AdamWUpdatePrimitive(f"{library_path()}:AdamWUpdate", out_shape=None, out_dtype=None,
+                                            func_type="aot", reg_info=reg)
+        self.update.add_prim_attr("side_effect_mem", True)
+
+    def construct(self, param, exp_avg, exp_avg_sq, grad, lr, step, grad_scale, segment_ends, segment_decay):
+        return self.update(param, exp_avg, exp_avg_sq, grad, self.hyper, lr, step, grad_scale, segment_ends,
+                           segment_decay)
 
 
 @functools.lru_cache(maxsize=None)

@@ -214,7 +214,7 @@ def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable) -> Tuple[Callabl
 
 def ep_groups_of(pctx) -> List[List[int]]:
     """The distinct ep groups of the world (lists of global ranks)."""
-    from moetrain.parallel.topology import ParallelContext
+    from moetrain.dist.topology import ParallelContext
 
     groups = {ParallelContext.build(pctx.world_size, r, pctx.dp, pctx.tp, pctx.pp, pctx.ep).group("ep").ranks
               for r in range(pctx.world_size)}
@@ -227,7 +227,7 @@ def _world_gather(pctx) -> Callable[[np.ndarray], np.ndarray]:
         return lambda load: load[None]
     from mindspore import Tensor
 
-    from moetrain.parallel import comm
+    from moetrain.dist import comm
 
     def gather(load: np.ndarray) -> np.ndarray:
         rows = comm.all_gather(Tensor(load[None].astype(np.float32)), world).asnumpy()

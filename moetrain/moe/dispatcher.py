@@ -111,10 +111,3 @@ class SortDispatcher(nn.Cell):
         rows = expert_output.reshape(-1, expert_output.shape[-1])
         return unpermute(rows, state["assignment_row"], state["topk_weight"])
 
-
-def build_dispatcher(name: str, num_experts: int, top_k: int, capacity_factor: float,
-                     layout: str = "rows") -> nn.Cell:
-    if name == "sort":
-        return SortDispatcher(num_experts, top_k, capacity_factor, layout)
-    raise NotImplementedError(f"moe.dispatcher {name!r} is not implemented yet; use 'sort' "
-                              f"(single device, experts not split over ranks)")

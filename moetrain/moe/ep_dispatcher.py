@@ -38,8 +38,8 @@ from moetrain.moe.dispatcher import check_layout, expert_counts, rows_layout
 from moetrain.moe.native_ops import MoEOps
 from moetrain.moe.permutation import (assignment_rows, capacity_layout, capacity_rows, expert_capacity,
                                       permute, sort_by_expert, unpermute)
-from moetrain.parallel import comm
-from moetrain.parallel.topology import Group
+from moetrain.dist import comm
+from moetrain.dist.topology import Group
 
 _logged_gpu_fallback = []
 

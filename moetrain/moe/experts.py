@@ -17,7 +17,7 @@ from mindspore import nn, ops
 
 from moetrain.layers import compute_dtype_of, normal_parameter
 from moetrain.moe.native_ops import MoEOps
-from moetrain.parallel.sharding import mark_role
+from moetrain.dist.sharding import mark_role
 
 COMPUTES = ("kernel", "gmm", "bmm")
 

@@ -7,12 +7,13 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from moetrain.layers import SwiGLUMLP
+from moetrain.modeling import MEAN, SUM, StatSpec
 from moetrain.moe.config import MoEConfig
-from moetrain.moe.dispatcher import build_dispatcher
+from moetrain.moe.dispatcher import SortDispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.losses import load_balancing_loss, tokens_per_expert, z_loss
 from moetrain.moe.router import TopKRouter
-from moetrain.parallel import comm
+from moetrain.dist import comm
 
 # Token sets the Switch aux loss can balance over (config key parallel.moe_aux_loss_scope).
 AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global")
@@ -48,8 +49,8 @@ class MoELayer(nn.Cell):
         self.aux_loss_scope, self.balance_group = "micro_batch", None
         self.router = TopKRouter(hidden_size, cfg, init_std)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.ffn_hidden_size, init_std, compute_dtype)
-        self.dispatcher = build_dispatcher(cfg.dispatcher, cfg.num_experts, cfg.top_k, cfg.capacity_factor,
-                                           self.experts.layout)
+        self.dispatcher = SortDispatcher(cfg.num_experts, cfg.top_k, cfg.capacity_factor,
+                                          self.experts.layout)
         self.shared_experts = None
         if cfg.num_shared_experts > 0:
             self.shared_experts = SwiGLUMLP(hidden_size, cfg.shared_hidden_size, init_std, init_std, compute_dtype)
@@ -58,6 +59,14 @@ class MoELayer(nn.Cell):
         self.aux_loss_terms = tuple((key, float(coeff)) for key, coeff in (
             ("aux_loss", cfg.aux_loss_coeff), ("seq_aux_loss", cfg.seq_aux_loss_coeff),
             ("z_loss", cfg.z_loss_coeff)) if coeff > 0)
+
+    @property
+    def stat_specs(self):
+        """How this layer's stats combine (moetrain/modeling.py): the auxiliary losses average over
+        micro-batches and ranks, counts add up, and each MoE layer has its own `expert_load` row."""
+        return {"aux_loss": StatSpec(MEAN), "seq_aux_loss": StatSpec(MEAN), "z_loss": StatSpec(MEAN),
+                "dropped": StatSpec(SUM), "routed": StatSpec(SUM), "expert_rows": StatSpec(SUM),
+                "expert_load": StatSpec(SUM, per_layer=True, row=(self.num_experts,))}
 
     def set_aux_loss_scope(self, scope: str, group=None) -> None:
         """Tokens the Switch `aux_loss` balances: this call's ("micro_batch"), each sequence's

@@ -4,6 +4,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
+from moetrain import kernels
 from moetrain.layers import normal_parameter
 from moetrain.moe.config import MoEConfig
 
@@ -20,6 +21,9 @@ class TopKRouter(nn.Cell):
       logits      [T, E] fp32   for the z-loss.
     `expert_bias` (aux-loss-free balancing) is added to the scores only to choose experts; the
     weights come from the unbiased scores and the bias gets no gradient (DeepSeek-V3).
+
+    With `moetrain.kernels` available and no group-limited routing (`num_groups == 1`), everything
+    after the router matmul is one fused kernel each way (`moetrain.kernels.ops.FusedRouter`).
     """
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, init_std: float = 0.02):
@@ -31,11 +35,20 @@ class TopKRouter(nn.Cell):
         self.route_scale = float(cfg.route_scale)
         self.num_groups = cfg.num_groups
         self.topk_groups = cfg.topk_groups
+        self.group_score_experts = cfg.group_score_experts if cfg.num_groups > 1 else 1
         self.weight = normal_parameter((cfg.num_experts, hidden_size), init_std, "weight")
         self.matmul = ops.MatMul(transpose_b=True)
+        self.fused = None
+        if kernels.available() and self.num_groups == 1:
+            from moetrain.kernels.ops import FusedRouter
+
+            self.fused = FusedRouter(self.top_k, self.score_func, self.norm_topk_prob, self.route_scale)
 
     def construct(self, x, expert_bias):
         logits = self.matmul(x.astype(ms.float32), self.weight)
+        if self.fused is not None:
+            topk_idx, topk_weight, probs, _ = self.fused(logits, expert_bias)
+            return topk_idx, topk_weight, probs, logits
         if self.score_func == "softmax":
             scores = ops.softmax(logits, -1)
             probs = scores
@@ -56,11 +69,12 @@ class TopKRouter(nn.Cell):
     def _keep_top_groups(self, choice_scores):
         """Sets the scores outside each token's `topk_groups` best expert groups to -inf.
 
-        A group's score is the sum of its best `top_k // topk_groups` expert scores (Megatron-Core;
-        DeepSeek-V3's top-2 sum with its k=8, 4 groups)."""
+        A group's score is the sum of its best `moe.group_score_experts` expert scores: `top_k //
+        topk_groups` (Megatron-Core) or `group_score_topk` (HF DeepSeek-V3 sums the top 2; the same
+        for DeepSeek-V3's k=8, 4 groups, not for other shapes)."""
         num_tokens = choice_scores.shape[0]
         grouped = choice_scores.reshape(num_tokens, self.num_groups, -1)
-        group_scores = ops.topk(grouped, self.top_k // self.topk_groups)[0].sum(-1)
+        group_scores = ops.topk(grouped, self.group_score_experts)[0].sum(-1)
         _, top_groups = ops.topk(group_scores, self.topk_groups)
         group_mask = ops.one_hot(top_groups, self.num_groups, ops.ones((), ms.float32),
                                  ops.zeros((), ms.float32)).sum(1)

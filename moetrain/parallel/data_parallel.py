@@ -42,8 +42,8 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, ops
 
 from moetrain.optim import build_optimizer, decays
-from moetrain.parallel import comm
-from moetrain.parallel.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec
+from moetrain.dist import comm
+from moetrain.dist.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 

@@ -24,7 +24,7 @@ from mindspore import Tensor
 from moetrain.moe.ep_dispatcher import build_ep_dispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.layer import MoELayer
-from moetrain.parallel.sharding import mark_shard, shard_spec
+from moetrain.dist.sharding import mark_shard, shard_spec
 
 
 def moe_layers(model) -> List[MoELayer]:

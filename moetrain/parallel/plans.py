@@ -20,7 +20,7 @@ from typing import Dict, List, Mapping, Sequence
 from moetrain.moe.layer import MoELayer
 from moetrain.parallel.tensor_parallel import (ColwiseParallel, RegionInput, RegionOutput, RowwiseParallel,
                                                SequenceParallel, VocabParallel, WholeSequence,
-                                               check_tensor_parallel, modules_matching, parallelize_module)
+                                               modules_matching, parallelize_module)
 
 # Llama-style GPT: attention and MLP are tensor-parallel regions between sequence-parallel norms.
 GPT_TP_PLAN = {
@@ -106,7 +106,6 @@ def parallelize_model(model, cfg, pctx):
         if name not in TP_PLANS:
             raise ValueError(f"model {name!r} has no tensor-parallel plan (known: {sorted(TP_PLANS)}); set "
                              f"parallel.model_parallel=1 or declare one with moetrain.parallel.plans.register_plans")
-        check_tensor_parallel(cfg.model, pctx.tp, p.use_seq_parallel, cfg.data.seq_length or cfg.model.seq_length)
         parallelize_module(model, TP_PLANS[name], pctx.group("tp"), p.use_seq_parallel)
     if p.recompute != "none":
         if p.recompute not in RECOMPUTE_PLANS.get(name, {}):

@@ -44,9 +44,9 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from moetrain.layers import CrossEntropy, Embedding, Linear
-from moetrain.parallel import comm
-from moetrain.parallel.sharding import mark_role, mark_shard, param_role, shard_spec
-from moetrain.parallel.topology import Group
+from moetrain.dist import comm
+from moetrain.dist.sharding import mark_role, mark_shard, param_role, shard_spec
+from moetrain.dist.topology import Group
 
 SEQUENCE_AXIS = 1        # activations are [B, S, H]
 ENTRY_MODES = ("copy", "sequence", "none")    # how an input enters a column-parallel region
@@ -245,10 +245,11 @@ class VocabParallelCrossEntropy(CrossEntropy):
 # Module mixins (switched in by the styles below)
 # ---------------------------------------------------------------------------------------------
 class _RegionInput:
-    """The module's input enters the tp region once, for all its column-parallel projections."""
+    """The module's input enters the tp region once, for all its column-parallel projections; other
+    arguments (an attention's packed-document context: whole-sequence ids) pass unchanged."""
 
-    def construct(self, x):
-        return self.base_construct(enter_region(x, self.tp_group, self.tp_entry))
+    def construct(self, x, *args):
+        return self.base_construct(enter_region(x, self.tp_group, self.tp_entry), *args)
 
 
 class _RegionOutput:
@@ -384,33 +385,3 @@ def parallelize_module(model: nn.Cell, plan: Mapping[str, Union[Style, Tuple[Sty
         for style in styles:
             style.apply(cell, ctx)
     return model
-
-
-def check_tensor_parallel(model_cfg, tp: int, sequence_parallel: bool, seq_length: int) -> None:
-    """Raise ValueError listing every size that cannot be split over `tp` (before anything is built)."""
-    if tp == 1:
-        return
-    problems = []
-
-    def need_divisible(key: str, value, why: str) -> None:
-        if value is not None and value % tp:
-            divisors = [d for d in range(1, value + 1) if value % d == 0]
-            problems.append(f"{key}={value} is not divisible by tensor parallel tp={tp} ({why}); "
-                            f"choose parallel.model_parallel in {divisors}")
-
-    need_divisible("model.num_heads", getattr(model_cfg, "num_heads", None), "each tp rank owns whole heads")
-    need_divisible("model.num_kv_heads", getattr(model_cfg, "num_kv_heads", None),
-                   "each tp rank owns whole kv-heads; kv-head replication is not implemented")
-    need_divisible("model.vocab_size", getattr(model_cfg, "vocab_size", None),
-                   "embedding and LM head are split by vocabulary; or pad the vocabulary")
-    moe = getattr(model_cfg, "moe", None)
-    if moe is not None and moe.num_shared_experts:
-        need_divisible("model.moe.shared_hidden_size", moe.shared_hidden_size, "shared experts are column/row split")
-    moe_layers = getattr(model_cfg, "moe_layers", [])
-    if len(moe_layers) < getattr(model_cfg, "num_layers", 0):
-        need_divisible("model.ffn_hidden_size", getattr(model_cfg, "ffn_hidden_size", None),
-                       "the dense MLP is column/row split")
-    if sequence_parallel:
-        need_divisible("data.seq_length", seq_length, "sequence parallel splits the sequence over tp")
-    if problems:
-        raise ValueError("tensor parallel layout does not fit the model:\n  " + "\n  ".join(problems))

@@ -1,9 +1,12 @@
 """Worker of tests/test_launch.py: a few world all_reduces, then optionally fail on one rank.
 
     python tests/workers/allreduce_worker.py OUT_DIR [--fail-rank R --fail-mode kill|raise] [--steps N]
+                                             [--fail-attempt K]
 
 Each rank writes OUT_DIR/rank_<r>.json ({rank, world, sums}); a failing rank first writes
-OUT_DIR/failure.json with the time it fails, in the middle of the collective loop.
+OUT_DIR/failure.json with the time it fails, in the middle of the collective loop; with
+--fail-attempt K only on the launcher's K-th relaunch (MOETRAIN_RESTART=K). Extra arguments (such as
+the --resume a relaunch adds) are ignored.
 """
 import argparse
 import json
@@ -20,13 +23,16 @@ def main():
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-mode", choices=["kill", "raise"], default="kill")
     ap.add_argument("--steps", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--fail-attempt", type=int, default=-1)
+    args, _ = ap.parse_known_args()
+    if args.fail_attempt >= 0 and int(os.environ.get("MOETRAIN_RESTART", "0")) != args.fail_attempt:
+        args.fail_rank = -1
 
     import mindspore as ms
 
     ms.set_device("CPU")
-    from moetrain.parallel import comm
-    from moetrain.parallel.topology import init_parallel
+    from moetrain.dist import comm
+    from moetrain.dist.topology import init_parallel
 
     ctx = init_parallel()
     world = ctx.group("world")

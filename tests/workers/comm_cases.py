@@ -29,7 +29,6 @@ CASES = [
      lambda r: (sum(a2av_counts(r, j) for j in range(WORLD)), 2), {}),
     ("broadcast@world", "broadcast", "world", lambda r: (2, 3), {"src": 2}),
     ("broadcast@tp", "broadcast", "tp", lambda r: (2, 3), {"src": 1}),
-    ("send_recv@dp", "send_recv", "dp", lambda r: (2, 2), {"src": 1, "dst": 0}),
     ("copy_to_region@tp", "copy_to_region", "tp", lambda r: (2, 3), {}),
     ("reduce_from_region@tp", "reduce_from_region", "tp", lambda r: (2, 3), {}),
     ("scatter_to_region@tp", "scatter_to_region", "tp", lambda r: (2, 4), {"axis": -1}),

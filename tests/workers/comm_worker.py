@@ -1,4 +1,4 @@
-"""Worker of tests/test_comm.py (4 ranks, dp=2 x tp=2): every op of moetrain.parallel.comm, its
+"""Worker of tests/test_comm.py (4 ranks, dp=2 x tp=2): every op of moetrain.dist.comm, its
 output and its gradient, in PyNative and under ms.jit, plus byte ledgers. Writes
 <out>/rank_<r>.npz (arrays) and <out>/rank_<r>.json (ledgers, timings).
 
@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from comm_cases import CASES, WORLD, a2av_counts, case_input, loss_weight  # noqa: E402
-from moetrain.parallel import comm  # noqa: E402
+from moetrain.dist import comm  # noqa: E402
 
 
 def apply(op, x, group, kw):
@@ -30,8 +30,6 @@ def apply(op, x, group, kw):
         return comm.all_to_all_v(x, kw["send_counts"], kw["recv_counts"], group)
     if op == "broadcast":
         return comm.broadcast(x, kw["src"], group)
-    if op == "send_recv":
-        return comm.send_recv(x, kw["src"], kw["dst"], group)
     if op == "copy_to_region":
         return comm.copy_to_region(x, group)
     if op == "reduce_from_region":
@@ -56,7 +54,7 @@ def main():
     from mindspore import Tensor
 
     ms.set_device("CPU")
-    from moetrain.parallel.topology import init_parallel
+    from moetrain.dist.topology import init_parallel
 
     ctx = init_parallel(dp=2, tp=2)
     rank = ctx.rank

@@ -47,9 +47,9 @@ def main():
     from moetrain.moe.ep_dispatcher import build_ep_dispatcher
     from moetrain.moe.experts import GroupedExperts
     from moetrain.moe.layer import MoELayer
-    from moetrain.parallel import comm
+    from moetrain.dist import comm
     from moetrain.parallel.expert_parallel import shard_experts
-    from moetrain.parallel.topology import init_parallel
+    from moetrain.dist.topology import init_parallel
 
     # ep=4 needs no new communicator (its groups are the world); ep=2 then creates its groups
     contexts = {4: init_parallel(dp=4, ep=4), 2: init_parallel(dp=4, ep=2, verbose=False)}

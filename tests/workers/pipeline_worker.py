@@ -21,7 +21,7 @@ def main():
     cfg = load_config(config, list(overrides) + [f"train.output_dir={os.path.join(out_dir, 'run')}"])
     trainer = Trainer(cfg)
     result = trainer.fit()
-    pipeline, pctx = trainer.pipeline, trainer.pctx
+    pipeline, pctx = (trainer.runner if trainer.pctx.pp > 1 else None), trainer.pctx
     record = {
         "rank": pctx.rank, "pp_rank": pctx.pp_rank, "dp_rank": pctx.dp_rank, "pp": pctx.pp,
         "num_micro_batches": trainer.n_micro,

@@ -27,13 +27,12 @@ def plain(value):
     return np.asarray(value).tolist() if isinstance(value, np.ndarray) else value
 
 
-def main():
-    out_dir, runs = sys.argv[1], sys.argv[2:]
-    from moetrain import trainer as trainer_module
-    from moetrain.config import load_config
-    from moetrain.parallel import topology
-    from moetrain.parallel.sharding import shard_spec
-    from moetrain.parallel.tensor_parallel import is_sequence_parallel
+def reuse_parallel_context(trainer_module):
+    """Let several Trainers run one after another in this process (also under msrun): MindSpore starts
+    its device and communication once per process, so later runs reuse the device setting and the
+    communicators of an earlier run with the same members."""
+    from moetrain.dist import topology
+    from moetrain.layout import check_config_layout
 
     contexts = {}
     setup_device = trainer_module.setup_device
@@ -45,6 +44,7 @@ def main():
     created = set()   # communicators are named after their members: a later layout reuses them
 
     def init_once(cfg):
+        check_config_layout(cfg, world=topology.launched_world_size())
         p = cfg.parallel
         key = (p.data_parallel, p.model_parallel, p.pipeline_stage, p.expert_parallel)
         if key in contexts:
@@ -64,6 +64,16 @@ def main():
         return ctx
 
     trainer_module._init_parallel, trainer_module.setup_device = init_once, setup_device_once
+
+
+def main():
+    out_dir, runs = sys.argv[1], sys.argv[2:]
+    from moetrain import trainer as trainer_module
+    from moetrain.config import load_config
+    from moetrain.dist.sharding import shard_spec
+    from moetrain.parallel.tensor_parallel import is_sequence_parallel
+
+    reuse_parallel_context(trainer_module)
     for run in runs:
         name, config, overrides = run.split(":", 2)
         run_dir = os.path.join(out_dir, name)
@@ -73,7 +83,7 @@ def main():
         trainer = trainer_module.Trainer(cfg)
         result = trainer.fit()
         seconds = time.perf_counter() - start
-        pctx, pipeline, model = trainer.pctx, trainer.pipeline, trainer.model
+        pctx, pipeline, model = trainer.pctx, (trainer.runner if trainer.pctx.pp > 1 else None), trainer.model
         params = list(model.get_parameters())    # expert_bias too (moved by the balancing step)
         record = {
             "rank": pctx.rank, "dp_rank": pctx.dp_rank, "tp_rank": pctx.tp_rank, "pp_rank": pctx.pp_rank,

@@ -22,6 +22,7 @@ def main():
         "dp": trainer.pctx.dp,
         "optimizer_state_bytes": trainer.opt_step.optimizer_state_bytes(),
         "param_sizes": [int(p.size) for p in trainer.opt_step.params],
+        "gradient_bytes_held": getattr(trainer.runner, "grad_bytes_held", None),
         "eval": result["eval"],
     }
     with open(os.path.join(out_dir, f"rank_{trainer.rank}.json"), "w") as fh:

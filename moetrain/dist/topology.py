@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from moetrain.layout import Layout, LayoutError, check_layout
+from moetrain.layout import launched_world_size as announced_world_size
+
 # Kinds in the order groups are created; every rank walks this order identically.
 GROUP_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "embedding", "pp_next", "pp_prev")
-
-
-class LayoutError(ValueError):
-    """A parallel layout that cannot run; the message says what, the numbers and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -78,62 +76,6 @@ def communicator_name(ranks: Sequence[int]) -> str:
     return f"moe_h{hashlib.sha1(joined.encode()).hexdigest()[:20]}_n{len(ranks)}"
 
 
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def validate_layout(world_size: int, dp: int, tp: int, pp: int, ep: int = 1, *,
-                    num_layers: Optional[int] = None, num_heads: Optional[int] = None,
-                    num_kv_heads: Optional[int] = None, num_experts: Optional[int] = None,
-                    global_batch_size: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                    micro_batch_num: Optional[int] = None) -> None:
-    """Raise `LayoutError` listing every problem of the layout (one per line); return None if fine."""
-    sizes = {"world_size": world_size, "dp": dp, "tp": tp, "pp": pp, "ep": ep}
-    bad = [f"{k}={v!r}" for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-    if bad:
-        raise LayoutError(f"parallel sizes must be positive integers, got {', '.join(bad)}")
-    problems: List[str] = []
-    if dp * tp * pp != world_size:
-        fix = (f"use dp={world_size // (tp * pp)}" if world_size % (tp * pp) == 0
-               else f"choose tp*pp dividing {world_size}")
-        problems.append(f"world size {world_size} != dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}: {fix}, "
-                        f"or launch {dp * tp * pp} processes")
-    if dp % ep:
-        problems.append(f"expert parallel ep={ep} must divide data parallel dp={dp} (expert groups are "
-                        f"carved out of the dp ranks): choose ep in {_divisors(dp)}")
-    if num_experts is not None and num_experts % ep:
-        problems.append(f"num_experts={num_experts} is not divisible by ep={ep}: every ep rank must hold "
-                        f"the same number of experts; choose ep in "
-                        f"{sorted(set(_divisors(num_experts)) & set(_divisors(dp)))}")
-    for what, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if count is not None and count % tp:
-            problems.append(f"{what}={count} is not divisible by tensor parallel tp={tp}: each tp rank owns "
-                            f"whole heads; choose tp in {_divisors(count)}")
-    if num_layers is not None and num_layers % pp:
-        problems.append(f"num_layers={num_layers} cannot be split evenly into pp={pp} pipeline stages: "
-                        f"choose pp in {_divisors(num_layers)} (or give per-stage layer counts)")
-    if micro_batch_num is not None and pp > 1 and micro_batch_num < pp:
-        problems.append(f"micro_batch_num={micro_batch_num} is smaller than the pp={pp} pipeline stages: "
-                        f"the pipeline never fills; use micro_batch_num >= {pp}")
-    if global_batch_size is not None:
-        if micro_batch_size is not None:
-            per_step = dp * micro_batch_size
-            if global_batch_size % per_step:
-                problems.append(f"global_batch_size={global_batch_size} is not divisible by dp*micro_batch_size"
-                                f" = {dp}*{micro_batch_size} = {per_step}: use a multiple of {per_step}")
-            elif micro_batch_num is not None and global_batch_size != per_step * micro_batch_num:
-                problems.append(f"global_batch_size={global_batch_size} != dp*micro_batch_size*micro_batch_num"
-                                f" = {dp}*{micro_batch_size}*{micro_batch_num} = {per_step * micro_batch_num}:"
-                                f" set micro_batch_num={global_batch_size // per_step}")
-        elif micro_batch_num is not None and global_batch_size % (dp * micro_batch_num):
-            per_step = dp * micro_batch_num
-            problems.append(f"global_batch_size={global_batch_size} is not divisible by dp*micro_batch_num"
-                            f" = {dp}*{micro_batch_num} = {per_step}: use a multiple of {per_step}")
-    if problems:
-        raise LayoutError(f"invalid parallel layout (world={world_size}, dp={dp}, tp={tp}, pp={pp}, ep={ep}):\n  "
-                          + "\n  ".join(problems))
-
-
 def global_rank_of(dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int) -> int:
     return tp_rank + tp * (dp_rank + dp * pp_rank)
 
@@ -154,7 +96,8 @@ class ParallelContext:
     @classmethod
     def build(cls, world_size: int, rank: int, dp: int, tp: int = 1, pp: int = 1, ep: int = 1) -> "ParallelContext":
         """Pure layout computation (no MindSpore): coordinates and member lists of every group."""
-        validate_layout(world_size, dp, tp, pp, ep)
+        # the sizes only (micro-batches are not the topology's concern)
+        check_layout(Layout(dp=dp, tp=tp, pp=pp, ep=ep, num_micro_batches=pp), world=world_size)
         if not 0 <= rank < world_size:
             raise LayoutError(f"rank {rank} is outside the world of {world_size} ranks")
         tp_rank, rest = rank % tp, rank // tp
@@ -253,12 +196,8 @@ class ParallelContext:
 
 
 def launched_world_size() -> int:
-    """World size announced by msrun (MS_WORKER_NUM) or a rank-table launch (RANK_SIZE); 1 otherwise."""
-    for var in ("MS_WORKER_NUM", "RANK_SIZE"):
-        value = os.environ.get(var)
-        if value:
-            return int(value)
-    return 1
+    """World size announced by the launcher (see `moetrain.layout.launched_world_size`); 1 otherwise."""
+    return announced_world_size() or 1
 
 
 def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 1, *,
@@ -291,8 +230,5 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
     for name, ranks in ctx.communicators_to_create():
         create_group(name, list(ranks))
     if verbose and rank == 0:
-        from moetrain.parallel import comm
-
-        print(f"moetrain.parallel: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep}; "
-              f"communication backend: {comm.backend_name()}", flush=True)
+        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep}", flush=True)
     return ctx

@@ -49,11 +49,11 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.ops import ReduceOp
 
-from moetrain.parallel.topology import Group
+from moetrain.dist.topology import Group
 
 COUNTER_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "embedding", "other")
 COUNTER_COLUMNS = ("fwd_native", "fwd_emulated", "bwd_native", "bwd_emulated")
@@ -434,34 +434,6 @@ class _Broadcast(_GroupOp):
         return (self._only_on(self.sum(dout), self.src),)
 
 
-class _SendRecvNative(_Broadcast):
-    """UNVERIFIED (Ascend/GPU): Send on `src`, Receive on `dst`; the source keeps its tensor."""
-
-    def __init__(self, group, shape, dtype, src, dst):
-        super().__init__(group, shape, dtype, src, "send_recv", dst)
-        self.dst = dst
-        if self.rank == src:
-            self.send = ops.Send(0, dst, group.name, group.name)
-            self.recv_grad = ops.Receive(1, dst, list(shape), dtype, group.name, group.name)
-        elif self.rank == dst:
-            self.recv = ops.Receive(0, src, list(shape), dtype, group.name, group.name)
-            self.send_grad = ops.Send(1, src, group.name, group.name)
-
-    def construct(self, x):
-        if self.rank == self.src:
-            return ops.Depend()(x, self.send(x))
-        if self.rank == self.dst:
-            return self.recv(x)
-        return x
-
-    def bprop(self, x, out, dout):
-        if self.rank == self.src:
-            return (dout + self.recv_grad(dout),)
-        if self.rank == self.dst:
-            return (ops.Depend()(ops.ZerosLike()(dout), self.send_grad(dout)),)
-        return (dout,)
-
-
 class _CopyToRegion(_GroupOp):
     def __init__(self, group, shape, dtype):
         super().__init__(group, shape, dtype)
@@ -516,16 +488,9 @@ class _GatherFromRegion(_GroupOp):
         return (_chunk(dout, self.axis, self.n, self.rank),)
 
 
-def _send_recv_cell(group, shape, dtype, src, dst):
-    if backend_name() == "native":
-        return _SendRecvNative(group, shape, dtype, src, dst)
-    return _Broadcast(group, shape, dtype, src, "send_recv", dst)
-
-
 _OP_CELLS = {cls.__name__: cls for cls in (_AllReduce, _AllGather, _ReduceScatter, _AllToAll, _AllToAllV,
                                             _Broadcast, _CopyToRegion, _ReduceFromRegion,
                                             _ScatterToRegion, _GatherFromRegion)}
-_OP_CELLS["_SendRecv"] = _send_recv_cell
 
 
 @functools.lru_cache(maxsize=None)
@@ -596,18 +561,6 @@ def broadcast(x, src_rank_in_group: int, group: Group):
     return _run(_op("_Broadcast", group, x.shape, x.dtype, (src_rank_in_group,)), x)
 
 
-def send_recv(x, src: int, dst: int, group: Group):
-    """Point-to-point from rank `src` to rank `dst` (ranks in `group`, normally a 2-rank pipeline
-    neighbour group; both call it). `dst` gets the source's tensor, its own `x` being only a shape
-    and dtype placeholder; `src` gets `x` back. Backward: `dst`'s gradient goes back and is added to
-    `src`'s; the placeholder's gradient is zero. On CPU: an AllReduce where only `src` contributes."""
-    if group.size == 1:
-        return x
-    if src == dst:
-        raise ValueError(f"send_recv: src and dst are both rank {src} of the {group.kind} group {group.ranks}")
-    return _run(_op("_SendRecv", group, x.shape, x.dtype, (src, dst)), x)
-
-
 def copy_to_region(x, group: Group):
     """Megatron f: identity forward, all-reduce of the gradients backward (column-parallel input)."""
     if group.size == 1:
@@ -645,6 +598,66 @@ def gather_from_sequence(x, group: Group, axis: int = 0):
     """Sequence parallel: gather the whole sequence; backward reduce-scatters (the consumer is a
     tensor-parallel layer whose per-rank input gradients are partial sums)."""
     return all_gather(x, group, axis)
+
+
+class PairLink:
+    """Point-to-point between the two ranks of a pipeline link, driven from the host (PyNative).
+
+    `group`: this rank and its neighbour; `lower`: this rank is the lower stage. Both ranks call
+    `exchange` with matching roles (the pipeline schedules pair them, see moetrain/parallel/pipeline.py).
+    * native (Ascend/GPU): Send/Receive on the world communicator with global ranks; the lower stage
+      sends before it receives and the upper stage receives before it sends, so a two-way exchange
+      cannot deadlock without batched point-to-point.
+    * emulated (CPU: no Send/Receive there, and `mint.distributed.send/recv` fail under msrun in
+      MindSpore 2.10, measured): one SUM all-reduce on the pair group; a two-way exchange is one
+      `[2, *shape]` buffer, slot 0 the lower stage's tensor, slot 1 the upper's.
+    Every exchange books its bytes in the ledger (kind "pp")."""
+
+    def __init__(self, group: Group, lower: bool):
+        if group.size != 2:
+            raise ValueError(f"PairLink needs a 2-rank group, got the {group.kind} group {group.ranks}")
+        self.group, self.lower = group, lower
+        self.slot = 0 if lower else 1
+        self.peer = group.ranks[1 - self.slot]
+        self.native = backend_name() == "native"
+        self.sum = ops.AllReduce(ReduceOp.SUM, group.name)
+        self._prims: Dict[tuple, object] = {}
+
+    def _native_prims(self, shape, dtype):
+        key = (tuple(shape), dtype)
+        if key not in self._prims:
+            from mindspore.communication import GlobalComm
+
+            out_tag, in_tag = (0, 1) if self.lower else (1, 0)     # lower -> upper is tag 0
+            world = GlobalComm.WORLD_COMM_GROUP
+            self._prims[key] = (ops.Send(out_tag, self.peer, group=world),
+                                ops.Receive(in_tag, self.peer, list(shape), dtype, group=world))
+        return self._prims[key]
+
+    def exchange(self, payload, recv_shape=None, dtype=ms.float32):
+        """Send `payload` (or nothing) and receive a tensor of `recv_shape` (or nothing)."""
+        shape = tuple(payload.shape) if payload is not None else tuple(recv_shape)
+        nbytes = float(np.prod(shape, dtype=np.int64)) * mstype.type_size_in_bytes(dtype)
+        two_way = payload is not None and recv_shape is not None
+        _book("pp", nbytes if payload is not None else 0.0, _ring(2, 2 * nbytes if two_way else nbytes), False)
+        if self.native:
+            send, receive = self._native_prims(shape, dtype)
+            received = None
+            if not self.lower and recv_shape is not None:
+                received = receive()
+            if payload is not None:
+                send(payload)
+            if self.lower and recv_shape is not None:
+                received = receive()
+            return received
+        if two_way:
+            zeros = ops.zeros(shape, dtype)
+            pair = (payload, zeros) if self.slot == 0 else (zeros, payload)
+            return self.sum(ops.stack(pair))[1 - self.slot]
+        if payload is not None:
+            self.sum(payload)
+            return None
+        return self.sum(ops.zeros(shape, dtype))
 
 
 def barrier(group: Optional[Group] = None) -> None:

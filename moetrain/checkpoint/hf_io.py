@@ -1,0 +1,128 @@
+"""Reading Hugging Face safetensors checkpoints into fp32 numpy, FP8 block-quantized ones included.
+
+Own reader, not `safetensors.numpy`: numpy has no bfloat16 or float8, which published checkpoints use.
+Widening bf16/fp16 to fp32 is exact; FP8 (E4M3, DeepSeek-V3's `quantization_config` with
+`weight_block_size [128, 128]`) is decoded exactly and multiplied by its per-block
+`<name>_scale_inv` (fp32 `[ceil(out/128), ceil(in/128)]`), which is consumed by the dequantization.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+_FLOAT_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+FP8_DTYPE = "F8_E4M3"
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _e4m3_table() -> np.ndarray:
+    """The fp32 value of each of the 256 E4M3 (OCP "fn": no infinities, S.1111.111 is NaN) bytes."""
+    byte = np.arange(256)
+    sign = np.where(byte >> 7, -1.0, 1.0)
+    exponent, mantissa = (byte >> 3) & 0xF, byte & 0x7
+    value = np.where(exponent == 0, mantissa / 8.0 * 2.0 ** -6, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    value = np.where((exponent == 15) & (mantissa == 7), np.nan, value)
+    return (sign * value).astype(np.float32)
+
+
+E4M3_TO_FP32 = _e4m3_table()
+
+
+def read_safetensors(path: str, keep_fp8: bool = False) -> Dict[str, np.ndarray]:
+    """All tensors of a .safetensors file as fp32 arrays (FP8 ones as their raw uint8 bytes with
+    `keep_fp8`, for `dequantize_fp8_blocks`; decoded without block scales otherwise)."""
+    with open(path, "rb") as fh:
+        header_len = struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        raw = data[start:end]
+        dtype = info["dtype"]
+        if dtype == "BF16":   # the top half of an fp32: widen exactly
+            array = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        elif dtype in _FLOAT_DTYPES:
+            array = raw.view(np.dtype(_FLOAT_DTYPES[dtype]).newbyteorder("<")).astype(np.float32)
+        elif dtype == FP8_DTYPE:
+            array = np.array(raw) if keep_fp8 else E4M3_TO_FP32[raw]
+        else:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {dtype}; hf-import reads F32, F16, BF16, F64 and "
+                             f"block-quantized {FP8_DTYPE} weights")
+        tensors[name] = array.reshape(info["shape"])
+    return tensors
+
+
+def checkpoint_files(hf_dir: str) -> Sequence[str]:
+    """The safetensors files of a checkpoint: those the index lists, or every *.safetensors."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are not there: {missing}")
+        return [os.path.join(hf_dir, f) for f in files]
+    paths = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if not paths:
+        raise FileNotFoundError(f"{hf_dir!r} has no *.safetensors weights (PyTorch .bin checkpoints are not "
+                                f"supported: re-save them with safetensors)")
+    return paths
+
+
+def dequantize_fp8_blocks(tensors: Dict[str, np.ndarray], fp8_names: Sequence[str],
+                          block_size: Sequence[int]) -> Dict[str, np.ndarray]:
+    """`w = e4m3(q) * scale_inv[i // bo, j // bi]` for every FP8 weight; its scale tensor is consumed.
+
+    An FP8 weight without a scale, or a scale without its weight, is an error naming the tensor."""
+    block_out, block_in = block_size
+    out = {name: value for name, value in tensors.items() if name not in fp8_names}
+    for name in fp8_names:
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in tensors:
+            raise ValueError(f"FP8 tensor {name!r} has no {scale_name!r}: cannot dequantize it")
+        q, scale = tensors[name], np.asarray(tensors[scale_name], np.float32)
+        if q.ndim != 2:
+            raise ValueError(f"FP8 tensor {name!r} has shape {q.shape}; block dequantization handles 2-D weights")
+        rows, cols = q.shape
+        expected = (-(-rows // block_out), -(-cols // block_in))
+        if scale.shape != expected:
+            raise ValueError(f"{scale_name!r} has shape {scale.shape}, expected {expected} for {name!r} {q.shape} "
+                             f"in blocks of {block_out}x{block_in}")
+        per_element = np.repeat(np.repeat(scale, block_out, 0), block_in, 1)[:rows, :cols]
+        out[name] = E4M3_TO_FP32[q] * per_element
+        del out[scale_name]
+    orphans = sorted(n for n in out if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] not in fp8_names)
+    if orphans:
+        raise ValueError(f"scale tensors without an FP8 weight: {orphans[:10]} (is the checkpoint complete?)")
+    return out
+
+
+def load_hf_weights(hf_dir: str, quantization: Optional[dict] = None) -> Dict[str, np.ndarray]:
+    """Every tensor of the checkpoint in `hf_dir`, fp32; FP8 weights dequantized with
+    `quantization` (the config.json `quantization_config`: `quant_method: fp8`, `weight_block_size`)."""
+    weights, fp8_names = {}, []
+    for path in checkpoint_files(hf_dir):
+        with open(path, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        fp8_names += [n for n, info in header.items() if n != "__metadata__" and info["dtype"] == FP8_DTYPE]
+        weights.update(read_safetensors(path, keep_fp8=True))
+    if not fp8_names and not quantization:
+        return weights
+    quantization = quantization or {}
+    if quantization.get("quant_method") != "fp8" or quantization.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"config.json quantization_config {quantization!r}: hf-import dequantizes fp8 block-quantized "
+                         f"weights (quant_method: fp8, e4m3) only")
+    if quantization.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"config.json quantization_config.fmt={quantization['fmt']!r}: only e4m3 is supported")
+    block = quantization.get("weight_block_size") or [128, 128]
+    if len(block) != 2:
+        raise ValueError(f"config.json quantization_config.weight_block_size={block!r}: expected [rows, cols]")
+    return dequantize_fp8_blocks(weights, fp8_names, block)

@@ -1,0 +1,232 @@
+"""The parallel layout of a job and every rule it must satisfy, in one place.
+
+    Layout.of(cfg)                    dp, tp, pp, ep, micro-batches, ZeRO, recompute, sp, schedule, split
+    layout_problems(layout, ...)      every reason it cannot run, each naming the keys and a fix
+    check_layout(layout, ...)         raises LayoutError listing them
+    split_layers(layers, pp, split)   the layer range of every pipeline stage
+
+Used by config loading (the rules that need no world size, and the world size when the launcher
+announced it), the planner (every candidate of its search), process-group setup (one process
+included), resharding and the launcher's pre-flight, so a layout that cannot run stops the job
+before any worker starts. Pure Python: no MindSpore import.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe")
+WORLD_SIZE_ENVS = ("MOETRAIN_WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE")   # the launch script's, msrun's, rank table's
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot run; the message says what, the numbers and how to fix it."""
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def world_fix(world: int, model_ranks: int, global_batch_size: Optional[int] = None) -> str:
+    """How to fit a layout to `world` processes: a data_parallel only if it can split the batch."""
+    if world % model_ranks:
+        return f"model_parallel x pipeline_stage ({model_ranks}) must divide {world}"
+    dp = world // model_ranks
+    if global_batch_size is None or global_batch_size % dp == 0:
+        return f"set parallel.data_parallel={dp} (or leave it unset to infer it)"
+    return (f"data_parallel would have to be {dp}, which cannot split train.global_batch_size ({global_batch_size}): "
+            f"use a world size of {[d * model_ranks for d in divisors(global_batch_size)][:6]}, or a global "
+            f"batch that is a multiple of {dp}")
+
+
+def launched_world_size() -> Optional[int]:
+    """The world size the launcher announced (run_distributed.sh, msrun, a rank table); None when this
+    process was not launched as part of a job."""
+    value = next((os.environ[v] for v in WORLD_SIZE_ENVS if os.environ.get(v)), None)
+    return int(value) if value else None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a model that parallel layouts must divide; None where the model has no such part
+    (the MNIST MLP has no heads or layers to split)."""
+
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    vocab: Optional[int] = None
+    ffn: Optional[int] = None               # the dense FFN width, None when every layer is MoE
+    experts: int = 0                        # 0: no MoE layers
+    shared_ffn: int = 0
+
+    @classmethod
+    def of(cls, model_cfg) -> "ModelShape":
+        get = lambda key: getattr(model_cfg, key, None)   # noqa: E731
+        moe = get("moe")
+        moe_layers = list(get("moe_layers") or [])
+        layers = get("num_layers")
+        return cls(layers=layers, heads=get("num_heads"), kv_heads=get("num_kv_heads") or get("num_heads"),
+                   vocab=get("vocab_size"),
+                   ffn=get("ffn_hidden_size") if layers is None or len(moe_layers) < layers else None,
+                   experts=moe.num_experts if moe is not None else 0,
+                   shared_ffn=moe.shared_hidden_size if moe is not None else 0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    micro_batch_size: int = 1                 # sequences per micro-batch per data-parallel rank
+    num_micro_batches: int = 1                # per optimizer step (accumulation = pipeline micro-batches)
+    zero: int = 0                             # 0 none, 1 optimizer states, 2 + gradients
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    pipeline_layers: Optional[Tuple[int, ...]] = None
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def of(cls, cfg) -> "Layout":
+        p, t = cfg.parallel, cfg.train
+        dp = max(1, p.data_parallel)
+        if t.micro_batch_size:
+            micro = t.micro_batch_size
+            count = max(1, t.global_batch_size // (dp * micro))
+        elif p.micro_batch_num > 1:
+            count = p.micro_batch_num
+            micro = max(1, t.global_batch_size // (dp * count))
+        else:
+            count, micro = 1, max(1, t.global_batch_size // dp)
+        return cls(dp=dp, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel, micro_batch_size=micro,
+                   num_micro_batches=count, zero=p.optimizer_shard, recompute=p.recompute,
+                   sequence_parallel=p.use_seq_parallel, schedule=p.pipeline_schedule,
+                   pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None)
+
+    def parallel_settings(self) -> Dict[str, object]:
+        """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
+        return {"data_parallel": self.dp, "model_parallel": self.tp, "pipeline_stage": self.pp,
+                "expert_parallel": self.ep, "micro_batch_num": self.num_micro_batches,
+                "use_seq_parallel": self.sequence_parallel, "optimizer_shard": self.zero,
+                "recompute": self.recompute, "mode": "manual", "pipeline_schedule": self.schedule,
+                "pipeline_layers": list(self.pipeline_layers) if self.pipeline_layers else None}
+
+    def describe(self) -> str:
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} ep{self.ep} zero{self.zero} "
+                f"recompute={self.recompute} micro={self.micro_batch_size}x{self.num_micro_batches}")
+
+
+def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world: Optional[int] = None,
+                    global_batch_size: Optional[int] = None, seq_length: Optional[int] = None) -> List[str]:
+    """Every reason `layout` cannot run (empty when it can), each naming the keys and a fix. Rules
+    that need what is not given (the world size, the model's sizes, the batch) are skipped."""
+    L, m = layout, shape or ModelShape()
+    problems: List[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    for key, value in (("data_parallel", L.dp), ("model_parallel", L.tp), ("pipeline_stage", L.pp),
+                       ("expert_parallel", L.ep), ("micro_batch_num", L.num_micro_batches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"parallel.{key} must be an integer >= 1, got {value!r}")
+    if problems:
+        return problems
+    if world is not None:
+        need(L.world == world,
+             f"data_parallel ({L.dp}) x model_parallel ({L.tp}) x pipeline_stage ({L.pp}) = {L.world} processes, "
+             f"but {world} {'were' if world > 1 else 'was'} launched: "
+             + world_fix(world, L.tp * L.pp, global_batch_size)
+             + f", or launch {L.world} processes (run_scripts/run_distributed.sh --nproc {L.world} CONFIG)")
+    need(L.dp % L.ep == 0, f"parallel.expert_parallel ({L.ep}) must divide data_parallel ({L.dp}): expert-parallel "
+         f"groups are carved out of the data-parallel ranks; use one of {divisors(L.dp)}")
+    if m.experts:
+        need(m.experts % L.ep == 0, f"model.moe.num_experts ({m.experts}) is not divisible by "
+             f"parallel.expert_parallel ({L.ep}): every rank must hold as many experts; use one of "
+             f"{[e for e in divisors(m.experts) if L.dp % e == 0]}")
+        need(m.shared_ffn % L.tp == 0, f"the shared-expert FFN width ({m.shared_ffn}) is not divisible by "
+             f"parallel.model_parallel ({L.tp}) (shared experts are split column/row-wise)")
+    elif shape is not None:
+        need(L.ep == 1, f"parallel.expert_parallel ({L.ep}) > 1 needs a MoE model; set it to 1")
+    for key, value, why in (("model.num_heads", m.heads, "each tensor-parallel rank owns whole heads"),
+                            ("model.num_kv_heads", m.kv_heads, "each tensor-parallel rank owns whole K/V heads"),
+                            ("model.vocab_size", m.vocab, "the embedding and LM head are split by vocabulary; "
+                                                          "or pad the vocabulary"),
+                            ("model.ffn_hidden_size", m.ffn, "the dense MLP is split column/row-wise")):
+        if value is not None:
+            need(value % L.tp == 0, f"{key} ({value}) is not divisible by parallel.model_parallel ({L.tp}) ({why}); "
+                 f"choose model_parallel in {divisors(value)}")
+    if L.sequence_parallel:
+        need(L.tp > 1, "parallel.use_seq_parallel needs model_parallel > 1 (it splits along the sequence what "
+             "tensor parallelism replicates); set it to false")
+        if seq_length:
+            need(seq_length % L.tp == 0, f"the sequence length ({seq_length}) is not divisible by "
+                 f"parallel.model_parallel ({L.tp}), which sequence parallelism needs")
+    if m.layers is not None:
+        try:
+            split_layers(m.layers, L.pp, L.pipeline_layers)
+        except LayoutError as exc:
+            problems.append(str(exc))
+    elif shape is not None and L.pp > 1:
+        problems.append(f"parallel.pipeline_stage ({L.pp}) > 1 needs a model made of layers (model.num_layers); "
+                        f"set it to 1")
+    need(L.pp == 1 or L.num_micro_batches >= L.pp,
+         f"{L.num_micro_batches} micro-batch(es) per step cannot keep {L.pp} pipeline stages busy: need "
+         f"parallel.micro_batch_num >= pipeline_stage (raise train.global_batch_size or lower "
+         f"train.micro_batch_size)")
+    if global_batch_size is not None:
+        need(L.micro_batch_size >= 1 and L.dp * L.micro_batch_size * L.num_micro_batches == global_batch_size,
+             f"train.global_batch_size ({global_batch_size}) != data_parallel ({L.dp}) x micro-batch size "
+             f"({L.micro_batch_size}) x micro-batches ({L.num_micro_batches}); pick sizes so that "
+             f"global = dp x micro x accumulation")
+    need(L.zero in (0, 1, 2), f"parallel.optimizer_shard must be 0, 1 or 2, got {L.zero}")
+    need(L.recompute in RECOMPUTE_MODES, f"parallel.recompute must be one of {RECOMPUTE_MODES}, got {L.recompute!r}")
+    need(L.schedule in SCHEDULES, f"parallel.pipeline_schedule must be one of {SCHEDULES}, got {L.schedule!r}")
+    return problems
+
+
+def check_layout(layout: Layout, shape: Optional[ModelShape] = None, **known) -> None:
+    """Raise LayoutError listing every problem of `layout` (see `layout_problems`)."""
+    problems = layout_problems(layout, shape, **known)
+    if problems:
+        raise LayoutError(f"layout {layout.describe()} cannot run:\n  - " + "\n  - ".join(problems))
+
+
+def check_config_layout(cfg, world: Optional[int] = None) -> Layout:
+    """The layout of a config, checked against its model, batch and (when known) the world size."""
+    layout = Layout.of(cfg)
+    check_layout(layout, ModelShape.of(cfg.model), world=world, global_batch_size=cfg.train.global_batch_size,
+                 seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None))
+    return layout
+
+
+def split_layers(num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence[int]] = None
+                 ) -> List[Tuple[int, int]]:
+    """`[(start, end), ...]`: the layer range of every stage (even split, or `layers_per_stage`)."""
+    if num_stages < 1:
+        raise LayoutError(f"parallel.pipeline_stage must be >= 1, got {num_stages}")
+    if layers_per_stage:
+        sizes = [int(n) for n in layers_per_stage]
+        if len(sizes) != num_stages or min(sizes) < 1 or sum(sizes) != num_layers:
+            raise LayoutError(
+                f"parallel.pipeline_layers={list(layers_per_stage)} must give {num_stages} stages "
+                f"(parallel.pipeline_stage) of >= 1 layers summing to model.num_layers={num_layers}; "
+                f"it has {len(sizes)} entries summing to {sum(sizes)}")
+    else:
+        if num_layers % num_stages:
+            raise LayoutError(
+                f"model.num_layers={num_layers} cannot be split evenly into parallel.pipeline_stage="
+                f"{num_stages} stages: choose pipeline_stage in {divisors(num_layers)} or list the layers of "
+                f"each stage in parallel.pipeline_layers")
+        sizes = [num_layers // num_stages] * num_stages
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]

@@ -1,0 +1,159 @@
+"""What a model family exposes, so that one trainer, pipeline / tensor / expert parallelism and the
+planner work on it without copying model code.
+
+Every model:
+    construct(*batch) -> (loss, stats)      stats: a dict of fp32 tensors
+    stat_specs() -> {name: StatSpec}        how each stat combines over layers, micro-batches and
+                                            data-parallel ranks (a stat left out averages)
+
+A layered language model, for pipeline parallelism, adds the pieces its `construct` is made of:
+    embed_tokens(input_ids) -> h            the first stage's part
+    run_layers(h, context) -> (h, stats, aux)   the blocks this model (or pipeline stage) holds; aux:
+                                            the weighted auxiliary losses they add to the loss
+    head_loss(h, labels, context) -> (loss, stats)   the last stage's part: final norm, head, loss (+ MTP)
+    EMBEDDING_CELLS, HEAD_CELLS             the attribute names of the first / last stage's cells
+    needs_embedding_in_head                 the head reads the embedding (tied head, MTP)
+    head_stat_rows                          per-layer stat rows the head adds (MTP's MoE blocks)
+A block of `layers` returns `h`, or `(h, stats)` when it sets `returns_stats` (then it also has
+`weighted_aux(stats)` and its stats follow the model's `stat_specs`).
+
+Packed documents (`data.reset_attention_mask` / `data.reset_position_ids`): the batch is then
+`(input_ids, labels, document_ids, position_ids)` and `construct` takes the last two (None
+otherwise). `attention_context` makes them the attention context, None or the tuple
+`(document_ids, position_ids)` of int32 `[B, S]` tensors, which `run_layers` / `run_blocks` pass to
+every block as `block(h, context)` and each block to its attention (`moetrain.layers.CausalAttention`);
+blocks see it only when it is not None, so a block without the argument runs unpacked batches. It is
+one argument held per call, not state: one compiled graph serves every batch, and a pipeline stage
+receives its micro-batch's context beside its input. Tensor parallelism is declared
+per family in `moetrain.parallel.plans` by module paths; expert parallelism finds the `MoELayer`s.
+`moetrain.parallel.pipeline` cuts a model into stages with `keep_stage` and calls the pieces.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import mindspore as ms
+from mindspore import nn, ops
+
+SUM, MEAN = "sum", "mean"
+
+
+@dataclass(frozen=True)
+class StatSpec:
+    """`reduce`: over micro-batches and data-parallel ranks (SUM for counts, MEAN for losses).
+    Produced by several layers, a stat is summed over them, or, `per_layer`, stacked: one row of
+    shape `row` per producing layer, in layer order."""
+
+    reduce: str = MEAN
+    per_layer: bool = False
+    row: Tuple[int, ...] = ()
+
+
+def stat_specs_of(model) -> Dict[str, StatSpec]:
+    return model.stat_specs() if hasattr(model, "stat_specs") else {}
+
+
+def summed_stats(specs: Dict[str, StatSpec]) -> Tuple[str, ...]:
+    """The stats that add up over micro-batches and data-parallel ranks (the others average)."""
+    return tuple(name for name, spec in specs.items() if spec.reduce == SUM)
+
+
+def reused_block(init):
+    """Decorate a block's `__init__`: MindSpore compiles ONE graph per block class and init
+    arguments and reuses it for every layer (`ms.lazy_inline` with the "front" policy: the reused
+    sub-graph is inlined in the frontend, after autodiff, so CPU and GPU run it as well as Ascend;
+    the default policy fails on CPU with "Input[0] must be a Primitive ValueNode"). The first step's
+    compile then grows far slower than the depth (docs/performance.md, "Compile time at depth");
+    results are bitwise the same. `MOETRAIN_CELL_REUSE=0` turns it off (A/B measurements)."""
+    if os.environ.get("MOETRAIN_CELL_REUSE", "1") == "0":
+        return init
+    return ms.lazy_inline(init, policy="front")
+
+
+def split_specs(specs: Dict[str, StatSpec]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """`(summed over layers, stacked per layer)` stat names: the graph-safe form of `specs`."""
+    return (tuple(sorted(n for n, s in specs.items() if not s.per_layer)),
+            tuple(sorted(n for n, s in specs.items() if s.per_layer)))
+
+
+def attention_context(document_ids=None, position_ids=None):
+    """The attention context of a batch (see the module notes): None for plain causal attention,
+    else `(document_ids, position_ids)` as int32. The dataset yields both or neither."""
+    if document_ids is None and position_ids is None:
+        return None
+    if document_ids is None or position_ids is None:
+        raise ValueError("packed documents need both document_ids and position_ids (the LM dataset yields both "
+                         "with data.reset_attention_mask or data.reset_position_ids)")
+    return document_ids.astype(ms.int32), position_ids.astype(ms.int32)
+
+
+def run_blocks(blocks, h, summed: Tuple[str, ...], stacked: Tuple[str, ...], context=None):
+    """Run `blocks` in order: `(h, stats, aux)`. Stats of the blocks that return them are summed
+    over blocks (`stacked` ones: one row per block); `aux` is the sum of their `weighted_aux`.
+    `context` (None, or packed documents: `attention_context`) goes to every block.
+    Graph-safe: names and `returns_stats` are Python constants, the loop unrolls over the blocks."""
+    zero = ops.zeros((), ms.float32)
+    totals = {name: zero for name in summed}
+    rows = {name: [] for name in stacked}
+    aux = zero
+    for block in blocks:
+        args = (h,) if context is None else (h, context)
+        if block.returns_stats:
+            h, stats = block(*args)
+            for name in summed:
+                totals[name] = totals[name] + stats[name].astype(ms.float32)
+            for name in stacked:
+                rows[name].append(stats[name].astype(ms.float32))
+            aux = aux + block.weighted_aux(stats)
+        else:
+            h = block(*args)
+    for name in stacked:
+        if rows[name]:
+            totals[name] = ops.stack(rows[name])
+    return h, totals, aux
+
+
+def merge_stats(stats, more, stacked: Tuple[str, ...]):
+    """`stats` with `more` added in: summed, the `stacked` ones' rows appended after `stats`' rows."""
+    for name in more:
+        if name not in stats:
+            stats[name] = more[name]
+        elif name in stacked:
+            stats[name] = ops.cat((stats[name], more[name]), 0)
+        else:
+            stats[name] = stats[name] + more[name]
+    return stats
+
+
+def stat_rows(blocks) -> int:
+    """Per-layer stat rows `blocks` produce (one per block that returns stats)."""
+    return sum(1 for block in blocks if getattr(block, "returns_stats", False))
+
+
+def keep_stage(model, start: int, end: int, first: bool, last: bool) -> None:
+    """Cut `model` down, in place, to one pipeline stage: its blocks `[start, end)`, the embedding on
+    the first stage (and on the last when the head reads it), the head cells on the last. Parameter
+    names stay the whole model's (`layers.{i}...`), so checkpoints and optimizers see no difference;
+    the other cells are dropped and freed with the caller's last reference."""
+    missing = [name for name in ("layers", "embed_tokens", "run_layers", "head_loss", "EMBEDDING_CELLS",
+                                 "HEAD_CELLS") if not hasattr(model, name)]
+    if missing:
+        from moetrain.layout import LayoutError
+
+        raise LayoutError(f"parallel.pipeline_stage > 1 needs a layered model (moetrain/modeling.py: layers, "
+                          f"embed_tokens, run_layers, head_loss, EMBEDDING_CELLS, HEAD_CELLS); "
+                          f"{type(model).__name__} lacks {missing}: set parallel.pipeline_stage=1")
+    kept = [model.layers[i] for i in range(start, end)]
+    auto_prefix = model._auto_prefix   # no renaming: the kept blocks keep their global names
+    model._auto_prefix = False
+    try:
+        model.layers = nn.CellList(kept, auto_prefix=False)
+        keep_embedding = first or (last and model.needs_embedding_in_head)
+        for name in (() if keep_embedding else model.EMBEDDING_CELLS) + (() if last else model.HEAD_CELLS):
+            if getattr(model, name, None) is not None:
+                setattr(model, name, None)
+    finally:
+        model._auto_prefix = auto_prefix
+    model.stage_range = (start, end)

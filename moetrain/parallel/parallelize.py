@@ -1,0 +1,48 @@
+"""`parallelize(model, cfg, pctx)`: the one place a built single-device model becomes this rank's
+part of the parallel job, with its optimizer step and step runner.
+
+    tensor + sequence parallel, recompute   plans.parallelize_model (the family's plan)
+    expert parallel                         expert_parallel.parallelize_moe (E/ep experts, dispatcher)
+    pipeline parallel                       pipeline.Pipeline (cut to this rank's stage)
+    data parallel + ZeRO                    data_parallel.OptimizerStep (flat buffers, reductions)
+    step runner                             runner.MicroBatchRunner or the Pipeline: the same interface
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.modeling import stat_specs_of
+from moetrain.parallel.data_parallel import OptimizerStep
+from moetrain.parallel.expert_parallel import parallelize_moe
+from moetrain.parallel.pipeline import Pipeline, allow_slow_neighbours
+from moetrain.parallel.plans import parallelize_model
+from moetrain.parallel.runner import MicroBatchRunner
+
+
+@dataclass
+class ParallelModel:
+    model: object                    # this rank's cells (the whole model, or its pipeline stage)
+    opt_step: OptimizerStep
+    runner: object                   # MicroBatchRunner or Pipeline
+    specs: dict                      # the whole model's stat specs (how each stat reduces)
+    forward_communicates_over_dp: bool   # the forward runs dp collectives (ep, global aux loss)
+
+
+def parallelize(model, cfg, pctx, seq_length: int = 0) -> ParallelModel:
+    """`model`: built whole on every rank from the same seed. Returns this rank's part of it, the
+    optimizer step over its parameters and the step runner. `seq_length`: tokens per sample (the
+    pipeline's activation shape)."""
+    p = cfg.parallel
+    specs = stat_specs_of(model)
+    parallelize_model(model, cfg, pctx)
+    moe_layers = parallelize_moe(model, p, pctx)
+    over_dp = moe_layers > 0 and (pctx.ep > 1 or p.moe_aux_loss_scope == "global")
+    optimizer = (cfg.optimizer, p, pctx, cfg.optimizer.clip_grad_norm, cfg.train.jit)
+    if pctx.pp > 1:
+        allow_slow_neighbours()
+        pipeline = Pipeline(model, specs, cfg, pctx, seq_length or cfg.model.seq_length)
+        opt_step = OptimizerStep(pipeline.stage.trainable_params(), *optimizer)
+        return ParallelModel(pipeline.stage, opt_step, pipeline.bind(opt_step), specs, over_dp)
+    opt_step = OptimizerStep(model.trainable_params(), *optimizer)
+    runner = MicroBatchRunner(model, opt_step, specs, cfg.train.jit, pctx)
+    return ParallelModel(model, opt_step, runner, specs, over_dp)

@@ -1,0 +1,179 @@
+"""Parity with transformers through committed golden files (tests/golden, made by tools/make_hf_golden.py
+with the versions in tests/golden/VERSIONS.json): tiny Llama, Mixtral, Qwen3-MoE and DeepSeek-V3
+checkpoints as transformers saves them, with their float32 logits. No torch needed here.
+
+Each is imported in both expert layouts (the per-expert names transformers writes, as published
+checkpoints have them, and the fused names transformers 5 holds in memory) and must give the golden
+logits within 1e-4; DeepSeek-V3's multi-token-prediction layer must give transformers' MTP logits;
+export must give back the published tensors under their names; leftovers must be named."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+MODELS = ("llama", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn")
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ms():
+    import mindspore
+
+    mindspore.set_device("CPU")
+    return mindspore
+
+
+def golden(name, file):
+    path = os.path.join(GOLDEN, name, file)
+    if file.endswith(".npy"):
+        return np.load(path)
+    if file.endswith(".json"):
+        with open(path) as fh:
+            return json.load(fh)
+    return load_file(path)
+
+
+def to_fused(tensors, config):
+    """Per-expert tensors -> the fused layout, written out here independently of moetrain/checkpoint/hf.py:
+    `mlp.experts.gate_up_proj [E, 2F, H]` (gate rows, then up) and `mlp.experts.down_proj [E, H, F]`."""
+    mixtral = config["model_type"] == "mixtral"
+    out, experts = {}, {}
+    for name, value in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            i = parts.index("experts")
+            layer_prefix = ".".join(parts[:i - 1]) + ".mlp.experts."
+            kind = {"w1": "gate", "w3": "up", "w2": "down"}.get(parts[i + 2], parts[i + 2].replace("_proj", ""))
+            experts.setdefault(layer_prefix, {}).setdefault(kind, {})[int(parts[i + 1])] = value
+        elif mixtral and ".block_sparse_moe.gate." in name:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = value
+        else:
+            out[name] = value
+    for prefix, kinds in experts.items():
+        count = len(kinds["gate"])
+        out[prefix + "gate_up_proj"] = np.stack([np.concatenate([kinds["gate"][j], kinds["up"][j]]) for j in range(count)])
+        out[prefix + "down_proj"] = np.stack([kinds["down"][j] for j in range(count)])
+    return out
+
+
+def write_hf(path, name, tensors):
+    os.makedirs(path, exist_ok=True)
+    shutil.copy(os.path.join(GOLDEN, name, "config.json"), path / "config.json")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_fused_layout_is_what_transformers_holds():
+    """The independent fused conversion above gives transformers 5's in-memory names and shapes."""
+    for name in ("mixtral", "qwen3_moe", "deepseek_v3"):
+        config = golden(name, "config.json")
+        fused = to_fused(golden(name, "model.safetensors"), config)
+        main = {k: list(v.shape) for k, v in fused.items()
+                if not k.startswith(f"model.layers.{config['num_hidden_layers']}.")}   # MTP layer: not in the model
+        expected = {k: v for k, v in golden(name, "fused_names.json").items() if not k.endswith("inv_freq")}
+        if config.get("tie_word_embeddings"):
+            main.setdefault("lm_head.weight", expected.get("lm_head.weight"))
+        assert main == expected, name
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+@pytest.mark.parametrize("name", MODELS)
+def test_import_reproduces_transformers_logits(ms, tmp_path, name, layout):
+    from moetrain.checkpoint.hf import hf_import
+    from moetrain.checkpoint.model_dir import load_model
+
+    tensors = golden(name, "model.safetensors")
+    if layout == "fused":
+        if name == "llama":
+            pytest.skip("a dense model has one layout")
+        tensors = to_fused(tensors, golden(name, "config.json"))
+    write_hf(tmp_path / "hf", name, tensors)
+    hf_import(str(tmp_path / "hf"), str(tmp_path / "model"))
+    model, _ = load_model(str(tmp_path / "model"))
+    ids = golden(name, "input_ids.npy")
+    logits = model.logits(ms.Tensor(ids)).asnumpy()
+    np.testing.assert_allclose(logits, golden(name, "logits.npy"), rtol=0, atol=TOLERANCE)
+    if name == "deepseek_v3":   # the MTP layer: depth 1 from the main stack's last hidden state
+        labels = ms.Tensor(golden(name, "labels.npy"))
+        h, _, _ = model.run_layers(model.embed(ms.Tensor(ids)))
+        _, mtp_logits, _ = model.mtp_depth_step(0, h, labels)
+        np.testing.assert_allclose(mtp_logits.asnumpy(), golden(name, "mtp_logits.npy"), rtol=0, atol=TOLERANCE)
+
+
+def test_imported_deepseek_config():
+    from moetrain.checkpoint.hf import hf_config_to_model_dict
+
+    model = hf_config_to_model_dict(golden("deepseek_v3", "config.json"))
+    assert (model["name"], model["q_lora_rank"], model["kv_lora_rank"], model["mtp_depth"]) == ("deepseek_v3", 24, 16, 1)
+    assert (model["first_k_dense"], model["head_dim"], model["num_kv_heads"], model["rope_interleave"]) == (1, 12, 4, True)
+    moe = model["moe"]
+    assert (moe["score_func"], moe["num_groups"], moe["topk_groups"], moe["group_score_topk"]) == ("sigmoid", 4, 2, 2)
+    assert (moe["route_scale"], moe["num_shared_experts"], moe["norm_topk_prob"]) == (2.5, 1, True)
+    assert moe["bias_update_rate"] > 0 and moe["aux_loss_coeff"] == 0
+    yarn = hf_config_to_model_dict(golden("deepseek_v3_yarn", "config.json"))
+    assert (yarn["q_lora_rank"], yarn["yarn_factor"], yarn["yarn_original_max_positions"], yarn["yarn_mscale_all_dim"]) == \
+        (0, 4.0, 8, 0.7)
+    qwen = hf_config_to_model_dict(golden("qwen3_moe", "config.json"))
+    assert (qwen["head_dim"], qwen["mlp_only_layers"], qwen["moe"]["norm_topk_prob"], qwen["moe"]["num_experts"]) == \
+        (12, [1], False, 4)
+
+
+@pytest.mark.parametrize("name", ("mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn"))
+def test_export_gives_back_the_published_tensors(ms, tmp_path, name):
+    from moetrain.checkpoint.hf import hf_config_to_model_dict, hf_export, hf_import
+
+    published = golden(name, "model.safetensors")
+    write_hf(tmp_path / "hf", name, published)
+    model = hf_import(str(tmp_path / "hf"), str(tmp_path / "model"))
+    for layout, expected in (("per_expert", published), ("fused", to_fused(published, golden(name, "config.json")))):
+        config = hf_export(str(tmp_path / "model"), str(tmp_path / layout), layout=layout)
+        exported = load_file(str(tmp_path / layout / "model.safetensors"))
+        assert sorted(exported) == sorted(expected), layout
+        for key, value in expected.items():
+            np.testing.assert_array_equal(exported[key], value, err_msg=f"{layout}: {key}")
+        assert hf_config_to_model_dict(config) == model       # the exported config.json describes the same model
+
+
+def test_leftover_tensors_fail_naming_them(tmp_path):
+    from moetrain.checkpoint.hf import hf_import
+
+    tensors = golden("deepseek_v3", "model.safetensors")
+    extra = dict(tensors, **{"model.layers.1.mlp.experts.8.gate_proj.weight": np.zeros((16, 32), np.float32)})
+    write_hf(tmp_path / "extra", "deepseek_v3", extra)
+    with pytest.raises(ValueError, match=r"no place for: \['model.layers.1.mlp.experts.8.gate_proj.weight'\]"):
+        hf_import(str(tmp_path / "extra"), str(tmp_path / "out"))
+    # A config without the MTP layer leaves every tensor of layer 2 (the MTP layer) unconsumed.
+    write_hf(tmp_path / "no_mtp", "deepseek_v3", tensors)
+    config = golden("deepseek_v3", "config.json")
+    with open(tmp_path / "no_mtp" / "config.json", "w") as fh:
+        json.dump(dict(config, num_nextn_predict_layers=0), fh)
+    with pytest.raises(ValueError, match=r"no place for: \['model.layers.2.eh_proj.weight', 'model.layers.2.embed_tokens"):
+        hf_import(str(tmp_path / "no_mtp"), str(tmp_path / "out2"))
+    # The MTP copy of the embedding must be a copy: moetrain shares it.
+    changed = dict(tensors, **{"model.layers.2.embed_tokens.weight": tensors["model.embed_tokens.weight"] + 1})
+    write_hf(tmp_path / "changed", "deepseek_v3", changed)
+    with pytest.raises(ValueError, match="model.layers.2.embed_tokens.weight' differs"):
+        hf_import(str(tmp_path / "changed"), str(tmp_path / "out3"))
+
+
+def test_fp8_blocks_are_dequantized_as_torch_does(tmp_path):
+    from moetrain.checkpoint.hf_io import E4M3_TO_FP32, load_hf_weights
+
+    folder = os.path.join(GOLDEN, "fp8_block")
+    with open(os.path.join(folder, "config.json")) as fh:
+        quantization = json.load(fh)["quantization_config"]
+    weights = load_hf_weights(folder, quantization)
+    assert sorted(weights) == ["norm.weight", "proj.weight"]          # the scale is consumed
+    np.testing.assert_array_equal(weights["proj.weight"], np.load(os.path.join(folder, "dequantized.npy")))
+    assert E4M3_TO_FP32[0x7E] == 448.0 and E4M3_TO_FP32[0x01] == 2.0 ** -9 and np.isnan(E4M3_TO_FP32[0xFF])
+    # A quantized weight without its scale cannot be dequantized: named.
+    from moetrain.checkpoint.hf_io import dequantize_fp8_blocks
+
+    fp8 = {"w.weight": np.zeros((4, 4), np.uint8)}
+    with pytest.raises(ValueError, match="FP8 tensor 'w.weight' has no 'w.weight_scale_inv'"):
+        dequantize_fp8_blocks(fp8, ["w.weight"], (128, 128))
+    with pytest.raises(ValueError, match=r"scale tensors without an FP8 weight: \['v.weight_scale_inv'\]"):
+        dequantize_fp8_blocks({"v.weight_scale_inv": np.ones((1, 1), np.float32)}, [], (128, 128))

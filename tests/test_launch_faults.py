@@ -1,0 +1,284 @@
+"""The launcher's fault handling (docs/faults.md): collective timeouts, parent-death signals,
+preemption pass-through, the hang watchdog, automatic restarts; then msrun jobs: SIGTERM to the
+launcher of a dp2 run and an exact resume, one fault-drill trial, the shared-filesystem check."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from distributed import REPO, kill_leftovers, require_msrun, run_workers
+from moetrain.faults import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from moetrain.dist import launch
+
+MNIST = os.path.join(REPO, "configs", "mnist_mlp.yaml")
+
+
+# ---------------------------------------------------------------------------------------------
+# pieces (no msrun job)
+# ---------------------------------------------------------------------------------------------
+def test_collective_timeouts_are_set_unless_the_user_set_them():
+    env = {"HCCL_EXEC_TIMEOUT": "900"}
+    added = launch.collective_timeout_env(env, 60)
+    assert added == {"MS_CPU_COMM_OP_TIMEOUT": "60", "HCCL_CONNECT_TIMEOUT": "120"}   # CANN's lower bound
+    assert env["HCCL_EXEC_TIMEOUT"] == "900"
+    env = {}
+    launch.collective_timeout_env(env, 20000)
+    assert env == {"MS_CPU_COMM_OP_TIMEOUT": "20000", "HCCL_EXEC_TIMEOUT": "17340", "HCCL_CONNECT_TIMEOUT": "7200"}
+
+
+def test_relaunch_adds_resume_and_drops_overwrite():
+    cmd = ["python", "-m", "moetrain.cli", "train", "c.yaml", "--overwrite", "--set", "a=1"]
+    assert launch.relaunch_command(cmd) == ["python", "-m", "moetrain.cli", "train", "c.yaml", "--set", "a=1",
+                                            "--resume"]
+    assert launch.relaunch_command(cmd + ["--resume"]) == launch.relaunch_command(cmd)
+    assert launch.relaunch_command(["python", "x.py"], "") == ["python", "x.py"]
+
+
+def _wrapper(status_dir, child_code, env=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK_ID", "MS_ROLE")}
+    return subprocess.Popen([sys.executable, "-m", "moetrain.dist.launch", "_worker", str(status_dir),
+                             sys.executable, "-c", child_code], env={**env, "RANK_ID": "3"})
+
+
+def test_a_preempted_rank_is_a_success_for_msrun_but_recorded_as_preempted(tmp_path):
+    code = f"import os, sys; assert os.environ['{launch.STATUS_DIR_ENV}']; sys.exit({EXIT_PREEMPTED})"
+    assert _wrapper(tmp_path, code).wait(60) == 0
+    status = launch.read_statuses(str(tmp_path))[3]
+    assert status.returncode == EXIT_PREEMPTED and not status.failed
+    launch.write_progress(str(tmp_path), 3, 7, "step")
+    beat = launch.read_progress(str(tmp_path))[3]
+    assert (beat["step"], beat["pid"]) == (7, os.getpid()) and abs(beat["time"] - time.time()) < 60
+
+
+def test_a_rank_dies_with_its_wrapper(tmp_path):
+    wrapper = _wrapper(tmp_path, "import time; time.sleep(120)")
+    deadline = time.time() + 60
+    children = []
+    while not children and time.time() < deadline:
+        children = psutil.Process(wrapper.pid).children()
+        time.sleep(0.1)
+    assert children, "the wrapper did not start its rank"
+    wrapper.kill()                    # SIGKILL: the wrapper cannot pass anything on
+    wrapper.wait()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, "the rank outlived its wrapper"
+
+
+def _fake_job(tmp_path, command, **kwargs):
+    job = launch.Job(["x"], 2, log_dir=str(tmp_path), **kwargs)
+    os.makedirs(job.status_dir, exist_ok=True)
+    job.proc = subprocess.Popen(command, start_new_session=True)
+    job.started_at = time.time()
+    return job
+
+
+def test_the_watchdog_names_a_stalled_rank_and_stops_the_job(tmp_path, capsys):
+    job = _fake_job(tmp_path, ["sleep", "60"], hang_timeout=2)
+    assert job.stalled_ranks({}, time.time() + 10) == []      # no heartbeats at all: a script, not judged
+    launch.write_progress(job.status_dir, 0, 5, "step")
+    assert job.stalled_ranks({}, time.time() + 10) == [0, 1]  # rank 1 silent since the launch
+    launch.write_progress(job.status_dir, 1, 3, "step")
+    with open(os.path.join(job.status_dir, "progress_1.json")) as fh:
+        stale = dict(json.load(fh), time=time.time() - 10)
+    with open(os.path.join(job.status_dir, "progress_1.json"), "w") as fh:
+        json.dump(stale, fh)
+    start = time.time()
+    assert job.wait(poll_interval=0.1) == 124
+    assert time.time() - start < 5 and job.proc.poll() is not None      # killed, in bounded time
+    err = capsys.readouterr().err
+    assert "no progress for 2 s from rank 1 (step 3)" in err and "rank 0: was still running; last at step 5" in err
+
+
+def test_ranks_stopping_after_a_signal_end_the_job_with_the_preemption_code(tmp_path):
+    job = _fake_job(tmp_path, ["true"])
+    for rank in (0, 1):
+        with open(os.path.join(job.status_dir, f"rank_{rank}.json"), "w") as fh:
+            json.dump({"rank": rank, "returncode": EXIT_PREEMPTED, "finished_at": time.time()}, fh)
+    assert job.wait(poll_interval=0.1) == EXIT_PREEMPTED
+
+
+class _ScriptedJob:
+    """Stands in for Job: ends with the next scripted exit code."""
+
+    def __init__(self, codes, seen, cmd, nproc, env, log_dir, **kwargs):
+        self.codes, self.log_dir, self.timed_out, self.started_at = codes, log_dir, False, time.time()
+        seen.append((list(cmd), env.get(launch.RESTART_ENV), kwargs.get("master_port")))
+        os.makedirs(log_dir, exist_ok=True)
+        open(os.path.join(log_dir, "worker_0.log"), "w").write(f"attempt {len(seen) - 1}\n")
+
+    def start(self):
+        pass
+
+    def wait(self, timeout=None):
+        return self.codes.pop(0)
+
+
+@pytest.mark.parametrize("codes, restarts, result", [([137, 1, 0], 3, 0), ([137, 137], 1, 137),
+                                                      ([EXIT_BAD_INPUT], 3, EXIT_BAD_INPUT),
+                                                      ([EXIT_PREEMPTED], 3, EXIT_PREEMPTED)])
+def test_failed_attempts_are_relaunched_with_resume_up_to_max_restarts(tmp_path, monkeypatch, codes, restarts,
+                                                                        result):
+    seen = []
+    monkeypatch.setattr(launch, "Job", lambda cmd, nproc, env, **kw: _ScriptedJob(codes, seen, cmd, nproc, env, **kw))
+    runner = launch.Launcher(["python", "train.py", "--overwrite"], 2, max_restarts=restarts,
+                             log_dir=str(tmp_path), nnodes=2, node_rank=0, master_port=9000, collective_timeout=30)
+    assert runner.run() == result
+    attempts = len(seen)
+    assert attempts == {0: 3, 137: 2}.get(result, 1)
+    assert seen[0] == (["python", "train.py", "--overwrite"], "0", 9000)
+    for k, (cmd, restart, port) in enumerate(seen[1:], 1):
+        assert cmd == ["python", "train.py", "--resume"] and restart == str(k) and port == 9000 + k
+    if attempts > 1:
+        log = open(tmp_path / "restarts.log").read().splitlines()
+        assert len(log) == attempts - 1 and "restart 1/" in log[0] and "ended with code 137" in log[0]
+        assert open(tmp_path / "attempt_0" / "worker_0.log").read() == "attempt 0\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# msrun jobs
+# ---------------------------------------------------------------------------------------------
+def _mnist_args(data, out, *extra):
+    sets = [f"data.path={data}", f"train.output_dir={out}", "model.hidden_size=32", "train.epochs=0",
+            "train.global_batch_size=32", "train.eval_batch_size=32", "lr_schedule.warmup_steps=0",
+            "logging.tensorboard=false", "logging.progress_bar=false", "train.jit=false", *extra]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _losses(run_dir):
+    from moetrain.logger import read_metrics
+
+    return [r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "loss" in r]
+
+
+def _train_cmd(job_dir, args, nproc=2, launcher_args=()):
+    cmd = [sys.executable, "-m", "moetrain.dist.launch", "--nproc", str(nproc), "--log-dir",
+           os.path.join(job_dir, "logs"), "--tail", "none", "--timeout", "400", *launcher_args, "--",
+           "python", "-m", "moetrain.cli", "train", MNIST, *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    env.pop("MASTER_PORT", None)
+    return cmd, env
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_resume_is_exact(tiny_mnist, tmp_path):
+    require_msrun()
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    cmd, env = _train_cmd(str(tmp_path / "a"), _mnist_args(tiny_mnist, straight, "train.steps=10"))
+    assert subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, timeout=460).returncode == 0
+    cmd, env = _train_cmd(str(tmp_path / "b"), _mnist_args(tiny_mnist, split, "train.steps=10"))
+    proc = subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(os.path.join(split, "metrics.jsonl")) and len(_losses(split)) >= 2:
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    output, _ = proc.communicate(timeout=300)
+    kill_leftovers(os.path.join(str(tmp_path), ""))
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    statuses = launch.read_statuses(os.path.join(str(tmp_path / "b"), "logs", launch.STATUS_DIR))
+    assert [statuses[r].returncode for r in (0, 1)] == [EXIT_PREEMPTED, EXIT_PREEMPTED]
+    saved = sorted(os.listdir(os.path.join(split, "checkpoints")))
+    assert len(saved) == 1 and len(_losses(split)) == int(saved[0][5:]) < 10, output[-3000:]
+    resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                             timeout=460)
+    kill_leftovers(os.path.join(str(tmp_path), ""))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _losses(split) == _losses(straight)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fault_drill_one_trial_on_dp2(tiny_mnist, tmp_path):
+    """tools/fault_drill.py: kill -9 of a random rank at a random step under --max-restarts; the
+    job finishes every step with the clean run's losses."""
+    require_msrun()
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fault_drill", os.path.join(REPO, "tools", "fault_drill.py"))
+    drill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drill)
+    sets = [f"data.path={tiny_mnist}", "model.hidden_size=32", "train.global_batch_size=32",
+            "train.eval_batch_size=32", "lr_schedule.warmup_steps=0"]
+    code = drill.main(["--config", MNIST, "--nproc", "2", "--trials", "1", "--steps", "6", "--max-restarts", "2",
+                       "--seed", "3", "--workdir", str(tmp_path), "--timeout", "400",
+                       *[a for s in sets for a in ("--set", s)]])
+    kill_leftovers(os.path.join(str(tmp_path), ""))
+    assert code == 0
+    assert open(tmp_path / "trial_1" / "logs" / "restarts.log").read().count("restart 1/2") == 1
+
+
+@pytest.mark.distributed
+def test_an_output_dir_that_is_not_shared_by_every_rank_is_refused(tmp_path):
+    require_msrun()
+    run = run_workers("tests/workers/shared_fs_worker.py", nproc=2, args=["--private-rank", "1"], timeout=150,
+                      job_dir=str(tmp_path), env={"MOETRAIN_SHARED_FS_TIMEOUT": "2"})
+    results = {r["rank"]: r for r in run.json_results()}
+    assert sorted(results) == [0, 1], run.report()
+    for rank in (0, 1):
+        assert "not one folder shared by every rank" in results[rank]["error"]
+        assert "rank(s) [1]" in results[rank]["error"] and "NFS" in results[rank]["error"]
+    # (a shared folder passes: every distributed trainer run in the suite starts with this check)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_relaunch_together_after_a_rank_fails(tmp_path):
+    """run_multinode.sh --max-restarts 1: rank 3 (node 1) fails in the first attempt; node 1
+    relaunches at once on port P+1, node 0 when its collectives time out; the second attempt runs
+    on both nodes to the end."""
+    require_msrun()
+    job_dir = str(tmp_path)
+    results = os.path.join(job_dir, "results")
+    os.makedirs(results)
+    port = launch.free_port()
+    worker = os.path.join(REPO, "tests", "workers", "allreduce_worker.py")
+    nodes = []
+    for node in (0, 1):
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", launch.RESTART_ENV)}
+        env.update(MOETRAIN_ENTRY=f"python {worker}", MOETRAIN_OUTPUT_DIR=os.path.join(job_dir, f"node{node}"),
+                   MOETRAIN_DEVICE="cpu", MOETRAIN_TIMEOUT="200",
+                   PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+        cmd = [os.path.join(REPO, "run_scripts", "run_multinode.sh"), "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "--max-restarts", "1", "--collective-timeout", "10", results,
+               "--fail-rank", "3", "--fail-mode", "raise", "--fail-attempt", "0", "--steps", "4"]
+        nodes.append(subprocess.Popen(cmd, cwd=job_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = [p.communicate(timeout=500)[0] for p in nodes]
+    leftovers = kill_leftovers(os.path.join(job_dir, ""))
+    for node, (proc, output) in enumerate(zip(nodes, outputs)):
+        assert proc.returncode == 0, f"node {node}:\n{output[-3000:]}"
+        restarts = open(os.path.join(job_dir, f"node{node}", "logs", "restarts.log")).read()
+        assert restarts.count("restart 1/1") == 1, restarts
+    for rank in range(4):
+        report = json.load(open(os.path.join(results, f"rank_{rank}.json")))
+        assert report["sums"] == [sum(r + step for r in range(4)) for step in range(4)]
+    assert not leftovers
+
+
+@pytest.mark.distributed
+def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_previous_checkpoint(tiny_mnist, tmp_path):
+    from moetrain.faults import EXIT_SAVE_FAILED
+
+    require_msrun()
+    run_dir = str(tmp_path / "run")
+    args = ["--fail-save", "1:2", MNIST, *_mnist_args(tiny_mnist, run_dir, "train.steps=3", "checkpoint.save_steps=1",
+                                                     "parallel.optimizer_shard=1")]
+    run = run_workers("tests/workers/ckpt_train.py", 2, args, timeout=200, job_dir=str(tmp_path),
+                      launcher_args=["--max-restarts", "2"])
+    assert run.returncode == EXIT_SAVE_FAILED, run.report()        # not relaunched: a full disk stays full
+    assert "restart 1/" not in run.output
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_00000001"]
+    rank1 = run.worker_log(1)
+    assert "step_00000002" in rank1 and "No space left on device" in rank1 and "step_00000001 is intact" in rank1
+    assert "failed on rank(s) [1]" in run.worker_log(0)
