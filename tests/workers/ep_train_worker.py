@@ -62,7 +62,7 @@ def train_runs(out_dir, config, runs, contexts=None):
             record = {k: (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) for k, v in record.items()}
             record["bytes"] = {"native": ledger.bytes_by_group(backward=True),
                                "emulated": ledger.bytes_by_group(backward=True, emulated=True)}
-            step_fn = trainer._grad_step      # an AdaptiveStep when the dispatch buffers are managed
+            step_fn = trainer.runner._grad_step   # an AdaptiveStep when the dispatch buffers are managed
             if hasattr(step_fn, "controller"):
                 record["capacities"] = [{f: getattr(d, f) for f in d.capacity_fields()}
                                         for d in step_fn.controller.dispatchers]
