@@ -193,7 +193,8 @@ def test_output_dir_that_is_a_file_is_refused_before_work(mnist_overrides, tmp_p
 def test_sigterm_saves_at_the_step_boundary_and_resume_continues_exactly(mnist_overrides, tmp_path):
     from moetrain.faults import EXIT_PREEMPTED
 
-    sets = mnist_overrides + ["train.steps=10", "lr_schedule.warmup_steps=0"]
+    steps = 300     # long enough that the signal, sent after step 2, lands before the run ends on a fast machine
+    sets = mnist_overrides + [f"train.steps={steps}", "lr_schedule.warmup_steps=0"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     make_trainer(sets + [f"train.output_dir={straight}"]).fit()
     cmd = [sys.executable, "-m", "moetrain.cli", "train", MNIST,
@@ -209,7 +210,7 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_continues_exactly(mnist_o
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, output
     stopped = steps_of(split / "checkpoints")
-    assert len(stopped) == 1 and 2 <= stopped[0] < 10 and len(losses(split)) == stopped[0], output
+    assert len(stopped) == 1 and 2 <= stopped[0] < steps and len(losses(split)) == stopped[0], output
     assert "run the same command with --resume" in output.lower()
     resumed = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

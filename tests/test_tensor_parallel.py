@@ -298,11 +298,17 @@ def loss_and_grads(name, policy, jit):
         return model(input_ids, targets)
 
     grad_fn = ms.value_and_grad(loss_fn, None, model.trainable_params(), has_aux=True)
-    step = ms.jit(grad_fn) if jit else grad_fn
+
+    def grad_step(input_ids, targets):   # tuples out, as the runner's: a dict out of jit fails with reused blocks
+        (loss, stats), grads = grad_fn(input_ids, targets)
+        return loss, tuple(stats.keys()), tuple(stats.values()), grads
+
+    step = ms.jit(grad_step) if jit else grad_step
     calls = []
     for _ in range(2):   # the second call must not see anything of the first (stale outputs)
         ids, labels = (ms.Tensor(rng.integers(0, 48, (2, 16)).astype(np.int32)) for _ in range(2))
-        (loss, stats), grads = step(ids, labels)
+        loss, keys, values, grads = step(ids, labels)
+        stats = dict(zip(keys, values))
         calls.append((float(loss), {k: v.asnumpy() for k, v in stats.items()}, [g.asnumpy() for g in grads]))
     return calls
 

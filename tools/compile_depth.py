@@ -71,11 +71,11 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--model", choices=("moe", "gpt"), default="moe")
     ap.add_argument("--json", default="")
-    ap.add_argument("--worker", nargs=3, metavar=("OUT_JSON", "CONFIG", "LAYOUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--job-result", nargs=3, metavar=("OUT_JSON", "CONFIG", "LAYOUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     config = os.path.join(ROOT, "configs", "moe_tiny.yaml" if args.model == "moe" else "gpt_tiny.yaml")
-    if args.worker:
-        out_json, config, layout = args.worker
+    if args.job_result:
+        out_json, config, layout = args.job_result
         worker(out_json, config, [o for o in layout.split(",") if o], args.depths)
         return 0
     table = {}
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"compile-depth-{name}-") as job:
             out_json = os.path.join(job, "result.json")
             command = [sys.executable, os.path.abspath(__file__), "--depths", *map(str, args.depths),
-                       "--model", args.model, "--worker", out_json, config, ",".join(layout)]
+                       "--model", args.model, "--job-result", out_json, config, ",".join(layout)]
             if nproc > 1:
                 command = [sys.executable, "-m", "moetrain.dist.launch", "--nproc", str(nproc), "--log-dir",
                            os.path.join(job, "logs"), "--tail", "none", "--"] + command
