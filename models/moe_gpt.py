@@ -11,6 +11,7 @@ sees the normed hidden state of all `[B, S, H]` tokens (sequence boundaries feed
                                               loss = lm_loss + Σ_term coeff_term * stats[term]
     expert_load  [num_moe_layers, E]          tokens routed to each expert, one row per MoE layer
     dropped, routed                           token-expert assignments dropped / routed, all layers
+    expert_rows                               rows the expert GEMMs computed, all layers
 """
 from __future__ import annotations
 

@@ -24,32 +24,33 @@ def ms():
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("jit", [False, True], ids=["pynative", "jit"])
-def test_exact_dropless_layout_equals_padded_blocks(ms, kernel_ops, jit):
-    """Same weights, same routing: the exact layout (grouped GEMM, no padding) and the padded
-    blocks layout give the same output and gradients."""
+def test_exact_dropless_layout_equals_capacity_layout(ms, kernel_ops, jit):
+    """Same weights, same routing: the rows layout (grouped GEMM kernel, padding rows skipped) and
+    the capacity layout (batched matmul) give the same output and gradients."""
     from moetrain.moe.config import MoEConfig
     from moetrain.moe.layer import MoELayer
 
     cfg = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=16, aux_loss_coeff=0.01)
     ms.set_seed(0)
     layer = MoELayer(12, cfg)
-    assert layer.dispatcher.block_size == 1                     # the exact layout is the default here
+    assert (layer.experts.compute, layer.dispatcher.layout) == ("kernel", "rows")   # the default here
     x = ms.Tensor(np.random.default_rng(2).standard_normal((2, 15, 12)).astype(np.float32))
     params = layer.trainable_params()
 
-    def run(block_size):
-        layer.dispatcher.block_size = block_size
+    def run(compute, layout):
+        layer.experts.compute, layer.dispatcher.layout = compute, layout
 
         def loss(inputs):
             y, stats = layer(inputs)
-            return (y * y).sum() + layer.weighted_aux(stats)
+            return (y * y).sum() + layer.weighted_aux(stats), stats["expert_rows"]
 
-        grad_fn = ms.value_and_grad(loss, 0, params)
-        value, (dx, dparams) = (ms.jit(grad_fn) if jit else grad_fn)(x)
-        return [value.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dparams]
+        grad_fn = ms.value_and_grad(loss, 0, params, has_aux=True)
+        (value, rows), (dx, dparams) = (ms.jit(grad_fn) if jit else grad_fn)(x)
+        return float(rows.asnumpy()), [value.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dparams]
 
-    exact, blocks = run(1), run(4)
-    for name, a, b in zip(["loss", "dx"] + [p.name for p in params], exact, blocks):
+    (exact_rows, exact), (capacity_rows, capacity) = run("kernel", "rows"), run("bmm", "capacity")
+    assert exact_rows == 2 * 15 * 2 and capacity_rows == 4 * 2 * 15      # routed rows; E x T at the bound
+    for name, a, b in zip(["loss", "dx"] + [p.name for p in params], exact, capacity):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
 
 

@@ -121,9 +121,12 @@ def test_stats_and_loss_composition(ms):
     labels = rng.integers(0, cfg.vocab_size, (3, 8)).astype(np.int32)
     loss, stats = model(ms.Tensor(ids), ms.Tensor(labels))
     stats = {k: v.asnumpy() for k, v in stats.items()}
-    assert set(stats) == {"lm_loss", "aux_loss", "seq_aux_loss", "z_loss", "expert_load", "dropped", "routed"}
+    assert set(stats) == {"lm_loss", "aux_loss", "seq_aux_loss", "z_loss", "expert_load", "dropped", "routed",
+                          "expert_rows"}
     assert stats["expert_load"].shape == (2, 4)
     assert stats["routed"] == 2 * ids.size * 2 and stats["dropped"] == 0        # 2 layers, top-2, dropless
+    rows_layout = model.moe_modules()[0].experts.layout == "rows"              # capacity layout: E x T rows a layer
+    assert stats["expert_rows"] == (stats["routed"] if rows_layout else 2 * 4 * ids.size)
     np.testing.assert_allclose(stats["lm_loss"], ref_cross_entropy(model.logits(ms.Tensor(ids)).asnumpy(), labels),
                                rtol=1e-6)
     reference = ref_router_stats(to_hf_names(state), hf_config_of(cfg), ids, num_experts=4, top_k=2)

@@ -10,7 +10,7 @@ import pytest
 def ms():
     import mindspore
 
-    mindspore.set_context(device_target="CPU")
+    mindspore.set_device("CPU")   # as the trainer does: a later set_device("CPU") is then a no-op
     return mindspore
 
 
@@ -186,28 +186,27 @@ def test_sort_by_expert_is_a_stable_sort(ms):
     np.testing.assert_array_equal(assignment_rows(ms.Tensor(order), slot_row).asnumpy()[order], np.arange(8) * 10)
 
 
-def test_block_layout(ms):
-    from moetrain.moe.permutation import block_layout, num_padded_blocks
+def test_capacity_layout_and_group_of_rows(ms):
+    from moetrain.moe.permutation import capacity_layout, group_of_rows
 
-    counts = np.array([5, 0, 4, 1], np.int32)       # blocks of 4 rows: 2 + 0 + 1 + 1 = 4 blocks used
-    num_blocks = num_padded_blocks(int(counts.sum()), 4, 4)
-    assert num_blocks == (10 + 4 * 3) // 4 == 5
-    segment_row, block_expert = (t.asnumpy() for t in block_layout(ms.Tensor(counts), 4, num_blocks))
-    np.testing.assert_array_equal(segment_row, [0, 8, 8, 12])
-    np.testing.assert_array_equal(block_expert, [0, 0, 2, 3, 3])   # the spare last block reuses expert 3
-    # The bound holds for every routing: sum ceil(c / B) <= (N + E (B - 1)) // B.
-    for block in (1, 3, 4, 7):
-        worst = max(sum(math.ceil(c / block) for c in split) for split in _splits(10, 4))
-        assert worst <= num_padded_blocks(10, 4, block)
+    # ids in [0, 3]: 3 = "not for this buffer"; capacity 2 rows per group
+    ids = np.array([2, 0, 3, 2, 0, 2, 0, 1], np.int32)
+    order, slot_row = (t.asnumpy() for t in capacity_layout(ms.Tensor(ids), 3, 2))
+    row_of = dict(zip(order.tolist(), slot_row.tolist()))
+    assert [row_of[c] for c in range(8)] == [4, 0, 6, 5, 1, 6, 6, 2]   # group 0 keeps candidates 1, 4; 6 overflows
+    sizes = ms.Tensor(np.array([2, 0, 3], np.int32))
+    np.testing.assert_array_equal(group_of_rows(sizes, 7).asnumpy(), [0, 0, 2, 2, 2, 3, 3])
 
 
-def _splits(total, parts):
-    if parts == 1:
-        yield (total,)
-        return
-    for first in range(total + 1):
-        for rest in _splits(total - first, parts - 1):
-            yield (first,) + rest
+def test_permute_by_id_has_the_token_permute_semantics(ms):
+    """sorted[slot[a]] = rows[a // k], rows grouped by ascending id, stable inside an id."""
+    from moetrain.moe.permutation import permute_by_id
+
+    rows = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
+    ids = np.array([[2, 0], [1, 2], [0, 3], [2, 1]], np.int32)
+    sorted_rows, slot = (t.asnumpy() for t in permute_by_id(ms.Tensor(rows), ms.Tensor(ids), 4))
+    np.testing.assert_array_equal(sorted_rows[slot], rows[np.arange(8) // 2])
+    np.testing.assert_array_equal(slot, np.argsort(np.argsort(ids.reshape(-1), kind="stable"), kind="stable"))
 
 
 def test_expert_capacity():
@@ -219,8 +218,9 @@ def test_expert_capacity():
     assert expert_capacity(num_tokens=10, top_k=2, num_experts=4, capacity_factor=4.0) == 10  # at most T
 
 
-@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
-def test_dispatch_then_combine_is_the_weighted_gather(ms, capacity_factor):
+@pytest.mark.parametrize("capacity_factor, layout", [(0.0, "rows"), (0.0, "capacity"), (1.0, "capacity")],
+                         ids=["dropless-rows", "dropless-capacity", "capacity"])
+def test_dispatch_then_combine_is_the_weighted_gather(ms, capacity_factor, layout):
     """With identity experts, combine(dispatch(x)) = sum_j w_tj x_t over kept assignments."""
     from moetrain.moe.dispatcher import SortDispatcher
 
@@ -229,7 +229,7 @@ def test_dispatch_then_combine_is_the_weighted_gather(ms, capacity_factor):
     x = rng.standard_normal((num_tokens, hidden))
     topk_idx = np.array([[0, 1], [0, 2], [0, 3], [1, 0], [2, 0], [3, 1], [0, 2]], np.int32)
     weight = rng.random((num_tokens, top_k))
-    dispatcher = SortDispatcher(num_experts, top_k, capacity_factor, block_size=2)
+    dispatcher = SortDispatcher(num_experts, top_k, capacity_factor, layout)
     expert_input, state = dispatcher.dispatch(ms.Tensor(x, ms.float32), ms.Tensor(topk_idx),
                                               ms.Tensor(weight, ms.float32))
     y = dispatcher.combine(expert_input, state).asnumpy()
@@ -246,11 +246,15 @@ def test_dispatch_then_combine_is_the_weighted_gather(ms, capacity_factor):
     np.testing.assert_array_equal(state["tokens_per_expert"].asnumpy(), [6, 3, 3, 2])
     groups = expert_input.asnumpy()
     if capacity_factor:
-        assert groups.shape == (4, 4, 3) and "block_expert" not in state
+        assert groups.shape == (4, 4, 3) and "row_expert" not in state
         np.testing.assert_allclose(groups[0], x[[0, 1, 2, 3]], rtol=1e-6)    # expert 0 keeps its first 4 tokens
-    else:
-        # blocks of 2 rows; expert 0 has 6 rows (3 blocks), 1: 3 rows (2 blocks), 2: 2 rows, 3: 2 rows.
-        assert groups.shape == ((14 + 4 * 1) // 2, 2, 3)
-        np.testing.assert_array_equal(state["block_expert"].asnumpy(), [0, 0, 0, 1, 1, 2, 2, 3, 3])
-        np.testing.assert_allclose(groups[4], [x[5], np.zeros(3)], rtol=1e-6)  # expert 1's 3rd row + padding
+        assert float(state["expert_rows"].asnumpy()) == 16
+    elif layout == "capacity":   # dropless at the bound: T rows per expert
+        assert groups.shape == (4, num_tokens, 3) and float(state["expert_rows"].asnumpy()) == 4 * num_tokens
+        np.testing.assert_allclose(groups[1], np.concatenate([x[[0, 3, 5]], np.zeros((4, 3))]), rtol=1e-6)
+        assert kept.all()
+    else:   # rows sorted by expert, no padding: expert 0 has 6 rows, 1: 3, 2: 3, 3: 2
+        assert groups.shape == (14, 3) and float(state["expert_rows"].asnumpy()) == 14
+        np.testing.assert_array_equal(state["row_expert"].asnumpy(), [0] * 6 + [1] * 3 + [2] * 3 + [3] * 2)
+        np.testing.assert_allclose(groups[6:9], x[[0, 3, 5]], rtol=1e-6)
         assert kept.all()

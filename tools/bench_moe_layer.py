@@ -1,12 +1,13 @@
 """Micro-benchmark of the MoE layer's dispatch schemes: forward + backward under `ms.jit` on CPU.
 
     python tools/bench_moe_layer.py                       # all candidates, T=2048 H=256 F=512 E=8 k=2
-    python tools/bench_moe_layer.py --candidates blocks64 capacity1.25 --rounds 3
+    python tools/bench_moe_layer.py --candidates rows capacity1.25 --rounds 3
 
 Candidates (all compute the same function; dropless ones exactly, capacity ones drop overflow):
-  blocksB         dropless: sorted tokens padded per expert to blocks of B rows, one batched
-                  matmul per projection with the weights gathered per block (the library default)
-  capacityT       dropless: the [E, C, H] capacity buffer with C = T (an expert can see every token)
+  rows            dropless: rows sorted by expert, one GEMM per expert (GroupedMatmul kernel; the
+                  library default where the kernels build)
+  capacityT       dropless: the [E, C, H] capacity buffer with C = T (an expert can see every token;
+                  the library runs this layout without the kernels, C sized from the routing counts)
   loop-dynamic    dropless: a Python loop over experts on exact, dynamically shaped slices of the
                   sorted tokens (no padding; dynamic shapes in the graph)
   capacityF       capacity factor F: [E, C, H] buffer, C = ceil(F T k / E), batched matmul
@@ -35,7 +36,7 @@ from moetrain.moe.permutation import sort_by_expert
 class LoopExperts(GroupedExperts):
     """Same parameters as GroupedExperts, one 2-D matmul chain per expert over its buffer slice."""
 
-    def construct(self, x, block_expert=None):
+    def construct(self, x, row_expert=None, group_sizes=None):
         matmul = ops.MatMul()
         outputs = []
         inputs = ops.split(x, 1, 0)
@@ -59,7 +60,8 @@ class DynamicLoopDispatcher(SortDispatcher):
         order, _, _, tokens_per_expert = sort_by_expert(topk_idx.reshape(-1), self.num_experts)
         sorted_tokens = ops.gather(x, order // self.top_k, 0)
         state = {"order": order, "tokens_per_expert": tokens_per_expert, "topk_weight": topk_weight,
-                 "dropped": ops.zeros((), ms.float32)}
+                 "dropped": ops.zeros((), ms.float32),
+                 "expert_rows": ops.full((), x.shape[0] * self.top_k, dtype=ms.float32)}
         return sorted_tokens, state
 
     def combine(self, sorted_tokens, state):
@@ -82,7 +84,7 @@ class DynamicLoopDispatcher(SortDispatcher):
 class PassThrough(nn.Cell):
     """Stands in for the experts when the dispatcher runs them itself (loop-dynamic)."""
 
-    def construct(self, x, block_expert=None):
+    def construct(self, x, row_expert=None, group_sizes=None):
         return x
 
 
@@ -98,8 +100,11 @@ def build_candidate(name: str, args) -> MoELayer:
                     capacity_factor=capacity_factor, aux_loss_coeff=0.0)
     ms.set_seed(0)
     layer = MoELayer(args.hidden, cfg)
-    if name.startswith("blocks"):
-        layer.dispatcher.block_size = int(name[len("blocks"):])
+    if name.startswith("capacity") or name.startswith("loop-"):   # batched matmul over [E, C, H]
+        layer.experts.compute, layer.dispatcher.layout = "bmm", "capacity"
+    if name == "rows":
+        if layer.experts.compute != "kernel":
+            raise SystemExit("candidate 'rows' needs the moetrain kernels (moetrain.kernels.available())")
     elif name.startswith("loop-capacity"):
         loop = LoopExperts(args.experts, args.hidden, args.ffn)
         for name in ("w_gate", "w_up", "w_down"):
@@ -133,7 +138,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3, help="timed runs per candidate per round")
     parser.add_argument("--candidates", nargs="+", default=[
-        "blocks32", "blocks64", "blocks128", "blocks256", "capacityT", "loop-dynamic",
+        "rows", "capacityT", "loop-dynamic",
         "capacity1.25", "loop-capacity1.25"])
     args = parser.parse_args()
     ms.set_context(device_target="CPU")

@@ -1,7 +1,9 @@
 // Grouped matrix products for MoE experts on CPU: row n of the token matrix is multiplied by
 // the weight matrix of expert row_expert[n]. Every maximal run of rows with the same expert is one
 // dnnl_sgemm call (oneDNN ships with MindSpore), so sorted rows (the dropless dispatcher's layout)
-// cost one GEMM per expert per thread: no padding rows and no per-block weight copies.
+// cost one GEMM per expert per thread: no padding rows and no per-block weight copies. A row whose
+// expert id is E (one past the last expert) is padding: it is skipped (no GEMM) and its NN/NT
+// output row is zero, so a static buffer longer than the real rows costs no arithmetic.
 //
 // MindSpore AOT kernel ABI (ops.Custom(func_type="aot")): params holds the inputs, then the
 // outputs; a non-zero return value fails the op. `<Kernel>InferShape` / `<Kernel>InferType` are the
@@ -30,15 +32,20 @@ namespace {
 
 bool IsType(const char *dtype, const char *want) { return std::strcmp(dtype, want) == 0; }
 
-// Calls fn(first_row, end_row, expert) for each run of equal experts inside rows [begin, end).
-template <typename Fn>
-bool ForEachRun(const int32_t *row_expert, int64_t begin, int64_t end, int64_t num_experts, Fn fn) {
+// Calls fn(first_row, end_row, expert) for each run of equal experts inside rows [begin, end), and
+// skip(first_row, end_row) for each run of padding rows (expert id == num_experts). False for an
+// id outside [0, num_experts].
+template <typename Fn, typename Skip>
+bool ForEachRun(const int32_t *row_expert, int64_t begin, int64_t end, int64_t num_experts, Fn fn, Skip skip) {
   int64_t start = begin;
   for (int64_t r = begin + 1; r <= end; ++r) {
     if (r == end || row_expert[r] != row_expert[start]) {
       int64_t e = row_expert[start];
-      if (e < 0 || e >= num_experts) return false;
-      fn(start, r, e);
+      if (e < 0 || e > num_experts) return false;
+      if (e == num_experts)
+        skip(start, r);
+      else
+        fn(start, r, e);
       start = r;
     }
   }
@@ -59,10 +66,13 @@ int RowGrouped(void **params, int64_t **shapes, bool transpose_w) {
   std::vector<char> ok(parts, 1);
   moetrain::ParallelSplit(parts, parts, [&](int p, int64_t, int64_t) {
     const int64_t begin = rows * p / parts, end = rows * (p + 1) / parts;
-    ok[p] = ForEachRun(row_expert, begin, end, num_experts, [&](int64_t r0, int64_t r1, int64_t e) {
-      dnnl_sgemm('N', transpose_w ? 'T' : 'N', r1 - r0, y_cols, a_cols, 1.0f, a + r0 * a_cols, a_cols,
-                 w + e * k * f, f, 0.0f, y + r0 * y_cols, y_cols);
-    });
+    ok[p] = ForEachRun(
+        row_expert, begin, end, num_experts,
+        [&](int64_t r0, int64_t r1, int64_t e) {
+          dnnl_sgemm('N', transpose_w ? 'T' : 'N', r1 - r0, y_cols, a_cols, 1.0f, a + r0 * a_cols, a_cols,
+                     w + e * k * f, f, 0.0f, y + r0 * y_cols, y_cols);
+        },
+        [&](int64_t r0, int64_t r1) { std::memset(y + r0 * y_cols, 0, (r1 - r0) * y_cols * sizeof(float)); });
   });
   return std::all_of(ok.begin(), ok.end(), [](char v) { return v; }) ? 0 : 2;
 }
@@ -118,10 +128,13 @@ extern "C" int GroupedMatmulTN(int nparam, void **params, int *ndims, int64_t **
     for (int64_t e = 0; e < num_experts; ++e)
       for (int64_t i = 0; i < k; ++i) std::memset(y + (e * k + i) * f + c0, 0, (c1 - c0) * sizeof(float));
     // beta = 1: an expert may own several runs when rows are not sorted.
-    ok[p] = ForEachRun(row_expert, 0, rows, num_experts, [&](int64_t r0, int64_t r1, int64_t e) {
-      dnnl_sgemm('T', 'N', k, c1 - c0, r1 - r0, 1.0f, x + r0 * k, k, g + r0 * f + c0, f, 1.0f,
-                 y + e * k * f + c0, f);
-    });
+    ok[p] = ForEachRun(
+        row_expert, 0, rows, num_experts,
+        [&](int64_t r0, int64_t r1, int64_t e) {
+          dnnl_sgemm('T', 'N', k, c1 - c0, r1 - r0, 1.0f, x + r0 * k, k, g + r0 * f + c0, f, 1.0f,
+                     y + e * k * f + c0, f);
+        },
+        [](int64_t, int64_t) {});
   });
   return std::all_of(ok.begin(), ok.end(), [](char v) { return v; }) ? 0 : 2;
 }

@@ -37,7 +37,8 @@ class GroupedMatmul(nn.Cell):
 
     Runs of rows with the same expert are one GEMM each, so rows sorted by expert (the exact
     dropless MoE layout) cost one GEMM per expert. Gradients flow to `x` and `w` (an expert that
-    owns no rows gets a zero weight gradient); an expert id outside `[0, E)` fails the op."""
+    owns no rows gets a zero weight gradient). Id `E` marks a padding row: no work, a zero output
+    row and a zero input gradient; an id outside `[0, E]` fails the op."""
 
     def __init__(self):
         super().__init__()

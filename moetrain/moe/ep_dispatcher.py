@@ -1,38 +1,47 @@
 """Expert-parallel token dispatchers: the experts of a layer are split over the `ep` group (rank
 `i` holds global experts `[i L, (i+1) L)`, `L = E / ep`) and tokens travel to them.
 
-Both keep the `SortDispatcher` interface (`dispatch(x, topk_idx, topk_weight) -> (expert_input,
-state)`, `combine(expert_output, state) -> y`; `block_expert` holds *local* expert ids) and its
-stats: "tokens_per_expert" `[E]` is the routing of this rank's own tokens, before dispatch and
-before dropping, and "dropped" counts this rank's own dropped assignments, so summing both over
-the data-parallel group gives the one-process numbers.
+Both keep the `SortDispatcher` interface and stats (moe/dispatcher.py; "row_expert" and
+"group_sizes" are in local expert ids): "tokens_per_expert" `[E]` is the routing of this rank's own
+tokens, before dispatch and before dropping, and "dropped" counts this rank's own dropped
+assignments, so summing both over the data-parallel group gives the one-process numbers;
+"expert_rows" counts the rows this rank's expert GEMMs compute.
 
-* `AllToAllDispatcher` (`parallel.moe_token_dispatcher: alltoall`, Megatron's alltoall):
-  - dropless (`capacity_factor == 0`): sort by expert (hence by destination rank), exchange the
-    per-expert counts `[ep, L]`, then the tokens. `ms.jit` needs static shapes, so each
-    destination's rows are padded to the bound `B = T min(k, L)` (a token picks k distinct
-    experts, at most min(k, L) of them on one rank): nothing can overflow, whatever the routing.
-    The receiver sorts the rows it got by local expert into padded blocks (as `SortDispatcher`),
-    runs the experts, and the reverse exchange returns the rows to their sources.
+* `AllToAllDispatcher` (`parallel.moe_token_dispatcher: alltoall`, Megatron's alltoall; needs
+  AlltoAll: CPU (emulated) and Ascend):
+  - dropless: sort by expert (hence by destination), exchange the per-expert counts `[ep, L]`, then
+    the tokens in one all-to-all-v: destination j gets `C_j` rows from every source, its run
+    padded to that (`pair_capacity`, sized by `moetrain.moe.capacity` from the counts, re-run on
+    overflow; unset = the bound `T min(k, L)`, exact for any routing). The receiver sorts what it
+    got by local expert (rows layout: only the received rows are computed; capacity layout:
+    `[L, C_e, H]`), runs the experts, and the reverse all-to-all-v returns the rows.
   - capacity (`capacity_factor > 0`, GShard): each rank fills its own `[E, C, H]` buffer, dropping
     exactly as one process would with its micro-batch, then one fixed-size all-to-all of
     `[ep, L C, H]` each way.
-* `AllGatherDispatcher` (`allgather`, for small ep): all-gather the tokens and their routing, run
-  the local experts on the assignments routed to them, reduce-scatter the partial outputs.
+* `AllGatherDispatcher` (`allgather`; only AllGather and ReduceScatter, which GPU has): all-gather
+  the tokens and their routing, run the local experts on the assignments routed to them (rows
+  layout: exactly those; capacity layout: `[L, C_e, H]`), reduce-scatter the partial outputs.
 
 Byte counters ("ep" row of `comm.CommLedger`): every exchange books the buffer it really moves,
-padding included.
+padding included (`sum_j C_j` rows sent per dropless all-to-all-v).
 """
 from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import numpy as np
 
 import mindspore as ms
 from mindspore import nn, ops
 
-from moetrain.moe.dispatcher import DEFAULT_BLOCK_SIZE
-from moetrain.moe.permutation import (assignment_rows, block_layout, capacity_rows, expert_capacity,
-                                      num_padded_blocks, permute, sort_by_expert, unpermute)
+from moetrain.moe.dispatcher import check_layout, expert_counts, rows_layout
+from moetrain.moe.native_ops import MoEOps
+from moetrain.moe.permutation import (assignment_rows, capacity_layout, capacity_rows, expert_capacity,
+                                      permute, sort_by_expert, unpermute)
 from moetrain.dist import comm
 from moetrain.dist.topology import Group
+
+_logged_gpu_fallback = []
 
 
 def _check_layout(name: str, num_experts: int, group: Group) -> int:
@@ -43,57 +52,106 @@ def _check_layout(name: str, num_experts: int, group: Group) -> int:
     return num_experts // group.size
 
 
-def _block_rows(block_size: int, num_tokens: int, top_k: int, num_local: int) -> int:
-    """Rows per padded block: `block_size`, capped at the average rows one local expert receives
-    (`T k / L`: every rank sends T k rows, spread over the ep ranks) so tiny batches pad little."""
-    return max(1, min(block_size, -(-num_tokens * top_k // num_local)))
-
-
-def _local_blocks(local_expert, num_local: int, num_rows: int, block_rows: int):
-    """Padded-block layout of `num_rows` candidate rows whose `local_expert` is in [0, L], L meaning
-    "not for this rank" (padding or another rank's expert).
-
-    Returns (order, slot_row, block_expert, num_blocks): slot i holds candidate `order[i]` and goes
-    to buffer row `slot_row[i]` (`num_blocks * block_rows`, the dump row, for the non-local ones)."""
-    order, slot_expert, slot_rank, counts = sort_by_expert(local_expert, num_local + 1)
-    num_blocks = num_padded_blocks(num_rows, num_local, block_rows)
-    local_counts = ops.split(counts, [num_local, 1])[0]
-    segment_row, block_expert = block_layout(local_counts, block_rows, num_blocks)
-    dump_row = ops.full_like(slot_rank, num_blocks * block_rows)
-    start = ops.gather(segment_row, ops.minimum(slot_expert, num_local - 1), 0)
-    slot_row = ops.where(slot_expert < num_local, start + slot_rank, dump_row)
-    return order, slot_row, block_expert, num_blocks
-
-
 def _rows_or_zero(rows, index):
     """`rows[index]`, with index `len(rows)` giving a zero row."""
     zero = ops.zeros((1, rows.shape[1]), rows.dtype)
     return ops.gather(ops.concat([rows, zero], 0), index, 0)
 
 
-# ---------------------------------------------------------------------------------------------
-# AllToAll
-# ---------------------------------------------------------------------------------------------
-class AllToAllDispatcher(nn.Cell):
-    """Tokens to the ranks of their experts and back by all-to-all in the `ep` group (see module
-    docstring). `expert_input` is `[G, R, H]` padded blocks with local `block_expert` (dropless)
-    or `[L, ep C, H]`, local expert l's rows from every source rank (capacity)."""
+class _EPDispatcher(nn.Cell):
+    """What both expert-parallel dispatchers share: the group, the capacities, and the receiver's
+    local layout of the rows routed to this rank's experts."""
 
-    def __init__(self, num_experts: int, top_k: int, capacity_factor: float, group: Group,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, name: str, num_experts: int, top_k: int, capacity_factor: float, group: Group,
+                 layout: str):
         super().__init__()
-        self.num_local = _check_layout("AllToAllDispatcher", num_experts, group)
+        self.num_local = _check_layout(name, num_experts, group)
         self.num_experts, self.top_k = num_experts, top_k
         self.capacity_factor = float(capacity_factor)
         self.group, self.n, self.rank = group, group.size, group.rank_in_group
-        self.block_size = block_size
+        self.layout = check_layout(layout)
+        self.ops = MoEOps()
+        self.expert_capacity = 0    # rows per local expert in the capacity layout (0: the bound)
+
+    def capacity_fields(self) -> Tuple[str, ...]:
+        return ("expert_capacity",) if self.capacity_factor == 0 and self.layout == "capacity" else ()
+
+    def needed_capacity(self, loads: np.ndarray) -> Dict[str, int]:
+        """Rows each buffer needs for the routing `loads [ep, E]` (assignments per expert of every
+        rank of one ep group): here the most any expert receives."""
+        return {"expert_capacity": int(loads.sum(0).max())}
+
+    def capacity_bound(self, loads: np.ndarray) -> Dict[str, object]:
+        """The capacities past which no routing can overflow (T, from `loads`: every rank routes T k)."""
+        num_tokens = int(loads.sum(-1).max()) // self.top_k
+        return {"expert_capacity": self.n * num_tokens,
+                "pair_capacity": (num_tokens * min(self.top_k, self.num_local),) * self.n}
+
+    def _to_local(self, rows, ids, bound: int, state):
+        """Candidate rows `rows [M, H]`, `ids [M, k]` local expert of each assignment (L: not for
+        this rank) -> (the experts' input, `state`): rows layout (exactly the assignments for this
+        rank, sorted by local expert, the others after them) or capacity layout `[L, C_e, H]`.
+        Graph mode passes dicts by value: the caller uses the returned `state`."""
+        num_local, top_k = self.num_local, ids.shape[1]
+        if self.layout == "rows":
+            sorted_rows, slot = self.ops.permute(rows, ids, num_local + 1)
+            sizes = ops.split(expert_counts(ids, num_local + 1), [num_local, 1])[0]
+            row_expert, expert_rows = rows_layout(sizes, sorted_rows.shape[0])
+            state["local_slot"] = slot
+            state["group_sizes"] = sizes
+            state["row_expert"] = row_expert
+            state["expert_rows"] = expert_rows
+            return sorted_rows, state
+        capacity = min(self.expert_capacity or bound, bound)
+        order, slot_row = capacity_layout(ids.reshape(-1), num_local, capacity)
+        state["local_row"] = assignment_rows(order, slot_row)
+        state["expert_rows"] = ops.full((), num_local * capacity, dtype=ms.float32)
+        expert_input = permute(rows, order, slot_row, top_k, num_local * capacity)
+        return expert_input.reshape(num_local, capacity, rows.shape[1]), state
+
+    def _from_local(self, expert_output, state, probs=None):
+        """The experts' output back in candidate order: `[M k, H]` rows without `probs`, else
+        `[M, H]` with each candidate's assignments weighted by `probs [M, k]` and summed."""
+        if "local_slot" in state:
+            return self.ops.unpermute(expert_output, state["local_slot"], probs)
+        rows = expert_output.reshape(-1, expert_output.shape[-1])
+        if probs is None:
+            return _rows_or_zero(rows, state["local_row"])
+        return unpermute(rows, state["local_row"], probs)
+
+
+# ---------------------------------------------------------------------------------------------
+# AllToAll
+# ---------------------------------------------------------------------------------------------
+class AllToAllDispatcher(_EPDispatcher):
+    """Tokens to the ranks of their experts and back by all-to-all in the `ep` group (see module
+    docstring). `pair_capacity`: per destination rank, the rows every source sends it in the
+    dropless exchange (`()`: the bound `T min(k, L)` for all)."""
+
+    def __init__(self, num_experts: int, top_k: int, capacity_factor: float, group: Group,
+                 layout: str = "rows"):
+        super().__init__("AllToAllDispatcher", num_experts, top_k, capacity_factor, group, layout)
+        self.pair_capacity: Tuple[int, ...] = ()
+
+    def capacity_fields(self) -> Tuple[str, ...]:
+        return () if self.capacity_factor > 0 else ("pair_capacity",) + super().capacity_fields()
+
+    def needed_capacity(self, loads: np.ndarray) -> Dict[str, object]:
+        pairs = loads.reshape(self.n, self.n, self.num_local).sum(-1)      # [source, destination]
+        return {"pair_capacity": tuple(max(1, int(c)) for c in pairs.max(0)), **super().needed_capacity(loads)}
+
+    def _pair_capacities(self, num_tokens: int) -> Tuple[int, ...]:
+        """Rows each destination gets from every source, at most the bound and at least 1 (static)."""
+        bound = num_tokens * min(self.top_k, self.num_local)     # a token picks k distinct experts
+        chosen = self.pair_capacity or (bound,) * self.n
+        return tuple(max(1, min(int(c), bound)) for c in chosen)
 
     def dispatch(self, x, topk_idx, topk_weight):
-        order, slot_expert, slot_rank, tokens_per_expert = sort_by_expert(topk_idx.reshape(-1), self.num_experts)
-        state = {"tokens_per_expert": tokens_per_expert.astype(topk_weight.dtype), "topk_weight": topk_weight}
+        counts = expert_counts(topk_idx, self.num_experts)
+        state = {"tokens_per_expert": counts.astype(topk_weight.dtype), "topk_weight": topk_weight}
         if self.capacity_factor > 0:
-            return self._dispatch_capacity(x, order, slot_expert, slot_rank, state)
-        return self._dispatch_dropless(x, order, slot_expert, tokens_per_expert, state)
+            return self._dispatch_capacity(x, topk_idx, state)
+        return self._dispatch_dropless(x, topk_idx, counts, state)
 
     def combine(self, expert_output, state):
         if self.capacity_factor > 0:
@@ -101,56 +159,69 @@ class AllToAllDispatcher(nn.Cell):
         return self._combine_dropless(expert_output, state)
 
     # ---- dropless ---------------------------------------------------------------------------
-    def _dispatch_dropless(self, x, order, slot_expert, tokens_per_expert, state):
+    def _dispatch_dropless(self, x, topk_idx, counts, state):
         num_tokens, hidden = x.shape
         n, num_local, top_k = self.n, self.num_local, self.top_k
-        bound = num_tokens * min(top_k, num_local)
-        # sender: slots are sorted by expert, so each destination's rows are one contiguous run
-        counts = tokens_per_expert.reshape(n, num_local)
-        send_counts = counts.sum(1)
-        destination = slot_expert // num_local
-        run_start = ops.gather(ops.cumsum(send_counts, 0) - send_counts, destination, 0)
-        position = ops.arange(slot_expert.shape[0], dtype=ms.int32)
-        send_row = destination * bound + position - run_start
-        send = permute(x, order, send_row, top_k, n * bound)
+        caps = self._pair_capacities(num_tokens)
+        mine, total, num_sorted = caps[self.rank], sum(caps), num_tokens * top_k
+        # sender: sorted by expert, so each destination's rows are one run; destination j's run is
+        # padded to caps[j] rows at a fixed place of the send buffer
+        sorted_rows, slot = self.ops.permute(x, topk_idx, self.num_experts)
+        per_destination = counts.reshape(n, num_local).sum(1)
+        run_end = ops.cumsum(per_destination, 0)
+        run_start = run_end - per_destination
+        capacity = ops.concat([ops.full((1,), c, dtype=ms.int32) for c in caps])
+        place = ops.cumsum(capacity, 0) - capacity                       # first send row of each destination
+        row_destination = ops.concat([ops.full((c,), j, dtype=ms.int32) for j, c in enumerate(caps)])
+        column = ops.arange(total, dtype=ms.int32) - ops.gather(place, row_destination, 0)
+        send_index = ops.where(column < ops.gather(per_destination, row_destination, 0),
+                               ops.gather(run_start, row_destination, 0) + column,
+                               ops.full((total,), num_sorted, dtype=ms.int32))
+        send = _rows_or_zero(sorted_rows, send_index)                                        # [sum caps, H]
+        # where each sorted row comes back (rows past a run's capacity were not sent: an overflow,
+        # which the host detects from the counts and re-runs)
+        sorted_row = ops.arange(num_sorted, dtype=ms.int32)
+        destination = (sorted_row.reshape(-1, 1) >= run_end.reshape(1, n)).astype(ms.int32).sum(1)
+        offset = sorted_row - ops.gather(run_start, destination, 0)
+        back_index = ops.where(offset < ops.gather(capacity, destination, 0),
+                               ops.gather(place, destination, 0) + offset, ops.full_like(offset, total))
 
         # counts first (one fp32 per local expert to each other rank; no backward), then the tokens
-        recv_counts = comm.all_to_all(ops.stop_gradient(counts.astype(ms.float32)), self.group)   # [source, L]
+        recv_counts = comm.all_to_all(ops.stop_gradient(counts.reshape(n, num_local).astype(ms.float32)),
+                                      self.group)                                             # [source, L]
         # the two exchanges do not depend on each other through data: order them (same on every rank)
         send = ops.depend(send, recv_counts)
-        recv = comm.all_to_all(send.reshape(n, bound, hidden), self.group)
+        recv = comm.all_to_all_v(send, caps, (mine,) * n, self.group, max(caps))             # [source * mine, H]
 
-        # receiver: row p from a source belongs to local expert #(segment ends <= p); L = padding
-        segment_end = ops.cumsum(recv_counts, 1).reshape(n, 1, num_local)
-        row_in_source = ops.arange(bound, dtype=ms.float32).reshape(1, bound, 1)
-        local_expert = (row_in_source >= segment_end).astype(ms.int32).sum(-1).reshape(-1)
-        block_rows = _block_rows(self.block_size, num_tokens, top_k, num_local)
-        recv_order, slot_row, block_expert, num_blocks = _local_blocks(local_expert, num_local, n * bound,
-                                                                       block_rows)
-        expert_input = permute(recv.reshape(n * bound, hidden), recv_order, slot_row, 1, num_blocks * block_rows)
-        state["block_expert"] = block_expert
-        state["dropped"] = ops.zeros((), state["topk_weight"].dtype)
-        state["recv_row"] = assignment_rows(recv_order, slot_row)
-        state["send_row"] = assignment_rows(order, send_row)
-        return expert_input.reshape(num_blocks, block_rows, hidden), state
+        # receiver: row c from a source belongs to local expert #(segment ends <= c); L = padding
+        segment_end = ops.minimum(ops.cumsum(recv_counts.astype(ms.int32), 1), mine)
+        column = ops.arange(mine, dtype=ms.int32).reshape(1, mine, 1)
+        local = (column >= segment_end.reshape(n, 1, num_local)).astype(ms.int32).sum(-1)
+        state["slot"] = slot
+        state["back_index"] = back_index
+        state["dropped"] = ops.zeros((), ms.float32)
+        return self._to_local(recv, local.reshape(-1, 1), n * min(num_tokens, mine), state)
 
     def _combine_dropless(self, expert_output, state):
-        hidden = expert_output.shape[-1]
-        returned = _rows_or_zero(expert_output.reshape(-1, hidden), state["recv_row"])
-        back = comm.all_to_all(returned.reshape(self.n, -1, hidden), self.group)
-        return unpermute(back.reshape(-1, hidden), state["send_row"], state["topk_weight"])
+        caps = self._pair_capacities(state["topk_weight"].shape[0])
+        returned = self._from_local(expert_output, state)                                   # [source * mine, H]
+        back = comm.all_to_all_v(returned, (caps[self.rank],) * self.n, caps, self.group, max(caps))
+        sorted_rows = _rows_or_zero(back, state["back_index"])
+        return self.ops.unpermute(sorted_rows, state["slot"], state["topk_weight"])
 
     # ---- capacity ---------------------------------------------------------------------------
-    def _dispatch_capacity(self, x, order, slot_expert, slot_rank, state):
+    def _dispatch_capacity(self, x, topk_idx, state):
         num_tokens, hidden = x.shape
         n, num_local = self.n, self.num_local
         capacity = expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor)
+        order, slot_expert, slot_rank, _ = sort_by_expert(topk_idx.reshape(-1), self.num_experts)
         slot_row, dropped = capacity_rows(slot_expert, slot_rank, capacity, self.num_experts)
+        state["dropped"] = dropped
         send = permute(x, order, slot_row, self.top_k, self.num_experts * capacity)
         recv = comm.all_to_all(send.reshape(n, num_local * capacity, hidden), self.group)   # [source, L C, H]
         expert_input = recv.reshape(n, num_local, capacity, hidden).transpose(1, 0, 2, 3)
-        state["dropped"] = dropped
         state["send_row"] = assignment_rows(order, slot_row)
+        state["expert_rows"] = ops.full((), num_local * n * capacity, dtype=ms.float32)
         return expert_input.reshape(num_local, n * capacity, hidden), state
 
     def _combine_capacity(self, expert_output, state):
@@ -164,32 +235,28 @@ class AllToAllDispatcher(nn.Cell):
 # ---------------------------------------------------------------------------------------------
 # AllGather
 # ---------------------------------------------------------------------------------------------
-class AllGatherDispatcher(nn.Cell):
+class AllGatherDispatcher(_EPDispatcher):
     """Every rank of the `ep` group sees every token: all-gather `x` and its routing, compute the
     local experts' share of each token's output, reduce-scatter the partial outputs. Moves
-    `(ep - 1) T H` per gather instead of `~T k H (ep - 1) / ep` per all-to-all, but needs no
-    counts and no padding to a worst case; good for small ep. Capacity mode drops on the source
-    rank, as one process would, then packs `[L, ep C, H]` like `AllToAllDispatcher`."""
+    `(ep - 1) T H` per gather against `(ep - 1)/ep T k H` per all-to-all (no more for k >= ep),
+    needs no counts, and uses only AllGather / ReduceScatter (GPU has them; not AlltoAll).
+    Capacity mode drops on the source rank, as one process would, then packs `[L, ep C, H]`."""
 
     def __init__(self, num_experts: int, top_k: int, capacity_factor: float, group: Group,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
-        super().__init__()
-        self.num_local = _check_layout("AllGatherDispatcher", num_experts, group)
-        self.num_experts, self.top_k = num_experts, top_k
-        self.capacity_factor = float(capacity_factor)
-        self.group, self.n, self.rank = group, group.size, group.rank_in_group
-        self.block_size = block_size
+                 layout: str = "rows"):
+        super().__init__("AllGatherDispatcher", num_experts, top_k, capacity_factor, group, layout)
 
     def dispatch(self, x, topk_idx, topk_weight):
         num_tokens, hidden = x.shape
         n, num_local, top_k = self.n, self.num_local, self.top_k
-        order, slot_expert, slot_rank, tokens_per_expert = sort_by_expert(topk_idx.reshape(-1), self.num_experts)
-        state = {"tokens_per_expert": tokens_per_expert.astype(topk_weight.dtype)}
+        counts = expert_counts(topk_idx, self.num_experts)
+        state = {"tokens_per_expert": counts.astype(topk_weight.dtype)}
         # one gather for the routing: weights (differentiable), expert ids and, with a capacity,
         # each assignment's slot in its expert's buffer on the source (-1: dropped there)
         routing = [topk_weight.astype(ms.float32), ops.stop_gradient(topk_idx.astype(ms.float32))]
         if self.capacity_factor > 0:
             capacity = expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
+            order, _, slot_rank, _ = sort_by_expert(topk_idx.reshape(-1), self.num_experts)
             kept = slot_rank < capacity
             state["dropped"] = (~kept).astype(ms.float32).sum()
             slot_of_assignment = assignment_rows(order, ops.where(kept, slot_rank, ops.full_like(slot_rank, -1)))
@@ -200,38 +267,44 @@ class AllGatherDispatcher(nn.Cell):
         all_tokens = comm.all_gather(x, self.group)                                      # [n T, H]
         pieces = ops.split(gathered, [top_k] * len(routing), 1)
         state["topk_weight"] = pieces[0].astype(topk_weight.dtype)
-        local_expert = pieces[1].astype(ms.int32).reshape(-1) - self.rank * num_local
+        local_expert = pieces[1].astype(ms.int32) - self.rank * num_local
         is_local = ops.logical_and(local_expert >= 0, local_expert < num_local)
 
         if self.capacity_factor > 0:   # buffer [L, n C]: local expert, then source rank, then slot
             slot = pieces[2].astype(ms.int32).reshape(-1)
+            local_expert = local_expert.reshape(-1)
             source = ops.arange(slot.shape[0], dtype=ms.int32) // (num_tokens * top_k)
             groups, group_rows = num_local, n * capacity
-            mine = ops.logical_and(is_local, slot >= 0)
+            mine = ops.logical_and(is_local.reshape(-1), slot >= 0)
             slot_row = ops.where(mine, local_expert * group_rows + source * capacity + slot,
                                  ops.full_like(slot, groups * group_rows))
-            gathered_order = ops.arange(slot.shape[0], dtype=ms.int32)     # slot i holds assignment i
-            assignment_row = slot_row
-        else:
-            local_expert = ops.where(is_local, local_expert, ops.full_like(local_expert, num_local))
-            group_rows = _block_rows(self.block_size, num_tokens, top_k, num_local)
-            gathered_order, slot_row, state["block_expert"], groups = _local_blocks(
-                local_expert, num_local, n * num_tokens * min(top_k, num_local), group_rows)
-            assignment_row = assignment_rows(gathered_order, slot_row)
-        expert_input = permute(all_tokens, gathered_order, slot_row, top_k, groups * group_rows)
-        state["assignment_row"] = assignment_row
-        return expert_input.reshape(groups, group_rows, hidden), state
+            state["local_row"] = slot_row                     # slot i holds assignment i
+            state["expert_rows"] = ops.full((), groups * group_rows, dtype=ms.float32)
+            expert_input = permute(all_tokens, ops.arange(slot.shape[0], dtype=ms.int32), slot_row, top_k,
+                                   groups * group_rows)
+            return expert_input.reshape(groups, group_rows, hidden), state
+        local_expert = ops.where(is_local, local_expert, ops.full_like(local_expert, num_local))
+        return self._to_local(all_tokens, local_expert, n * num_tokens, state)
 
     def combine(self, expert_output, state):
-        rows = expert_output.reshape(-1, expert_output.shape[-1])
-        partial = unpermute(rows, state["assignment_row"], state["topk_weight"])        # [n T, H]
+        partial = self._from_local(expert_output, state, state["topk_weight"])          # [n T, H]
         return comm.reduce_scatter(partial, self.group)
 
 
-def build_ep_dispatcher(name: str, num_experts: int, top_k: int, capacity_factor: float, group: Group) -> nn.Cell:
-    """The expert-parallel dispatcher named by `parallel.moe_token_dispatcher`."""
+def build_ep_dispatcher(name: str, num_experts: int, top_k: int, capacity_factor: float, group: Group,
+                        layout: str = "rows", path: str = "cpu") -> nn.Cell:
+    """The expert-parallel dispatcher named by `parallel.moe_token_dispatcher` on code path `path`
+    (`native_ops.platform()`): GPU has no AlltoAll in MindSpore 2.10, so "alltoall" runs the
+    allgather dispatcher there (said once in the log)."""
+    if name not in ("alltoall", "allgather"):
+        raise ValueError(f"parallel.moe_token_dispatcher: {name!r} is not one of 'alltoall', 'allgather'")
+    if name == "alltoall" and path == "gpu":
+        if not _logged_gpu_fallback and group.global_rank(group.rank_in_group) == 0:
+            _logged_gpu_fallback.append(True)
+            print("moetrain: parallel.moe_token_dispatcher=alltoall needs AlltoAll, which MindSpore 2.10 has on "
+                  "Ascend only; this GPU job dispatches with allgather (AllGather + local experts + ReduceScatter)",
+                  flush=True)
+        name = "allgather"
     if name == "alltoall":
-        return AllToAllDispatcher(num_experts, top_k, capacity_factor, group)
-    if name == "allgather":
-        return AllGatherDispatcher(num_experts, top_k, capacity_factor, group)
-    raise ValueError(f"parallel.moe_token_dispatcher: {name!r} is not one of 'alltoall', 'allgather'")
+        return AllToAllDispatcher(num_experts, top_k, capacity_factor, group, layout)
+    return AllGatherDispatcher(num_experts, top_k, capacity_factor, group, layout)

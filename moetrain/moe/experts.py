@@ -1,15 +1,25 @@
-"""All local routed experts as one SwiGLU over stacked weights.
+"""All local routed experts as one SwiGLU over stacked weights, without per-row weight copies.
 
-MindSpore has no grouped matmul on CPU; `moetrain.kernels` provides one (oneDNN GEMM per run of
-rows with the same expert) for the exact dropless layout of one row per group."""
+Two input layouts (the dispatcher produces the one `compute` needs, `native_ops.expert_compute()`):
+
+* rows `[N, H]` sorted by local expert, the groups first and padding after them ("kernel": the
+  CPU grouped GEMM, row ids with `L` marking padding; "gmm": Ascend's grouped matmul with the group
+  sizes). Only the routed rows are computed; padding rows give zero output and zero gradient.
+* capacity `[L, C, H]`, group l computed by local expert l ("bmm": one batched matmul per
+  projection over the stacked weights; every row of the buffer is computed, padding included).
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 import mindspore as ms
 from mindspore import nn, ops
 
-from moetrain import kernels
 from moetrain.layers import compute_dtype_of, normal_parameter
+from moetrain.moe.native_ops import MoEOps
 from moetrain.dist.sharding import mark_role
+
+COMPUTES = ("kernel", "gmm", "bmm")
 
 
 class GroupedExperts(nn.Cell):
@@ -18,21 +28,23 @@ class GroupedExperts(nn.Cell):
     Parameters (one tensor per projection, experts stacked first; Mixtral's `experts.{e}.w1/w3/w2`
     are the transposed slices): `w_gate [E, H, F]`, `w_up [E, H, F]`, `w_down [E, F, H]`.
 
-    `construct(x [G, R, H], block_expert=None)`: G groups of R rows. Group g uses expert
-    `block_expert[g]` (the dropless block layout), or expert g when `block_expert` is None (the
-    `[E, C, H]` capacity layout). Padding rows are zero and so produce zero output and zero gradient.
-    * capacity layout: one batched matmul per projection;
-    * blocks of one row (`R == 1`, the exact dropless layout) with `moetrain.kernels` available:
-      the grouped GEMM kernel, one GEMM per run of rows of the same expert, and the fused SwiGLU
-      kernel (fp32 arithmetic; a lower compute dtype rounds the operands to it, as its matmul would);
-    * other blocks: the weights are gathered per block, then one batched matmul per projection.
+    `construct(x, row_expert=None, group_sizes=None)`:
+    * `x [L, C, H]` (capacity layout): group l uses local expert l; one batched matmul per projection.
+    * `x [N, H]` (rows layout, `compute` "kernel" or "gmm"): rows sorted by local expert; the kernel
+      reads `row_expert [N]` int32 (L = padding), the grouped matmul `group_sizes [L]`.
+    The kernel computes in fp32 (a lower compute dtype rounds the operands to it, as its matmul
+    would); the batched and grouped matmuls run in the compute dtype.
     """
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int,
-                 init_std: float = 0.02, compute_dtype=ms.float32):
+                 init_std: float = 0.02, compute_dtype=ms.float32, compute: Optional[str] = None):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.compute_dtype = compute_dtype_of(compute_dtype)
+        self.ops = MoEOps()
+        self.compute = compute or self.ops.compute
+        if self.compute not in COMPUTES:
+            raise ValueError(f"GroupedExperts: compute {self.compute!r} is not one of {COMPUTES}")
         shape_in = (num_local_experts, hidden_size, ffn_hidden_size)
         self.w_gate = normal_parameter(shape_in, init_std, "w_gate")
         self.w_up = normal_parameter(shape_in, init_std, "w_up")
@@ -41,32 +53,57 @@ class GroupedExperts(nn.Cell):
             mark_role(weight, expert=True)
         self.bmm = ops.BatchMatMul()
         self.grouped_matmul = self.swiglu = None
-        if kernels.available():
+        if self.compute == "kernel":
             from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, shared
 
             self.grouped_matmul, self.swiglu = shared(GroupedMatmul), shared(FusedSwiGLU)
 
-    def construct(self, x, block_expert=None):
-        if block_expert is not None and x.shape[1] == 1 and self.grouped_matmul is not None:
-            return self._grouped_rows(x.reshape(x.shape[0], x.shape[2]), block_expert).reshape(x.shape)
+    @property
+    def layout(self) -> str:
+        """"rows" or "capacity": the input layout the dispatcher must produce."""
+        return "capacity" if self.compute == "bmm" else "rows"
+
+    def construct(self, x, row_expert=None, group_sizes=None):
+        if x.ndim == 3:
+            return self._capacity(x)
+        if self.compute == "kernel":
+            return self._kernel_rows(x, row_expert)
+        if self.compute == "gmm":
+            return self._gmm_rows(x, group_sizes)
+        raise ValueError(f"GroupedExperts: rows input {x.shape} needs compute 'kernel' or 'gmm', this one "
+                         f"computes with {self.compute!r} (capacity layout [L, C, H] only)")
+
+    def _weights(self):
         w_gate, w_up, w_down = self.w_gate, self.w_up, self.w_down
         if self.compute_dtype != ms.float32:
-            x = x.astype(self.compute_dtype)
-            w_gate = w_gate.astype(self.compute_dtype)
-            w_up = w_up.astype(self.compute_dtype)
-            w_down = w_down.astype(self.compute_dtype)
-        if block_expert is not None:
-            w_gate = ops.gather(w_gate, block_expert, 0)
-            w_up = ops.gather(w_up, block_expert, 0)
-            w_down = ops.gather(w_down, block_expert, 0)
+            w_gate, w_up, w_down = (w.astype(self.compute_dtype) for w in (w_gate, w_up, w_down))
+        return w_gate, w_up, w_down
+
+    def _capacity(self, x):
+        if x.shape[0] != self.num_local_experts:
+            raise ValueError(f"GroupedExperts: capacity input {x.shape} must have one group per local expert "
+                             f"({self.num_local_experts})")
+        w_gate, w_up, w_down = self._weights()
+        x = x.astype(self.compute_dtype)
         hidden = ops.silu(self.bmm(x, w_gate)) * self.bmm(x, w_up)
         return self.bmm(hidden, w_down)
 
-    def _grouped_rows(self, x, row_expert):
-        """`x [N, H]`, row n computed by expert `row_expert[n]` -> `[N, H]` in the compute dtype.
+    def _gmm_rows(self, x, group_sizes):
+        """Ascend grouped matmul. Rows past the groups are not computed (unspecified values and
+        input gradients): the selects zero both, so nothing unspecified leaves this function."""
+        w_gate, w_up, w_down = self._weights()
+        computed = (ops.arange(x.shape[0], dtype=ms.int32) < group_sizes.astype(ms.int32).sum()).reshape(-1, 1)
+        zero = ops.zeros((), self.compute_dtype)
+        x = ops.where(computed, x.astype(self.compute_dtype), zero)
+        gate_up = self.ops.grouped_matmul(x, ops.concat((w_gate, w_up), axis=2), group_sizes)
+        gate, up = ops.split(gate_up, [w_gate.shape[2], w_up.shape[2]], 1)
+        out = self.ops.grouped_matmul(ops.silu(gate) * up, w_down, group_sizes)
+        return ops.where(computed, out, zero)
 
-        Gate and up projections are one GEMM over the concatenated `[E, H, 2F]` weights, followed by
-        the fused SwiGLU kernel."""
+    def _kernel_rows(self, x, row_expert):
+        """`x [N, H]`, row n computed by expert `row_expert[n]` (L: padding) -> `[N, H]` in the
+        compute dtype. Gate and up projections are one GEMM over the concatenated `[E, H, 2F]`
+        weights, followed by the fused SwiGLU kernel."""
         w_gate_up = ops.concat((self.w_gate, self.w_up), axis=2)
         w_down = self.w_down
         x = x.astype(self.compute_dtype).astype(ms.float32)

@@ -27,7 +27,9 @@ class MoELayer(nn.Cell):
     only for `[B, S, H]` input (0 for `[T, H]`, and an error if `seq_aux_loss_coeff > 0`).
     `stats` (fp32 tensors): "aux_loss", "seq_aux_loss", "z_loss" (unweighted; the model adds
     `weighted_aux(stats)`), "expert_load" `[E]` (assignments per expert, before dropping),
-    "dropped" (assignments dropped by capacity) and "routed" (`T * top_k`).
+    "dropped" (assignments dropped by capacity), "routed" (`T * top_k`) and "expert_rows" (rows the
+    expert GEMMs of this rank computed: `routed` on the rows layout, the whole buffer on a capacity
+    layout, the rows received from the ep group with expert parallelism).
 
     Parameters: `router.weight [E, H]`, `experts.w_gate/w_up [E, H, F]`, `experts.w_down [E, F, H]`,
     `shared_experts.{w_gate,w_up,w_down}.weight` (HF `[out, in]` layout) when
@@ -46,8 +48,9 @@ class MoELayer(nn.Cell):
         self.needs_sequences = cfg.seq_aux_loss_coeff > 0
         self.aux_loss_scope, self.balance_group = "micro_batch", None
         self.router = TopKRouter(hidden_size, cfg, init_std)
-        self.dispatcher = SortDispatcher(cfg.num_experts, cfg.top_k, cfg.capacity_factor)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.ffn_hidden_size, init_std, compute_dtype)
+        self.dispatcher = SortDispatcher(cfg.num_experts, cfg.top_k, cfg.capacity_factor,
+                                          self.experts.layout)
         self.shared_experts = None
         if cfg.num_shared_experts > 0:
             self.shared_experts = SwiGLUMLP(hidden_size, cfg.shared_hidden_size, init_std, init_std, compute_dtype)
@@ -62,7 +65,7 @@ class MoELayer(nn.Cell):
         """How this layer's stats combine (moetrain/modeling.py): the auxiliary losses average over
         micro-batches and ranks, counts add up, and each MoE layer has its own `expert_load` row."""
         return {"aux_loss": StatSpec(MEAN), "seq_aux_loss": StatSpec(MEAN), "z_loss": StatSpec(MEAN),
-                "dropped": StatSpec(SUM), "routed": StatSpec(SUM),
+                "dropped": StatSpec(SUM), "routed": StatSpec(SUM), "expert_rows": StatSpec(SUM),
                 "expert_load": StatSpec(SUM, per_layer=True, row=(self.num_experts,))}
 
     def set_aux_loss_scope(self, scope: str, group=None) -> None:
@@ -88,7 +91,7 @@ class MoELayer(nn.Cell):
         tokens = x.reshape(-1, x.shape[-1])
         topk_idx, topk_weight, probs, logits = self.router(tokens, self.expert_bias)
         expert_input, state = self.dispatcher.dispatch(tokens, topk_idx, topk_weight)
-        expert_output = self.experts(expert_input, state.get("block_expert"))
+        expert_output = self.experts(expert_input, state.get("row_expert"), state.get("group_sizes"))
         y = self.dispatcher.combine(expert_output, state)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
@@ -121,6 +124,7 @@ class MoELayer(nn.Cell):
             "expert_load": expert_load,
             "dropped": state["dropped"],
             "routed": ops.full((), num_tokens * top_k, dtype=ms.float32),
+            "expert_rows": ops.stop_gradient(state["expert_rows"].astype(ms.float32)),
         }
 
     def _global_aux_loss(self, probs, expert_load, num_tokens: int):

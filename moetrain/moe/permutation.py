@@ -39,27 +39,6 @@ def sort_by_expert(flat_expert, num_experts: int):
     return order, slot_expert, slot_rank, tokens_per_expert
 
 
-def num_padded_blocks(num_assignments: int, num_experts: int, block_size: int) -> int:
-    """Static upper bound on `sum_e ceil(count_e / block_size)` over all routings."""
-    return (num_assignments + num_experts * (block_size - 1)) // block_size
-
-
-def block_layout(tokens_per_expert, block_size: int, num_blocks: int):
-    """Pads each expert's segment to whole blocks of `block_size` rows.
-
-    Returns `segment_row [E]` (first buffer row of each expert) and `block_expert [num_blocks]`
-    int32 (the expert whose weights each block uses; trailing unused blocks, all zeros, reuse the
-    last expert, which leaves its gradient unchanged).
-    """
-    num_experts = tokens_per_expert.shape[0]
-    blocks_per_expert = (tokens_per_expert + (block_size - 1)) // block_size
-    block_end = ops.cumsum(blocks_per_expert, 0)
-    block_index = ops.arange(num_blocks, dtype=ms.int32).reshape(-1, 1)
-    block_expert = (block_index >= block_end.reshape(1, -1)).astype(ms.int32).sum(1)
-    block_expert = ops.minimum(block_expert, num_experts - 1)
-    return (block_end - blocks_per_expert) * block_size, block_expert
-
-
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """`ceil(capacity_factor * T * k / E)` rows per expert, at most T (an expert sees each token once)."""
     return max(1, min(math.ceil(capacity_factor * num_tokens * top_k / num_experts), num_tokens))
@@ -76,6 +55,37 @@ def capacity_rows(slot_expert, slot_rank, capacity: int, num_experts: int):
     slot_row = ops.where(kept, slot_expert * capacity + slot_rank, dump_row)
     dropped = (~kept).astype(ms.float32).sum()
     return slot_row, dropped
+
+
+def capacity_layout(ids, num_groups: int, capacity: int):
+    """Placement of `N` candidate rows in a group-major `[num_groups, capacity]` buffer.
+
+    ids: `[N]` int32 in `[0, G]`, `G = num_groups` meaning "not for this buffer". Within a group the
+    candidates keep their order. Returns `(order, slot_row)`: slot i holds candidate `order[i]` and
+    goes to buffer row `slot_row[i]`; candidates of id G and those past a group's capacity go to the
+    dump row `G * capacity` (a caller that must not drop makes `capacity` large enough)."""
+    order, slot_id, slot_rank, _ = sort_by_expert(ids, num_groups + 1)
+    kept = ops.logical_and(slot_id < num_groups, slot_rank < capacity)
+    dump_row = ops.full_like(slot_rank, num_groups * capacity)
+    return order, ops.where(kept, slot_id * capacity + slot_rank, dump_row)
+
+
+def group_of_rows(group_sizes, num_rows: int):
+    """`[num_rows]` int32: the group of each row of a buffer whose first `sum(group_sizes)` rows
+    are the groups in order, `G = len(group_sizes)` for the rows after them."""
+    ends = ops.cumsum(group_sizes.astype(ms.int32), 0).reshape(1, -1)
+    row = ops.arange(num_rows, dtype=ms.int32).reshape(-1, 1)
+    return (row >= ends).astype(ms.int32).sum(1)
+
+
+def permute_by_id(rows, ids, num_ids: int):
+    """`rows [T, H]`, `ids [T, k]` int32 in `[0, num_ids)` -> `(sorted [T k, H], slot [T k] int32)`:
+    the assignments `a = t k + j` grouped by ascending id (stable), `sorted[slot[a]] = rows[a // k]`.
+    The `moe_token_permute` semantics (moetrain.moe.native_ops) from a sort and a gather."""
+    top_k = ids.shape[1]
+    order, _, _, _ = sort_by_expert(ids.reshape(-1), num_ids)
+    slot = assignment_rows(order, ops.arange(order.shape[0], dtype=ms.int32))
+    return ops.gather(rows, order // top_k, 0), slot
 
 
 def permute(x, order, slot_row, top_k: int, num_rows: int):

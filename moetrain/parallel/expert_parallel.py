@@ -66,6 +66,7 @@ def parallelize_moe(model, parallel_cfg, pctx) -> int:
         if pctx.ep > 1:
             shard_experts(layer.experts, pctx.ep_rank, pctx.ep)
             layer.dispatcher = build_ep_dispatcher(parallel_cfg.moe_token_dispatcher, layer.num_experts,
-                                                   layer.top_k, layer.cfg.capacity_factor, ep_group)
+                                                   layer.top_k, layer.cfg.capacity_factor, ep_group,
+                                                   layer.experts.layout, layer.experts.ops.path)
         layer.set_aux_loss_scope(scope, pctx.group("dp"))
     return len(layers)

@@ -44,4 +44,5 @@ def parallelize(model, cfg, pctx, seq_length: int = 0) -> ParallelModel:
         opt_step = OptimizerStep(pipeline.stage.trainable_params(), *optimizer)
         return ParallelModel(pipeline.stage, opt_step, pipeline.bind(opt_step), specs, over_dp)
     opt_step = OptimizerStep(model.trainable_params(), *optimizer)
-    return ParallelModel(model, opt_step, MicroBatchRunner(model, opt_step, specs, cfg.train.jit), specs, over_dp)
+    runner = MicroBatchRunner(model, opt_step, specs, cfg.train.jit, pctx)
+    return ParallelModel(model, opt_step, runner, specs, over_dp)

@@ -20,6 +20,7 @@ import numpy as np
 import mindspore as ms
 
 from moetrain.modeling import SUM, StatSpec
+from moetrain.moe.capacity import adaptive_steps
 from moetrain.parallel.data_parallel import accumulate
 
 
@@ -40,7 +41,9 @@ def as_tensors(batch):
 class MicroBatchRunner:
     """Gradient accumulation over micro-batches on the whole (tensor/expert-parallel) model."""
 
-    def __init__(self, model, opt_step, specs: Dict[str, StatSpec], jit: bool):
+    def __init__(self, model, opt_step, specs: Dict[str, StatSpec], jit: bool, pctx=None):
+        """`pctx`: the parallel context; with it, dropless MoE dispatch buffers are sized from the
+        routing counts and a micro-batch that overflowed one is run again (`moetrain.moe.capacity`)."""
         self.model, self.specs = model, specs
         self.grad_bytes_held = 0     # bytes of the gradient buffers kept between micro-batches (measured)
 
@@ -49,17 +52,24 @@ class MicroBatchRunner:
             return loss * scale, loss, stats
 
         grad_fn = ms.value_and_grad(forward, None, opt_step.params, has_aux=True)
+        # a bound method, not the object: once opt_step's own jitted methods have run, MindSpore 2.10
+        # resolves the object as a function when a graph using it is compiled again (measured)
+        flatten = opt_step.flatten
 
         def grad_step(scale, *batch):
             (_, loss, stats), grads = grad_fn(scale, *batch)
-            return loss, tuple(stats.keys()), tuple(stats.values()), opt_step.flatten(grads)
+            return loss, tuple(stats.keys()), tuple(stats.values()), flatten(grads)
 
         def evaluate(*batch):
             loss, stats = model(*batch)
             return loss, tuple(stats.keys()), tuple(stats.values())
 
         wrap = ms.jit if jit else (lambda fn: fn)
-        self._grad_step, self._accumulate, self._evaluate = wrap(grad_step), wrap(accumulate), wrap(evaluate)
+        self._accumulate = wrap(accumulate)
+        if pctx is None:
+            self._grad_step, self._evaluate = wrap(grad_step), wrap(evaluate)
+        else:
+            self._grad_step, self._evaluate = adaptive_steps(model, pctx, wrap, grad_step, evaluate)
 
     def train_step(self, batches, scale):
         grads, losses, stats = None, [], []

@@ -4,9 +4,12 @@ process and write every step's record (loss, expert loads, drops, ...) of this r
     python tests/workers/ep_train_worker.py OUT_DIR CONFIG RUN [RUN ...]
     RUN = name:key=value,key=value,...      (overrides of CONFIG for that run)
 
+(or `train_runs` from another worker of the same job: tests/workers/ep_layer_worker.py)
 Under msrun (one job, several runs: MindSpore starts its communication once per process) or
 alone (one process). Writes OUT_DIR/rank_<r>.json = {run name: [step records]}; a record holds
-the trainer's step record and this rank's bytes per group kind in that step ("bytes").
+the trainer's step record, this rank's bytes per group kind in that step ("bytes"; PyNative only),
+and where the dispatch buffers are managed, their capacities after the step and the calls / re-runs
+of the step function so far.
 """
 import json
 import os
@@ -18,14 +21,19 @@ os.environ.setdefault("GLOG_v", "3")
 
 
 def main():
-    out_dir, config, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    train_runs(sys.argv[1], sys.argv[2], sys.argv[3:])
+
+
+def train_runs(out_dir, config, runs, contexts=None):
+    """Train `runs` in this process; `contexts` {(dp, tp, pp, ep): ParallelContext} already
+    initialised by the caller (e.g. the layer worker of the same msrun job) are reused."""
     from moetrain import trainer as trainer_module
     from moetrain.config import load_config
     from moetrain.dist import comm, topology
 
     # Runs after the first reuse the device setting and the communicators of an earlier run with
     # the same layout: after init() MindSpore refuses set_device again and a group name twice.
-    contexts = {}
+    contexts = {} if contexts is None else contexts
     setup_device = trainer_module.setup_device
 
     def setup_device_once(device):
@@ -54,6 +62,11 @@ def main():
             record = {k: (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) for k, v in record.items()}
             record["bytes"] = {"native": ledger.bytes_by_group(backward=True),
                                "emulated": ledger.bytes_by_group(backward=True, emulated=True)}
+            step_fn = trainer.runner._grad_step   # an AdaptiveStep when the dispatch buffers are managed
+            if hasattr(step_fn, "controller"):
+                record["capacities"] = [{f: getattr(d, f) for f in d.capacity_fields()}
+                                        for d in step_fn.controller.dispatchers]
+                record["calls"], record["reruns"] = step_fn.calls, step_fn.reruns
             records.append(record)
         trainer.logger.close()
         results[name] = records

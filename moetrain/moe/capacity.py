@@ -1,0 +1,235 @@
+"""Load-proportional static buffers for dropless MoE dispatch: bucketed capacities, chosen on the host
+from the routing counts, with a re-run of the micro-batch when one overflows.
+
+Inside `ms.jit` every buffer has a static shape, yet how many rows an expert-parallel rank sends to
+another (or an expert receives) is known only once the router has run. A dropless dispatcher
+therefore sizes its buffers with Python ints ("capacities", read when the graph is built):
+
+    AllToAllDispatcher   pair_capacity    per destination j: rows every source sends j (C_j)
+    (bmm experts only)   expert_capacity  rows one local expert computes ([L, C_e, H])
+    AllGatherDispatcher  expert_capacity  (bmm experts only)
+    SortDispatcher       expert_capacity  (bmm experts only)
+
+Unset (0 / `()`) means the bound (`T min(k, L)` per pair, `ep T` per expert): exact for any routing, and what a
+dispatcher uses when nobody manages it (tests, the pipeline schedule). `AdaptiveStep` manages them
+for the trainer's step and evaluation functions:
+
+1. Run the micro-batch with the current capacities (a graph compiled once per set of capacities;
+   graphs are kept, so a set seen before costs nothing). Before any counts are seen they are
+   PRIOR (2, or `MOETRAIN_MOE_CAPACITY_PRIOR`) times the even share, sized, at most the bound.
+2. Every rank's `expert_load` (assignments per expert, per layer, already a stat of the step) is
+   all-gathered over the world on the host: one small collective per micro-batch. From these
+   counts every rank computes the same rows each buffer needed (`needed_capacity`).
+3. If a buffer was too small, the rows past it were not exchanged: the outputs are wrong, so the
+   micro-batch is run again (all ranks together) with that capacity grown to `sized(needed)`
+   (the need plus two standard deviations of a count, bucketed), and by at least GROWTH.
+   Dropless stays exact under any routing.
+4. Otherwise the capacities shrink when the largest need over the last `WINDOW` micro-batches
+   fits a bucket below `SHRINK * capacity` (hysteresis against recompiling back and forth).
+
+`bucket` rounds up to `m 2^e` with `m` in 8..15 (at most 12.5 % padding; 8 sizes per doubling),
+which bounds how many graphs a run compiles. Costs: one compile per new capacity set; a re-run
+per overflow; one host sync and a `[world, layers, E]` all-gather per micro-batch.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+PRIOR = 2.0          # before any counts: capacities for PRIOR x the even share (MOETRAIN_MOE_CAPACITY_PRIOR)
+SPREAD = 2.0         # headroom in standard deviations of a count (~sqrt(count), multinomial routing)
+GROWTH = 1.5         # an overflowing capacity grows at least this much (few recompiles while routing drifts)
+SHRINK = 1 / 1.5     # shrink only to a bucket below SHRINK * current capacity
+WINDOW = 16          # micro-batches whose largest need decides a shrink
+
+
+def bucket(rows: int) -> int:
+    """The smallest `m 2^e >= rows` with `m` in 8..15 (every size up to 16), at least 1."""
+    rows = max(1, int(rows))
+    if rows <= 16:
+        return rows
+    step = 2 ** (rows.bit_length() - 4)          # rows in [8 step, 16 step)
+    return -(-rows // step) * step
+
+
+def sized(needed: int) -> int:
+    """The capacity chosen for a buffer that needed `needed` rows: the need plus SPREAD standard
+    deviations of a multinomial count (`sqrt(needed)`), bucketed. Relative headroom shrinks as
+    counts grow: 1.5x at 32 rows, 1.13x at 1024 (before the bucket's rounding)."""
+    return bucket(math.ceil(needed + SPREAD * math.sqrt(needed)))
+
+
+class CapacityController:
+    """Host-side sizing of the capacities of `dispatchers` (one per MoE layer, in the order of the
+    rows of the `expert_load` stat) for a world whose ep groups are `ep_groups` (lists of ranks).
+    A capacity is an int, or a tuple of ints sized element by element (e.g. one per destination)."""
+
+    def __init__(self, dispatchers: Sequence, ep_groups: Sequence[Sequence[int]]):
+        self.dispatchers = list(dispatchers)
+        self.ep_groups = [list(g) for g in ep_groups]
+        self.history: List[Dict[str, List[np.ndarray]]] = [{f: [] for f in d.capacity_fields()}
+                                                            for d in self.dispatchers]
+        self.changes: List[str] = []
+
+    def prime(self, num_tokens: int, prior: float = PRIOR) -> None:
+        """Capacities for calls of `num_tokens` tokens a rank before any counts are seen: `prior`
+        times the even share (every expert `T k / E` rows from every rank), sized, at most the bound."""
+        group = len(self.ep_groups[0])
+        for dispatcher in self.dispatchers:
+            even = np.full((group, dispatcher.num_experts), num_tokens * dispatcher.top_k / dispatcher.num_experts)
+            needs, bounds = dispatcher.needed_capacity(even), dispatcher.capacity_bound(even)
+            for field in dispatcher.capacity_fields():
+                if not getattr(dispatcher, field):
+                    value = np.minimum(_sized(np.ceil(prior * np.asarray(needs[field]))), bounds[field])
+                    setattr(dispatcher, field, tuple(int(v) for v in value) if value.ndim else int(value))
+
+    def key(self) -> Tuple:
+        return tuple(getattr(d, f) for d in self.dispatchers for f in d.capacity_fields())
+
+    def needed(self, loads: np.ndarray) -> List[Dict[str, np.ndarray]]:
+        """Rows each buffer needed, per layer: the maximum over ep groups. `loads [world, layers, E]`."""
+        if loads.ndim != 3 or loads.shape[1] != len(self.dispatchers):
+            raise ValueError(f"expert_load of every rank must be [world, {len(self.dispatchers)} MoE layers, E], "
+                             f"got {loads.shape}")
+        out = []
+        for layer, dispatcher in enumerate(self.dispatchers):
+            per_group = [dispatcher.needed_capacity(loads[group, layer]) for group in self.ep_groups]
+            out.append({f: np.max([np.asarray(n[f], np.int64) for n in per_group], axis=0)
+                        for f in dispatcher.capacity_fields()})
+        return out
+
+    def bounds(self, loads: np.ndarray) -> List[Dict[str, np.ndarray]]:
+        """Per layer, the capacities past which nothing can overflow."""
+        return [{f: np.asarray(b[f], np.int64) for f in d.capacity_fields()}
+                for d, b in ((d, d.capacity_bound(loads[:, layer])) for layer, d in enumerate(self.dispatchers))]
+
+    def update(self, loads: np.ndarray) -> bool:
+        """Checks the last call against its counts and resizes. True when a buffer overflowed, i.e.
+        the call must be run again (with the grown capacities now set)."""
+        overflow = False
+        for layer, (dispatcher, needs, bounds) in enumerate(zip(self.dispatchers, self.needed(loads),
+                                                                self.bounds(loads))):
+            for field, need in needs.items():
+                history = self.history[layer][field]
+                history.append(need)
+                del history[:-WINDOW]
+                current = getattr(dispatcher, field)
+                now = np.broadcast_to(np.asarray(current or 0, np.int64), need.shape)
+                recent = np.max(history, axis=0)
+                grow = (now > 0) & (need > now)
+                new = np.where(now == 0, _sized(need), now)                  # ran at the bound: size it
+                new = np.where(grow, np.maximum(_sized(need), _bucketed(GROWTH * now)), new)
+                new = np.where((now > 0) & ~grow & (_sized(recent) < SHRINK * now), _sized(recent), new)
+                new = np.minimum(new, bounds[field])                         # past the bound nothing overflows
+                if (new != now).any():
+                    value = tuple(int(v) for v in new) if need.ndim else int(new)
+                    why = "overflow" if grow.any() else ("sized" if (now == 0).all() else "shrink")
+                    self.changes.append(f"layer {layer} {field} {current or 'bound'} -> {value} ({why})")
+                    setattr(dispatcher, field, value)
+                overflow |= bool(grow.any())
+        return overflow
+
+
+_sized = np.vectorize(lambda need: sized(int(need)), otypes=[np.int64])
+_bucketed = np.vectorize(lambda rows: bucket(math.ceil(rows)), otypes=[np.int64])
+
+
+class AdaptiveStep:
+    """`fn(*args)` (returning `(loss, stat_keys, stat_values, ...)`) with capacities managed by
+    `controller`: compiled with `wrap` once per capacity set, re-run when a buffer overflowed.
+    `gather(load [layers, E]) -> [world, layers, E]` collects every rank's counts."""
+
+    def __init__(self, fn: Callable, wrap: Callable, controller: CapacityController,
+                 gather: Callable[[np.ndarray], np.ndarray], log: Callable[[str], None] = print):
+        self.fn, self.wrap, self.controller, self.gather, self.log = fn, wrap, controller, gather, log
+        self.compiled: Dict[Tuple[int, ...], Callable] = {}
+        self.calls = self.reruns = 0
+
+    def __call__(self, *args):
+        if self.calls == 0 and not any(self.controller.key()):
+            tokens = tokens_per_call(args)
+            if tokens:
+                self.controller.prime(tokens, prior())
+        while True:
+            key = self.controller.key()
+            if key not in self.compiled:
+                self.compiled[key] = self.wrap(self.fn)   # a new jit wrapper compiles a new graph
+            out = self.compiled[key](*args)
+            self.calls += 1
+            keys, values = out[1], out[2]
+            if "expert_load" not in keys:
+                raise ValueError(f"AdaptiveStep: the step's stats {tuple(keys)} lack 'expert_load', which sizes "
+                                 f"the MoE dispatch buffers")
+            load = values[list(keys).index("expert_load")].asnumpy().astype(np.float64)
+            rerun = self.controller.update(self.gather(load.reshape(len(self.controller.dispatchers), -1)))
+            if self.controller.changes:
+                self.log("moetrain: MoE dispatch capacities: " + "; ".join(self.controller.changes)
+                         + ("; re-running the micro-batch" if rerun else ""))
+                self.controller.changes.clear()
+            if not rerun:
+                return out
+            self.reruns += 1
+
+
+def tokens_per_call(args) -> int:
+    """Tokens one call routes per MoE layer: the size of its first integer argument of rank >= 2
+    (the token ids `[B, S]` of the trainer's step functions); 0 when there is none."""
+    for arg in args:
+        shape, dtype = getattr(arg, "shape", ()), str(getattr(arg, "dtype", ""))
+        if len(shape) >= 2 and "Int" in dtype:
+            return int(np.prod(shape))
+    return 0
+
+
+def prior() -> float:
+    value = os.environ.get("MOETRAIN_MOE_CAPACITY_PRIOR", str(PRIOR))
+    try:
+        parsed = float(value)
+    except ValueError:
+        parsed = -1.0
+    if not parsed > 0:
+        raise ValueError(f"MOETRAIN_MOE_CAPACITY_PRIOR={value!r}: must be a number > 0 (the first capacities, "
+                         f"in multiples of the even share of rows)")
+    return parsed
+
+
+def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable) -> Tuple[Callable, ...]:
+    """`fns` wrapped with `wrap` (e.g. `ms.jit`), as `AdaptiveStep`s sharing one controller when
+    `model` has dropless MoE dispatchers with capacities to manage; plainly otherwise. The pipeline
+    schedule (pp > 1) runs its stages itself: its dispatchers keep the bound."""
+    from moetrain.parallel.expert_parallel import moe_layers
+
+    layers = moe_layers(model)
+    dispatchers = [layer.dispatcher for layer in layers]
+    if pctx.pp > 1 or not any(getattr(d, "capacity_fields", lambda: ())() for d in dispatchers):
+        return tuple(wrap(fn) for fn in fns)
+    controller = CapacityController(dispatchers, ep_groups_of(pctx))
+    gather = _world_gather(pctx)
+    log = (lambda line: print(line, flush=True)) if pctx.rank == 0 else (lambda line: None)
+    return tuple(AdaptiveStep(fn, wrap, controller, gather, log) for fn in fns)
+
+
+def ep_groups_of(pctx) -> List[List[int]]:
+    """The distinct ep groups of the world (lists of global ranks)."""
+    from moetrain.dist.topology import ParallelContext
+
+    groups = {ParallelContext.build(pctx.world_size, r, pctx.dp, pctx.tp, pctx.pp, pctx.ep).group("ep").ranks
+              for r in range(pctx.world_size)}
+    return [list(g) for g in sorted(groups)]
+
+
+def _world_gather(pctx) -> Callable[[np.ndarray], np.ndarray]:
+    world = pctx.group("world")
+    if world.size == 1:
+        return lambda load: load[None]
+    from mindspore import Tensor
+
+    from moetrain.dist import comm
+
+    def gather(load: np.ndarray) -> np.ndarray:
+        rows = comm.all_gather(Tensor(load[None].astype(np.float32)), world).asnumpy()
+        return rows.astype(np.float64)
+    return gather
