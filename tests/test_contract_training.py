@@ -148,8 +148,11 @@ def test_pynative_run_checked_across_ranks_and_its_ledger_counts_the_primitives_
     for info in ranks:
         calls = info["primitive_calls"]
         gathered = [c["tensors"][0]["shape"] for c in calls if c["prim"] == "AllGather"]
-        # this rank's outbox [1, dst, 1, bound = T min(k, L) = 64, hidden]: padded to the bound
-        assert [1, 2, 1, 64, 64] in gathered, info["rank"]
+        # this rank's outboxes [1, dst, rows, hidden]: rows sized to the routed load (at most the
+        # bound T min(k, L) = 64), beside the [1, dst, 1, 2] exchanges of the counts that size them
+        outboxes = [shape for shape in gathered if len(shape) == 4 and shape[1] == 2 and shape[3] == 64]
+        assert outboxes and all(1 <= shape[2] <= 64 for shape in outboxes), (info["rank"], gathered)
+        assert [1, 2, 1, 2] in gathered, info["rank"]
         assert not {"AlltoAll", "AlltoAllV"} & {c["prim"] for c in calls}, info["rank"]
         booked = info["ledger"]["native"]
         assert booked.get("ep", 0) > 0 and booked.get("dp", 0) > 0, booked
