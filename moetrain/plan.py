@@ -811,6 +811,15 @@ def main(argv=None) -> int:
                     "(default: from train.device)")
     ap.add_argument("--search", action="store_true", help="search the layouts of --world devices")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    dry = ap.add_argument_group("dry run (moetrain/dryrun.py): one rank built and run on this CPU, measured")
+    dry.add_argument("--dry-run", action="store_true", help="build rank --rank of the layout at full width, run "
+                     "one step, print planned against measured bytes per category")
+    dry.add_argument("--rank", type=int, default=0, help="the rank to build (default 0)")
+    dry.add_argument("--json", action="store_true", help="with --dry-run: one JSON object (planned, measured)")
+    dry.add_argument("--seq", type=int, default=None, help="with --dry-run: run this many tokens per sequence "
+                     "(default: the config's, shortened to fit this machine)")
+    dry.add_argument("--layers", type=int, default=None, help="with --dry-run: build this many layers and scale "
+                     "per-layer figures to the config's depth")
     args = ap.parse_args(argv)
     try:
         cfg = load_plan_config(args.config, args.set)
@@ -818,6 +827,12 @@ def main(argv=None) -> int:
             from moetrain.config import infer_data_parallel
 
             infer_data_parallel(cfg, cfg.source, args.world)
+        if args.dry_run:
+            from moetrain.dryrun import dry_run, format_dry_run
+
+            result = dry_run(cfg, args.rank, args.seq, layers=args.layers)
+            print(result.to_json() if args.json else format_dry_run(result))
+            return 0
         if args.search:
             world = args.world or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
             _, search = choose_layout(cfg, world, args.device)
