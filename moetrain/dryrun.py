@@ -54,6 +54,8 @@ from typing import Dict, List, Optional
 import numpy as np
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "dispatch_buffers")
+STATIC = ("weights", "gradients", "optimizer")
+STATIC_BOUND, ACTIVATION_BOUND = 0.10, 0.25     # planned vs measured (issue 18)
 PIPELINE_FREE_MICRO_BATCHES = 2     # without a pipeline: the second micro-batch also holds the first's gradients
 
 
@@ -71,6 +73,7 @@ class DryRun:
     compute_dtype: str               # as run
     planned: Dict[str, float]
     measured: Dict[str, float]
+    planned_full: Dict[str, float] = field(default_factory=dict)   # the config as written (all layers, full sequence)
     notes: List[str] = field(default_factory=list)
     detail: Dict[str, float] = field(default_factory=dict)   # peak RSS, times, optimizer-step transient
 
@@ -81,6 +84,7 @@ class DryRun:
                            "compute_dtype": self.compute_dtype,
                            "planned": {k: int(round(v)) for k, v in self.planned.items()},
                            "measured": {k: int(round(v)) for k, v in self.measured.items()},
+                           "planned_full_config": {k: int(round(v)) for k, v in self.planned_full.items()},
                            "detail": self.detail, "notes": self.notes})
 
 
@@ -188,10 +192,14 @@ def dry_run_config(cfg, seq_length: Optional[int] = None, micro_batches: Optiona
     run.train.global_batch_size = layout.dp * layout.micro_batch_size * count
     run.parallel.micro_batch_num = count
     if layers and layers != cfg.model.num_layers:
+        if not layout.pp <= layers <= cfg.model.num_layers:
+            raise ValueError(f"--layers {layers}: must be in [pipeline stages={layout.pp}, "
+                             f"model.num_layers={cfg.model.num_layers}]")
         run.model.num_layers = layers
         run.parallel.pipeline_layers = None
-        notes.append(f"{layers} of {cfg.model.num_layers} layers built at full width; per-layer figures scaled "
-                     f"to {cfg.model.num_layers} layers")
+        notes.append(f"{layers} of {cfg.model.num_layers} layers built at full width (the same dense / MoE "
+                     f"pattern from the start); planned figures are for the same shortened model, "
+                     f"'full config' is the plan of the config as written")
     return run, notes
 
 
@@ -249,11 +257,18 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
     if not 0 <= rank < layout.world:
         raise ValueError(f"--rank {rank}: the layout {layout.describe()} has ranks 0..{layout.world - 1}")
     seq = run.data.seq_length or run.model.seq_length
+    pctx = ParallelContext.build(layout.world, rank, layout.dp, layout.tp, layout.pp, layout.ep)
+    # the plans first: a config the planner rejects fails before the step
+    stage = pctx.pp_rank
+    cost = plan_layout(Job.of(run), Layout.of(run), "cpu", layout.world, source=cfg.source).stages[stage]
+    full_run = dry_run_config(cfg)[0]         # the config as written, with the same dtype adaptation
+    full = plan_layout(Job.of(full_run), Layout.of(full_run), "cpu", layout.world, source=cfg.source).stages[stage]
+    planned, planned_full = ({**{k: c.memory[k] for k in CATEGORIES[:4]}, "dispatch_buffers": c.dispatch_bytes}
+                             for c in (cost, full))
     setup_device("cpu")
     detail = {}
     started = time.perf_counter()
     with SoloComm() as solo:
-        pctx = ParallelContext.build(layout.world, rank, layout.dp, layout.tp, layout.pp, layout.ep)
         ms.set_seed(run.train.seed)
         parallel = parallelize(build_model(run), run, pctx, seq)
         detail["build_s"] = time.perf_counter() - started
@@ -274,18 +289,15 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
     measured["dispatch_buffers"] = dispatch["per_layer"] * dispatch["layers"]
     detail.update(rss_before_step=rss_before, peak_rss=rss_bytes()["VmHWM"],
                   max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  expert_rows_per_layer=dispatch["expert_rows"], exchanged_per_layer=dispatch["exchanged"])
+                  expert_rows_per_layer=dispatch["expert_rows"], exchanged_per_layer=dispatch["exchanged"],
+                  routed_rows_per_layer=layout.micro_batch_size * seq * getattr(getattr(run.model, "moe", None),
+                                                                                "top_k", 0))
 
-    stage = pctx.pp_rank
-    result = plan_layout(Job.of(run), Layout.of(run), "cpu", layout.world, source=cfg.source)
-    planned = dict(result.stages[stage].memory)
-    planned["dispatch_buffers"] = getattr(result.stages[stage], "dispatch_bytes", 0.0)
-    planned = {k: planned[k] for k in CATEGORIES}
     measured = {k: float(measured[k]) for k in CATEGORIES}
     return DryRun(source=cfg.source, rank=rank, describe=pctx.describe(), layout=layout, seq_length=seq,
                   full_seq_length=cfg.data.seq_length or cfg.model.seq_length, micro_batches=layout.num_micro_batches,
                   layers=run.model.num_layers, full_layers=cfg.model.num_layers, compute_dtype=run.precision.compute_dtype,
-                  planned=planned, measured=measured, notes=notes, detail=detail)
+                  planned=planned, measured=measured, planned_full=planned_full, notes=notes, detail=detail)
 
 
 def format_dry_run(r: DryRun) -> str:
@@ -295,9 +307,14 @@ def format_dry_run(r: DryRun) -> str:
              f"  ran: {r.layers} layers, {r.micro_batches} micro-batch(es) of {r.layout.micro_batch_size} x "
              f"{r.seq_length} tokens, {r.compute_dtype} compute, {r.layout.describe()}"]
     lines += [f"  note: {note}" for note in r.notes]
-    lines.append(f"  {'category':<20}{'planned':>14}{'measured':>14}{'measured/planned':>18}")
+    lines.append(f"  {'category':<20}{'planned':>14}{'measured':>14}{'measured/planned':>18}{'full config':>16}")
     for key in CATEGORIES:
         p, m = r.planned[key], r.measured[key]
         ratio = f"{m / p:.3f}" if p else "-"
-        lines.append(f"  {key:<20}{_gib(p):>14}{_gib(m):>14}{ratio:>18}")
+        lines.append(f"  {key:<20}{_gib(p):>14}{_gib(m):>14}{ratio:>18}{_gib(r.planned_full.get(key, 0)):>16}")
+    static_p = sum(r.planned[k] for k in STATIC)
+    static_m = sum(r.measured[k] for k in STATIC)
+    lines.append(f"  {'static (w+g+o)':<20}{_gib(static_p):>14}{_gib(static_m):>14}{static_m / static_p:>18.3f}")
+    lines.append(f"  step {r.detail.get('step_s', 0):.1f} s, peak RSS {_gib(r.detail.get('peak_rss', 0)).strip()}; "
+                 f"bounds (issue 18): static within {STATIC_BOUND:.0%}, activations within {ACTIVATION_BOUND:.0%}")
     return "\n".join(lines)
