@@ -274,7 +274,9 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
         detail["build_s"] = time.perf_counter() - started
         measured = {"weights": nbytes(parallel.model.get_parameters()),
                     "optimizer": nbytes(parallel.opt_step.state_parameters())}
-        dispatch = measure_dispatch(parallel.model, solo, layout.micro_batch_size, seq, run.model.hidden_size)
+        # a MoE layer's input: this rank's sequence shard under sequence parallelism (it gathers the rest)
+        dispatch = measure_dispatch(parallel.model, solo, layout.micro_batch_size,
+                                    seq // layout.tp if layout.sequence_parallel else seq, run.model.hidden_size)
         batches = _random_batches(run, layout, seq, layout.num_micro_batches)
         rss_before = rss_bytes()["VmRSS"]
         started = time.perf_counter()

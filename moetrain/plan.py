@@ -138,11 +138,12 @@ class Arch:
     def moe_layer_set(self) -> frozenset:
         return frozenset(self.moe_layers)
 
-    @property
-    def routed_rows_per_token(self) -> float:
+    def routed_rows_per_token(self, exact: bool = False) -> float:
         """Expert-buffer rows per token: top_k assignments, padded to capacity when there is one,
-        else load-proportional (`DISPATCH_ROW_MARGIN`)."""
-        return self.top_k * (self.capacity_factor if self.capacity_factor > 0 else DISPATCH_ROW_MARGIN)
+        else load-proportional (`DISPATCH_ROW_MARGIN`; none for the exact one-row layout that
+        one process runs with the CPU kernels)."""
+        margin = 1.0 if exact else DISPATCH_ROW_MARGIN
+        return self.top_k * (self.capacity_factor if self.capacity_factor > 0 else margin)
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ def stage_layer_lists(arch: Arch, layout: Layout) -> List[List[int]]:
 
 
 def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int,
-                     fused: bool = False) -> Tuple[float, float]:
+                     fused: bool = False, exact: bool = False) -> Tuple[float, float]:
     """`(stored, attention_probs)`: bytes one layer keeps for backward for `tokens` tokens of one
     micro-batch, without recompute. Korthikanti et al. (2022) term by term, for this model: fp32
     residual and norms, no dropout, GQA, SwiGLU, MoE. Terms outside the tensor-parallel region
@@ -287,23 +288,23 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     probs = 0.0 if fused else d * arch.heads * seq_length * tokens / t   # softmax output, a x S x S per sequence
     if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up
         ffn = (FP32 + d) * tokens * h / outside + 4 * d * tokens * arch.ffn / t
-    else:         # the MoE block sees all tokens (gathered under sequence parallelism)
-        rows = tokens * arch.routed_rows_per_token
-        ffn = (2 * FP32 * tokens * h / outside                  # norm input, router input (fp32)
+    else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router and
+        rows = tokens * arch.routed_rows_per_token(exact)       # routed experts are whole on every tp rank
+        ffn = (FP32 * tokens * h / outside + FP32 * tokens * h  # norm input, router input (fp32)
                + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
                + (FP32 + d) * rows * h                          # dispatched rows (fp32, the norm's), expert output
-               + (3 if fused else 4) * d * rows * arch.expert_ffn / t)   # expert SwiGLU
+               + (3 if fused else 4) * d * rows * arch.expert_ffn)       # expert SwiGLU
         if arch.shared_ffn:
             ffn += d * tokens * h / outside + 4 * d * tokens * arch.shared_ffn / t
     return attention + ffn, probs
 
 
-def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int) -> float:
+def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, exact: bool = False) -> float:
     """Token-row buffers of one MoE layer for `tokens` tokens (what `moetrain plan --dry-run`
     measures): the rows the experts read (fp32: the norm's output, moetrain/moe/layer.py) and
     write (compute dtype), and with expert parallelism the exchanges that carry them there and
     back (sent and received: twice each)."""
-    rows = tokens * arch.routed_rows_per_token
+    rows = tokens * arch.routed_rows_per_token(exact)
     return rows * arch.hidden * (FP32 + dtype_bytes) * (3 if layout.ep > 1 else 1)
 
 
@@ -352,7 +353,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
             dense += 3 * h + 2 * h * h
         if arch.is_moe(layer):
             dense += arch.experts * h + 3 * h * arch.shared_ffn / t
-            expert += 3 * h * arch.expert_ffn * arch.experts / (L.ep * t)
+            expert += 3 * h * arch.expert_ffn * arch.experts / L.ep   # whole on every tp rank (plans.py)
             frozen += arch.experts
         else:
             dense += 3 * h * arch.ffn / t
@@ -377,13 +378,15 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     else:
         in_flight = min(L.pp - stage, L.num_micro_batches)
     fused = device.name == "cpu" and d == FP32       # moetrain.kernels: CPU only, fp32 compute
-    per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused) for i in layer_ids]
+    exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
+    per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layer_ids]
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
     if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
         head = FP32 * tokens * h + FP32 * arch.vocab * h
-    else:                     # fp32 logits and their gradient
-        head = 2 * FP32 * tokens * arch.vocab / t
+    else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype),
+        lower = d if d < FP32 else 0      # then the head weight's gradient (measured at moe_1b width)
+        head = (2 * FP32 + 2 * lower) * tokens * arch.vocab / t + (FP32 + lower) * arch.vocab * h / t
     logits = (head + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth) if last else 0.0
     working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
     by_mode = {
@@ -436,7 +439,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
             per_mb["tp"] = collectives * 2 * (t - 1) / t * size
     if L.ep > 1:
         moe_layers = sum(arch.is_moe(i) for i in layer_ids)
-        rows = tokens * arch.routed_rows_per_token
+        rows = tokens * arch.routed_rows_per_token()
         per_mb["ep"] = moe_layers * (4 + 2 * full) * (L.ep - 1) / L.ep * rows * h * d * a2a_factor
     if L.pp > 1:
         per_mb["pp"] = ((not first) + (not last)) * layer_input    # activation forward, gradient backward
@@ -455,7 +458,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     dp_seconds = (dense_sync + expert_sync) / _bandwidth(device, t * L.dp)
     comm_seconds["dp"] = dp_seconds
     return StageCost(stage=stage, layers=len(layer_ids), params=int(dense + expert + frozen), memory=memory,
-                     dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d),
+                     dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact),
                      activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
                      compute_seconds_per_micro_batch=compute,
                      comm_seconds_per_micro_batch=sum(comm_seconds[dim] for dim in per_mb) / L.num_micro_batches,
