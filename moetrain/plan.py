@@ -383,10 +383,11 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
     if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
-        head = FP32 * tokens * h + FP32 * arch.vocab * h
-    else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype),
-        lower = d if d < FP32 else 0      # then the head weight's gradient (measured at moe_1b width)
-        head = (2 * FP32 + 2 * lower) * tokens * arch.vocab / t + (FP32 + lower) * arch.vocab * h / t
+        head, head_grad = FP32 * tokens * h + FP32 * arch.vocab * h, 0.0
+    else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype);
+        lower = d if d < FP32 else 0      # once a step, the head weight's gradient (measured at moe_1b width)
+        head = (2 * FP32 + 2 * lower) * tokens * arch.vocab / t
+        head_grad = (FP32 + lower) * arch.vocab * h / t if last else 0.0
     logits = (head + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth) if last else 0.0
     working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
     by_mode = {
@@ -401,7 +402,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     cast_bytes = d * (dense + expert) if d < FP32 else 0.0
     casts = {"none": in_flight * cast_bytes, "selective": in_flight * cast_bytes,
              "full": cast_bytes / max(1, len(layer_ids))}
-    by_mode = {mode: value + in_flight * logits + casts[mode] for mode, value in by_mode.items()}
+    by_mode = {mode: value + in_flight * logits + head_grad + casts[mode] for mode, value in by_mode.items()}
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
 

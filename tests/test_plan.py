@@ -115,6 +115,7 @@ def test_memory_and_comm_of_a_small_layout_by_hand():
     # Q K V O 4 x 4 x 4 x (2 + 1 + 1 + 2) = 384, probs 4 B x 2 heads x 4 x 4 = 128, MLP 4 x 4 x 4 x 16 = 1024.
     layer = 512 + 384 + 128 + 1024
     logits = 2 * 4 * 4 * 32 + (4 + 4) * 4 * 8                      # fp32 logits + CE grad, final norm/head inputs
+    logits += 4 * 32 * 8                                           # + the head weight's fp32 gradient (once)
     by_mode = r.stages[0].activations_by_recompute
     assert by_mode["none"] == 2 * layer + logits == r.memory["activations"]
     assert by_mode["selective"] == 2 * (layer - 128) + logits
@@ -129,16 +130,17 @@ def test_memory_and_comm_of_a_small_layout_by_hand():
 def test_pipeline_stages_by_hand():
     # pp = 2, 2 micro-batches: stage 0 (embed + layer 0) holds 2 in flight under 1F1B, stage 1 one.
     r = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2), EXACT)
-    layer, logits = 2048, 1280
+    layer, logits, head_grad = 2048, 1280, 4 * 32 * 8           # head_grad: once a step, not per micro-batch
     s0, s1 = r.stages
     assert s0.activations_by_recompute["none"] == 2 * layer
-    assert s1.activations_by_recompute["none"] == layer + logits
+    assert s1.activations_by_recompute["none"] == layer + logits + head_grad
     assert s0.memory["weights"] == (256 + 592) * 4 and s1.memory["weights"] == (592 + 8 + 256) * 4
-    assert r.peak_stage == 0 and r.total_memory == (256 + 592) * 16 + 2 * layer
+    assert s0.total_memory == (256 + 592) * 16 + 2 * layer        # fp32 weights, grads, m + v: 16 B a parameter
+    assert r.peak_stage == 1 and r.total_memory == (592 + 8 + 256) * 16 + layer + logits + head_grad
     assert s0.comm_bytes["pp"] == 2 * 4 * 4 * 8                     # one fp32 [4, 8] send per micro-batch
     gpipe = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2,
                                                          schedule="gpipe"), EXACT)
-    assert gpipe.stages[1].activations_by_recompute["none"] == 2 * (layer + logits)
+    assert gpipe.stages[1].activations_by_recompute["none"] == 2 * (layer + logits) + head_grad
 
 
 def test_zero_and_recompute_shrink_memory():
