@@ -369,7 +369,10 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
         "optimizer": (dense / zero_states[0] + expert / zero_states[1]) * state_bytes,
     }
 
-    # ---- activations of the micro-batches in flight (1F1B: stage i holds pp - i of them)
+    # ---- activations (1F1B: stage i holds pp - i micro-batches in flight). The code's pipeline
+    # keeps only each in-flight micro-batch's stage INPUT and recomputes the stage's forward in its
+    # backward (moetrain/parallel/pipeline.py), so one micro-batch's activations are live at a time
+    # on every stage, plus the inputs of those in flight (token ids on the first stage).
     tokens = L.micro_batch_size * s
     if L.pp == 1:
         in_flight = 1
@@ -382,6 +385,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layer_ids]
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
+    stage_inputs = 0.0 if L.pp == 1 else in_flight * (4 * tokens if first else layer_input)
     if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
         head, head_grad = FP32 * tokens * h + FP32 * arch.vocab * h, 0.0
     else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype);
@@ -391,18 +395,16 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     logits = (head + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth) if last else 0.0
     working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
     by_mode = {
-        "none": in_flight * sum(stored + probs for stored, probs in per_layer),
-        "selective": in_flight * sum(stored for stored, _ in per_layer),
-        "full": in_flight * layer_input * len(layer_ids) + working_set,
+        "none": sum(stored + probs for stored, probs in per_layer),
+        "selective": sum(stored for stored, _ in per_layer),
+        "full": layer_input * len(layer_ids) + working_set,
     }
-    # Besides: each micro-batch in flight keeps its compute-dtype copies of the weights (the
-    # matmuls' saved inputs). The backward's per-parameter gradients add nothing at the peak
-    # (measured): each layer's appear as its saved activations are freed.
-    # Full recompute keeps them only for the layer being recomputed.
+    # Besides: the compute-dtype copies of the weights (the matmuls' saved inputs; under full
+    # recompute only the recomputed layer's). The backward's per-parameter gradients add nothing
+    # at the peak (measured): each layer's appear as its saved activations are freed.
     cast_bytes = d * (dense + expert) if d < FP32 else 0.0
-    casts = {"none": in_flight * cast_bytes, "selective": in_flight * cast_bytes,
-             "full": cast_bytes / max(1, len(layer_ids))}
-    by_mode = {mode: value + in_flight * logits + head_grad + casts[mode] for mode, value in by_mode.items()}
+    casts = {"none": cast_bytes, "selective": cast_bytes, "full": cast_bytes / max(1, len(layer_ids))}
+    by_mode = {mode: value + logits + head_grad + casts[mode] + stage_inputs for mode, value in by_mode.items()}
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
 

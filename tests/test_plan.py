@@ -128,19 +128,23 @@ def test_memory_and_comm_of_a_small_layout_by_hand():
 
 
 def test_pipeline_stages_by_hand():
-    # pp = 2, 2 micro-batches: stage 0 (embed + layer 0) holds 2 in flight under 1F1B, stage 1 one.
+    # pp = 2, 2 micro-batches: under 1F1B stage 0 (embed + layer 0) has 2 in flight, stage 1 one. The
+    # pipeline keeps each in-flight micro-batch's stage input (int32 token ids on stage 0, the fp32
+    # [4, 8] activation on stage 1) and recomputes the stage in its backward: one micro-batch's
+    # activations live at a time.
     r = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2), EXACT)
     layer, logits, head_grad = 2048, 1280, 4 * 32 * 8           # head_grad: once a step, not per micro-batch
+    ids, activation = 4 * 4, 4 * 4 * 8
     s0, s1 = r.stages
-    assert s0.activations_by_recompute["none"] == 2 * layer
-    assert s1.activations_by_recompute["none"] == layer + logits + head_grad
+    assert s0.activations_by_recompute["none"] == layer + 2 * ids
+    assert s1.activations_by_recompute["none"] == layer + logits + head_grad + activation
     assert s0.memory["weights"] == (256 + 592) * 4 and s1.memory["weights"] == (592 + 8 + 256) * 4
-    assert s0.total_memory == (256 + 592) * 16 + 2 * layer        # fp32 weights, grads, m + v: 16 B a parameter
-    assert r.peak_stage == 1 and r.total_memory == (592 + 8 + 256) * 16 + layer + logits + head_grad
+    assert s0.total_memory == (256 + 592) * 16 + layer + 2 * ids  # fp32 weights, grads, m + v: 16 B a parameter
+    assert r.peak_stage == 1 and r.total_memory == (592 + 8 + 256) * 16 + layer + logits + head_grad + activation
     assert s0.comm_bytes["pp"] == 2 * 4 * 4 * 8                     # one fp32 [4, 8] send per micro-batch
     gpipe = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2,
                                                          schedule="gpipe"), EXACT)
-    assert gpipe.stages[1].activations_by_recompute["none"] == 2 * (layer + logits) + head_grad
+    assert gpipe.stages[1].activations_by_recompute["none"] == layer + logits + head_grad + 2 * activation
 
 
 def test_zero_and_recompute_shrink_memory():
