@@ -49,7 +49,7 @@ def local_numels(dp: int, ep: int, layers: int = 2):
 def dry_run_json(layout):
     result = run_plan("--dry-run", "--rank", "1", "--json", *layout)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout)          # --json: stdout is one JSON object, nothing else
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +104,10 @@ def test_bad_rank_is_a_clear_error():
     result = run_plan("--dry-run", "--rank", "2", *EXPERT_PARALLEL)
     assert result.returncode == 2
     assert "--rank 2" in result.stderr and "ranks 0..1" in result.stderr    # ep lies inside dp: 2 ranks
+
+
+def test_bad_layers_and_sequence_are_clear_errors():
+    for flag, value, message in (("--layers", "9", "--layers 9: must be in [pipeline stages=1, model.num_layers=2]"),
+                                 ("--seq", "999", "--seq 999: must be in [1, model.seq_length=128]")):
+        result = run_plan("--dry-run", flag, value, *EXPERT_PARALLEL)
+        assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
