@@ -16,8 +16,11 @@ schedule) runs forward and backward on random tokens, and the optimizer step onc
 What is adapted, and said so in the output: the device is this CPU; bfloat16 compute runs as
 float16 (same bytes; the CPU backend has no bf16 kernels); the sequence may be shortened
 (`seq_length`) and the micro-batches per step limited (`micro_batches`: enough to reach the
-schedule's peak: 2 without pipeline, pp with it); `layers` builds fewer layers (same pattern of
-dense and MoE layers) and scales per-layer figures back to the full depth.
+schedule's peak: 2 without pipeline, pp with it); `layers` builds the first layers only (same
+pattern of dense and MoE layers); the planned figures are always those of the job that ran, and
+`planned_full` is the plan of the config as written. Without `seq_length` and `layers`, a job
+whose plan exceeds `DEFAULT_BUDGET` is shortened (`fitting_defaults`): the fewest layers that
+include a MoE layer, then the sequence halved until it fits (moe_1b: 2 layers, 256 tokens).
 
 How each category is measured (independently of the planner's formulas):
   weights           nbytes of every Parameter this rank's model holds (after slicing / the cut)
@@ -56,7 +59,9 @@ import numpy as np
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "dispatch_buffers")
 STATIC = ("weights", "gradients", "optimizer")
 STATIC_BOUND, ACTIVATION_BOUND = 0.10, 0.25     # planned vs measured (issue 18)
-PIPELINE_FREE_MICRO_BATCHES = 2     # without a pipeline: the second micro-batch also holds the first's gradients
+PIPELINE_FREE_MICRO_BATCHES = 2
+DEFAULT_BUDGET = 2 * 2 ** 30        # planned bytes of a dry run shortened by default (the code may take ~6x: padded ep dispatch)
+MIN_DEFAULT_SEQ = 128     # without a pipeline: the second micro-batch also holds the first's gradients
 
 
 @dataclass
@@ -203,6 +208,31 @@ def dry_run_config(cfg, seq_length: Optional[int] = None, micro_batches: Optiona
     return run, notes
 
 
+def fitting_defaults(cfg, rank: int = 0):
+    """`(seq_length, layers)` for a dry run of `cfg` on this machine when the user gives neither:
+    `(None, None)` when the whole job's plan fits in `DEFAULT_BUDGET`; else the fewest leading
+    layers that include a MoE layer (and one per pipeline stage), then the sequence halved down to
+    `MIN_DEFAULT_SEQ` until the plan fits."""
+    from moetrain.layout import Layout
+    from moetrain.plan import Job, plan_layout
+
+    def planned(seq, layers):
+        run = dry_run_config(cfg, seq, layers=layers)[0]
+        layout = Layout.of(run)
+        stages = plan_layout(Job.of(run), layout, "cpu", layout.world).stages
+        stage = stages[min(rank // max(1, layout.world // layout.pp), len(stages) - 1)]
+        return sum(stage.memory[k] for k in CATEGORIES[:4])
+
+    seq = cfg.data.seq_length or cfg.model.seq_length
+    if planned(None, None) <= DEFAULT_BUDGET:
+        return None, None
+    moe = list(getattr(cfg.model, "moe_layers", []) or [])
+    layers = max(Layout.of(cfg).pp, (moe[0] + 1) if moe else 1)
+    while seq > MIN_DEFAULT_SEQ and planned(seq, layers) > DEFAULT_BUDGET:
+        seq //= 2
+    return seq, layers
+
+
 # ---------------------------------------------------------------------------------------------
 # The dry run
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +282,14 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
     from moetrain.plan import Job, plan_layout
     from moetrain.trainer import build_model, setup_device
 
+    shortened = []
+    if seq_length is None and layers is None:
+        seq_length, layers = fitting_defaults(cfg, rank)
+        if layers is not None:
+            shortened.append(f"shortened by default to fit this machine (plan over {DEFAULT_BUDGET / 2 ** 30:g} GiB): "
+                             f"--layers {layers} --seq {seq_length}; pass --layers / --seq to choose")
     run, notes = dry_run_config(cfg, seq_length, micro_batches, layers)
+    notes = shortened + notes
     layout = check_config_layout(run)
     if not 0 <= rank < layout.world:
         raise ValueError(f"--rank {rank}: the layout {layout.describe()} has ranks 0..{layout.world - 1}")

@@ -857,8 +857,8 @@ def main(argv=None) -> int:
     dry.add_argument("--json", action="store_true", help="with --dry-run: one JSON object (planned, measured)")
     dry.add_argument("--seq", type=int, default=None, help="with --dry-run: run this many tokens per sequence "
                      "(default: the config's, shortened to fit this machine)")
-    dry.add_argument("--layers", type=int, default=None, help="with --dry-run: build this many layers and scale "
-                     "per-layer figures to the config's depth")
+    dry.add_argument("--layers", type=int, default=None, help="with --dry-run: build the first N layers at full "
+                     "width (default: all, fewer where the plan is over 2 GiB); planned is for the same model")
     args = ap.parse_args(argv)
     try:
         cfg = load_plan_config(args.config, args.set)
