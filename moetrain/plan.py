@@ -408,23 +408,26 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
 
-    # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work)
-    flops_per_token = 0.0
+    # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work). Routers and routed
+    # experts are whole on every tp rank (plans.py); a pipeline stage other than the last runs its
+    # forward again in its backward (pipeline.py).
+    split = whole = 0.0
     for layer in layer_ids:
-        matmul = arch.attention_params + (arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k
-                                          + 3 * h * arch.shared_ffn if arch.is_moe(layer) else 3 * h * arch.ffn)
+        moe = arch.is_moe(layer)
+        matmul = arch.attention_params + (3 * h * arch.shared_ffn if moe else 3 * h * arch.ffn)
+        routed = arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k if moe else 0
         if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
             matmul += 2 * h * h + arch.vocab * h
         attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
-        flops_per_token += 6 * matmul + 3 * attention
-        if L.recompute == "full":
-            flops_per_token += 2 * matmul + attention
-        elif L.recompute == "selective":
-            flops_per_token += attention
+        forwards = 1 + (L.recompute == "full") + (L.pp > 1 and not last)
+        split += (4 + 2 * forwards) * matmul + (2 + forwards) * attention
+        whole += (4 + 2 * forwards) * routed
+        if L.recompute == "selective":
+            split += attention
     if last:
-        flops_per_token += 6 * arch.vocab * h
+        split += 6 * arch.vocab * h
     peak = device.peak(job.compute_dtype) / (L.world if device.shared_host else 1)
-    compute = tokens * flops_per_token / t / (peak * device.compute_efficiency)
+    compute = tokens * (split / t + whole) / (peak * device.compute_efficiency)
 
     # ---- communication (bytes per device)
     # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/dist/comm.py):
