@@ -36,6 +36,9 @@ OPTIMIZER_FP32_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "momentum": 1, "sgd":
 MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragmentation, workspace peaks
 THROUGHPUT_TIE = 0.005      # layouts within 0.5 % of the best throughput count as equally fast
 CPU_CONFIG = "configs/moe_tiny_8p.yaml"
+# Expert rows per routed assignment of a load-proportional dropless dispatcher: the routed rows
+# rounded up to its static buckets / blocks (issue 18 bounds expert_rows / routed at 1.3).
+DISPATCH_ROW_MARGIN = 1.1
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,10 +138,12 @@ class Arch:
     def moe_layer_set(self) -> frozenset:
         return frozenset(self.moe_layers)
 
-    @property
-    def routed_rows_per_token(self) -> float:
-        """Expert-buffer rows per token: top_k assignments, padded to capacity when there is one."""
-        return self.top_k * (self.capacity_factor if self.capacity_factor > 0 else 1.0)
+    def routed_rows_per_token(self, exact: bool = False) -> float:
+        """Expert-buffer rows per token: top_k assignments, padded to capacity when there is one,
+        else load-proportional (`DISPATCH_ROW_MARGIN`; none for the exact one-row layout that
+        one process runs with the CPU kernels)."""
+        margin = 1.0 if exact else DISPATCH_ROW_MARGIN
+        return self.top_k * (self.capacity_factor if self.capacity_factor > 0 else margin)
 
 
 @dataclass(frozen=True)
@@ -266,30 +271,41 @@ def stage_layer_lists(arch: Arch, layout: Layout) -> List[List[int]]:
     return stages
 
 
-def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int
-                     ) -> Tuple[float, float]:
+def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int,
+                     fused: bool = False, exact: bool = False) -> Tuple[float, float]:
     """`(stored, attention_probs)`: bytes one layer keeps for backward for `tokens` tokens of one
     micro-batch, without recompute. Korthikanti et al. (2022) term by term, for this model: fp32
     residual and norms, no dropout, GQA, SwiGLU, MoE. Terms outside the tensor-parallel region
-    are split by tp only under sequence parallelism."""
+    are split by tp only under sequence parallelism. `fused`: the CPU kernels run
+    (`moetrain.kernels`, fp32 compute): the attention kernel keeps no probabilities and the
+    grouped experts keep gate|up and the SwiGLU output (3 F a row, not 4)."""
     h, d, t = arch.hidden, dtype_bytes, layout.tp
     outside = t if layout.sequence_parallel else 1
     # attention: norm input (fp32) + QKV input; Q, K, V and the output O
     attention = ((FP32 + d) * tokens * h / outside           # Q, K, V, O (MLA: + its latents, whole)
                  + d * tokens * (arch.head_dim * (arch.heads + arch.kv_heads) + arch.v_dim * (arch.heads + arch.kv_heads)) / t
                  + d * tokens * (arch.q_lora_rank + arch.kv_lora_rank + arch.rope_dim))
-    probs = d * arch.heads * seq_length * tokens / t            # softmax output, a x S x S per sequence
+    probs = 0.0 if fused else d * arch.heads * seq_length * tokens / t   # softmax output, a x S x S per sequence
     if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up
         ffn = (FP32 + d) * tokens * h / outside + 4 * d * tokens * arch.ffn / t
-    else:         # the MoE block sees all tokens (gathered under sequence parallelism)
-        rows = tokens * arch.routed_rows_per_token
-        ffn = (2 * FP32 * tokens * h / outside                  # norm input, router input (fp32)
+    else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router and
+        rows = tokens * arch.routed_rows_per_token(exact)       # routed experts are whole on every tp rank
+        ffn = (FP32 * tokens * h / outside + FP32 * tokens * h  # norm input, router input (fp32)
                + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
-               + 2 * d * rows * h                               # dispatched expert input, expert output
-               + 4 * d * rows * arch.expert_ffn / t)            # expert SwiGLU
+               + (FP32 + d) * rows * h                          # dispatched rows (fp32, the norm's), expert output
+               + (3 if fused else 4) * d * rows * arch.expert_ffn)       # expert SwiGLU
         if arch.shared_ffn:
             ffn += d * tokens * h / outside + 4 * d * tokens * arch.shared_ffn / t
     return attention + ffn, probs
+
+
+def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, exact: bool = False) -> float:
+    """Token-row buffers of one MoE layer for `tokens` tokens (what `moetrain plan --dry-run`
+    measures): the rows the experts read (fp32: the norm's output, moetrain/moe/layer.py) and
+    write (compute dtype), and with expert parallelism the exchanges that carry them there and
+    back (sent and received: twice each)."""
+    rows = tokens * arch.routed_rows_per_token(exact)
+    return rows * arch.hidden * (FP32 + dtype_bytes) * (3 if layout.ep > 1 else 1)
 
 
 @dataclass
@@ -304,6 +320,7 @@ class StageCost:
     compute_seconds_per_micro_batch: float
     comm_seconds_per_micro_batch: float  # tp / sp / ep / pp: on the critical path
     dp_seconds: float                    # gradient sync, overlapped with the last backward
+    dispatch_bytes: float = 0.0          # token-row buffers of the stage's MoE layers, one micro-batch
 
     @property
     def total_memory(self) -> float:
@@ -320,9 +337,12 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     L, h, s = layout, arch.hidden, job.seq_length
     t, first, last = L.tp, stage == 0, stage == L.pp - 1
     d = DTYPE_BYTES[job.compute_dtype]
-    weight_bytes = d                             # 16-bit compute: 16-bit weights, fp32 master in the optimizer
-    grad_bytes = DTYPE_BYTES[job.grad_dtype]
-    state_bytes = FP32 * OPTIMIZER_FP32_STATES[job.optimizer] + (FP32 if weight_bytes < FP32 else 0)
+    # What the code holds (measured by `moetrain plan --dry-run`): fp32 parameters, cast to the
+    # compute dtype per matmul (moetrain/layers.py); fp32 flat gradient buffers (grad_reduce_dtype
+    # is the wire dtype only); fp32 moments, and under ZeRO this rank's fp32 master rows.
+    weight_bytes = grad_bytes = FP32
+    state_bytes = FP32 * OPTIMIZER_FP32_STATES[job.optimizer] + (FP32 if L.zero >= 1 else 0)
+    wire_bytes = DTYPE_BYTES[job.grad_dtype]
     edp = L.dp // L.ep                           # data-parallel group of an expert's replicas
 
     # ---- parameters held by one device of this stage
@@ -333,7 +353,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
             dense += 3 * h + 2 * h * h
         if arch.is_moe(layer):
             dense += arch.experts * h + 3 * h * arch.shared_ffn / t
-            expert += 3 * h * arch.expert_ffn * arch.experts / (L.ep * t)
+            expert += 3 * h * arch.expert_ffn * arch.experts / L.ep   # whole on every tp rank (plans.py)
             frozen += arch.experts
         else:
             dense += 3 * h * arch.ffn / t
@@ -349,7 +369,10 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
         "optimizer": (dense / zero_states[0] + expert / zero_states[1]) * state_bytes,
     }
 
-    # ---- activations of the micro-batches in flight (1F1B: stage i holds pp - i of them)
+    # ---- activations (1F1B: stage i holds pp - i micro-batches in flight). The code's pipeline
+    # keeps only each in-flight micro-batch's stage INPUT and recomputes the stage's forward in its
+    # backward (moetrain/parallel/pipeline.py), so one micro-batch's activations are live at a time
+    # on every stage, plus the inputs of those in flight (token ids on the first stage).
     tokens = L.micro_batch_size * s
     if L.pp == 1:
         in_flight = 1
@@ -357,37 +380,54 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
         in_flight = L.num_micro_batches
     else:
         in_flight = min(L.pp - stage, L.num_micro_batches)
-    per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d) for i in layer_ids]
+    fused = device.name == "cpu" and d == FP32       # moetrain.kernels: CPU only, fp32 compute
+    exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
+    per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layer_ids]
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
-    logits = (2 * FP32 * tokens * arch.vocab / t + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth) if last else 0.0
+    stage_inputs = 0.0 if L.pp == 1 else in_flight * (4 * tokens if first else layer_input)
+    if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
+        head, head_grad = FP32 * tokens * h + FP32 * arch.vocab * h, 0.0
+    else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype);
+        lower = d if d < FP32 else 0      # once a step, the head weight's gradient (measured at moe_1b width)
+        head = (2 * FP32 + 2 * lower) * tokens * arch.vocab / t
+        head_grad = (FP32 + lower) * arch.vocab * h / t if last else 0.0
+    logits = (head + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth) if last else 0.0
     working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
     by_mode = {
-        "none": in_flight * sum(stored + probs for stored, probs in per_layer),
-        "selective": in_flight * sum(stored for stored, _ in per_layer),
-        "full": in_flight * layer_input * len(layer_ids) + working_set,
+        "none": sum(stored + probs for stored, probs in per_layer),
+        "selective": sum(stored for stored, _ in per_layer),
+        "full": layer_input * len(layer_ids) + working_set,
     }
-    by_mode = {mode: value + in_flight * logits for mode, value in by_mode.items()}
+    # Besides: the compute-dtype copies of the weights (the matmuls' saved inputs; under full
+    # recompute only the recomputed layer's). The backward's per-parameter gradients add nothing
+    # at the peak (measured): each layer's appear as its saved activations are freed.
+    cast_bytes = d * (dense + expert) if d < FP32 else 0.0
+    casts = {"none": cast_bytes, "selective": cast_bytes, "full": cast_bytes / max(1, len(layer_ids))}
+    by_mode = {mode: value + logits + head_grad + casts[mode] + stage_inputs for mode, value in by_mode.items()}
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
 
-    # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work)
-    flops_per_token = 0.0
+    # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work). Routers and routed
+    # experts are whole on every tp rank (plans.py); a pipeline stage other than the last runs its
+    # forward again in its backward (pipeline.py).
+    split = whole = 0.0
     for layer in layer_ids:
-        matmul = arch.attention_params + (arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k
-                                          + 3 * h * arch.shared_ffn if arch.is_moe(layer) else 3 * h * arch.ffn)
+        moe = arch.is_moe(layer)
+        matmul = arch.attention_params + (3 * h * arch.shared_ffn if moe else 3 * h * arch.ffn)
+        routed = arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k if moe else 0
         if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
             matmul += 2 * h * h + arch.vocab * h
         attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
-        flops_per_token += 6 * matmul + 3 * attention
-        if L.recompute == "full":
-            flops_per_token += 2 * matmul + attention
-        elif L.recompute == "selective":
-            flops_per_token += attention
+        forwards = 1 + (L.recompute == "full") + (L.pp > 1 and not last)
+        split += (4 + 2 * forwards) * matmul + (2 + forwards) * attention
+        whole += (4 + 2 * forwards) * routed
+        if L.recompute == "selective":
+            split += attention
     if last:
-        flops_per_token += 6 * arch.vocab * h
+        split += 6 * arch.vocab * h
     peak = device.peak(job.compute_dtype) / (L.world if device.shared_host else 1)
-    compute = tokens * flops_per_token / t / (peak * device.compute_efficiency)
+    compute = tokens * (split / t + whole) / (peak * device.compute_efficiency)
 
     # ---- communication (bytes per device)
     # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/dist/comm.py):
@@ -405,7 +445,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
             per_mb["tp"] = collectives * 2 * (t - 1) / t * size
     if L.ep > 1:
         moe_layers = sum(arch.is_moe(i) for i in layer_ids)
-        rows = tokens * arch.routed_rows_per_token
+        rows = tokens * arch.routed_rows_per_token()
         per_mb["ep"] = moe_layers * (4 + 2 * full) * (L.ep - 1) / L.ep * rows * h * d * a2a_factor
     if L.pp > 1:
         per_mb["pp"] = ((not first) + (not last)) * layer_input    # activation forward, gradient backward
@@ -417,13 +457,14 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
         if group == 1:
             return 0.0
         if L.zero == 0:
-            return 2 * (group - 1) / group * params * grad_bytes
-        return (group - 1) / group * params * (grad_bytes + weight_bytes) * gather_factor
+            return 2 * (group - 1) / group * params * wire_bytes
+        return (group - 1) / group * params * (wire_bytes + weight_bytes) * gather_factor
     dense_sync, expert_sync = sync_bytes(dense, L.dp), sync_bytes(expert, edp)
     comm_bytes["dp"] = dense_sync + expert_sync
     dp_seconds = (dense_sync + expert_sync) / _bandwidth(device, t * L.dp)
     comm_seconds["dp"] = dp_seconds
     return StageCost(stage=stage, layers=len(layer_ids), params=int(dense + expert + frozen), memory=memory,
+                     dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact),
                      activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
                      compute_seconds_per_micro_batch=compute,
                      comm_seconds_per_micro_batch=sum(comm_seconds[dim] for dim in per_mb) / L.num_micro_batches,
@@ -705,10 +746,11 @@ def format_plan(result: PlanResult) -> str:
         f"{_flops(r.hardware_flops_per_token)}",
         rule,
         f" memory per device, stage {r.peak_stage} of {L.pp} (the most loaded)",
-        f"   weights ({'fp32' if d == FP32 else job.compute_dtype})".ljust(56) + _gib(r.memory["weights"]),
-        f"   gradients ({job.grad_dtype}{', ZeRO-2' if L.zero >= 2 else ''})".ljust(56)
+        f"   weights (fp32{', cast to ' + job.compute_dtype + ' per matmul' if d < FP32 else ''})".ljust(56)
+        + _gib(r.memory["weights"]),
+        f"   gradients (fp32 buffers{', ZeRO-2' if L.zero >= 2 else ''}; {job.grad_dtype} on the wire)".ljust(56)
         + _gib(r.memory["gradients"]),
-        f"   optimizer ({job.optimizer}: fp32 {states}{' + master' if d < FP32 else ''}, ZeRO-{L.zero})".ljust(56)
+        f"   optimizer ({job.optimizer}: fp32 {states}{' + master' if L.zero >= 1 else ''}, ZeRO-{L.zero})".ljust(56)
         + _gib(r.memory["optimizer"]),
         f"   activations (recompute {L.recompute})".ljust(56) + _gib(r.memory["activations"])
         + "    [" + ", ".join(f"{mode} {_gib(by_mode[mode]).strip()}" for mode in RECOMPUTE_MODES) + "]",
@@ -811,6 +853,15 @@ def main(argv=None) -> int:
                     "(default: from train.device)")
     ap.add_argument("--search", action="store_true", help="search the layouts of --world devices")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    dry = ap.add_argument_group("dry run (moetrain/dryrun.py): one rank built and run on this CPU, measured")
+    dry.add_argument("--dry-run", action="store_true", help="build rank --rank of the layout at full width, run "
+                     "one step, print planned against measured bytes per category")
+    dry.add_argument("--rank", type=int, default=0, help="the rank to build (default 0)")
+    dry.add_argument("--json", action="store_true", help="with --dry-run: one JSON object (planned, measured)")
+    dry.add_argument("--seq", type=int, default=None, help="with --dry-run: run this many tokens per sequence "
+                     "(default: the config's, shortened to fit this machine)")
+    dry.add_argument("--layers", type=int, default=None, help="with --dry-run: build the first N layers at full "
+                     "width (default: all, fewer where the plan is over 2 GiB); planned is for the same model")
     args = ap.parse_args(argv)
     try:
         cfg = load_plan_config(args.config, args.set)
@@ -818,6 +869,12 @@ def main(argv=None) -> int:
             from moetrain.config import infer_data_parallel
 
             infer_data_parallel(cfg, cfg.source, args.world)
+        if args.dry_run:
+            from moetrain.dryrun import dry_run, format_dry_run
+
+            result = dry_run(cfg, args.rank, args.seq, layers=args.layers)
+            print(result.to_json() if args.json else format_dry_run(result))
+            return 0
         if args.search:
             world = args.world or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
             _, search = choose_layout(cfg, world, args.device)

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from moetrain.devices import GiB, DeviceProfile, get_device
-from moetrain.plan import (THROUGHPUT_TIE, Job, Layout, LayoutError, _tie_key, apply_layout, choose_layout,
+from moetrain.plan import (DISPATCH_ROW_MARGIN, THROUGHPUT_TIE, Job, Layout, LayoutError, _tie_key, apply_layout, choose_layout,
                            count_parameters, explain_cannot_run_here, flops_per_token, format_plan, plan_problems,
                            load_plan_config, main, parameter_counts, plan, plan_layout)
 
@@ -110,16 +110,17 @@ def test_memory_and_comm_of_a_small_layout_by_hand():
     r = plan_layout(hand_job(), Layout(dp=2, micro_batch_size=1, num_micro_batches=2, zero=1), EXACT)
     assert r.memory["weights"] == 1704 * 4
     assert r.memory["gradients"] == 1704 * 4
-    assert r.memory["optimizer"] == 1704 * 8 / 2                    # m + v, ZeRO-1 over dp = 2
+    assert r.memory["optimizer"] == 1704 * 12 / 2                   # fp32 master + m + v, ZeRO-1 over dp = 2
     # One layer, 4 tokens, hidden 8: norm inputs + matmul inputs 2 x (4 + 4) x 4 x 8 = 512,
     # Q K V O 4 x 4 x 4 x (2 + 1 + 1 + 2) = 384, probs 4 B x 2 heads x 4 x 4 = 128, MLP 4 x 4 x 4 x 16 = 1024.
     layer = 512 + 384 + 128 + 1024
     logits = 2 * 4 * 4 * 32 + (4 + 4) * 4 * 8                      # fp32 logits + CE grad, final norm/head inputs
+    logits += 4 * 32 * 8                                           # + the head weight's fp32 gradient (once)
     by_mode = r.stages[0].activations_by_recompute
     assert by_mode["none"] == 2 * layer + logits == r.memory["activations"]
     assert by_mode["selective"] == 2 * (layer - 128) + logits
     assert by_mode["full"] == 2 * 4 * 4 * 8 + layer + logits       # layer inputs + one layer recomputed
-    assert r.comm_bytes["dp"] == (2 - 1) / 2 * 1704 * (4 + 4)      # reduce-scatter grads + all-gather weights
+    assert r.comm_bytes["dp"] == (2 - 1) / 2 * 1704 * (4 + 4)      # reduce-scatter grads + all-gather fp32 masters
     assert r.model_flops_per_token == 6 * (2 * (192 + 384) + 256) + 12 * 2 * 8 * 4
     # ZeRO-0 all-reduces the same bytes: 2 (dp - 1) / dp x grads
     assert plan_layout(hand_job(), Layout(dp=2, micro_batch_size=1, num_micro_batches=2), EXACT
@@ -127,18 +128,23 @@ def test_memory_and_comm_of_a_small_layout_by_hand():
 
 
 def test_pipeline_stages_by_hand():
-    # pp = 2, 2 micro-batches: stage 0 (embed + layer 0) holds 2 in flight under 1F1B, stage 1 one.
+    # pp = 2, 2 micro-batches: under 1F1B stage 0 (embed + layer 0) has 2 in flight, stage 1 one. The
+    # pipeline keeps each in-flight micro-batch's stage input (int32 token ids on stage 0, the fp32
+    # [4, 8] activation on stage 1) and recomputes the stage in its backward: one micro-batch's
+    # activations live at a time.
     r = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2), EXACT)
-    layer, logits = 2048, 1280
+    layer, logits, head_grad = 2048, 1280, 4 * 32 * 8           # head_grad: once a step, not per micro-batch
+    ids, activation = 4 * 4, 4 * 4 * 8
     s0, s1 = r.stages
-    assert s0.activations_by_recompute["none"] == 2 * layer
-    assert s1.activations_by_recompute["none"] == layer + logits
+    assert s0.activations_by_recompute["none"] == layer + 2 * ids
+    assert s1.activations_by_recompute["none"] == layer + logits + head_grad + activation
     assert s0.memory["weights"] == (256 + 592) * 4 and s1.memory["weights"] == (592 + 8 + 256) * 4
-    assert r.peak_stage == 0 and r.total_memory == (256 + 592) * 16 + 2 * layer
+    assert s0.total_memory == (256 + 592) * 16 + layer + 2 * ids  # fp32 weights, grads, m + v: 16 B a parameter
+    assert r.peak_stage == 1 and r.total_memory == (592 + 8 + 256) * 16 + layer + logits + head_grad + activation
     assert s0.comm_bytes["pp"] == 2 * 4 * 4 * 8                     # one fp32 [4, 8] send per micro-batch
     gpipe = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2,
                                                          schedule="gpipe"), EXACT)
-    assert gpipe.stages[1].activations_by_recompute["none"] == 2 * (layer + logits)
+    assert gpipe.stages[1].activations_by_recompute["none"] == layer + logits + head_grad + 2 * activation
 
 
 def test_zero_and_recompute_shrink_memory():
@@ -149,14 +155,15 @@ def test_zero_and_recompute_shrink_memory():
     stage = z0.stages[0]
     expert = 3 * 16 * 16 * 8 / 2 * 4                               # 4 MoE layers of 4 local experts
     dense = stage.params - expert - 4 * 8                           # expert_bias is frozen
-    assert z0.memory["optimizer"] == (dense + expert) * 12          # bf16 weights: fp32 master + m + v
-    assert z1.memory["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12 / 4)
+    assert z0.memory["weights"] == (dense + expert) * 4 + 4 * 8 * 4 # fp32 parameters (cast to bf16 per matmul)
+    assert z0.memory["optimizer"] == (dense + expert) * 8           # fp32 m + v; no master without ZeRO
+    assert z1.memory["optimizer"] == pytest.approx(dense * 12 / 8 + expert * 12 / 4)   # + this rank's fp32 master
     assert z1.memory["gradients"] == z0.memory["gradients"]
     assert z2.memory["gradients"] == pytest.approx(dense * 4 / 8 + expert * 4 / 4)
-    # Without experts the ZeRO-1 optimizer is exactly 1/dp of ZeRO-0.
+    # Without experts the ZeRO-1 optimizer is 1/dp of ZeRO-0's moments plus the masters.
     dense_job = Job(model=tiny_gpt(), seq_length=4, global_batch_size=8)
     o0, o1 = (plan_layout(dense_job, Layout(dp=8, zero=z), EXACT).memory["optimizer"] for z in (0, 1))
-    assert o1 == o0 / 8
+    assert o1 == o0 * 12 / 8 / 8                                   # ZeRO adds the fp32 master rows
     acts = [plan_layout(job, Layout(recompute=m, **base), "ascend910b").memory["activations"]
             for m in ("none", "selective", "full")]
     assert acts[0] > acts[1] > acts[2]
@@ -176,7 +183,8 @@ def test_expert_all_to_all_volume():
     r = plan_layout(job, Layout(dp=4, ep=4, micro_batch_size=2, num_micro_batches=2), EXACT)
     tokens = 2 * 16
     # dispatch + combine, forward and backward, 4 MoE layers, 2 micro-batches, fp32
-    assert r.comm_bytes["ep"] == 2 * 4 * 4 * (4 - 1) / 4 * tokens * 2 * 16 * 4
+    # rows: top_k per token, load-proportional (DISPATCH_ROW_MARGIN for the dispatcher's buckets)
+    assert r.comm_bytes["ep"] == pytest.approx(2 * 4 * 4 * (4 - 1) / 4 * tokens * 2 * DISPATCH_ROW_MARGIN * 16 * 4)
     emulated = plan_layout(job, Layout(dp=4, ep=4, micro_batch_size=2, num_micro_batches=2), "cpu")
     assert emulated.comm_bytes["ep"] == r.comm_bytes["ep"] * 2 * 4   # all-to-all as an all-reduce on CPU
 
