@@ -311,9 +311,6 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
         detail["build_s"] = time.perf_counter() - started
         measured = {"weights": nbytes(parallel.model.get_parameters()),
                     "optimizer": nbytes(parallel.opt_step.state_parameters())}
-        # a MoE layer's input: this rank's sequence shard under sequence parallelism (it gathers the rest)
-        dispatch = measure_dispatch(parallel.model, solo, layout.micro_batch_size,
-                                    seq // layout.tp if layout.sequence_parallel else seq, run.model.hidden_size)
         batches = _random_batches(run, layout, seq, layout.num_micro_batches)
         rss_before = rss_bytes()["VmRSS"]
         started = time.perf_counter()
@@ -325,6 +322,11 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
         with PoolRecorder() as optimizer_pool:
             parallel.opt_step(grads, 1e-4, 1, 1.0 / (layout.num_micro_batches * layout.dp))
         detail["optimizer_step_transient"] = optimizer_pool.peak_above_start
+        # after the step: the dispatch capacities are those the step settled on (sized from the routed
+        # counts, moetrain/moe/capacity.py), not the first call's bound. A MoE layer's input: this
+        # rank's sequence shard under sequence parallelism (it gathers the rest)
+        dispatch = measure_dispatch(parallel.model, solo, layout.micro_batch_size,
+                                    seq // layout.tp if layout.sequence_parallel else seq, run.model.hidden_size)
     measured["dispatch_buffers"] = dispatch["per_layer"] * dispatch["layers"]
     detail.update(rss_before_step=rss_before, peak_rss=rss_bytes()["VmHWM"],
                   max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -208,7 +209,8 @@ def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable) -> Tuple[Callabl
         return tuple(wrap(fn) for fn in fns)
     controller = CapacityController(dispatchers, ep_groups_of(pctx))
     gather = _world_gather(pctx)
-    log = (lambda line: print(line, flush=True)) if pctx.rank == 0 else (lambda line: None)
+    # stderr: stdout carries what a command prints for machines (`moetrain plan --dry-run --json`)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if pctx.rank == 0 else (lambda line: None)
     return tuple(AdaptiveStep(fn, wrap, controller, gather, log) for fn in fns)
 
 
