@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import SHARED_DATA
-from distributed import run_workers
+from distributed import TRAIN_RUNS_WORKER, run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_CFG = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
-WORKER = "tests/workers/train_worker.py"
 
 pytestmark = pytest.mark.distributed
 
@@ -40,9 +39,24 @@ def metrics(run_dir):
         return [r for r in map(json.loads, fh) if "loss" in r]
 
 
-def distributed(nproc, args, timeout=240):
-    run = run_workers(WORKER, nproc, [MNIST_CFG, *args], timeout=timeout).check()
-    return metrics(os.path.join(run.out_dir, "run")), run.json_results()
+@pytest.fixture(scope="module")
+def dp4_runs(tiny_mnist):
+    """Every dp4 run of this file in ONE 4-rank msrun job (tests/workers/train_runs_worker.py):
+    `{name: (rank 0's step records, every rank's record)}`."""
+    runs = {"dp4": overrides(tiny_mnist, **{"optimizer.name": "adamw"}) + ["parallel.data_parallel=4"]}
+    runs["dp4_accum"] = runs["dp4"] + ["train.micro_batch_size=4"]
+    runs["dp4_fp16"] = runs["dp4"] + ["parallel.grad_reduce_dtype=float16"]
+    for level in (1, 2):
+        runs[f"zero{level}"] = overrides(tiny_mnist) + ["train.micro_batch_size=4", "parallel.data_parallel=4",
+                                                       f"parallel.optimizer_shard={level}"]
+    job = run_workers(TRAIN_RUNS_WORKER, 4, [f"{name}:{MNIST_CFG}:{','.join(args)}" for name, args in runs.items()],
+                      timeout=600).check()
+    results = {}
+    for name in runs:
+        run_dir = os.path.join(job.out_dir, name)
+        ranks = [json.load(open(os.path.join(run_dir, f"rank_{r}.json"))) for r in range(4)]
+        results[name] = (metrics(run_dir), ranks)
+    return results
 
 
 def assert_same_training(a, b, rtol=1e-5):
@@ -50,23 +64,23 @@ def assert_same_training(a, b, rtol=1e-5):
     np.testing.assert_allclose([r["grad_norm"] for r in a], [r["grad_norm"] for r in b], rtol=1e-4)
 
 
-def test_dp4_reproduces_one_process_with_and_without_accumulation(tiny_mnist, tmp_path):
+def test_dp4_reproduces_one_process_with_and_without_accumulation(tiny_mnist, tmp_path, dp4_runs):
     args = overrides(tiny_mnist, **{"optimizer.name": "adamw"})
     single, _, single_result = one_process(tmp_path, args)
-    dp4, ranks = distributed(4, args + ["parallel.data_parallel=4"])
+    dp4, ranks = dp4_runs["dp4"]
     assert_same_training(single, dp4)
     assert {r["dp"] for r in ranks} == {4}
     assert ranks[0]["eval"]["eval_accuracy"] == pytest.approx(single_result["eval"]["eval_accuracy"], abs=1e-6)
     # 4 ranks x 2 micro-batches of 4 samples = the same 32-sample global batch
-    dp4_accum, _ = distributed(4, args + ["parallel.data_parallel=4", "train.micro_batch_size=4"])
+    dp4_accum, _ = dp4_runs["dp4_accum"]
     assert_same_training(single, dp4_accum)
     # fp16 gradient compression for the reduction: close, not identical
-    dp4_fp16, _ = distributed(4, args + ["parallel.data_parallel=4", "parallel.grad_reduce_dtype=float16"])
+    dp4_fp16, _ = dp4_runs["dp4_fp16"]
     np.testing.assert_allclose([r["loss"] for r in single], [r["loss"] for r in dp4_fp16], rtol=1e-3)
     assert [r["loss"] for r in single] != [r["loss"] for r in dp4_fp16]
 
 
-def test_zero1_and_zero2_reproduce_data_parallel_and_shard_optimizer_state(tiny_mnist, tmp_path):
+def test_zero1_and_zero2_reproduce_data_parallel_and_shard_optimizer_state(tiny_mnist, tmp_path, dp4_runs):
     """2 micro-batches per rank: ZeRO-1 and -2 train as plain data parallel; each rank keeps the
     optimizer state of its 1/4 shard, and under ZeRO-2 also only its 1/4 of the gradients between
     micro-batches (the buffers the runner really held, against a count from the parameter sizes)."""
@@ -76,7 +90,7 @@ def test_zero1_and_zero2_reproduce_data_parallel_and_shard_optimizer_state(tiny_
     full_gradients = 4 * sum(int(p.size) for p in trainer.opt_step.params)
     assert trainer.runner.grad_bytes_held == full_gradients
     for level in (1, 2):
-        dp4, ranks = distributed(4, args + ["parallel.data_parallel=4", f"parallel.optimizer_shard={level}"])
+        dp4, ranks = dp4_runs[f"zero{level}"]
         assert_same_training(single, dp4)
         # AdamW keeps m and v (fp32) for each rank's ceil(n / 4)-element shard of every parameter
         expected = sum(2 * 4 * math.ceil(n / 4) for n in ranks[0]["param_sizes"])
