@@ -28,7 +28,8 @@ def run_json(command):
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"failed: {' '.join(command)}\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = done.stdout
+    return json.loads(out[out.index("{"):])   # one JSON object (the peer prints it indented)
 
 
 def rss_mb(result):
