@@ -131,7 +131,7 @@ def test_bench_prints_one_sane_json_line(ms):
     assert 0 < result["mfu"] <= 1
     assert result["step_ms_min"] <= result["step_ms_median"] <= result["step_ms_max"]
     # compilation reported apart from the step: the first step is the compile plus about one step
-    assert result["first_step_s"] > result["compile_s"] > 0
+    assert result["first_step_s"] >= result["compile_s"] > 0      # equal when the step rounds to 0.00 s
     assert result["compile_s"] == pytest.approx(result["first_step_s"] - result["step_ms_median"] / 1e3, abs=0.011)
     # the fields agree with each other and with a FLOP count made by hand
     tokens = 2 * 32
