@@ -279,3 +279,27 @@ def test_controller_sizes_each_layer_from_its_own_row_of_the_loads(ms):
     assert first.pair_capacity == (sized(50),) * 4 and first.expert_capacity == sized(100)
     assert second.pair_capacity == (sized(50),) * 3 + (200,)          # all 200 rows: the bound T min(k, L)
     assert second.expert_capacity == sized(175)
+
+
+def test_restored_controller_continues_exactly_and_refuses_another_layout(ms):
+    """A checkpoint keeps the capacities and the sizing window (as JSON): a controller restored from
+    it makes the same decisions as the one that saved it; another ep layout keeps its own prior."""
+    import json
+
+    from moetrain.moe.capacity import WINDOW, CapacityController
+
+    saved, fresh = alltoall_dispatcher(), alltoall_dispatcher()
+    original = CapacityController([saved], [[0, 1, 2, 3]])
+    hot = BALANCED.copy()
+    hot[1, 0] = [5, 5, 5, 5, 5, 5, 85, 85]
+    for loads in (BALANCED, hot, BALANCED):
+        original.update(loads)
+    state = json.loads(json.dumps(original.state()))
+    restored = CapacityController([fresh], [[0, 1, 2, 3]])
+    assert restored.load_state(state) and restored.key() == original.key() != ()
+    for step in range(WINDOW):                 # the shrink happens at the same step in both
+        assert original.update(BALANCED) == restored.update(BALANCED)
+        assert restored.key() == original.key(), step
+    other = alltoall_dispatcher()
+    assert not CapacityController([other], [[0, 1], [2, 3]]).load_state(state)
+    assert other.pair_capacity == () and not CapacityController([other], [[0, 1, 2, 3]]).load_state({})
