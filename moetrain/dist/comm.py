@@ -464,6 +464,63 @@ class _AllToAllV(_GroupOp):
         return (self._exchange(dout, self.backward_plan),)
 
 
+class _CallTraffic:
+    """The bytes of ONE call of an op whose volume depends on its input values (device-side
+    counts): booked by that call and by its own backward, whatever other calls do meanwhile."""
+
+    def __init__(self, kind: str, fwd: Tuple[float, float], bwd: Tuple[float, float]):
+        self.kind, self.traffic = kind, (fwd, bwd)
+
+    def book(self, backward: bool = False) -> None:
+        native, emulated = self.traffic[1 if backward else 0]
+        _book(self.kind, native, emulated, backward)
+
+
+class _AllToAllVDynamic(_GroupOp):
+    """`all_to_all_v_dynamic`: Ascend's AlltoAllV with Tensor split sizes, `block_size` = the
+    elements of one row, so the lists count rows. `shape` is one row's shape. Input `[S + 1, *row]`
+    (the rows to send, then a spare row that stays), output `[R + 1, *row]` (the rows received, then
+    a zero spare row): never empty, whatever the routing (MindSpore's CPU backward fails on empty
+    tensors, measured; AlltoAllV returns shape () when nothing arrives). The ledger books each
+    call's rows to other ranks, read from its counts in PyNative (a host read); no CPU emulation
+    exists (Ascend path only), so the emulated column stays 0."""
+
+    def __init__(self, group, shape, dtype):
+        super().__init__(group, shape, dtype)       # self.nbytes: one row
+        if not (self.native and self.target == "Ascend"):
+            raise ValueError(f"all_to_all_v_dynamic needs Ascend's AlltoAllV (comm backend native on Ascend, or "
+                             f"contract with MOETRAIN_CONTRACT_TARGET=Ascend); this process runs backend "
+                             f"{backend_name()!r} for {self.target}: use all_to_all_v with host counts")
+        self.row_elements = int(np.prod(self.shape, dtype=np.int64))
+        self.prim = primitives().AlltoAllV(group.name, self.row_elements)   # UNVERIFIED on Ascend
+
+    def __call__(self, x, send_rows, recv_rows):
+        send, recv = send_rows.asnumpy().reshape(-1), recv_rows.asnumpy().reshape(-1)
+        others = lambda counts: float(counts.sum() - counts[self.rank]) * self.nbytes   # noqa: E731
+        call = _CallTraffic(self.kind, (others(send), 0.0), (others(recv), 0.0))
+        call.book()
+        out = nn.Cell.__call__(self, x, send_rows, recv_rows)
+        if _recording_grad():
+            out = _BackwardBooking(call)(out)
+        return out
+
+    def _exchange(self, x, send_rows, recv_rows):
+        rows = x.shape[0] - 1
+        sent = ops.Slice()(x, (0,) * len(x.shape), (rows,) + self.shape)
+        received = self.prim(ops.Reshape()(sent, (rows * self.row_elements,)), send_rows, recv_rows)
+        if len(received.shape) == 0:        # documented: nothing arrived, the value means nothing
+            received = _zeros((0,), x.dtype)
+        spare = _zeros((self.row_elements,), x.dtype)
+        return ops.Reshape()(ops.Concat(0)((received, spare)), (-1,) + self.shape)
+
+    def construct(self, x, send_rows, recv_rows):
+        return self._exchange(x, send_rows, recv_rows)
+
+    def bprop(self, x, send_rows, recv_rows, out, dout):
+        return (self._exchange(dout, recv_rows, send_rows), ops.ZerosLike()(send_rows),
+                ops.ZerosLike()(recv_rows))
+
+
 class _Broadcast(_GroupOp):
     def __init__(self, group, shape, dtype, src):
         super().__init__(group, shape, dtype)
@@ -547,6 +604,7 @@ class _GatherFromRegion(_GroupOp):
 
 
 _OP_CELLS = {cls.__name__: cls for cls in (_AllReduce, _AllGather, _ReduceScatter, _AllToAll, _AllToAllV,
+                                            _AllToAllVDynamic,
                                             _Broadcast, _CopyToRegion, _ReduceFromRegion,
                                             _ScatterToRegion, _GatherFromRegion)}
 
@@ -618,6 +676,18 @@ def all_to_all_v(x, send_counts: Sequence[int], recv_counts: Sequence[int], grou
         return x
     counts = (tuple(send_counts), tuple(recv_counts), max_count)
     return _run(_op("_AllToAllV", group, x.shape, x.dtype, counts), x)
+
+
+def all_to_all_v_dynamic(x, send_rows, recv_rows, group: Group):
+    """`all_to_all_v` with split sizes known only on the device (Megatron's all_to_all_single with
+    counts exchanged first): `send_rows`/`recv_rows` `[n]` int Tensors (rows to / from each rank),
+    `x [S + 1, *row]` the `S = sum(send_rows)` rows in destination order then one spare row (not
+    sent); returns `[R + 1, *row]`, the `R = sum(recv_rows)` rows in source order then a zero spare
+    row. Exactly the counted rows travel: Ascend's AlltoAllV with Tensor counts (native, or the
+    contract in PyNative). Backward: the same exchange with the counts swapped."""
+    if group.size == 1:
+        return x
+    return _op("_AllToAllVDynamic", group, x.shape[1:], x.dtype)(x, send_rows, recv_rows)
 
 
 def broadcast(x, src_rank_in_group: int, group: Group):
