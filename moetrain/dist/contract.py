@@ -580,8 +580,9 @@ class AlltoAllV(_Primitive):
 
     def construct(self, x, send_numel_list, recv_numel_list):
         if isinstance(send_numel_list, Tensor) or isinstance(recv_numel_list, Tensor):
-            raise ContractError(f"{self.what}: Tensor numel lists give a dynamic output length, which the "
-                                f"contract computes in PyNative only (train.jit: false)")
+            # TypeError: graph mode raises only Python's own exception types
+            raise TypeError(f"{self.what}: Tensor numel lists give a dynamic output length, which the "
+                            f"contract computes in PyNative only (train.jit: false)")
         params = (self.block_size, tuple(send_numel_list), tuple(recv_numel_list))
         return _kernel(self.op, self.group, x.shape, x.dtype, params)(x)
 
