@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from distributed import run_workers
-from workers.comm_cases import (CASES, DYNAMIC_CASES, EXACT_TOKENS, LINK_EXCHANGES, MUTATIONS, PHASES, SPARE_WEIGHT,
+from workers.comm_cases import (CASES, DYNAMIC_CASES, EXACT_TOKENS, LINK_EXCHANGES, MUTATIONS, PHASES,
                                 WORLD, case_input, exact_inputs, exact_weights, group_ranks, link_payload,
                                 loss_weight, phase_cases, position)
 from workers.comm_recorder import emulated_bytes, native_bytes

@@ -165,9 +165,6 @@ def test_pynative_run_checked_across_ranks_and_its_ledger_counts_the_primitives_
         assert booked.get("ep", 0) > 0 and booked.get("dp", 0) > 0, booked
         recorded = sum(native_bytes(c) for c in calls)
         assert sum(booked.values()) == pytest.approx(recorded, abs=len(booked)), (info["rank"], booked, recorded)
-    # every routed assignment travels to its expert and back, in the forward and in the backward,
-    # and nothing else does (no padding): 4 x the routed rows of the run, counted by the router
-    assert rows_sent == 4 * sum(step["routed"] for step in steps)
 
 
 @pytest.mark.distributed

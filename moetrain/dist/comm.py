@@ -4,8 +4,9 @@ Two families, both with hand-written backwards (`nn.Cell.bprop`):
 
 * Collectives whose backward is the true derivative of the SUM of all ranks' losses:
   `all_reduce` (bwd all_reduce), `all_gather` (bwd reduce_scatter), `reduce_scatter`
-  (bwd all_gather), `all_to_all` (bwd the reverse all_to_all), `all_to_all_v` (bwd with the counts
-  swapped), `broadcast` (bwd: the sum of every rank's gradient lands on the source, zero elsewhere).
+  (bwd all_gather), `all_to_all` (bwd the reverse all_to_all), `all_to_all_v` and
+  `all_to_all_v_dynamic` (counts as device Tensors; Ascend only) (bwd with the counts swapped),
+  `broadcast` (bwd: the sum of every rank's gradient lands on the source, zero elsewhere).
 * Megatron tensor-parallel region mappings, for a loss that is replicated over the group:
   `copy_to_region` (fwd identity, bwd all-reduce), `reduce_from_region` (fwd all-reduce, bwd
   identity), `scatter_to_region` / `gather_from_region` along an axis, and for sequence parallelism

@@ -22,7 +22,8 @@ What the stand-ins hold the call sites to (MindSpore 2.10 docs and `ops/operatio
 * shapes and axes: AllGather concatenates along axis 0 (`(n*x1, x2, ...)`); ReduceScatter splits
   axis 0, which must divide by the group size; AlltoAll splits `split_dim` into `split_count`
   (= group size) blocks, block j to rank j, and concatenates along `concat_dim` in source order;
-  AlltoAllV takes a 1-D input and per-rank element counts (times `block_size`) and returns the
+  AlltoAllV takes a 1-D input and per-rank element counts (times `block_size`; a tuple, list or
+  1-D integer Tensor: Tensor lists in PyNative only, a new kernel each call) and returns the
   received elements flattened, or a tensor of shape `()` whose value means nothing when it
   receives nothing; Broadcast takes and returns a tuple of tensors; Receive returns its declared
   shape and dtype;

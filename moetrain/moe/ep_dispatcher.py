@@ -9,12 +9,20 @@ assignments, so summing both over the data-parallel group gives the one-process 
 
 * `AllToAllDispatcher` (`parallel.moe_token_dispatcher: alltoall`, Megatron's alltoall; needs
   AlltoAll: CPU (emulated) and Ascend):
-  - dropless: sort by expert (hence by destination), exchange the per-expert counts `[ep, L]`, then
-    the tokens in one all-to-all-v: destination j gets `C_j` rows from every source, its run
-    padded to that (`pair_capacity`, sized by `moetrain.moe.capacity` from the counts, re-run on
-    overflow; unset = the bound `T min(k, L)`, exact for any routing). The receiver sorts what it
-    got by local expert (rows layout: only the received rows are computed; capacity layout:
-    `[L, C_e, H]`), runs the experts, and the reverse all-to-all-v returns the rows.
+  - dropless, bucketed splits (CPU; Ascend with `MOETRAIN_EP_SPLITS=bucketed`): sort by expert
+    (hence by destination), exchange the per-expert counts `[ep, L]`, then the tokens in one
+    all-to-all-v: destination j gets `C_j` rows from every source, its run padded to that
+    (`pair_capacity`, sized by `moetrain.moe.capacity` from the counts, re-run on overflow; unset =
+    the bound `T min(k, L)`, exact for any routing). The receiver sorts what it got by local expert
+    (rows layout: only the received rows are computed; capacity layout: `[L, C_e, H]`), runs the
+    experts, and the reverse all-to-all-v returns the rows.
+  - dropless, exact splits (the Ascend path with Ascend's AlltoAllV, `dispatch_splits`): the counts
+    `[ep, L]` first, then `comm.all_to_all_v_dynamic` (AlltoAllV with Tensor split sizes computed
+    on the device from them) moves exactly the routed rows; the receiver's grouped matmul computes
+    exactly them (`group_list` = the received counts per local expert), the reverse exchange
+    returns them. Nothing to size on the host (`capacity_fields()` empty): no re-runs, no graph per
+    capacity set. Shapes are dynamic: run through the contract in PyNative only; UNVERIFIED on
+    Ascend hardware (docs/parallel_engine.md, "Exact splits on Ascend").
   - capacity (`capacity_factor > 0`, GShard): each rank fills its own `[E, C, H]` buffer, dropping
     exactly as one process would with its micro-batch, then one fixed-size all-to-all of
     `[ep, L C, H]` each way.
@@ -23,7 +31,8 @@ assignments, so summing both over the data-parallel group gives the one-process 
   layout: exactly those; capacity layout: `[L, C_e, H]`), reduce-scatter the partial outputs.
 
 Byte counters ("ep" row of `comm.CommLedger`): every exchange books the buffer it really moves,
-padding included (`sum_j C_j` rows sent per dropless all-to-all-v).
+padding included (`sum_j C_j` rows sent per bucketed all-to-all-v; exactly the routed rows with
+exact splits).
 """
 from __future__ import annotations
 
@@ -127,8 +136,9 @@ class _EPDispatcher(nn.Cell):
 # ---------------------------------------------------------------------------------------------
 class AllToAllDispatcher(_EPDispatcher):
     """Tokens to the ranks of their experts and back by all-to-all in the `ep` group (see module
-    docstring). `pair_capacity`: per destination rank, the rows every source sends it in the
-    dropless exchange (`()`: the bound `T min(k, L)` for all)."""
+    docstring). `splits`: "bucketed" (host-sized static buffers) or "exact" (device-side split
+    sizes; rows layout only). `pair_capacity` (bucketed): per destination rank, the rows every
+    source sends it in the dropless exchange (`()`: the bound `T min(k, L)` for all)."""
 
     def __init__(self, num_experts: int, top_k: int, capacity_factor: float, group: Group,
                  layout: str = "rows", splits: str = "bucketed"):

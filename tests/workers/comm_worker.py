@@ -82,25 +82,28 @@ class Worker:
             self.xs[name] = x = Tensor(case_input(name, self.rank, shape_of(self.rank)))
             self.ws[name] = Tensor(loss_weight(name, self.rank, apply(op, x, ctx.group(kind), kw).shape))
 
+    def measured(self, fn, x, w):
+        """`y = fn(x)` and the gradient of <w, y> (PyNative), with the ledger's columns and the
+        primitive calls of both (those of the backward marked)."""
+        def loss(x, w):
+            y = fn(x)
+            self.recorder.backward_starts()
+            return (y * w).sum(), y
+
+        grad = self.ms.value_and_grad(loss, grad_position=0, has_aux=True)
+        with self.recorder.recording() as calls, comm.CommLedger() as ledger:
+            (_, y), dx = grad(x, w)
+        return y.asnumpy(), dx.asnumpy(), {"forward": columns(ledger, backward=False),
+                                           "all": columns(ledger, backward=True), "calls": list(calls)}
+
     # ---- PyNative: per op, values, gradients, ledger and the primitive calls -----------------
     def pynative(self, label, phase):
-        ms, out = self.ms, {}
+        out = {}
         start = time.perf_counter()
         for name, *_ in phase_cases(label):
             (op, g, kw), x, w = self.specs[name], self.xs[name], self.ws[name]
-
-            def loss(x, w, op=op, g=g, kw=kw):
-                y = apply(op, x, g, kw)
-                self.recorder.backward_starts()
-                return (y * w).sum(), y
-
-            grad = ms.value_and_grad(loss, grad_position=0, has_aux=True)
-            with self.recorder.recording() as calls, comm.CommLedger() as ledger:
-                (_, y), dx = grad(x, w)
-            self.arrays[f"{label}/pynative/{name}/y"] = y.asnumpy()
-            self.arrays[f"{label}/pynative/{name}/dx"] = dx.asnumpy()
-            out[name] = {"forward": columns(ledger, backward=False), "all": columns(ledger, backward=True),
-                         "calls": list(calls)}
+            y, dx, out[name] = self.measured(lambda x, op=op, g=g, kw=kw: apply(op, x, g, kw), x, w)
+            self.arrays[f"{label}/pynative/{name}/y"], self.arrays[f"{label}/pynative/{name}/dx"] = y, dx
         phase["ledgers"] = out
         phase["pynative_s"] = time.perf_counter() - start
 
@@ -166,22 +169,12 @@ class Worker:
         return g, spare(x, 0.0), spare(w, SPARE_WEIGHT), counts(kw["send_counts"]), counts(kw["recv_counts"])
 
     def dynamic(self, label, phase):
-        ms, out = self.ms, {}
+        out = {}
         for name in DYNAMIC_CASES:
             g, x, w, send, recv = self.dynamic_input(name)
-
-            def loss(x, w, g=g, send=send, recv=recv):
-                y = comm.all_to_all_v_dynamic(x, send, recv, g)
-                self.recorder.backward_starts()
-                return (y * w).sum(), y
-
-            grad = ms.value_and_grad(loss, grad_position=0, has_aux=True)
-            with self.recorder.recording() as calls, comm.CommLedger() as ledger:
-                (_, y), dx = grad(x, w)
-            self.arrays[f"{label}/dynamic/{name}/y"] = y.asnumpy()
-            self.arrays[f"{label}/dynamic/{name}/dx"] = dx.asnumpy()
-            out[name] = {"forward": columns(ledger, backward=False), "all": columns(ledger, backward=True),
-                         "calls": list(calls)}
+            y, dx, out[name] = self.measured(
+                lambda x, g=g, send=send, recv=recv: comm.all_to_all_v_dynamic(x, send, recv, g), x, w)
+            self.arrays[f"{label}/dynamic/{name}/y"], self.arrays[f"{label}/dynamic/{name}/dx"] = y, dx
         phase["dynamic"] = out
 
     # ---- the exact-split alltoall dispatcher, every token to position 0 of its tp pair ----------
