@@ -506,9 +506,9 @@ class _AllToAllVDynamic(_GroupOp):
         return out
 
     def _exchange(self, x, send_rows, recv_rows):
-        rows = x.shape[0] - 1
-        sent = ops.Slice()(x, (0,) * len(x.shape), (rows,) + self.shape)
-        received = self.prim(ops.Reshape()(sent, (rows * self.row_elements,)), send_rows, recv_rows)
+        ndim = len(self.shape) + 1                   # all rows but the spare (no row count: dynamic shapes)
+        sent = ops.Reshape()(ops.StridedSlice()(x, (0,) * ndim, (-1,) + self.shape, (1,) * ndim), (-1,))
+        received = self.prim(sent, send_rows, recv_rows)
         if len(received.shape) == 0:        # documented: nothing arrived, the value means nothing
             received = _zeros((0,), x.dtype)
         spare = _zeros((self.row_elements,), x.dtype)

@@ -196,18 +196,18 @@ class AllToAllDispatcher(_EPDispatcher):
         recv = comm.all_to_all_v_dynamic(send, send_rows, recv_rows, self.group)  # [R + 1, H], spare last
         # received rows come by source, then by local expert: row r is in segment #(segment ends <= r)
         ends = ops.cumsum(recv_counts.astype(ms.int32).reshape(-1), 0)            # [n L]
-        row = ops.arange(recv.shape[0], dtype=ms.int32)
+        row = ops.cumsum(ops.ones_like(recv[:, 0], dtype=ms.int32), 0) - 1        # shape-polymorphic arange
         segment = (row.reshape(-1, 1) >= ends.reshape(1, -1)).astype(ms.int32).sum(1)
         local = ops.where(segment < n * num_local, segment % num_local, ops.full_like(segment, num_local))
         state["slot"] = slot
         state["send_rows"], state["recv_rows"] = send_rows, recv_rows
         state["dropped"] = ops.zeros((), ms.float32)
-        return self._to_local(recv, local.reshape(-1, 1), recv.shape[0], state)
+        return self._to_local(recv, local.reshape(-1, 1), 0, state)          # rows layout: no bound needed
 
     def _combine_exact(self, expert_output, state):
         returned = self._from_local(expert_output, state)                        # [R + 1, H], received order
         back = comm.all_to_all_v_dynamic(returned, state["recv_rows"], state["send_rows"], self.group)
-        rows = ops.split(back, [back.shape[0] - 1, 1])[0]                          # [T k, H] by expert
+        rows = back[:-1]                                                          # [T k, H] by expert
         return self.ops.unpermute(rows, state["slot"], state["topk_weight"])
 
     # ---- dropless ---------------------------------------------------------------------------
