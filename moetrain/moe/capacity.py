@@ -5,7 +5,8 @@ Inside `ms.jit` every buffer has a static shape, yet how many rows an expert-par
 another (or an expert receives) is known only once the router has run. A dropless dispatcher
 therefore sizes its buffers with Python ints ("capacities", read when the graph is built):
 
-    AllToAllDispatcher   pair_capacity    per destination j: rows every source sends j (C_j)
+    AllToAllDispatcher   pair_capacity    per destination j: rows every source sends j (C_j); bucketed
+                                          splits only (exact splits on Ascend size nothing)
     (bmm experts only)   expert_capacity  rows one local expert computes ([L, C_e, H])
     AllGatherDispatcher  expert_capacity  (bmm experts only)
     SortDispatcher       expert_capacity  (bmm experts only)
