@@ -98,7 +98,8 @@ def test_dp2_zero1_resume_at_n_matches_uninterrupted_run_exactly(dp2_runs, tmp_p
     from moetrain.checkpoint.distributed import CheckpointReader
 
     reader = CheckpointReader(dp2_runs["saved"])
-    assert reader.metadata["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "ep": 1, "optimizer_shard": 1}
+    assert reader.metadata["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "ep": 1, "etp": 1,
+                                          "optimizer_shard": 1}
     assert reader.trainer_state["step"] == HALF and reader.trainer_state["consumed_samples"] == HALF * 32
     weight = reader.tensors["hidden.0.weight"]                      # a replica: written once, by rank 0
     assert [p["file"] for p in weight["pieces"]] == ["model.safetensors"]
