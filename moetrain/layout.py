@@ -130,7 +130,8 @@ class Layout:
     def parallel_settings(self) -> Dict[str, object]:
         """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
         return {"data_parallel": self.dp, "model_parallel": self.tp, "pipeline_stage": self.pp,
-                "expert_parallel": self.ep, "expert_tensor_parallel": self.etp, "micro_batch_num": self.num_micro_batches,
+                "expert_parallel": self.ep, "expert_tensor_parallel": self.etp,
+                "micro_batch_num": self.num_micro_batches,
                 "use_seq_parallel": self.sequence_parallel, "optimizer_shard": self.zero,
                 "recompute": self.recompute, "mode": "manual", "pipeline_schedule": self.schedule,
                 "pipeline_layers": list(self.pipeline_layers) if self.pipeline_layers else None}
@@ -154,7 +155,8 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
             problems.append(message)
 
     for key, value in (("data_parallel", L.dp), ("model_parallel", L.tp), ("pipeline_stage", L.pp),
-                       ("expert_parallel", L.ep), ("expert_tensor_parallel", L.etp), ("micro_batch_num", L.num_micro_batches)):
+                       ("expert_parallel", L.ep), ("expert_tensor_parallel", L.etp),
+                       ("micro_batch_num", L.num_micro_batches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             problems.append(f"parallel.{key} must be an integer >= 1, got {value!r}")
     if problems:

@@ -222,8 +222,8 @@ def merge_indices(folder: str, world_size: int) -> Tuple[Dict[str, dict], Dict[s
             if entry["global_shape"] != piece["global_shape"]:
                 raise CheckpointError(f"{piece['key']}: rank {rank} holds a piece of global shape "
                                       f"{piece['global_shape']}, another rank of {entry['global_shape']}")
-            entry["pieces"].append({k: piece.get(k, []) for k in ("file", "axis", "index", "count", "slice_kind", "extra",
-                                                                  "flat")})
+            entry["pieces"].append({k: piece.get(k, []) for k in ("file", "axis", "index", "count", "slice_kind",
+                                                                  "extra", "flat")})
     for rank in range(world_size):
         os.remove(os.path.join(folder, _INDEX.format(rank=rank)))
     problems = [p for key, entry in sorted(tensors.items()) for p in coverage_problems(key, entry)]
@@ -656,8 +656,9 @@ def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int)
             continue                                  # at ZeRO 0 the parameter is its own master
         piece = entry["pieces"][0]
         kind = piece["slice_kind"]
-        count = {"tp": pctx.tp, "ep": pctx.ep, "etp": pctx.etp}.get(kind, piece["count"]) if piece["axis"] is not None else 1
-        index = {"tp": pctx.tp_rank, "ep": pctx.ep_rank, "etp": pctx.etp_rank}.get(kind, 0) if piece["axis"] is not None else 0
+        sliced = piece["axis"] is not None
+        count = {"tp": pctx.tp, "ep": pctx.ep, "etp": pctx.etp}.get(kind, piece["count"]) if sliced else 1
+        index = {"tp": pctx.tp_rank, "ep": pctx.ep_rank, "etp": pctx.etp_rank}.get(kind, 0) if sliced else 0
         if count > 1 and entry["global_shape"][piece["axis"]] % count:
             raise CheckpointError(f"{key}: dimension {piece['axis']} of {tuple(entry['global_shape'])} cannot be "
                                   f"split into {kind}={count} equal slices; choose a {kind} size that divides it")

@@ -64,7 +64,8 @@ def split_expert_ffn(experts: GroupedExperts, etp_rank: int, etp: int) -> None:
         width = param.shape[axis]
         if width % etp:
             raise ValueError(f"{param.name}: the expert FFN width {width} cannot be split over "
-                             f"parallel.expert_tensor_parallel={etp} ranks; choose etp dividing model.moe.ffn_hidden_size")
+                             f"parallel.expert_tensor_parallel={etp} ranks; choose etp dividing "
+                             f"model.moe.ffn_hidden_size")
         spec = shard_spec(param)
         local = np.ascontiguousarray(np.split(param.asnumpy(), etp, axis=axis)[etp_rank])
         if spec.slicings():

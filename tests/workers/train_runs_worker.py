@@ -138,7 +138,8 @@ def main():
         params = list(model.get_parameters())    # expert_bias too (moved by the balancing step)
         record = {
             "rank": pctx.rank, "dp_rank": pctx.dp_rank, "tp_rank": pctx.tp_rank, "pp_rank": pctx.pp_rank,
-            "ep_rank": pctx.ep_rank, "etp_rank": pctx.etp_rank, "num_micro_batches": trainer.n_micro, "seconds": seconds,
+            "ep_rank": pctx.ep_rank, "etp_rank": pctx.etp_rank, "num_micro_batches": trainer.n_micro,
+            "seconds": seconds,
             "shards": {p.name: [list(shard_spec(p).global_shape), shard_spec(p).axis, shard_spec(p).index,
                                 shard_spec(p).count, shard_spec(p).group_kind] for p in params},
             "shard_extra": {p.name: [list(e) for e in shard_spec(p).extra] for p in params if shard_spec(p).extra},
