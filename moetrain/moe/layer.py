@@ -1,4 +1,11 @@
-"""The MoE feed-forward layer: route -> dispatch -> experts -> combine (+ shared experts)."""
+"""The MoE feed-forward layer: route -> dispatch -> shared experts -> routed experts -> combine.
+
+The shared experts run between the dispatch and the routed experts: they need nothing from the
+token exchange, so a backend that runs collectives asynchronously computes them while the tokens
+travel, and the routed experts (the exchange's first consumer) are made to wait for them
+(`ops.depend`), which fixes that order in the graph as well. Their output is added after the
+combine, as before: the numbers do not change (docs/moe.md, "Shared experts during the dispatch").
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -115,6 +122,10 @@ class MoELayer(nn.Cell):
             expert_input, state = self.dispatcher.dispatch(*self._token_slice(tokens, topk_idx, topk_weight))
         else:
             expert_input, state = self.dispatcher.dispatch(tokens, topk_idx, topk_weight)
+        shared = None
+        if self.shared_experts is not None:   # while the dispatch is in flight (module docstring)
+            shared = self.shared_experts(tokens)
+            expert_input = ops.depend(expert_input, shared)
         if self.etp_group is not None:
             expert_input = comm.copy_to_region(expert_input, self.etp_group)
         expert_output = self.experts(expert_input, state.get("row_expert"), state.get("group_sizes"))
@@ -128,8 +139,8 @@ class MoELayer(nn.Cell):
             if self.cfg.capacity_factor > 0:
                 state["dropped"] = comm.all_reduce(ops.stop_gradient(state["dropped"]).reshape(1),
                                                    self.token_group)[0]
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(tokens)
+        if shared is not None:
+            y = y + shared
         stats = self._routing_stats(x, topk_idx, probs, logits, state)
         if self.aux_loss_scope == "global":   # its all-reduce before the next layer's collectives
             y = ops.depend(y, stats["aux_loss"])
