@@ -289,9 +289,9 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up
         ffn = (FP32 + d) * tokens * h / outside + 4 * d * tokens * arch.ffn / t
     else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router is
-        # whole on every tp rank; the routed experts too unless folded, where each tp rank dispatches
-        # 1/token_slices of the tokens to experts split over etp
-        rows = tokens * arch.routed_rows_per_token(exact) / layout.token_slices
+        # whole on every tp rank; folded, a tp rank dispatches 1/token_slices of the tokens to experts
+        # split over etp, into buffers sized from its dp rank's counts (moetrain/moe/capacity.py)
+        rows = tokens * arch.routed_rows_per_token(exact)
         ffn = (FP32 * tokens * h / outside + FP32 * tokens * h  # norm input, router input (fp32)
                + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
                + (FP32 + d) * rows * h                          # dispatched rows (fp32, the norm's), expert output
@@ -306,7 +306,7 @@ def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, ex
     measures): the rows the experts read (fp32: the norm's output, moetrain/moe/layer.py) and
     write (compute dtype), and with expert parallelism the exchanges that carry them there and
     back (sent and received: twice each)."""
-    rows = tokens * arch.routed_rows_per_token(exact) / layout.token_slices
+    rows = tokens * arch.routed_rows_per_token(exact)      # folded: the capacities follow the dp rank's counts
     return rows * arch.hidden * (FP32 + dtype_bytes) * (3 if layout.ep > 1 else 1)
 
 
@@ -448,14 +448,14 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
         else:                          # all-reduces of the row-parallel outputs and column-parallel input grads
             per_mb["tp"] = collectives * 2 * (t - 1) / t * size
     moe_layers = sum(arch.is_moe(i) for i in layer_ids)
-    if L.ep > 1:
-        rows = tokens * arch.routed_rows_per_token() / L.token_slices
+    if L.ep > 1:   # folded: a slice's buffers are sized from its dp rank's counts (moetrain/moe/capacity.py)
+        rows = tokens * arch.routed_rows_per_token()
         per_mb["ep"] = moe_layers * (4 + 2 * full) * (L.ep - 1) / L.ep * rows * h * d * a2a_factor
     if L.token_slices > 1:   # folded: the slices' outputs all-gathered over tp_tokens (backward: the gradients)
         n = L.token_slices
-        per_mb["ep"] += moe_layers * (2 + full) * (n - 1) / n * tokens * h * d * gather_factor
+        per_mb["tp"] += moe_layers * (2 + full) * (n - 1) / n * tokens * h * d * gather_factor
     if L.etp > 1:            # the experts' partial outputs all-reduced over etp, their input gradients too
-        rows = tokens * arch.routed_rows_per_token() / L.token_slices
+        rows = tokens * arch.routed_rows_per_token()
         per_mb["tp"] += moe_layers * (2 + full) * 2 * (L.etp - 1) / L.etp * rows * h * d
     if L.pp > 1:
         per_mb["pp"] = ((not first) + (not last)) * layer_input    # activation forward, gradient backward

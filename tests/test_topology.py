@@ -73,7 +73,7 @@ def test_coordinates_and_groups_match_a_naive_enumeration(dp, tp, pp, ep, etp):
             group = ctx.group(kind)
             assert group.ranks == naive_members(kind, rank, coords, pp), (kind, rank)
             assert group.ranks[group.rank_in_group] == rank
-            assert group.kind == {"pp_next": "pp", "pp_prev": "pp", "etp": "tp", "tp_tokens": "ep"}.get(kind, kind)
+            assert group.kind == {"pp_next": "pp", "pp_prev": "pp", "etp": "tp", "tp_tokens": "tp"}.get(kind, kind)
 
 
 @pytest.mark.parametrize("dp, tp, pp, ep, etp", [l for l in LAYOUTS if l[4] > 1 or l[0] % l[3]])

@@ -47,7 +47,7 @@ from moetrain.layout import launched_world_size as announced_world_size
 # Kinds in the order groups are created; every rank walks this order identically.
 GROUP_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "etp", "tp_tokens", "embedding", "pp_next", "pp_prev")
 # the byte-counter bucket of each kind that has none of its own (comm.COUNTER_KINDS)
-_BUCKETS = {"pp_next": "pp", "pp_prev": "pp", "etp": "tp", "tp_tokens": "ep"}
+_BUCKETS = {"pp_next": "pp", "pp_prev": "pp", "etp": "tp", "tp_tokens": "tp"}
 
 
 @dataclass(frozen=True)
