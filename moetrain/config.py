@@ -57,7 +57,8 @@ class ParallelConfig:
     data_parallel: int = 0             # 0: the launched world size / (model_parallel x pipeline_stage)
     model_parallel: int = 1            # tensor parallel
     pipeline_stage: int = 1
-    expert_parallel: int = 1
+    expert_parallel: int = 1           # experts split over this many ranks (up to dp x tp / etp: MoE folding)
+    expert_tensor_parallel: int = 1    # ranks each routed expert's FFN is split over (divides model_parallel)
     micro_batch_num: int = 1           # pipeline micro-batches per step (0/1: derived from batch sizes)
     use_seq_parallel: bool = False
     optimizer_shard: int = choice(0, 0, 1, 2, help="0 none, 1 optimizer states, 2 states and gradients")
@@ -419,7 +420,8 @@ def _validate(cfg: Config, source: str) -> None:
             raise ConfigError(f"{source}: key '{key}': {why}")
 
     t, p = cfg.train, cfg.parallel
-    for key in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel", "micro_batch_num"):
+    for key in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel", "expert_tensor_parallel",
+                "micro_batch_num"):
         need(getattr(p, key) >= 1, f"parallel.{key}", "must be >= 1")
     need(t.steps >= 0 and t.epochs >= 0, "train.steps", "steps and epochs must be >= 0")
     need(t.steps > 0 or t.epochs > 0, "train.steps", "set train.steps or train.epochs to a positive number")

@@ -1,6 +1,6 @@
 """The parallel layout of a job and every rule it must satisfy, in one place.
 
-    Layout.of(cfg)                    dp, tp, pp, ep, micro-batches, ZeRO, recompute, sp, schedule, split
+    Layout.of(cfg)                    dp, tp, pp, ep, etp, micro-batches, ZeRO, recompute, sp, schedule, split
     layout_problems(layout, ...)      every reason it cannot run, each naming the keys and a fix
     check_layout(layout, ...)         raises LayoutError listing them
     split_layers(layers, pp, split)   the layer range of every pipeline stage
@@ -61,6 +61,7 @@ class ModelShape:
     ffn: Optional[int] = None               # the dense FFN width, None when every layer is MoE
     experts: int = 0                        # 0: no MoE layers
     shared_ffn: int = 0
+    expert_ffn: int = 0                     # a routed expert's FFN width (split over expert_tensor_parallel)
     mtp_depth: int = 0                      # multi-token-prediction modules (DeepSeek-V3)
 
     @classmethod
@@ -73,7 +74,8 @@ class ModelShape:
                    vocab=get("vocab_size"),
                    ffn=get("ffn_hidden_size") if layers is None or len(moe_layers) < layers else None,
                    experts=moe.num_experts if moe is not None else 0,
-                   shared_ffn=moe.shared_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0)
+                   shared_ffn=moe.shared_hidden_size if moe is not None else 0,
+                   expert_ffn=moe.ffn_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0)
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,23 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     pipeline_layers: Optional[Tuple[int, ...]] = None
+    etp: int = 1                              # expert tensor parallel: ranks each routed expert's FFN is split over
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def expert_folded(self) -> bool:
+        """MoE parallel folding: the experts live on the tp x dp ranks of a stage as etp x ep x edp
+        (each tp rank dispatches its own slice of the tokens). Otherwise (etp 1 and ep dividing dp, the
+        layout before folding) the experts are replicated over tp and ep is carved out of dp."""
+        return self.etp > 1 or self.dp % max(1, self.ep) != 0
+
+    @property
+    def token_slices(self) -> int:
+        """Slices a tp group's (identical) tokens are cut into before dispatch: tp / etp when folded."""
+        return self.tp // self.etp if self.expert_folded and self.tp % self.etp == 0 else 1
 
     @classmethod
     def of(cls, cfg) -> "Layout":
@@ -106,7 +121,8 @@ class Layout:
             micro = max(1, t.global_batch_size // (dp * count))
         else:
             count, micro = 1, max(1, t.global_batch_size // dp)
-        return cls(dp=dp, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel, micro_batch_size=micro,
+        return cls(dp=dp, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel,
+                   etp=p.expert_tensor_parallel, micro_batch_size=micro,
                    num_micro_batches=count, zero=p.optimizer_shard, recompute=p.recompute,
                    sequence_parallel=p.use_seq_parallel, schedule=p.pipeline_schedule,
                    pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None)
@@ -114,14 +130,16 @@ class Layout:
     def parallel_settings(self) -> Dict[str, object]:
         """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
         return {"data_parallel": self.dp, "model_parallel": self.tp, "pipeline_stage": self.pp,
-                "expert_parallel": self.ep, "micro_batch_num": self.num_micro_batches,
+                "expert_parallel": self.ep, "expert_tensor_parallel": self.etp,
+                "micro_batch_num": self.num_micro_batches,
                 "use_seq_parallel": self.sequence_parallel, "optimizer_shard": self.zero,
                 "recompute": self.recompute, "mode": "manual", "pipeline_schedule": self.schedule,
                 "pipeline_layers": list(self.pipeline_layers) if self.pipeline_layers else None}
 
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
-        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} ep{self.ep} zero{self.zero} "
+        etp = f" etp{self.etp}" if self.etp > 1 else ""
+        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} ep{self.ep}{etp} zero{self.zero} "
                 f"recompute={self.recompute} micro={self.micro_batch_size}x{self.num_micro_batches}")
 
 
@@ -137,7 +155,8 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
             problems.append(message)
 
     for key, value in (("data_parallel", L.dp), ("model_parallel", L.tp), ("pipeline_stage", L.pp),
-                       ("expert_parallel", L.ep), ("micro_batch_num", L.num_micro_batches)):
+                       ("expert_parallel", L.ep), ("expert_tensor_parallel", L.etp),
+                       ("micro_batch_num", L.num_micro_batches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             problems.append(f"parallel.{key} must be an integer >= 1, got {value!r}")
     if problems:
@@ -148,16 +167,32 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
              f"but {world} {'were' if world > 1 else 'was'} launched: "
              + world_fix(world, L.tp * L.pp, global_batch_size)
              + f", or launch {L.world} processes (run_scripts/run_distributed.sh --nproc {L.world} CONFIG)")
-    need(L.dp % L.ep == 0, f"parallel.expert_parallel ({L.ep}) must divide data_parallel ({L.dp}): expert-parallel "
-         f"groups are carved out of the data-parallel ranks; use one of {divisors(L.dp)}")
+    need(L.tp % L.etp == 0, f"parallel.expert_tensor_parallel ({L.etp}) must divide model_parallel ({L.tp}): the "
+         f"ranks splitting one expert hold the same tokens, i.e. are tensor-parallel ranks; use one of "
+         f"{divisors(L.tp)}")
+    expert_ranks = L.dp * L.tp // L.etp if L.tp % L.etp == 0 else L.dp
+    need(expert_ranks % L.ep == 0, f"parallel.expert_parallel ({L.ep}) must divide data_parallel ({L.dp}) x "
+         f"model_parallel ({L.tp}) / expert_tensor_parallel ({L.etp}) = {expert_ranks}: the experts of a stage "
+         f"live on its tp x dp ranks as etp x ep x edp; use one of {divisors(expert_ranks)}")
     if m.experts:
         need(m.experts % L.ep == 0, f"model.moe.num_experts ({m.experts}) is not divisible by "
              f"parallel.expert_parallel ({L.ep}): every rank must hold as many experts; use one of "
-             f"{[e for e in divisors(m.experts) if L.dp % e == 0]}")
+             f"{[e for e in divisors(m.experts) if expert_ranks % e == 0]}")
         need(m.shared_ffn % L.tp == 0, f"the shared-expert FFN width ({m.shared_ffn}) is not divisible by "
              f"parallel.model_parallel ({L.tp}) (shared experts are split column/row-wise)")
+        if m.expert_ffn:
+            need(m.expert_ffn % L.etp == 0, f"model.moe.ffn_hidden_size ({m.expert_ffn}) is not divisible by "
+                 f"parallel.expert_tensor_parallel ({L.etp}) (each routed expert is split column/row-wise); "
+                 f"choose expert_tensor_parallel in {[d for d in divisors(m.expert_ffn) if L.tp % d == 0]}")
+        if seq_length and L.token_slices > 1:
+            tokens = seq_length * L.micro_batch_size
+            need(tokens % L.token_slices == 0, f"a micro-batch's {tokens} tokens (micro_batch_size x seq_length) "
+                 f"cannot be cut into model_parallel / expert_tensor_parallel = {L.token_slices} equal slices, "
+                 f"one per tensor-parallel rank dispatching to the experts; change the micro-batch size or "
+                 f"expert_tensor_parallel")
     elif shape is not None:
         need(L.ep == 1, f"parallel.expert_parallel ({L.ep}) > 1 needs a MoE model; set it to 1")
+        need(L.etp == 1, f"parallel.expert_tensor_parallel ({L.etp}) > 1 needs a MoE model; set it to 1")
     for key, value, why in (("model.num_heads", m.heads, "each tensor-parallel rank owns whole heads"),
                             ("model.num_kv_heads", m.kv_heads, "each tensor-parallel rank owns whole K/V heads"),
                             ("model.vocab_size", m.vocab, "the embedding and LM head are split by vocabulary; "

@@ -288,12 +288,14 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     probs = 0.0 if fused else d * arch.heads * seq_length * tokens / t   # softmax output, a x S x S per sequence
     if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up
         ffn = (FP32 + d) * tokens * h / outside + 4 * d * tokens * arch.ffn / t
-    else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router and
-        rows = tokens * arch.routed_rows_per_token(exact)       # routed experts are whole on every tp rank
+    else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router is
+        # whole on every tp rank; folded, a tp rank dispatches 1/token_slices of the tokens to experts
+        # split over etp, into buffers sized from its dp rank's counts (moetrain/moe/capacity.py)
+        rows = tokens * arch.routed_rows_per_token(exact)
         ffn = (FP32 * tokens * h / outside + FP32 * tokens * h  # norm input, router input (fp32)
                + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
                + (FP32 + d) * rows * h                          # dispatched rows (fp32, the norm's), expert output
-               + (3 if fused else 4) * d * rows * arch.expert_ffn)       # expert SwiGLU
+               + (3 if fused else 4) * d * rows * arch.expert_ffn / layout.etp)       # expert SwiGLU
         if arch.shared_ffn:
             ffn += d * tokens * h / outside + 4 * d * tokens * arch.shared_ffn / t
     return attention + ffn, probs
@@ -304,7 +306,7 @@ def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, ex
     measures): the rows the experts read (fp32: the norm's output, moetrain/moe/layer.py) and
     write (compute dtype), and with expert parallelism the exchanges that carry them there and
     back (sent and received: twice each)."""
-    rows = tokens * arch.routed_rows_per_token(exact)
+    rows = tokens * arch.routed_rows_per_token(exact)      # folded: the capacities follow the dp rank's counts
     return rows * arch.hidden * (FP32 + dtype_bytes) * (3 if layout.ep > 1 else 1)
 
 
@@ -343,7 +345,8 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     weight_bytes = grad_bytes = FP32
     state_bytes = FP32 * OPTIMIZER_FP32_STATES[job.optimizer] + (FP32 if L.zero >= 1 else 0)
     wire_bytes = DTYPE_BYTES[job.grad_dtype]
-    edp = L.dp // L.ep                           # data-parallel group of an expert's replicas
+    # replicas of an expert slice: ep carved out of dp, or folded over tp x dp = etp x ep x edp
+    edp = L.dp * L.tp // (L.etp * L.ep) if L.expert_folded else L.dp // L.ep
 
     # ---- parameters held by one device of this stage
     dense = expert = frozen = 0.0
@@ -353,7 +356,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
             dense += 3 * h + 2 * h * h
         if arch.is_moe(layer):
             dense += arch.experts * h + 3 * h * arch.shared_ffn / t
-            expert += 3 * h * arch.expert_ffn * arch.experts / L.ep   # whole on every tp rank (plans.py)
+            expert += 3 * h * arch.expert_ffn * arch.experts / (L.ep * L.etp)   # unsplit by tp unless etp
             frozen += arch.experts
         else:
             dense += 3 * h * arch.ffn / t
@@ -408,14 +411,15 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
 
-    # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work). Routers and routed
-    # experts are whole on every tp rank (plans.py); a pipeline stage other than the last runs its
-    # forward again in its backward (pipeline.py).
+    # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work). Routers are whole
+    # on every tp rank, and so are the routed experts unless folded (then a tp rank computes
+    # 1/token_slices of the rows on 1/etp of the FFN: 1/tp of the work); a pipeline stage other than
+    # the last runs its forward again in its backward (pipeline.py).
     split = whole = 0.0
     for layer in layer_ids:
         moe = arch.is_moe(layer)
         matmul = arch.attention_params + (3 * h * arch.shared_ffn if moe else 3 * h * arch.ffn)
-        routed = arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k if moe else 0
+        routed = arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k / (L.token_slices * L.etp) if moe else 0
         if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
             matmul += 2 * h * h + arch.vocab * h
         attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
@@ -443,13 +447,19 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
             per_mb["sp"] = collectives * (t - 1) / t * size * gather_factor
         else:                          # all-reduces of the row-parallel outputs and column-parallel input grads
             per_mb["tp"] = collectives * 2 * (t - 1) / t * size
-    if L.ep > 1:
-        moe_layers = sum(arch.is_moe(i) for i in layer_ids)
+    moe_layers = sum(arch.is_moe(i) for i in layer_ids)
+    if L.ep > 1:   # folded: a slice's buffers are sized from its dp rank's counts (moetrain/moe/capacity.py)
         rows = tokens * arch.routed_rows_per_token()
         per_mb["ep"] = moe_layers * (4 + 2 * full) * (L.ep - 1) / L.ep * rows * h * d * a2a_factor
+    if L.token_slices > 1:   # folded: the slices' outputs all-gathered over tp_tokens (backward: the gradients)
+        n = L.token_slices
+        per_mb["tp"] += moe_layers * (2 + full) * (n - 1) / n * tokens * h * d * gather_factor
+    if L.etp > 1:            # the experts' partial outputs all-reduced over etp, their input gradients too
+        rows = tokens * arch.routed_rows_per_token()
+        per_mb["tp"] += moe_layers * (2 + full) * 2 * (L.etp - 1) / L.etp * rows * h * d
     if L.pp > 1:
         per_mb["pp"] = ((not first) + (not last)) * layer_input    # activation forward, gradient backward
-    spans = {"tp": t, "sp": t, "ep": t * L.ep, "pp": L.world}
+    spans = {"tp": t, "sp": t, "ep": L.etp * L.ep if L.expert_folded else t * L.ep, "pp": L.world}
     comm_bytes = {dim: per_mb[dim] * L.num_micro_batches for dim in per_mb}
     comm_seconds = {dim: comm_bytes[dim] / _bandwidth(device, spans[dim]) for dim in per_mb}
 
@@ -623,10 +633,13 @@ def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
             dp = world_size // (tp * pp)
             eps = divisors(world_size) if arch.moe_layers else [1]
             per_rank = job.global_batch_size // dp if job.global_batch_size % dp == 0 else 1
-            for ep, count, zero, recompute, sp in itertools.product(
-                    [e for e in eps if e <= dp], divisors(per_rank), (0, 1, 2) if dp > 1 else (0,),
+            etps = divisors(tp) if arch.moe_layers else [1]
+            for etp, ep, count, zero, recompute, sp in itertools.product(
+                    etps, eps, divisors(per_rank), (0, 1, 2) if dp > 1 else (0,),
                     RECOMPUTE_MODES, (False, True) if tp > 1 else (False,)):
-                layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, micro_batch_size=max(1, per_rank // count),
+                if (dp * tp // etp) % ep:      # ep up to dp x tp / etp (MoE folding, moetrain/layout.py)
+                    continue
+                layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, micro_batch_size=max(1, per_rank // count),
                                       num_micro_batches=count, zero=zero, recompute=recompute,
                                       sequence_parallel=sp))
     return layouts
@@ -635,7 +648,7 @@ def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
 def _tie_key(result: PlanResult):
     L = result.layout
     return (result.total_comm_bytes, L.zero, RECOMPUTE_MODES.index(L.recompute), L.tp, L.pp,
-            L.sequence_parallel, -L.micro_batch_size, L.ep)
+            L.sequence_parallel, -L.micro_batch_size, L.ep, L.etp)
 
 
 def choose_layout(cfg, world_size: int, device=None) -> Tuple[Dict[str, object], LayoutSearch]:
@@ -733,6 +746,7 @@ def format_plan(result: PlanResult) -> str:
     lines += [
         f" layout       dp {L.dp} x tp {L.tp} x pp {L.pp} = {L.world} devices; ep {L.ep}"
         + (f" ({a.experts // L.ep} experts/device)" if a.moe_layers else "")
+        + (f", etp {L.etp} (1/{L.etp} of each expert's ffn)" if L.etp > 1 else "")
         + f"; ZeRO-{L.zero}; recompute {L.recompute}; sequence parallel {'on' if L.sequence_parallel else 'off'}"
         + (f"; {L.schedule}" if L.pp > 1 else ""),
         f" batch        {job.global_batch_size} sequences x {job.seq_length} = {r.tokens_per_step:,} tokens/step; "
@@ -764,7 +778,8 @@ def format_plan(result: PlanResult) -> str:
     names = {"dp": f"dp gradients ({'all-reduce' if L.zero == 0 else 'ZeRO reduce-scatter + all-gather'})",
              "tp": "tp all-reduces", "sp": "sp all-gather / reduce-scatter", "pp": "pp activations p2p",
              "ep": "ep all-to-all (dispatch + combine)"}
-    spans = {"dp": L.tp * L.dp, "tp": L.tp, "sp": L.tp, "pp": L.world, "ep": L.tp * L.ep}
+    spans = {"dp": L.tp * L.dp, "tp": L.tp, "sp": L.tp, "pp": L.world,
+             "ep": L.etp * L.ep if L.expert_folded else L.tp * L.ep}
     for dim in ("dp", "tp", "sp", "pp", "ep"):
         volume = r.comm_bytes[dim]
         link = "intra-node" if spans[dim] <= dev.devices_per_node else "inter-node"

@@ -99,7 +99,8 @@ def _init_parallel(cfg: Config):
     process groups."""
     check_config_layout(cfg, world=launched_world_size())
     p = cfg.parallel
-    return init_parallel(dp=p.data_parallel, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel)
+    return init_parallel(dp=p.data_parallel, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel,
+                         etp=p.expert_tensor_parallel)
 
 
 def mfu_terms(cfg: Config, seq_length: int, world_size: int) -> Optional[Tuple[float, float]]:

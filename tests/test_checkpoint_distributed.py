@@ -98,7 +98,8 @@ def test_dp2_zero1_resume_at_n_matches_uninterrupted_run_exactly(dp2_runs, tmp_p
     from moetrain.checkpoint.distributed import CheckpointReader
 
     reader = CheckpointReader(dp2_runs["saved"])
-    assert reader.metadata["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "ep": 1, "optimizer_shard": 1}
+    assert reader.metadata["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "ep": 1, "etp": 1,
+                                          "optimizer_shard": 1}
     assert reader.trainer_state["step"] == HALF and reader.trainer_state["consumed_samples"] == HALF * 32
     weight = reader.tensors["hidden.0.weight"]                      # a replica: written once, by rank 0
     assert [p["file"] for p in weight["pieces"]] == ["model.safetensors"]
@@ -506,3 +507,21 @@ def test_pp2_checkpoint_resumes_on_one_process_and_consolidates(tmp_path):
     assert sorted(state) == sorted(loaded)
     for name, value in state.items():
         np.testing.assert_array_equal(value, loaded[name], err_msg=name)
+
+
+def test_expert_pieces_cut_over_ep_and_etp_reassemble_and_a_missing_one_is_named():
+    """An expert tensor of a folded layout is cut along two axes (ep: experts, etp: FFN columns):
+    its four pieces reassemble into the global tensor, and coverage names the missing (ep, etp) pair."""
+    from moetrain.checkpoint.distributed import coverage_problems
+    from moetrain.dist.sharding import ShardSpec, assemble
+
+    value = np.arange(4 * 3 * 6, dtype=np.float32).reshape(4, 3, 6)          # [E, H, F]
+    specs = [ShardSpec(value.shape, 0, ep, 2, "ep", ((2, etp, 2, "etp"),)) for ep in range(2) for etp in range(2)]
+    pieces = [(s, s.slice_of(value)) for s in specs]
+    assert all(p.shape == (2, 3, 3) == s.local_shape() for s, p in pieces)
+    np.testing.assert_array_equal(pieces[3][1], value[2:, :, 3:])            # ep 1, etp 1
+    np.testing.assert_array_equal(assemble(pieces), value)
+    saved = {"global_shape": [4, 3, 6], "pieces": [
+        {"axis": 0, "index": ep, "count": 2, "extra": [[2, etp, 2, "etp"]], "flat": None}
+        for ep, etp in ((0, 0), (0, 1), (1, 0))]}
+    assert coverage_problems("w_up", saved) == ["w_up: slice [1, 1] of [2, 2] along axes [0, 2] is missing"]

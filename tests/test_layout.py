@@ -26,6 +26,15 @@ MOE_SHAPE = ModelShape(layers=4, heads=4, kv_heads=2, vocab=2048, ffn=None, expe
     (Layout(ep=1, dp=2, tp=2), ModelShape(experts=4, shared_ffn=5, heads=4, kv_heads=4), {},
      ["the shared-expert FFN width (5) is not divisible by parallel.model_parallel (2)"]),
     (Layout(dp=2, ep=2), ModelShape(layers=2, heads=2), {}, ["expert_parallel (2) > 1 needs a MoE model"]),
+    # MoE parallel folding: experts on the tp x dp ranks as etp x ep x edp
+    (Layout(tp=4, etp=3), None, {}, ["expert_tensor_parallel (3) must divide model_parallel (4)", "[1, 2, 4]"]),
+    (Layout(dp=2, tp=2, etp=2, ep=4), None, {},
+     ["expert_parallel (4) must divide data_parallel (2) x model_parallel (2) / expert_tensor_parallel (2) = 2"]),
+    (Layout(dp=2, tp=2, etp=2), ModelShape(experts=4, expert_ffn=15), {},
+     ["model.moe.ffn_hidden_size (15) is not divisible by parallel.expert_tensor_parallel (2)"]),
+    (Layout(tp=2, ep=2, micro_batch_size=1), ModelShape(experts=4), dict(seq_length=7),
+     ["a micro-batch's 7 tokens (micro_batch_size x seq_length) cannot be cut into", "= 2 equal slices"]),
+    (Layout(tp=2, etp=2), ModelShape(layers=2, heads=2), {}, ["expert_tensor_parallel (2) > 1 needs a MoE model"]),
     (Layout(tp=4), ModelShape(heads=6), {}, ["model.num_heads (6) is not divisible by parallel.model_parallel (4)"]),
     (Layout(tp=4), ModelShape(heads=8, kv_heads=2), {},
      ["model.num_kv_heads (2) is not divisible by parallel.model_parallel (4)", "[1, 2]"]),
@@ -52,12 +61,20 @@ def test_every_rule_names_the_keys_and_the_fix(layout, shape, known, messages):
 
 def test_all_problems_at_once_and_good_layouts_pass():
     with pytest.raises(LayoutError) as info:
-        check_layout(Layout(dp=2, tp=2, ep=4), ModelShape(layers=5, heads=3, experts=8), world=8)
+        check_layout(Layout(dp=2, tp=2, ep=8), ModelShape(layers=5, heads=3, experts=8), world=8)
     assert str(info.value).count("\n  - ") == 3
     check_layout(Layout(dp=4, tp=2, pp=2, ep=2, micro_batch_size=2, num_micro_batches=8),
                  ModelShape(layers=8, heads=8, kv_heads=2, vocab=64, ffn=None, experts=8), world=16,
                  global_batch_size=64)
     check_layout(Layout(pp=4, num_micro_batches=4), ModelShape(layers=4), world=4)
+    # folded: ep spanning the tp ranks (ep up to dp x tp / etp), and etp > 1 with ep = 1
+    for folded in (Layout(tp=2, ep=2), Layout(dp=2, tp=2, ep=4), Layout(dp=2, tp=2, etp=2, ep=2),
+                   Layout(dp=2, tp=2, etp=2), Layout(dp=2, tp=4, etp=2, ep=4)):
+        check_layout(folded, ModelShape(layers=2, heads=4, kv_heads=4, experts=8, expert_ffn=32), world=folded.world,
+                     seq_length=16)
+        assert folded.expert_folded
+    assert not Layout(dp=2, tp=2, ep=2).expert_folded and Layout(dp=2, tp=2, ep=2).token_slices == 1
+    assert Layout(tp=4, etp=2, ep=2).token_slices == 2
 
 
 def test_split_layers_even_and_explicit():

@@ -340,3 +340,26 @@ def test_float16_compute_matches_float32(ms):
     assert y16.dtype == ms.float32                                      # the residual stream keeps its dtype
     np.testing.assert_allclose(y16.asnumpy(), y32.asnumpy(), rtol=0, atol=5e-3 * np.abs(y32.asnumpy()).max())
     np.testing.assert_array_equal(stats16["expert_load"].asnumpy(), stats32["expert_load"].asnumpy())
+
+
+def test_shared_experts_run_between_dispatch_and_routed_experts_with_the_same_numbers(ms):
+    """The shared experts are computed after the dispatch and before the routed experts (PyNative
+    runs the graph's order as calls: recorded here), and the output is bitwise the old order's
+    (dispatch, experts, combine, then the shared experts)."""
+    layer, _, _ = build_layer(ms, seed=3, num_shared_experts=1)
+    x = ms.Tensor(np.random.default_rng(4).standard_normal((2, 6, HIDDEN)), ms.float32)
+    calls = []
+    for name in ("shared_experts", "experts"):
+        getattr(layer, name).register_forward_pre_hook(lambda cell, inputs, name=name: calls.append(name))
+    dispatcher = layer.dispatcher
+    dispatch, combine = dispatcher.dispatch, dispatcher.combine
+    dispatcher.dispatch = lambda *a: (calls.append("dispatch"), dispatch(*a))[1]
+    dispatcher.combine = lambda *a: (calls.append("combine"), combine(*a))[1]
+    y = layer(x)[0].asnumpy()
+    assert calls == ["dispatch", "shared_experts", "experts", "combine"]
+
+    tokens = x.reshape(-1, HIDDEN)
+    topk_idx, topk_weight, _, _ = layer.router(tokens, layer.expert_bias)
+    expert_input, state = dispatch(tokens, topk_idx, topk_weight)
+    routed = combine(layer.experts(expert_input, state.get("row_expert"), state.get("group_sizes")), state)
+    np.testing.assert_array_equal(y, (routed + layer.shared_experts(tokens)).reshape(x.shape).asnumpy())

@@ -192,11 +192,12 @@ def test_expert_all_to_all_volume():
 # ------------------------------------------------------------------------------- validation
 def test_validation_messages():
     job = Job(model=tiny_moe({"num_experts": 6}), seq_length=16, global_batch_size=16)
-    problems = plan_problems(job, Layout(dp=2, tp=8, pp=3, ep=4, micro_batch_size=3, num_micro_batches=2),
+    problems = plan_problems(job, Layout(dp=2, tp=8, pp=3, ep=4, etp=2, micro_batch_size=3, num_micro_batches=2),
                              world_size=32)
     text = "\n".join(problems)
     assert "= 48 processes, but 32 were launched" in text
-    assert "parallel.expert_parallel (4) must divide data_parallel (2)" in text
+    assert ("parallel.expert_parallel (4) must divide data_parallel (2) x model_parallel (8) / "
+            "expert_tensor_parallel (2) = 8") not in text          # ep may span tp ranks (MoE folding)
     assert "model.moe.num_experts (6) is not divisible by parallel.expert_parallel (4)" in text
     assert "model.num_heads (4) is not divisible by parallel.model_parallel (8)" in text
     assert "model.num_kv_heads (2) is not divisible by parallel.model_parallel (8)" in text
@@ -376,3 +377,56 @@ def test_auto_mode_on_a_model_the_planner_does_not_model_runs_data_parallel(caps
     assert search is None and chosen.parallel.mode == "manual" and chosen.dp == 4
     assert chosen.dp * chosen.micro_batch_size * chosen.num_micro_batches == cfg.train.global_batch_size
     assert "running data parallel over 4 rank(s)" in capsys.readouterr().out
+
+
+def _held_by_rank(model_cfg, layout, rank=0):
+    """Parameters rank `rank` of `layout` holds once the model is sliced as training slices it
+    (tensor-parallel plan, then experts over ep and etp), counted on the built cells."""
+    import mindspore as ms
+
+    from moetrain.config import ParallelConfig
+    from moetrain.dist.topology import ParallelContext
+    from moetrain.parallel.expert_parallel import parallelize_moe
+    from moetrain.parallel.plans import TP_PLANS
+    from moetrain.parallel.tensor_parallel import parallelize_module
+    from moetrain.registry import get_model
+
+    ms.set_context(device_target="CPU")
+    pctx = ParallelContext.build(layout.world, rank, layout.dp, layout.tp, layout.pp, layout.ep, layout.etp)
+    model = get_model(model_cfg.name).cls(model_cfg)
+    parallelize_module(model, TP_PLANS[model_cfg.name], pctx.group("tp"))
+    parallelize_moe(model, ParallelConfig(), pctx)
+    return sum(p.size for p in model.get_parameters())
+
+
+@pytest.mark.parametrize("folded", [Layout(dp=2, tp=2, ep=2, etp=2), Layout(dp=2, tp=2, etp=2), Layout(tp=2, ep=2),
+                                    Layout(dp=2, tp=2, ep=4)], ids=lambda L: L.describe().split(" zero")[0])
+def test_expert_parameters_per_rank_with_etp_and_ep_over_tp_match_the_sliced_model(folded):
+    """The planner's parameters per device on folded layouts (experts E/ep x F/etp) minus those of the
+    same tp x dp without expert parallelism equal the same difference counted on the sliced cells."""
+    cfg = tiny_moe()
+    job = Job(model=cfg, seq_length=16, global_batch_size=folded.dp)
+    plain = Layout(dp=folded.dp, tp=folded.tp)
+    planned = [plan_layout(job, L, EXACT).stages[0].params for L in (folded, plain)]
+    held = [_held_by_rank(cfg, L) for L in (folded, plain)]
+    assert planned[0] - planned[1] == held[0] - held[1] < 0
+    experts = 3 * 16 * 16 * 8 * 4                                  # 4 MoE layers of 8 experts, h = F = 16
+    assert held[1] - held[0] == experts - experts // (folded.ep * folded.etp)
+
+
+def test_folded_layout_costs_and_search():
+    """etp splits the experts' compute and weights; the tp_tokens gathers and etp all-reduces are
+    counted; the auto-layout search proposes etp > 1 and ep spanning tp ranks."""
+    job = Job(model=tiny_moe(), seq_length=16, global_batch_size=4)
+    unfolded = plan_layout(job, Layout(dp=2, tp=2, micro_batch_size=2), EXACT)
+    folded = plan_layout(job, Layout(dp=2, tp=2, etp=2, micro_batch_size=2), EXACT)
+    assert folded.stages[0].compute_seconds_per_micro_batch < unfolded.stages[0].compute_seconds_per_micro_batch
+    assert folded.comm_bytes["tp"] > unfolded.comm_bytes["tp"]                # the etp all-reduces
+    assert folded.comm_bytes["dp"] < unfolded.comm_bytes["dp"]                # half of each expert to sync
+    spanning = plan_layout(job, Layout(tp=2, ep=2, dp=1, micro_batch_size=4), EXACT)
+    assert spanning.comm_bytes["ep"] > 0
+    from moetrain.plan import candidate_layouts
+
+    layouts = candidate_layouts(job, 4)
+    assert any(L.etp == 2 for L in layouts) and any(L.ep > L.dp for L in layouts)
+    assert all((L.dp * L.tp // L.etp) % L.ep == 0 and L.tp % L.etp == 0 for L in layouts)

@@ -27,6 +27,7 @@ this rank holds in its own layout, so dp, tp, pp, ep and the ZeRO level may all 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ import numpy as np
 
 from moetrain.checkpoint.manager import (MANIFEST, METADATA, CheckpointError, CheckpointSaveError, CheckpointWriter,
                                          latest_of_run, prune_checkpoints, read_manifest, sha256_of, verify_files)
-from moetrain.dist.sharding import MASTER_PREFIX, ShardSpec
+from moetrain.dist.sharding import MASTER_PREFIX, ShardSpec, tp_copies
 
 FORMAT = "moetrain-sharded-v1"
 PARTS = ("model", "optimizer")
@@ -78,7 +79,7 @@ class LocalTensor:
 
 def first_replica(pctx, spec: ShardSpec, group_kind: str, zero_sharded: bool) -> bool:
     """Whether this rank is the one that writes a tensor (replicas are identical: write once)."""
-    if spec.group_kind != "tp" and pctx.tp_rank != 0:     # a copy on every tensor-parallel rank
+    if tp_copies(spec, group_kind, pctx) > 1 and pctx.tp_rank != 0:     # a copy on every tensor-parallel rank
         return False
     if zero_sharded:                                      # every group member holds another range
         return True
@@ -153,7 +154,7 @@ def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
 
 def layout_of(pctx, optimizer_shard: int) -> Dict[str, int]:
     return {"world_size": pctx.world_size, "dp": pctx.dp, "tp": pctx.tp, "pp": pctx.pp, "ep": pctx.ep,
-            "optimizer_shard": optimizer_shard}
+            "etp": pctx.etp, "optimizer_shard": optimizer_shard}
 
 
 def whole_parts(layout: Dict[str, int], tensors: Iterable[LocalTensor]) -> Dict[str, bool]:
@@ -182,7 +183,7 @@ def host_copy(t: LocalTensor) -> np.ndarray:
 def _piece_json(t: LocalTensor, filename: str, value: np.ndarray) -> Dict[str, Any]:
     return {"key": t.key, "part": t.part, "file": filename, "global_shape": list(t.spec.global_shape),
             "dtype": str(value.dtype), "group": t.group_kind, "axis": t.spec.axis, "index": t.spec.index,
-            "count": t.spec.count, "slice_kind": t.spec.group_kind,
+            "count": t.spec.count, "slice_kind": t.spec.group_kind, "extra": [list(e) for e in t.spec.extra],
             "flat": [t.flat[0], t.flat[0] + int(value.size)] if t.flat else None}
 
 
@@ -221,7 +222,8 @@ def merge_indices(folder: str, world_size: int) -> Tuple[Dict[str, dict], Dict[s
             if entry["global_shape"] != piece["global_shape"]:
                 raise CheckpointError(f"{piece['key']}: rank {rank} holds a piece of global shape "
                                       f"{piece['global_shape']}, another rank of {entry['global_shape']}")
-            entry["pieces"].append({k: piece[k] for k in ("file", "axis", "index", "count", "slice_kind", "flat")})
+            entry["pieces"].append({k: piece.get(k, []) for k in ("file", "axis", "index", "count", "slice_kind",
+                                                                  "extra", "flat")})
     for rank in range(world_size):
         os.remove(os.path.join(folder, _INDEX.format(rank=rank)))
     problems = [p for key, entry in sorted(tensors.items()) for p in coverage_problems(key, entry)]
@@ -230,46 +232,55 @@ def merge_indices(folder: str, world_size: int) -> Tuple[Dict[str, dict], Dict[s
     return dict(sorted(tensors.items())), checksums
 
 
+def _slicings(piece: Dict[str, Any]) -> List[Tuple[int, int, int]]:
+    """(axis, index, count) of every slicing of a saved piece: its first axis, then its `extra` ones
+    (an expert tensor cut over ep and etp); [] for a whole tensor."""
+    first = [] if piece["axis"] is None else [(piece["axis"], piece["index"], piece["count"])]
+    return first + [(e[0], e[1], e[2]) for e in piece.get("extra") or []]
+
+
 def coverage_problems(key: str, entry: Dict[str, Any]) -> List[str]:
     """What is missing for `key` to be reassembled from its pieces (empty list: complete)."""
     pieces = entry["pieces"]
     if not pieces:
         return [f"{key}: no pieces"]
-    slicings = {(p["axis"], p["count"]) for p in pieces}
+    slicings = {tuple((a, c) for a, _, c in _slicings(p)) for p in pieces}
     if len(slicings) != 1:
         return [f"{key}: pieces sliced in different ways {sorted(slicings, key=str)}"]
-    (axis, count), = slicings
+    (cuts,) = slicings
+    numel = int(np.prod(_slice_shape(entry["global_shape"], _slicings(pieces[0]))))
     problems = []
-    for index in range(count if axis is not None else 1):
-        mine = [p for p in pieces if p["index"] == index or axis is None]
+    for indices in itertools.product(*(range(c) for _, c in cuts)):
+        mine = [p for p in pieces if tuple(i for _, i, _ in _slicings(p)) == indices]
         if not mine:
-            problems.append(f"{key}: slice {index} of {count} along axis {axis} is missing")
+            problems.append(f"{key}: slice {list(indices)} of {[c for _, c in cuts]} along axes "
+                            f"{[a for a, _ in cuts]} is missing")
             continue
         if any(p["flat"] is None for p in mine):
             continue
-        numel = int(np.prod(_slice_shape(entry["global_shape"], axis, count)))
         covered = np.zeros(numel, bool)
         for p in mine:
             covered[p["flat"][0]:p["flat"][1]] = True
         if not covered.all():
             first = int(np.argmin(covered))
-            problems.append(f"{key}: elements from {first} of slice {index} ({numel} elements) are in no piece")
+            problems.append(f"{key}: elements from {first} of slice {list(indices)} ({numel} elements) are in no "
+                            f"piece")
     return problems
 
 
-def _slice_shape(global_shape, axis, count) -> Tuple[int, ...]:
+def _slice_shape(global_shape, slicings) -> Tuple[int, ...]:
     shape = list(global_shape)
-    if axis is not None:
+    for axis, _, count in slicings:
         shape[axis] //= count
     return tuple(shape)
 
 
-def _slice_region(global_shape, axis, index, count) -> Tuple[slice, ...]:
-    if axis is None:
-        return tuple(slice(None) for _ in global_shape)
-    size = global_shape[axis] // count
-    return tuple(slice(index * size, (index + 1) * size) if d == axis else slice(None)
-                 for d in range(len(global_shape)))
+def _slice_region(global_shape, slicings) -> Tuple[slice, ...]:
+    region = [slice(None)] * len(global_shape)
+    for axis, index, count in slicings:
+        size = global_shape[axis] // count
+        region[axis] = slice(index * size, (index + 1) * size)
+    return tuple(region)
 
 
 def finish_checkpoint(writer: CheckpointWriter, world_size: int, metadata: Dict[str, Any], config_file: str) -> str:
@@ -498,21 +509,18 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: " + "; ".join(problems))
         shape = tuple(entry["global_shape"])
         out = np.zeros(shape, entry["dtype"])
-        flat_buffers: Dict[int, np.ndarray] = {}
+        flat_buffers: Dict[tuple, np.ndarray] = {}
         for piece in entry["pieces"]:
-            axis, index, count = piece["axis"], piece["index"], piece["count"]
-            region = _slice_region(shape, axis, index, count)
+            slicings = _slicings(piece)
             value = self._read(piece["file"], key)
             if piece["flat"] is None:
-                out[region] = value.reshape(_slice_shape(shape, axis, count))
+                out[_slice_region(shape, slicings)] = value.reshape(_slice_shape(shape, slicings))
             else:
-                buffer = flat_buffers.setdefault(index, np.zeros(int(np.prod(_slice_shape(shape, axis, count))),
-                                                                 entry["dtype"]))
+                buffer = flat_buffers.setdefault(tuple(slicings), np.zeros(int(np.prod(_slice_shape(shape, slicings))),
+                                                                           entry["dtype"]))
                 buffer[piece["flat"][0]:piece["flat"][1]] = value.reshape(-1)
-        for index, buffer in flat_buffers.items():
-            piece = entry["pieces"][0]
-            out[_slice_region(shape, piece["axis"], index, piece["count"])] = \
-                buffer.reshape(_slice_shape(shape, piece["axis"], piece["count"]))
+        for slicings, buffer in flat_buffers.items():
+            out[_slice_region(shape, slicings)] = buffer.reshape(_slice_shape(shape, slicings))
         return out
 
     def local_value(self, t: LocalTensor) -> np.ndarray:
@@ -613,10 +621,10 @@ def consolidate(src: str, out_dir: str) -> Dict[str, np.ndarray]:
 
 
 def parse_layout(text: str) -> Dict[str, int]:
-    """`dp=4,tp=2,pp=1,ep=1,zero=1` (omitted sizes are 1, zero is 0) -> a validated layout dict."""
+    """`dp=4,tp=2,pp=1,ep=1,etp=1,zero=1` (omitted sizes are 1, zero is 0) -> a validated layout dict."""
     from moetrain.layout import Layout, LayoutError, check_layout
 
-    sizes = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "zero": 0}
+    sizes = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "zero": 0}
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, value = item.partition("=")
         if name not in sizes or not value.strip().isdigit():
@@ -627,19 +635,20 @@ def parse_layout(text: str) -> Dict[str, int]:
         raise ValueError(f"--to-layout: zero={sizes['zero']} must be 0, 1 or 2")
     world = sizes["dp"] * sizes["tp"] * sizes["pp"]
     try:
-        check_layout(Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], ep=sizes["ep"],
+        check_layout(Layout(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], ep=sizes["ep"], etp=sizes["etp"],
                             num_micro_batches=sizes["pp"], zero=sizes["zero"]), world=world)
     except LayoutError as exc:
         raise ValueError(f"--to-layout {text!r}: {exc}") from None
     return {"world_size": world, "dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"], "ep": sizes["ep"],
-            "optimizer_shard": sizes["zero"]}
+            "etp": sizes["etp"], "optimizer_shard": sizes["zero"]}
 
 
 def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int) -> List[LocalTensor]:
     """The tensors rank `rank` of `layout` would hold, from the saved tensors' slicing rules."""
     from moetrain.dist.topology import ParallelContext
 
-    pctx = ParallelContext.build(layout["world_size"], rank, layout["dp"], layout["tp"], layout["pp"], layout["ep"])
+    pctx = ParallelContext.build(layout["world_size"], rank, layout["dp"], layout["tp"], layout["pp"], layout["ep"],
+                                 layout.get("etp", 1))
     zero = layout["optimizer_shard"] > 0
     out = []
     for key, entry in reader.tensors.items():
@@ -647,13 +656,16 @@ def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int)
             continue                                  # at ZeRO 0 the parameter is its own master
         piece = entry["pieces"][0]
         kind = piece["slice_kind"]
-        count = {"tp": pctx.tp, "ep": pctx.ep}.get(kind, piece["count"]) if piece["axis"] is not None else 1
-        index = {"tp": pctx.tp_rank, "ep": pctx.ep_rank}.get(kind, 0) if piece["axis"] is not None else 0
+        sliced = piece["axis"] is not None
+        count = {"tp": pctx.tp, "ep": pctx.ep, "etp": pctx.etp}.get(kind, piece["count"]) if sliced else 1
+        index = {"tp": pctx.tp_rank, "ep": pctx.ep_rank, "etp": pctx.etp_rank}.get(kind, 0) if sliced else 0
         if count > 1 and entry["global_shape"][piece["axis"]] % count:
             raise CheckpointError(f"{key}: dimension {piece['axis']} of {tuple(entry['global_shape'])} cannot be "
                                   f"split into {kind}={count} equal slices; choose a {kind} size that divides it")
+        extra = tuple((e[0], pctx.etp_rank, pctx.etp, e[3]) for e in piece.get("extra") or []
+                      if e[3] == "etp" and pctx.etp > 1)
         spec = ShardSpec(tuple(entry["global_shape"]), piece["axis"] if count > 1 else None, index, count,
-                         kind if count > 1 else "")
+                         kind if count > 1 else "", extra)
         flat = None
         if zero and entry["part"] == "optimizer":
             group = pctx.group(entry["group"])

@@ -24,24 +24,44 @@ class ShardSpec:
     index: int = 0                  # which slice this rank holds
     count: int = 1                  # number of equal slices along `axis`
     group_kind: str = ""            # group the slices are spread over ("tp", "ep")
+    # further slicings on other axes, (axis, index, count, group_kind) each: an expert tensor split over
+    # ep along its expert axis and over etp along its FFN axis
+    extra: Tuple[Tuple[int, int, int, str], ...] = ()
+
+    def slicings(self) -> Tuple[Tuple[int, int, int, str], ...]:
+        """Every (axis, index, count, group_kind) this piece is cut by (distinct axes)."""
+        first = () if self.axis is None else ((self.axis, self.index, self.count, self.group_kind),)
+        return first + tuple(self.extra)
 
     def local_shape(self) -> Tuple[int, ...]:
-        if self.axis is None:
-            return self.global_shape
         shape = list(self.global_shape)
-        shape[self.axis] //= self.count
+        for axis, _, count, _ in self.slicings():
+            shape[axis] //= count
         return tuple(shape)
 
     def slice_of(self, global_array: np.ndarray) -> np.ndarray:
-        if self.axis is None:
-            return global_array
-        return np.split(global_array, self.count, axis=self.axis)[self.index]
+        for axis, index, count, _ in self.slicings():
+            global_array = np.split(global_array, count, axis=axis)[index]
+        return global_array
+
+    def sliced_over(self, group_kind: str) -> bool:
+        return any(kind == group_kind for _, _, _, kind in self.slicings())
 
 
 def mark_shard(param, global_shape, axis: Optional[int], index: int, count: int, group_kind: str) -> None:
     if axis is not None and global_shape[axis] % count:
         raise ValueError(f"{param.name}: dimension {axis} of {tuple(global_shape)} is not divisible by {count}")
     setattr(param, _ATTR, ShardSpec(tuple(int(d) for d in global_shape), axis, index, count, group_kind))
+
+
+def mark_further_shard(param, axis: int, index: int, count: int, group_kind: str) -> None:
+    """Record one more slicing of an already sliced `param`, on another axis (expert tensor parallel
+    after expert parallel)."""
+    spec = shard_spec(param)
+    if any(a == axis for a, _, _, _ in spec.slicings()) or spec.global_shape[axis] % count:
+        raise ValueError(f"{param.name}: cannot slice dimension {axis} of {spec.global_shape} into {count} "
+                         f"again ({spec})")
+    setattr(param, _ATTR, dataclasses.replace(spec, extra=spec.extra + ((axis, index, count, group_kind),)))
 
 
 def shard_spec(param) -> ShardSpec:
@@ -52,13 +72,20 @@ def assemble(pieces: Iterable[Tuple[ShardSpec, np.ndarray]]) -> np.ndarray:
     """The global tensor from all slices of one parameter (duplicates allowed)."""
     pieces = list(pieces)
     spec = pieces[0][0]
-    if spec.axis is None:
+    if not spec.slicings():
         return pieces[0][1]
-    by_index = {s.index: a for s, a in pieces}
-    missing = sorted(set(range(spec.count)) - set(by_index))
-    if missing:
-        raise ValueError(f"shards {missing} of {spec.count} are missing")
-    return np.concatenate([by_index[i] for i in range(spec.count)], axis=spec.axis)
+    out = np.zeros(spec.global_shape, pieces[0][1].dtype)
+    covered = np.zeros(spec.global_shape, bool)
+    for s, value in pieces:
+        region = [slice(None)] * len(s.global_shape)
+        for axis, index, count, _ in s.slicings():
+            size = s.global_shape[axis] // count
+            region[axis] = slice(index * size, (index + 1) * size)
+        out[tuple(region)] = value
+        covered[tuple(region)] = True
+    if not covered.all():
+        raise ValueError(f"shards of {spec.global_shape} ({spec}) are missing")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,3 +114,12 @@ def mark_role(param, **changes) -> None:
 def reduction_group_kind(param) -> str:
     """The data-parallel group whose ranks hold replicas of `param` and sum its gradient."""
     return "edp" if param_role(param).expert else "dp"
+
+
+def tp_copies(spec: ShardSpec, group_kind: str, pctx) -> int:
+    """Tensor-parallel ranks holding the same piece besides its reduction group: tp for a tensor
+    replicated over tp, 1 for one sliced over tp, and 1 for expert tensors of a folded layout (their
+    edp group already spans the tp ranks that hold the same experts, moetrain/dist/topology.py)."""
+    if spec.sliced_over("tp") or (group_kind == "edp" and pctx.expert_folded):
+        return 1
+    return pctx.tp

@@ -1,13 +1,21 @@
-"""Process topology: who is who in a dp x tp x pp job with experts carved out of dp.
+"""Process topology: who is who in a dp x tp x pp job, with the experts folded over tp x dp.
 
 Rank layout (Megatron order, tensor-parallel ranks adjacent so they share a node):
 
     global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
-Expert parallelism splits each data-parallel group: ``ep_rank = dp_rank % ep``. The ``ep`` group
-holds ``ep`` consecutive dp ranks (they exchange tokens in AllToAll); the ``edp`` group (expert
-data parallel, size ``dp / ep``) holds the dp ranks with the same ``ep_rank``, i.e. the replicas of
-the same experts, which all-reduce expert gradients.
+Experts (MoE parallel folding, Megatron-Core's expert_tensor_parallel / MindFormers' keys): the
+tp x dp ranks of a stage also hold the experts as etp x ep x edp. A rank's expert coordinates:
+
+    lane = tp_rank % etp                          its etp rank: which FFN column/row slice of each expert
+    u    = tp_rank // etp + (tp / etp) * dp_rank   which token slice it dispatches (tp ranks hold the same
+                                                  tokens: each of the tp / etp slices goes to one rank)
+    ep_rank = u % ep,  edp_rank = u // ep          ep over adjacent ranks first (Megatron's order): within
+                                                  a lane, global rank = lane + etp * u, so the group orders agree
+
+Folding is on when etp > 1 or ep does not divide dp (`Layout.expert_folded`). Without it (etp 1, ep
+dividing dp: the layout before folding) lane = tp_rank and u = dp_rank: the experts are replicated
+over tp, every tp rank runs all of its dp rank's tokens, and ep / edp are carved out of dp as before.
 
 Groups (kind -> members of this rank's group):
 
@@ -15,8 +23,10 @@ Groups (kind -> members of this rank's group):
     tp         same (dp, pp)                 tensor-parallel collectives
     dp         same (tp, pp)                 dense-gradient all-reduce
     pp         same (dp, tp)                 all pipeline stages of one model replica
-    ep         same (tp, pp, dp_rank // ep)  expert all-to-all
-    edp        same (tp, pp, ep_rank)        expert-gradient all-reduce
+    ep         same (pp, lane, u // ep)      expert all-to-all
+    edp        same (pp, lane, ep_rank)      expert-gradient all-reduce (the replicas of the same experts)
+    etp        same (pp, dp, u)              one expert's FFN split column/row-wise (folded; else trivial)
+    tp_tokens  same (pp, dp, lane)           the tp ranks whose token slices make up the dp rank's tokens
     embedding  first and last stage of the same (dp, tp)   tied embeddings
     pp_next / pp_prev   this stage and its neighbour       point-to-point activations
 
@@ -35,7 +45,9 @@ from moetrain.layout import Layout, LayoutError, check_layout
 from moetrain.layout import launched_world_size as announced_world_size
 
 # Kinds in the order groups are created; every rank walks this order identically.
-GROUP_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "embedding", "pp_next", "pp_prev")
+GROUP_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "etp", "tp_tokens", "embedding", "pp_next", "pp_prev")
+# the byte-counter bucket of each kind that has none of its own (comm.COUNTER_KINDS)
+_BUCKETS = {"pp_next": "pp", "pp_prev": "pp", "etp": "tp", "tp_tokens": "tp"}
 
 
 @dataclass(frozen=True)
@@ -91,39 +103,54 @@ class ParallelContext:
     pp: int
     ep: int
     groups: Dict[str, Group] = field(repr=False)
+    etp: int = 1
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def build(cls, world_size: int, rank: int, dp: int, tp: int = 1, pp: int = 1, ep: int = 1) -> "ParallelContext":
+    def build(cls, world_size: int, rank: int, dp: int, tp: int = 1, pp: int = 1, ep: int = 1,
+              etp: int = 1) -> "ParallelContext":
         """Pure layout computation (no MindSpore): coordinates and member lists of every group."""
         # the sizes only (micro-batches are not the topology's concern)
-        check_layout(Layout(dp=dp, tp=tp, pp=pp, ep=ep, num_micro_batches=pp), world=world_size)
+        layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, num_micro_batches=pp)
+        check_layout(layout, world=world_size)
         if not 0 <= rank < world_size:
             raise LayoutError(f"rank {rank} is outside the world of {world_size} ranks")
-        tp_rank, rest = rank % tp, rank // tp
-        dp_rank, pp_rank = rest % dp, rest // dp
-        ep_rank, ep_block = dp_rank % ep, dp_rank // ep
+        folded = layout.expert_folded
 
-        def ranks(dps=(dp_rank,), tps=(tp_rank,), pps=(pp_rank,)) -> Tuple[int, ...]:
-            return tuple(sorted(global_rank_of(d, t, p, dp, tp) for p in pps for d in dps for t in tps))
+        def coords(r: int) -> Tuple[int, int, int, int, int]:
+            """(tp_rank, dp_rank, pp_rank, lane, u) of global rank r (see the module docstring)."""
+            t, rest = r % tp, r // tp
+            d, p = rest % dp, rest // dp
+            return (t, d, p, t % etp, t // etp + (tp // etp) * d) if folded else (t, d, p, t, d)
+
+        t0, d0, p0, lane0, u0 = coords(rank)
+        every = [coords(r) for r in range(world_size)]
+
+        def where(keep) -> Tuple[int, ...]:
+            return tuple(r for r, c in enumerate(every) if keep(*c))
 
         members = {
             "world": tuple(range(world_size)),
-            "tp": ranks(tps=range(tp)),
-            "dp": ranks(dps=range(dp)),
-            "pp": ranks(pps=range(pp)),
-            "ep": ranks(dps=range(ep_block * ep, ep_block * ep + ep)),
-            "edp": ranks(dps=range(ep_rank, dp, ep)),
-            "embedding": ranks(pps=sorted({0, pp - 1})) if pp_rank in (0, pp - 1) else (rank,),
-            "pp_next": ranks(pps=(pp_rank, pp_rank + 1)) if pp_rank + 1 < pp else (rank,),
-            "pp_prev": ranks(pps=(pp_rank - 1, pp_rank)) if pp_rank > 0 else (rank,),
+            "tp": where(lambda t, d, p, lane, u: (d, p) == (d0, p0)),
+            "dp": where(lambda t, d, p, lane, u: (t, p) == (t0, p0)),
+            "pp": where(lambda t, d, p, lane, u: (t, d) == (t0, d0)),
+            "ep": where(lambda t, d, p, lane, u: (p, lane, u // ep) == (p0, lane0, u0 // ep)),
+            "edp": where(lambda t, d, p, lane, u: (p, lane, u % ep) == (p0, lane0, u0 % ep)),
+            "etp": where(lambda t, d, p, lane, u: folded and (p, d, u) == (p0, d0, u0)) or (rank,),
+            "tp_tokens": where(lambda t, d, p, lane, u: folded and (p, d, lane) == (p0, d0, lane0)) or (rank,),
+            "embedding": where(lambda t, d, p, lane, u: (t, d) == (t0, d0) and p in (0, pp - 1))
+                         if p0 in (0, pp - 1) else (rank,),
+            "pp_next": where(lambda t, d, p, lane, u: (t, d) == (t0, d0) and p in (p0, p0 + 1))
+                       if p0 + 1 < pp else (rank,),
+            "pp_prev": where(lambda t, d, p, lane, u: (t, d) == (t0, d0) and p in (p0 - 1, p0))
+                       if p0 > 0 else (rank,),
         }
         groups = {}
         for kind in GROUP_KINDS:
             member_ranks = members[kind]
-            bucket = "pp" if kind in ("pp_next", "pp_prev") else kind
-            groups[kind] = Group(bucket, member_ranks, member_ranks.index(rank), communicator_name(member_ranks))
-        return cls(world_size, rank, dp, tp, pp, ep, groups)
+            groups[kind] = Group(_BUCKETS.get(kind, kind), member_ranks, member_ranks.index(rank),
+                                 communicator_name(member_ranks))
+        return cls(world_size, rank, dp, tp, pp, ep, groups, etp)
 
     @classmethod
     def single(cls) -> "ParallelContext":
@@ -144,16 +171,29 @@ class ParallelContext:
         return self.rank // (self.tp * self.dp)
 
     @property
+    def expert_folded(self) -> bool:
+        return Layout(dp=self.dp, tp=self.tp, ep=self.ep, etp=self.etp).expert_folded
+
+    @property
+    def token_slices(self) -> int:
+        """Slices of its tokens a tp group dispatches, one per `tp_tokens` rank (1: not folded)."""
+        return self.group("tp_tokens").size
+
+    @property
+    def etp_rank(self) -> int:
+        return self.group("etp").rank_in_group
+
+    @property
     def ep_rank(self) -> int:
-        return self.dp_rank % self.ep
+        return self.group("ep").rank_in_group
 
     @property
     def edp(self) -> int:
-        return self.dp // self.ep
+        return self.group("edp").size
 
     @property
     def edp_rank(self) -> int:
-        return self.dp_rank // self.ep
+        return self.group("edp").rank_in_group
 
     @property
     def is_first_stage(self) -> bool:
@@ -170,7 +210,8 @@ class ParallelContext:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: dp {self.dp_rank}/{self.dp} tp {self.tp_rank}/{self.tp} "
-                f"pp {self.pp_rank}/{self.pp} ep {self.ep_rank}/{self.ep} edp {self.edp_rank}/{self.edp}")
+                f"pp {self.pp_rank}/{self.pp} ep {self.ep_rank}/{self.ep} edp {self.edp_rank}/{self.edp}"
+                + (f" etp {self.etp_rank}/{self.etp}" if self.etp > 1 else ""))
 
     # ---- communicators ------------------------------------------------------------------
     def communicators_to_create(self) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -200,7 +241,7 @@ def launched_world_size() -> int:
     return announced_world_size() or 1
 
 
-def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 1, *,
+def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 1, *, etp: int = 1,
                   verbose: bool = True) -> ParallelContext:
     """Start MindSpore communication when launched with several processes and create every group.
 
@@ -228,7 +269,7 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
         raise LayoutError(f"the launcher announced {world} processes but the communicator has {real_world}")
     from moetrain.dist import contract
 
-    ctx = ParallelContext.build(world, rank, dp, tp, pp, ep).with_world_name(GlobalComm.WORLD_COMM_GROUP)
+    ctx = ParallelContext.build(world, rank, dp, tp, pp, ep, etp).with_world_name(GlobalComm.WORLD_COMM_GROUP)
     contract.register_group(GlobalComm.WORLD_COMM_GROUP, range(world))   # the contract backend's registry
     for name, ranks in ctx.communicators_to_create():
         create_group(name, list(ranks))
@@ -238,6 +279,6 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
 
         backend = comm.backend_name()
         path = "" if backend == "emulated" else f" ({comm.native_target()} path)"
-        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep}, comm backend {backend}{path}",
+        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep} etp={etp}, comm backend {backend}{path}",
               flush=True)
     return ctx

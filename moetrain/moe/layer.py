@@ -1,4 +1,11 @@
-"""The MoE feed-forward layer: route -> dispatch -> experts -> combine (+ shared experts)."""
+"""The MoE feed-forward layer: route -> dispatch -> shared experts -> routed experts -> combine.
+
+The shared experts run between the dispatch and the routed experts: they need nothing from the
+token exchange, so a backend that runs collectives asynchronously computes them while the tokens
+travel, and the routed experts (the exchange's first consumer) are made to wait for them
+(`ops.depend`), which fixes that order in the graph as well. Their output is added after the
+combine, as before: the numbers do not change (docs/moe.md, "Shared experts during the dispatch").
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +16,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from moetrain.layers import SwiGLUMLP
 from moetrain.modeling import MEAN, SUM, StatSpec
 from moetrain.moe.config import MoEConfig
-from moetrain.moe.dispatcher import SortDispatcher
+from moetrain.moe.dispatcher import SortDispatcher, expert_counts
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.losses import load_balancing_loss, tokens_per_expert, z_loss
 from moetrain.moe.router import TopKRouter
@@ -37,8 +44,8 @@ class MoELayer(nn.Cell):
     it with `update_expert_bias` when `bias_update_rate > 0`, otherwise it stays zero).
 
     Expert parallelism (`moetrain.parallel.expert_parallel`) swaps in an expert-parallel
-    `dispatcher`, slices `experts` to the local ones and picks the aux loss's token set with
-    `set_aux_loss_scope`.
+    `dispatcher`, slices `experts` to the local ones, sets the folding groups with
+    `set_expert_groups` and picks the aux loss's token set with `set_aux_loss_scope`.
     """
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, init_std: float = 0.02, compute_dtype=ms.float32):
@@ -47,6 +54,7 @@ class MoELayer(nn.Cell):
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.needs_sequences = cfg.seq_aux_loss_coeff > 0
         self.aux_loss_scope, self.balance_group = "micro_batch", None
+        self.token_group = self.etp_group = None    # MoE parallel folding (set_expert_groups)
         self.router = TopKRouter(hidden_size, cfg, init_std)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.ffn_hidden_size, init_std, compute_dtype)
         self.dispatcher = SortDispatcher(cfg.num_experts, cfg.top_k, cfg.capacity_factor,
@@ -81,6 +89,23 @@ class MoELayer(nn.Cell):
         self.aux_loss_scope, self.balance_group = scope, group
         self.needs_sequences = self.cfg.seq_aux_loss_coeff > 0 or scope == "sequence"
 
+    def set_expert_groups(self, token_group, etp_group) -> None:
+        """MoE parallel folding: `token_group` (tp_tokens) holds the same tokens, and each of its ranks
+        dispatches slice `rank_in_group` of them (the output is all-gathered back: every rank returns
+        the whole, as the layer does unfolded); `etp_group` splits each expert's FFN column/row-wise
+        (its rows enter the region, its partial outputs are summed). Groups of one rank: unchanged."""
+        self.token_group = None if token_group is None or token_group.is_trivial else token_group
+        self.etp_group = None if etp_group is None or etp_group.is_trivial else etp_group
+
+    def _token_slice(self, tokens, topk_idx, topk_weight):
+        """This rank's slice of the tokens it shares with its `token_group` (the gradients of the
+        slices are all-gathered back, so every rank's router and input get the whole gradient)."""
+        group = self.token_group
+        rows = tokens.shape[0] // group.size
+        start = rows * group.rank_in_group
+        return (comm.scatter_to_region(tokens, group, 0), topk_idx[start:start + rows],
+                comm.scatter_to_region(topk_weight, group, 0))
+
     def construct(self, x):
         if x.ndim not in (2, 3):
             raise ValueError(f"MoELayer: x must be [tokens, hidden] or [batch, seq, hidden], got shape {x.shape}")
@@ -90,11 +115,32 @@ class MoELayer(nn.Cell):
                              f"shape {x.shape}")
         tokens = x.reshape(-1, x.shape[-1])
         topk_idx, topk_weight, probs, logits = self.router(tokens, self.expert_bias)
-        expert_input, state = self.dispatcher.dispatch(tokens, topk_idx, topk_weight)
+        if self.token_group is not None:
+            if tokens.shape[0] % self.token_group.size:
+                raise ValueError(f"MoELayer: {tokens.shape[0]} tokens cannot be cut into {self.token_group.size} "
+                                 f"equal slices (model_parallel / expert_tensor_parallel) for dispatch")
+            expert_input, state = self.dispatcher.dispatch(*self._token_slice(tokens, topk_idx, topk_weight))
+        else:
+            expert_input, state = self.dispatcher.dispatch(tokens, topk_idx, topk_weight)
+        shared = None
+        if self.shared_experts is not None:   # while the dispatch is in flight (module docstring)
+            shared = self.shared_experts(tokens)
+            expert_input = ops.depend(expert_input, shared)
+        if self.etp_group is not None:
+            expert_input = comm.copy_to_region(expert_input, self.etp_group)
         expert_output = self.experts(expert_input, state.get("row_expert"), state.get("group_sizes"))
+        if self.etp_group is not None:
+            expert_output = comm.reduce_from_region(expert_output, self.etp_group)
         y = self.dispatcher.combine(expert_output, state)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(tokens)
+        if self.token_group is not None:
+            y = comm.gather_from_region(y, self.token_group, 0)
+            # the stats of the whole tokens, as unfolded: loads routed here, drops summed over the slices
+            state["tokens_per_expert"] = expert_counts(topk_idx, self.num_experts).astype(topk_weight.dtype)
+            if self.cfg.capacity_factor > 0:
+                state["dropped"] = comm.all_reduce(ops.stop_gradient(state["dropped"]).reshape(1),
+                                                   self.token_group)[0]
+        if shared is not None:
+            y = y + shared
         stats = self._routing_stats(x, topk_idx, probs, logits, state)
         if self.aux_loss_scope == "global":   # its all-reduce before the next layer's collectives
             y = ops.depend(y, stats["aux_loss"])

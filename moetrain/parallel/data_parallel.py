@@ -43,7 +43,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, ops
 
 from moetrain.optim import build_optimizer, decays
 from moetrain.dist import comm
-from moetrain.dist.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec
+from moetrain.dist.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec, tp_copies
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -112,9 +112,7 @@ class FlatBuffer:
 
 def _copies_over_world(param, pctx, group, sharded: bool) -> int:
     """How many ranks hold an identical copy of this rank's gradient of `param` once reduced."""
-    copies = 1 if sharded else group.size
-    if shard_spec(param).group_kind != "tp":   # replicated over tensor parallel
-        copies *= pctx.tp
+    copies = (1 if sharded else group.size) * tp_copies(shard_spec(param), reduction_group_kind(param), pctx)
     tied = param_role(param).tied_group
     if tied:                                   # e.g. the embedding on the first and last stage
         copies *= pctx.group(tied).size

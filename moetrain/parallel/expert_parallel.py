@@ -1,5 +1,6 @@
-"""Expert parallelism: split every MoE layer's experts over the `ep` group and wire the
-expert-parallel dispatcher and the aux loss's token set.
+"""Expert parallelism: split every MoE layer's experts over the `ep` group (and each expert's FFN
+over the `etp` group), and wire the expert-parallel dispatcher, the token slices and the aux loss's
+token set.
 
     model = build_model(cfg)                       # every rank, same seed: identical full model
     parallelize_moe(model, cfg.parallel, pctx)     # keep this rank's E/ep experts, swap dispatchers
@@ -9,10 +10,18 @@ Rank `ep_rank` keeps global experts `[ep_rank L, (ep_rank + 1) L)`, `L = E / ep`
 checkpoints can reassemble them). Because every rank slices the same full initialisation, an
 expert-parallel job starts from exactly the one-process model.
 
-Gradients: expert parameters (`.experts.` in the name) are summed over the `edp` group (the
-replicas of the same experts), everything else over `dp` (`data_parallel.OptimizerStep`). The
-expert gradients on a rank already hold the contributions of every token of its `ep` group (the
-dispatcher's backward brings them back), so the two reductions together count every token once.
+MoE parallel folding (`parallel.expert_tensor_parallel`, ep spanning tp ranks; the layout is in
+moetrain/dist/topology.py): with etp > 1 each local expert keeps FFN columns `[etp_rank F/etp, ..)`
+of `w_gate/w_up` (axis 2) and the same rows of `w_down` (axis 1), Megatron's column/row split; the
+MoE layer brings the dispatched rows into the etp region and sums the partial outputs over it. When
+folded, the tp ranks of a dp rank (which hold the same tokens) each dispatch one slice of them
+(the `tp_tokens` group; `MoELayer.set_expert_groups`), so no token is computed twice.
+
+Gradients: expert parameters (marked `expert` at creation) are summed over the `edp` group (the
+replicas of the same experts: when folded it spans tp ranks too, never the etp ranks, which hold
+other columns), everything else over `dp` (`data_parallel.OptimizerStep`). The expert gradients on
+a rank already hold the contributions of every token of its `ep` group (the dispatcher's backward
+brings them back), so the two reductions together count every token once.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ from mindspore import Tensor
 from moetrain.moe.ep_dispatcher import build_ep_dispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.layer import MoELayer
-from moetrain.dist.sharding import mark_shard, shard_spec
+from moetrain.dist.sharding import mark_further_shard, mark_shard, shard_spec
 
 
 def moe_layers(model) -> List[MoELayer]:
@@ -48,6 +57,24 @@ def shard_experts(experts: GroupedExperts, ep_rank: int, ep: int) -> None:
     experts.num_local_experts = num_experts // ep
 
 
+def split_expert_ffn(experts: GroupedExperts, etp_rank: int, etp: int) -> None:
+    """Keep FFN slice `etp_rank` of `etp` of every local expert, in place: columns of `w_gate/w_up`
+    `[E, H, F]` (axis 2), rows of `w_down` `[E, F, H]` (axis 1)."""
+    for param, axis in ((experts.w_gate, 2), (experts.w_up, 2), (experts.w_down, 1)):
+        width = param.shape[axis]
+        if width % etp:
+            raise ValueError(f"{param.name}: the expert FFN width {width} cannot be split over "
+                             f"parallel.expert_tensor_parallel={etp} ranks; choose etp dividing "
+                             f"model.moe.ffn_hidden_size")
+        spec = shard_spec(param)
+        local = np.ascontiguousarray(np.split(param.asnumpy(), etp, axis=axis)[etp_rank])
+        if spec.slicings():
+            mark_further_shard(param, axis, etp_rank, etp, "etp")
+        else:
+            mark_shard(param, tuple(int(d) for d in param.shape), axis, etp_rank, etp, "etp")
+        param.set_data(Tensor(local))
+
+
 def parallelize_moe(model, parallel_cfg, pctx) -> int:
     """Apply `parallel.expert_parallel`, `parallel.moe_token_dispatcher` and
     `parallel.moe_aux_loss_scope` to every MoE layer of `model`; returns the number of MoE layers.
@@ -68,5 +95,8 @@ def parallelize_moe(model, parallel_cfg, pctx) -> int:
             layer.dispatcher = build_ep_dispatcher(parallel_cfg.moe_token_dispatcher, layer.num_experts,
                                                    layer.top_k, layer.cfg.capacity_factor, ep_group,
                                                    layer.experts.layout, layer.experts.ops.path)
+        if pctx.etp > 1:
+            split_expert_ffn(layer.experts, pctx.etp_rank, pctx.etp)
+        layer.set_expert_groups(pctx.group("tp_tokens"), pctx.group("etp"))
         layer.set_aux_loss_scope(scope, pctx.group("dp"))
     return len(layers)
