@@ -22,8 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from distributed import (TRAIN_RUNS_WORKER, kill_leftovers, launcher_command, new_job_dir, require_msrun,
-                         run_workers)
+from distributed import kill_leftovers, launcher_command, new_job_dir, run_workers, share_runs, shared_run_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_CFG = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
@@ -87,37 +86,56 @@ def run_spec(name, config, sets):
     return f"{name}:{config}:{','.join(sets)}"
 
 
-def launch_runs(nproc, specs, job_dir, timeout):
-    return run_workers(TRAIN_RUNS_WORKER, nproc, specs, timeout=timeout, job_dir=str(job_dir)).check().out_dir
-
-
 MOE_CFG = os.path.join(ROOT, "configs", "moe_tiny.yaml")
 GPT_CFG = os.path.join(ROOT, "configs", "gpt_tiny.yaml")
 DP2_ZERO1 = ["parallel.data_parallel=2", "parallel.optimizer_shard=1", PYNATIVE]
 DP2_EP2_ZERO1 = ["parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.optimizer_shard=1", PYNATIVE]
 PP2_COMMON = [PYNATIVE, "train.micro_batch_size=2", "model.tie_embeddings=true"]   # 4 micro-batches
+WORLD2_RUNS = ("dp2_straight", "dp2_split", "ep2_straight", "ep2_split", "pp2_half")
+WORLD4_RUNS = ("dp4", "tp2_half", "tp2_to_dp4")
 
 
-@pytest.fixture(scope="module")
-def world2_runs(tiny_mnist, tmp_path_factory):
-    """Every 2-rank run of this file in one msrun job. `dp2_straight` trains 2N steps; `dp2_split`
-    trains N (stop_after, saves at N), then resumes in its folder to 2N; the same for `ep2_*` (MoE
-    LM); `pp2_half` trains N of a GPT on two stages."""
-    require_msrun()
-    base = tmp_path_factory.mktemp("world2")
-    out = os.path.join(str(base), "out")
-    runs = [
-        ("dp2_straight", MNIST_CFG, mnist_sets(tiny_mnist, "", *DP2_ZERO1)),
-        ("dp2_split", MNIST_CFG, mnist_sets(tiny_mnist, "", *DP2_ZERO1, f"train.stop_after={HALF}")),
-        ("dp2_split", MNIST_CFG, mnist_sets(tiny_mnist, "", *DP2_ZERO1, "resume=")),
+def world2_specs(fixture, out_dir):
+    """`dp2_straight` trains 2N steps; `dp2_split` trains N (stop_after, saves at N), then resumes in
+    its folder to 2N; the same for `ep2_*` (MoE LM); `pp2_half` trains N of a GPT on two stages."""
+    data = fixture("tiny_mnist")
+    return [run_spec(*run) for run in [
+        ("dp2_straight", MNIST_CFG, mnist_sets(data, "", *DP2_ZERO1)),
+        ("dp2_split", MNIST_CFG, mnist_sets(data, "", *DP2_ZERO1, f"train.stop_after={HALF}")),
+        ("dp2_split", MNIST_CFG, mnist_sets(data, "", *DP2_ZERO1, "resume=")),
         ("ep2_straight", MOE_CFG, lm_sets("moe_gpt", "", *DP2_EP2_ZERO1)),
         ("ep2_split", MOE_CFG, lm_sets("moe_gpt", "", *DP2_EP2_ZERO1, f"train.stop_after={LM_HALF}")),
         ("ep2_split", MOE_CFG, lm_sets("moe_gpt", "", *DP2_EP2_ZERO1, "resume=")),
         ("pp2_half", GPT_CFG, lm_sets("gpt", "", *PP2_COMMON, "parallel.pipeline_stage=2",
                                       f"train.stop_after={LM_HALF}")),
-    ]
-    launch_runs(2, [run_spec(*run) for run in runs], base, timeout=900)
-    dirs = {name: os.path.join(out, name) for name, _, _ in runs}
+    ]]
+
+
+def world4_specs(fixture, out_dir):
+    """`dp4` resumes the dp2 checkpoint at N on dp4 with ZeRO-2; `tp2_half` trains N steps of a GPT on
+    dp2 x tp2; `tp2_to_dp4` resumes that on dp4."""
+    dp2_split = shared_run_dirs(fixture("shared_job_2"), __name__, ["dp2_split"])["dp2_split"]
+    tp2_half = shared_run_dirs(out_dir, __name__, ["tp2_half"])["tp2_half"]
+    return [run_spec(*run) for run in [
+        ("dp4", MNIST_CFG, mnist_sets(fixture("tiny_mnist"), "", "parallel.data_parallel=4",
+                                      "parallel.optimizer_shard=2", PYNATIVE, f"resume={checkpoint(dp2_split, HALF)}")),
+        ("tp2_half", GPT_CFG, lm_sets("gpt", "", "parallel.data_parallel=2", "parallel.model_parallel=2",
+                                      "parallel.optimizer_shard=1", PYNATIVE, f"train.stop_after={LM_HALF}")),
+        ("tp2_to_dp4", GPT_CFG, lm_sets("gpt", "", "parallel.data_parallel=4", PYNATIVE,
+                                        f"resume={checkpoint(tp2_half, LM_HALF)}")),
+    ]]
+
+
+# every 2-rank run of this file joins the suite's shared 2-rank msrun job, every 4-rank run the 4-rank
+# job (after the 2-rank one: dp4 resumes the dp2 checkpoint); tests/distributed.py: share_runs
+share_runs(2, __name__, world2_specs, timeout=900)
+share_runs(4, __name__, world4_specs, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world2_runs(shared_job_2, tiny_mnist, tmp_path_factory):
+    base = tmp_path_factory.mktemp("world2")
+    dirs = shared_run_dirs(shared_job_2, __name__, WORLD2_RUNS)
     saved = str(base / "dp2_saved_at_half")     # kept apart: tests below resume from it or damage copies
     shutil.copytree(checkpoint(dirs["dp2_split"], HALF), saved)
     ep2_saved = str(base / "ep2_saved_at_half")
@@ -134,22 +152,8 @@ def dp2_runs(world2_runs):
 
 
 @pytest.fixture(scope="module")
-def world4_runs(world2_runs, tmp_path_factory):
-    """Every 4-rank run of this file in one msrun job: `dp4` resumes the dp2 checkpoint at N on dp4
-    with ZeRO-2; `tp2_half` trains N steps of a GPT on dp2 x tp2; `tp2_to_dp4` resumes that on dp4."""
-    base = tmp_path_factory.mktemp("world4")
-    out = os.path.join(str(base), "out")
-    tp2_half = os.path.join(out, "tp2_half")
-    runs = [
-        ("dp4", MNIST_CFG, mnist_sets(world2_runs["data"], "", "parallel.data_parallel=4",
-                                      "parallel.optimizer_shard=2", PYNATIVE, f"resume={world2_runs['saved']}")),
-        ("tp2_half", GPT_CFG, lm_sets("gpt", "", "parallel.data_parallel=2", "parallel.model_parallel=2",
-                                      "parallel.optimizer_shard=1", PYNATIVE, f"train.stop_after={LM_HALF}")),
-        ("tp2_to_dp4", GPT_CFG, lm_sets("gpt", "", "parallel.data_parallel=4", PYNATIVE,
-                                        f"resume={checkpoint(tp2_half, LM_HALF)}")),
-    ]
-    launch_runs(4, [run_spec(*run) for run in runs], base, timeout=900)
-    return {name: os.path.join(out, name) for name, _, _ in runs}
+def world4_runs(shared_job_4):
+    return shared_run_dirs(shared_job_4, __name__, WORLD4_RUNS)
 
 
 @pytest.mark.distributed
