@@ -362,7 +362,8 @@ class Trainer:
             "trainer_state": {"step": self.step, "loss_scale": self.scaler.state(), "seed": t.seed,
                               "global_batch_size": t.global_batch_size,
                               "consumed_samples": (self.step + self.sampler.offset) * t.global_batch_size,
-                              "epoch": self.sampler.epoch_of(self.step), **self.faults.state()},
+                              "epoch": self.sampler.epoch_of(self.step), **self.faults.state(),
+                              "moe_capacities": getattr(self.runner, "capacity_state", lambda: None)()},
             "config": self.cfg.to_dict()}
         return self._checkpointer.save(self.step, self._checkpoint_tensors(), metadata,
                                        os.path.join(self.out, "resolved_config.yaml"))
@@ -397,6 +398,8 @@ class Trainer:
         if "loss_scale" in state:
             self.scaler.load(state["loss_scale"])
         self.faults.load_state(state)
+        if hasattr(self.runner, "load_capacity_state"):   # exact continuation of load-proportional dispatch
+            self.runner.load_capacity_state(state.get("moe_capacities"))
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> Dict:

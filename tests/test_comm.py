@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from distributed import run_workers
-from workers.comm_cases import (CASES, LINK_EXCHANGES, MUTATIONS, PHASES, WORLD, case_input, group_ranks,
-                                link_payload, loss_weight, phase_cases, position)
+from workers.comm_cases import (CASES, DYNAMIC_CASES, EXACT_TOKENS, LINK_EXCHANGES, MUTATIONS, PHASES,
+                                WORLD, case_input, exact_inputs, exact_weights, group_ranks, link_payload,
+                                loss_weight, phase_cases, position)
 from workers.comm_recorder import emulated_bytes, native_bytes
 
 REGION_OPS = {"copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region"}
@@ -305,6 +306,8 @@ EXPECTED_FAILURES = {
     "receive_wrong_shape": ([0, 1, 2, 3], "but Receive declared"),
     "send_recv_tag_mismatch": ([0, 1, 2, 3], "does not match"),
     "both_stages_send_first": ([0, 1, 2, 3], "a Send must meet a Receive"),
+    "alltoallv_tensor_lists_swapped": ([0, 1, 2, 3], "elements, but the input has"),
+    "alltoallv_tensor_block_size": ([0, 1, 2, 3], "elements, but the input has"),
     "alltoallv_empty_reshaped": ([1, 3], None),         # they receive nothing: AlltoAllV's () output
 }
 
@@ -331,6 +334,78 @@ def test_mutated_native_call_site_fails(comm_job, mutation):
         elif error is None:
             got = arrays[r][key]
             assert got.shape != ys[r].shape or not np.array_equal(got, ys[r]), f"{mutation} rank {r} went unnoticed"
+
+
+# ---------------------------------------------------------------------------------------------
+# all_to_all_v_dynamic (Tensor counts) and the exact-split dispatcher it carries (contract, Ascend)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", DYNAMIC_CASES)
+def test_dynamic_all_to_all_v_moves_exactly_the_counted_rows(comm_job, name):
+    """Values bitwise, gradients against numpy, a zero spare row out whose gradient (loss weight
+    SPARE_WEIGHT) does not leak into dx, and the ledger equal to the AlltoAllV calls that ran (one
+    per direction, block_size = one row, exactly the counted elements in)."""
+    arrays, reports = comm_job
+    _, op, kind, shape_of, kw = next(c for c in CASES if c[0] == name)
+    xs, ys, ws = case_arrays(name, shape_of, op, kind, kw)
+    grads = reference_grads(op, kind, kw, xs, ws)
+    for r, report in enumerate(reports):
+        y, dx = arrays[r][f"contract/dynamic/{name}/y"], arrays[r][f"contract/dynamic/{name}/dx"]
+        np.testing.assert_array_equal(y[:-1], ys[r], err_msg=f"{name} rank {r}")
+        np.testing.assert_array_equal(y[-1], 0.0)
+        np.testing.assert_allclose(dx[:-1], grads[r], rtol=1e-6, atol=1e-6, err_msg=f"{name} rank {r}")
+        np.testing.assert_array_equal(dx[-1], 0.0)
+        entry = report["phases"]["contract"]["dynamic"][name]
+        moved = [c for c in entry["calls"] if c["source"] == "contract"]
+        assert [(c["prim"], c["block_size"], c["backward"]) for c in moved] == [("AlltoAllV", 2, False),
+                                                                              ("AlltoAllV", 2, True)]
+        assert moved[0]["tensors"][0]["shape"] == [2 * xs[r].shape[0]], f"{name} rank {r}"
+        for part, calls in _split(entry["calls"]):
+            expected = bytes_by_kind(calls, "contract", report["group_kinds"], native_bytes)
+            assert entry[part]["native"] == expected, f"{name} {part} rank {r}"
+
+
+def _swiglu_expert(weights, e, x, grad_out):
+    """One expert's output for rows x and the gradient of <grad_out, output> with respect to x."""
+    w_gate, w_up, w_down = (w[e].astype(np.float64) for w in weights)
+    a, b = x @ w_gate, x @ w_up
+    s = 1 / (1 + np.exp(-a))
+    out = (a * s * b) @ w_down
+    dh = grad_out @ w_down.T
+    da, db = dh * b * s * (1 + a * (1 - s)), dh * a * s
+    return out, da @ w_gate.T + db @ w_up.T
+
+
+@pytest.mark.distributed
+def test_exact_dispatch_with_every_token_on_one_rank_stays_exact(comm_job):
+    """Every token of both ranks of each tp pair routed to experts (0, 1), both on position 0: the
+    exact-split dispatcher (Ascend path: counts, AlltoAllV with Tensor counts, grouped matmul over
+    the received group list) gives the numpy loop's output and gradients; position 0's experts
+    compute exactly the 2 T k routed rows, position 1's none (it receives nothing: AlltoAllV's
+    shape-() output), and no capacity is left to size."""
+    arrays, reports = comm_job
+    weights = exact_weights()
+    for r, report in enumerate(reports):
+        x, idx, weight, cot = exact_inputs(r)
+        y, dx, dweight = np.zeros_like(x, np.float64), np.zeros_like(x, np.float64), np.zeros_like(weight, np.float64)
+        for t in range(EXACT_TOKENS):
+            for j, e in enumerate(idx[t]):
+                out, grad_x = _swiglu_expert(weights, e, x[t:t + 1].astype(np.float64), weight[t, j] * cot[t:t + 1])
+                y[t] += weight[t, j] * out[0]
+                dx[t] += grad_x[0]
+                dweight[t, j] = float(out[0] @ cot[t])
+        for key, expected in (("y", y), ("dx", dx), ("dweight", dweight)):
+            np.testing.assert_allclose(arrays[r][f"exact/{key}"], expected, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{key} rank {r}")
+        first = position("tp", r) == 0
+        routed_here = 2 * EXACT_TOKENS * 2 if first else 0          # both ranks' T k assignments
+        assert float(arrays[r]["exact/expert_rows"]) == routed_here, r
+        np.testing.assert_array_equal(arrays[r]["exact/group_sizes"], [EXACT_TOKENS * 2, EXACT_TOKENS * 2]
+                                      if first else [0, 0])
+        exact = report["phases"]["contract"]["exact"]
+        assert (exact["splits"], exact["capacity_fields"], exact["compute"]) == ("exact", [], "gmm"), exact
+        dispatches = [c for c in exact["calls"] if c["prim"] == "AlltoAllV"]
+        assert dispatches[0]["send"] == [2 * EXACT_TOKENS, 0], (r, dispatches[0])   # all of T k to position 0
 
 
 # ---------------------------------------------------------------------------------------------

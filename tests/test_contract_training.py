@@ -3,7 +3,10 @@ MindSpore primitive the Ascend or the GPU path calls is a checked CPU reference
 (`moetrain/dist/contract.py`), and the real Trainer trains a moe_tiny-width model on
 
     2 ranks (shared job):  dp2·ep2, alltoall dispatcher, dropless   Ascend path (AlltoAll, jit),
-                                                                    GPU path (AllGather, PyNative)
+                                                                    GPU path (AllGather, PyNative),
+                                                                    Ascend MoE path with exact splits
+                                                                    (AlltoAllV with Tensor counts, MoE
+                                                                    op contracts, PyNative)
     4 ranks (shared job):  tp2·pp2, 1F1B, sequence parallel         Ascend path, GPU path (PairLink: Send/Receive)
 
 reproducing one process (loss, lm/aux/z losses and the gradient norm within 1e-4 over 3 steps,
@@ -48,7 +51,11 @@ LAUNCHES = {
     # the GPU run in PyNative: the contract checks every call across the ranks too, and the worker
     # records every primitive call (tests/workers/comm_recorder.py) for the ledger test
     2: {"ascend_dp2_ep2": DP2_EP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=Ascend"],
-        "gpu_dp2_ep2": DP2_EP2 + ["train.jit=false", "+record_primitives", CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]},
+        "gpu_dp2_ep2": DP2_EP2 + ["train.jit=false", "+record_primitives", CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"],
+        # the whole Ascend MoE path: moe_token_permute/unpermute, grouped_matmul_v4 and the exact-split
+        # dispatch (AlltoAllV with device-side counts; the contract computes it in PyNative only)
+        "ascend_exact_dp2_ep2": DP2_EP2 + ["train.jit=false", "+record_primitives", CONTRACT,
+                                           "MOETRAIN_CONTRACT_TARGET=Ascend", "MOETRAIN_MOE_PLATFORM=ascend"]},
     4: {"ascend_tp2_pp2": TP2_PP2 + ["+record_primitives", CONTRACT, "MOETRAIN_CONTRACT_TARGET=Ascend"],
         "gpu_tp2_pp2": TP2_PP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]},
 }
@@ -163,3 +170,34 @@ def test_pynative_run_checked_across_ranks_and_its_ledger_counts_the_primitives_
         assert booked.get("ep", 0) > 0 and booked.get("dp", 0) > 0, booked
         recorded = sum(native_bytes(c) for c in calls)
         assert sum(booked.values()) == pytest.approx(recorded, abs=len(booked)), (info["rank"], booked, recorded)
+
+
+@pytest.mark.distributed
+def test_exact_split_dispatch_reproduces_one_process_and_computes_exactly_the_routed_rows(one_process, two_ranks):
+    """dp2·ep2 on the whole Ascend MoE path (contract ops, PyNative): the dropless alltoall sends
+    exactly the routed rows (AlltoAllV with Tensor counts, no capacities, no re-runs), the expert
+    GEMMs compute exactly them, and the run reproduces one process (CPU path) within 1e-5."""
+    steps, ranks = two_ranks["ascend_exact_dp2_ep2"]
+    assert_same_steps(one_process, steps, "ascend_exact_dp2_ep2", num_steps=3, rtol=1e-5)
+    assert all(b["dropped"] == 0 for b in steps)
+    for step in steps:
+        assert step["expert_rows"] == step["routed"] > 0, step
+    hidden, layer_calls = 64, 3 * 2 * 2     # 3 steps x 2 micro-batches per rank x 2 MoE layers
+    rows_sent = 0
+    for info in ranks:
+        assert (info["comm_backend"], info["native_target"]) == ("contract", "Ascend"), info["rank"]
+        calls = info["primitive_calls"]
+        counts = [c for c in calls if c["prim"] == "AlltoAll"]
+        moved = [c for c in calls if c["prim"] == "AlltoAllV"]
+        # per layer call: the [ep, L] counts once (no backward), then the rows: dispatch and combine,
+        # each forward and backward; block_size = hidden (counts in rows), the input exactly the rows
+        assert [c["tensors"][0]["shape"] for c in counts] == [[2, 2]] * layer_calls, info["rank"]
+        assert len(moved) == 4 * layer_calls and all(c["block_size"] == hidden for c in moved), info["rank"]
+        assert all(c["tensors"][0]["shape"] == [hidden * sum(c["send"])] for c in moved), info["rank"]
+        rows_sent += sum(sum(c["send"]) for c in moved)
+        booked = info["ledger"]["native"]
+        recorded = sum(native_bytes(c) for c in calls)
+        assert sum(booked.values()) == pytest.approx(recorded, abs=len(booked)), (info["rank"], booked, recorded)
+    # every routed assignment travels to its expert and back, in the forward and in the backward,
+    # and nothing else does (no padding): 4 x the routed rows of the run, counted by the router
+    assert rows_sent == 4 * sum(step["routed"] for step in steps)

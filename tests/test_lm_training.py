@@ -36,3 +36,35 @@ def test_moe_tiny_short_run_beats_unigram_entropy(tmp_path, monkeypatch):
     assert load.sum(axis=1).tolist() == [8 * 64 * 2] * 2            # every token routed top_k times
     assert last["drop_rate"] == 0.0                                 # dropless
     assert last["loss"] > last["lm_loss"] > 0
+
+
+def test_resume_restores_the_moe_dispatch_capacities(tmp_path, monkeypatch):
+    """With a capacity-layout expert path (the GPU one: `[L, C, H]` batched matmuls) the dispatch
+    capacities follow the routing; a checkpoint keeps them and their sizing window, so the resumed
+    run sizes its buffers exactly as the uninterrupted one and its losses are bitwise the same."""
+    from moetrain.config import load_config
+    from moetrain.trainer import Trainer
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("MOETRAIN_MOE_PLATFORM", "gpu")
+
+    def trainer(out, *extra, resume=None):
+        return Trainer(load_config("configs/moe_tiny.yaml", [
+            f"train.output_dir={out}", "train.steps=4", "train.global_batch_size=4", "model.seq_length=16",
+            "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.moe.ffn_hidden_size=64",
+            "lr_schedule.warmup_steps=0", "train.eval_interval=0", "logging.tensorboard=false",
+            "logging.progress_bar=false", *extra]), resume=resume)
+
+    straight = trainer(tmp_path / "straight")
+    straight.fit()
+    split = trainer(tmp_path / "split", "train.stop_after=2")
+    split.fit()
+    saved = split.runner.capacity_state()
+    assert saved and any(c for layer in saved["capacities"] for c in layer.values())   # sized from the counts
+    resumed = trainer(tmp_path / "split", resume="")
+    assert resumed.step == 2 and resumed.runner.capacity_state() == saved
+    resumed.fit()
+    assert resumed.runner.capacity_state() == straight.runner.capacity_state()
+    losses = [[json.loads(l)["loss"] for l in open(d / "metrics.jsonl") if '"loss"' in l]
+              for d in (tmp_path / "straight", tmp_path / "split")]
+    assert losses[0] == losses[1] and len(losses[0]) == 4

@@ -170,6 +170,56 @@ def test_alltoall_on_gpu_runs_as_allgather_with_one_log_line(ms, capsys):
     assert len(lines) == 1 and "Ascend only" in lines[0] and "allgather" in lines[0]
 
 
+def test_grouped_matmul_contract_takes_a_different_row_count_every_call(ms, native_ops):
+    """The exact-split dispatch hands the experts R + 1 rows (R routed here, then a spare row past the
+    groups), R changing every call, R = 0 included: PyNative computes each call at its own size."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    for sizes in ([0, 0], [2, 1], [1, 4]):
+        rows = sum(sizes)
+        x = rng.standard_normal((rows + 1, 3)).astype(np.float32)
+        y = native_ops.grouped_matmul_v4(ms.Tensor(x), ms.Tensor(w), ms.Tensor(np.array(sizes, np.int64)), 1,
+                                         False).asnumpy()
+        group = np.repeat([0, 1], sizes)
+        assert y.shape == (rows + 1, 4)
+        np.testing.assert_allclose(y[:rows], np.einsum("rk,rkn->rn", x[:rows], w[group]), rtol=1e-5, atol=1e-6)
+        assert np.isnan(y[rows:]).all()                 # the spare row is not computed
+
+
+def test_exact_splits_on_the_ascend_path_only(ms, monkeypatch):
+    """Dropless alltoall on the Ascend MoE path with Ascend's AlltoAllV (native or contract): exact
+    splits, nothing for the capacity controller to size; elsewhere bucketed; MOETRAIN_EP_SPLITS
+    overrides, and refuses exact where no AlltoAllV with Tensor counts exists."""
+    from moetrain.moe import ep_dispatcher
+    from moetrain.dist.topology import single_group
+
+    monkeypatch.setenv("MOETRAIN_COMM_BACKEND", "contract")
+    monkeypatch.setenv("MOETRAIN_CONTRACT_TARGET", "Ascend")
+    assert ep_dispatcher.dispatch_splits("ascend") == "exact"
+    assert ep_dispatcher.dispatch_splits("cpu") == "bucketed"
+    exact = ep_dispatcher.build_ep_dispatcher("alltoall", 4, 2, 0.0, single_group("ep"), "rows", "ascend")
+    assert exact.splits == "exact" and exact.capacity_fields() == ()
+    capped = ep_dispatcher.build_ep_dispatcher("alltoall", 4, 2, 1.0, single_group("ep"), "rows", "ascend")
+    assert capped.splits == "bucketed"             # capacity_factor > 0: fixed GShard buffers
+    with pytest.raises(ValueError, match="exact splits need the rows layout"):
+        ep_dispatcher.AllToAllDispatcher(4, 2, 0.0, single_group("ep"), "capacity", "exact")
+    monkeypatch.setenv("MOETRAIN_EP_SPLITS", "bucketed")
+    bucketed = ep_dispatcher.build_ep_dispatcher("alltoall", 4, 2, 0.0, single_group("ep"), "rows", "ascend")
+    assert bucketed.splits == "bucketed" and bucketed.capacity_fields() == ("pair_capacity",)
+    monkeypatch.setenv("MOETRAIN_EP_SPLITS", "exact")
+    monkeypatch.setenv("MOETRAIN_CONTRACT_TARGET", "GPU")
+    with pytest.raises(ValueError, match="MOETRAIN_EP_SPLITS=exact needs the Ascend MoE path with Ascend's AlltoAllV"):
+        ep_dispatcher.dispatch_splits("ascend")
+    monkeypatch.setenv("MOETRAIN_EP_SPLITS", "auto")
+    assert ep_dispatcher.dispatch_splits("ascend") == "bucketed"
+    monkeypatch.setenv("MOETRAIN_COMM_BACKEND", "emulated")
+    monkeypatch.setenv("MOETRAIN_CONTRACT_TARGET", "Ascend")
+    assert ep_dispatcher.dispatch_splits("ascend") == "bucketed"
+    monkeypatch.setenv("MOETRAIN_EP_SPLITS", "fixed")
+    with pytest.raises(ValueError, match="MOETRAIN_EP_SPLITS='fixed': use auto, exact, bucketed"):
+        ep_dispatcher.dispatch_splits("ascend")
+
+
 def test_platform_and_implementation_selection(monkeypatch, native_ops):
     monkeypatch.setenv("MOETRAIN_MOE_PLATFORM", "tpu")
     with pytest.raises(ValueError, match="MOETRAIN_MOE_PLATFORM='tpu': use auto, cpu, ascend, gpu"):
@@ -279,3 +329,27 @@ def test_controller_sizes_each_layer_from_its_own_row_of_the_loads(ms):
     assert first.pair_capacity == (sized(50),) * 4 and first.expert_capacity == sized(100)
     assert second.pair_capacity == (sized(50),) * 3 + (200,)          # all 200 rows: the bound T min(k, L)
     assert second.expert_capacity == sized(175)
+
+
+def test_restored_controller_continues_exactly_and_refuses_another_layout(ms):
+    """A checkpoint keeps the capacities and the sizing window (as JSON): a controller restored from
+    it makes the same decisions as the one that saved it; another ep layout keeps its own prior."""
+    import json
+
+    from moetrain.moe.capacity import WINDOW, CapacityController
+
+    saved, fresh = alltoall_dispatcher(), alltoall_dispatcher()
+    original = CapacityController([saved], [[0, 1, 2, 3]])
+    hot = BALANCED.copy()
+    hot[1, 0] = [5, 5, 5, 5, 5, 5, 85, 85]
+    for loads in (BALANCED, hot, BALANCED):
+        original.update(loads)
+    state = json.loads(json.dumps(original.state()))
+    restored = CapacityController([fresh], [[0, 1, 2, 3]])
+    assert restored.load_state(state) and restored.key() == original.key() != ()
+    for step in range(WINDOW):                 # the shrink happens at the same step in both
+        assert original.update(BALANCED) == restored.update(BALANCED)
+        assert restored.key() == original.key(), step
+    other = alltoall_dispatcher()
+    assert not CapacityController([other], [[0, 1], [2, 3]]).load_state(state)
+    assert other.pair_capacity == () and not CapacityController([other], [[0, 1, 2, 3]]).load_state({})

@@ -4,8 +4,9 @@ Two families, both with hand-written backwards (`nn.Cell.bprop`):
 
 * Collectives whose backward is the true derivative of the SUM of all ranks' losses:
   `all_reduce` (bwd all_reduce), `all_gather` (bwd reduce_scatter), `reduce_scatter`
-  (bwd all_gather), `all_to_all` (bwd the reverse all_to_all), `all_to_all_v` (bwd with the counts
-  swapped), `broadcast` (bwd: the sum of every rank's gradient lands on the source, zero elsewhere).
+  (bwd all_gather), `all_to_all` (bwd the reverse all_to_all), `all_to_all_v` and
+  `all_to_all_v_dynamic` (counts as device Tensors; Ascend only) (bwd with the counts swapped),
+  `broadcast` (bwd: the sum of every rank's gradient lands on the source, zero elsewhere).
 * Megatron tensor-parallel region mappings, for a loss that is replicated over the group:
   `copy_to_region` (fwd identity, bwd all-reduce), `reduce_from_region` (fwd all-reduce, bwd
   identity), `scatter_to_region` / `gather_from_region` along an axis, and for sequence parallelism
@@ -464,6 +465,63 @@ class _AllToAllV(_GroupOp):
         return (self._exchange(dout, self.backward_plan),)
 
 
+class _CallTraffic:
+    """The bytes of ONE call of an op whose volume depends on its input values (device-side
+    counts): booked by that call and by its own backward, whatever other calls do meanwhile."""
+
+    def __init__(self, kind: str, fwd: Tuple[float, float], bwd: Tuple[float, float]):
+        self.kind, self.traffic = kind, (fwd, bwd)
+
+    def book(self, backward: bool = False) -> None:
+        native, emulated = self.traffic[1 if backward else 0]
+        _book(self.kind, native, emulated, backward)
+
+
+class _AllToAllVDynamic(_GroupOp):
+    """`all_to_all_v_dynamic`: Ascend's AlltoAllV with Tensor split sizes, `block_size` = the
+    elements of one row, so the lists count rows. `shape` is one row's shape. Input `[S + 1, *row]`
+    (the rows to send, then a spare row that stays), output `[R + 1, *row]` (the rows received, then
+    a zero spare row): never empty, whatever the routing (MindSpore's CPU backward fails on empty
+    tensors, measured; AlltoAllV returns shape () when nothing arrives). The ledger books each
+    call's rows to other ranks, read from its counts in PyNative (a host read); no CPU emulation
+    exists (Ascend path only), so the emulated column stays 0."""
+
+    def __init__(self, group, shape, dtype):
+        super().__init__(group, shape, dtype)       # self.nbytes: one row
+        if not (self.native and self.target == "Ascend"):
+            raise ValueError(f"all_to_all_v_dynamic needs Ascend's AlltoAllV (comm backend native on Ascend, or "
+                             f"contract with MOETRAIN_CONTRACT_TARGET=Ascend); this process runs backend "
+                             f"{backend_name()!r} for {self.target}: use all_to_all_v with host counts")
+        self.row_elements = int(np.prod(self.shape, dtype=np.int64))
+        self.prim = primitives().AlltoAllV(group.name, self.row_elements)   # UNVERIFIED on Ascend
+
+    def __call__(self, x, send_rows, recv_rows):
+        send, recv = send_rows.asnumpy().reshape(-1), recv_rows.asnumpy().reshape(-1)
+        others = lambda counts: float(counts.sum() - counts[self.rank]) * self.nbytes   # noqa: E731
+        call = _CallTraffic(self.kind, (others(send), 0.0), (others(recv), 0.0))
+        call.book()
+        out = nn.Cell.__call__(self, x, send_rows, recv_rows)
+        if _recording_grad():
+            out = _BackwardBooking(call)(out)
+        return out
+
+    def _exchange(self, x, send_rows, recv_rows):
+        ndim = len(self.shape) + 1                   # all rows but the spare (no row count: dynamic shapes)
+        sent = ops.Reshape()(ops.StridedSlice()(x, (0,) * ndim, (-1,) + self.shape, (1,) * ndim), (-1,))
+        received = self.prim(sent, send_rows, recv_rows)
+        if len(received.shape) == 0:        # documented: nothing arrived, the value means nothing
+            received = _zeros((0,), x.dtype)
+        spare = _zeros((self.row_elements,), x.dtype)
+        return ops.Reshape()(ops.Concat(0)((received, spare)), (-1,) + self.shape)
+
+    def construct(self, x, send_rows, recv_rows):
+        return self._exchange(x, send_rows, recv_rows)
+
+    def bprop(self, x, send_rows, recv_rows, out, dout):
+        return (self._exchange(dout, recv_rows, send_rows), ops.ZerosLike()(send_rows),
+                ops.ZerosLike()(recv_rows))
+
+
 class _Broadcast(_GroupOp):
     def __init__(self, group, shape, dtype, src):
         super().__init__(group, shape, dtype)
@@ -547,6 +605,7 @@ class _GatherFromRegion(_GroupOp):
 
 
 _OP_CELLS = {cls.__name__: cls for cls in (_AllReduce, _AllGather, _ReduceScatter, _AllToAll, _AllToAllV,
+                                            _AllToAllVDynamic,
                                             _Broadcast, _CopyToRegion, _ReduceFromRegion,
                                             _ScatterToRegion, _GatherFromRegion)}
 
@@ -618,6 +677,18 @@ def all_to_all_v(x, send_counts: Sequence[int], recv_counts: Sequence[int], grou
         return x
     counts = (tuple(send_counts), tuple(recv_counts), max_count)
     return _run(_op("_AllToAllV", group, x.shape, x.dtype, counts), x)
+
+
+def all_to_all_v_dynamic(x, send_rows, recv_rows, group: Group):
+    """`all_to_all_v` with split sizes known only on the device (Megatron's all_to_all_single with
+    counts exchanged first): `send_rows`/`recv_rows` `[n]` int Tensors (rows to / from each rank),
+    `x [S + 1, *row]` the `S = sum(send_rows)` rows in destination order then one spare row (not
+    sent); returns `[R + 1, *row]`, the `R = sum(recv_rows)` rows in source order then a zero spare
+    row. Exactly the counted rows travel: Ascend's AlltoAllV with Tensor counts (native, or the
+    contract in PyNative). Backward: the same exchange with the counts swapped."""
+    if group.size == 1:
+        return x
+    return _op("_AllToAllVDynamic", group, x.shape[1:], x.dtype)(x, send_rows, recv_rows)
 
 
 def broadcast(x, src_rank_in_group: int, group: Group):

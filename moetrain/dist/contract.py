@@ -22,7 +22,8 @@ What the stand-ins hold the call sites to (MindSpore 2.10 docs and `ops/operatio
 * shapes and axes: AllGather concatenates along axis 0 (`(n*x1, x2, ...)`); ReduceScatter splits
   axis 0, which must divide by the group size; AlltoAll splits `split_dim` into `split_count`
   (= group size) blocks, block j to rank j, and concatenates along `concat_dim` in source order;
-  AlltoAllV takes a 1-D input and per-rank element counts (times `block_size`) and returns the
+  AlltoAllV takes a 1-D input and per-rank element counts (times `block_size`; a tuple, list or
+  1-D integer Tensor: Tensor lists in PyNative only, a new kernel each call) and returns the
   received elements flattened, or a tensor of shape `()` whose value means nothing when it
   receives nothing; Broadcast takes and returns a tuple of tensors; Receive returns its declared
   shape and dtype;
@@ -72,6 +73,7 @@ _GATHER_DTYPES = {
 }
 _RECEIVE_DTYPES = (mstype.float16, mstype.float32, mstype.float64, mstype.bfloat16, mstype.int8, mstype.int16,
                    mstype.int32, mstype.int64, mstype.uint8, mstype.uint16, mstype.uint32, mstype.uint64)
+_INT_DTYPES = (mstype.int32, mstype.int64)
 _CARRIED = {mstype.float32: "direct", mstype.float16: "direct", mstype.bfloat16: "f32", mstype.int32: "split"}
 _DTYPE_CODES = (mstype.float32, mstype.float16, mstype.bfloat16, mstype.int32, mstype.int8, mstype.int16,
                 mstype.int64, mstype.float64, mstype.uint8, mstype.uint16, mstype.uint32, mstype.uint64, mstype.bool_)
@@ -543,17 +545,22 @@ class AlltoAllV(_Primitive):
         super().__init__(group)
         self.block_size = block_size
 
-    @staticmethod
-    def _counts(counts) -> tuple:
+    def _counts(self, counts, label: str) -> tuple:
+        """The list as Python ints; a Tensor list (device-side counts) must be 1-D of an integer dtype."""
         if isinstance(counts, Tensor):
+            if len(counts.shape) != 1 or counts.dtype not in _INT_DTYPES:
+                raise ContractError(f"{self.what}: {label} as a Tensor must be 1-D of an integer dtype, got shape "
+                                    f"{tuple(counts.shape)} dtype {counts.dtype}")
             counts = counts.asnumpy().tolist()
         return tuple(int(c) for c in counts)
 
     def __call__(self, x, send_numel_list, recv_numel_list):
-        send, recv = self._counts(send_numel_list), self._counts(recv_numel_list)
-        n, params = len(self.members), (self.block_size, send, recv)
-        error, fields = None, _blank(n)
+        n, error, fields = len(self.members), None, _blank(len(self.members))
+        send = recv = ()
         try:
+            send = self._counts(send_numel_list, "send_numel_list")
+            recv = self._counts(recv_numel_list, "recv_numel_list")
+            params = (self.block_size, send, recv)
             _validated(self.op, self.group, tuple(x.shape), x.dtype, params)
             fields = _fields(self.op, (), x.dtype, (self.block_size,), send + recv, n)
         except (ValueError, TypeError, NotImplementedError) as exc:
@@ -568,9 +575,15 @@ class AlltoAllV(_Primitive):
             raise ContractError(f"{self.what}: counts disagree (global src, dst, sent, expected): {bad}; rank j's "
                                 f"recv_numel_list[i] must equal rank i's send_numel_list[j]")
         capacity = int(max(sent.max(), 0)) * self.block_size
-        return _kernel(self.op, self.group, tuple(x.shape), x.dtype, params, capacity)(x)
+        # Tensor lists: counts change every call (a dynamic output length), so the kernel is not cached
+        build = _kernel.__wrapped__ if isinstance(send_numel_list, Tensor) else _kernel
+        return build(self.op, self.group, tuple(x.shape), x.dtype, params, capacity)(x)
 
     def construct(self, x, send_numel_list, recv_numel_list):
+        if isinstance(send_numel_list, Tensor) or isinstance(recv_numel_list, Tensor):
+            # TypeError: graph mode raises only Python's own exception types
+            raise TypeError(f"{self.what}: Tensor numel lists give a dynamic output length, which the "
+                            f"contract computes in PyNative only (train.jit: false)")
         params = (self.block_size, tuple(send_numel_list), tuple(recv_numel_list))
         return _kernel(self.op, self.group, x.shape, x.dtype, params)(x)
 

@@ -5,7 +5,8 @@ Inside `ms.jit` every buffer has a static shape, yet how many rows an expert-par
 another (or an expert receives) is known only once the router has run. A dropless dispatcher
 therefore sizes its buffers with Python ints ("capacities", read when the graph is built):
 
-    AllToAllDispatcher   pair_capacity    per destination j: rows every source sends j (C_j)
+    AllToAllDispatcher   pair_capacity    per destination j: rows every source sends j (C_j); bucketed
+                                          splits only (exact splits on Ascend size nothing)
     (bmm experts only)   expert_capacity  rows one local expert computes ([L, C_e, H])
     AllGatherDispatcher  expert_capacity  (bmm experts only)
     SortDispatcher       expert_capacity  (bmm experts only)
@@ -87,6 +88,28 @@ class CapacityController:
                     value = np.minimum(_sized(np.ceil(prior * np.asarray(needs[field]))), bounds[field])
                     setattr(dispatcher, field, tuple(int(v) for v in value) if value.ndim else int(value))
 
+    def state(self) -> Dict:
+        """What a checkpoint keeps so that a resumed run sizes its buffers exactly as the run that saved
+        it would have (a buffer's size changes the order of sums in the expert GEMMs: last bits)."""
+        return {"ep_groups": self.ep_groups,
+                "capacities": [{f: _plain(getattr(d, f)) for f in d.capacity_fields()} for d in self.dispatchers],
+                "history": [{f: [_plain(n) for n in needs] for f, needs in fields.items()}
+                            for fields in self.history]}
+
+    def load_state(self, state: Dict) -> bool:
+        """Restores `state()` when it was saved on the same ep groups and MoE layers (capacities are
+        per destination rank: another layout starts from the prior). True when restored."""
+        fields = [list(d.capacity_fields()) for d in self.dispatchers]
+        if (not state or state.get("ep_groups") != self.ep_groups
+                or [sorted(c) for c in state.get("capacities", [])] != [sorted(f) for f in fields]):
+            return False
+        for dispatcher, capacities in zip(self.dispatchers, state["capacities"]):
+            for field, value in capacities.items():
+                setattr(dispatcher, field, tuple(value) if isinstance(value, list) else value)
+        self.history = [{f: [np.asarray(n, np.int64) for n in needs] for f, needs in layer.items()}
+                        for layer in state["history"]]
+        return True
+
     def key(self) -> Tuple:
         return tuple(getattr(d, f) for d in self.dispatchers for f in d.capacity_fields())
 
@@ -132,6 +155,11 @@ class CapacityController:
                     setattr(dispatcher, field, value)
                 overflow |= bool(grow.any())
         return overflow
+
+
+def _plain(value):
+    """A capacity or a need as JSON: an int or a list of ints."""
+    return np.asarray(value, np.int64).tolist()
 
 
 _sized = np.vectorize(lambda need: sized(int(need)), otypes=[np.int64])

@@ -9,12 +9,20 @@ assignments, so summing both over the data-parallel group gives the one-process 
 
 * `AllToAllDispatcher` (`parallel.moe_token_dispatcher: alltoall`, Megatron's alltoall; needs
   AlltoAll: CPU (emulated) and Ascend):
-  - dropless: sort by expert (hence by destination), exchange the per-expert counts `[ep, L]`, then
-    the tokens in one all-to-all-v: destination j gets `C_j` rows from every source, its run
-    padded to that (`pair_capacity`, sized by `moetrain.moe.capacity` from the counts, re-run on
-    overflow; unset = the bound `T min(k, L)`, exact for any routing). The receiver sorts what it
-    got by local expert (rows layout: only the received rows are computed; capacity layout:
-    `[L, C_e, H]`), runs the experts, and the reverse all-to-all-v returns the rows.
+  - dropless, bucketed splits (CPU; Ascend with `MOETRAIN_EP_SPLITS=bucketed`): sort by expert
+    (hence by destination), exchange the per-expert counts `[ep, L]`, then the tokens in one
+    all-to-all-v: destination j gets `C_j` rows from every source, its run padded to that
+    (`pair_capacity`, sized by `moetrain.moe.capacity` from the counts, re-run on overflow; unset =
+    the bound `T min(k, L)`, exact for any routing). The receiver sorts what it got by local expert
+    (rows layout: only the received rows are computed; capacity layout: `[L, C_e, H]`), runs the
+    experts, and the reverse all-to-all-v returns the rows.
+  - dropless, exact splits (the Ascend path with Ascend's AlltoAllV, `dispatch_splits`): the counts
+    `[ep, L]` first, then `comm.all_to_all_v_dynamic` (AlltoAllV with Tensor split sizes computed
+    on the device from them) moves exactly the routed rows; the receiver's grouped matmul computes
+    exactly them (`group_list` = the received counts per local expert), the reverse exchange
+    returns them. Nothing to size on the host (`capacity_fields()` empty): no re-runs, no graph per
+    capacity set. Shapes are dynamic: run through the contract in PyNative only; UNVERIFIED on
+    Ascend hardware (docs/parallel_engine.md, "Exact splits on Ascend").
   - capacity (`capacity_factor > 0`, GShard): each rank fills its own `[E, C, H]` buffer, dropping
     exactly as one process would with its micro-batch, then one fixed-size all-to-all of
     `[ep, L C, H]` each way.
@@ -23,10 +31,12 @@ assignments, so summing both over the data-parallel group gives the one-process 
   layout: exactly those; capacity layout: `[L, C_e, H]`), reduce-scatter the partial outputs.
 
 Byte counters ("ep" row of `comm.CommLedger`): every exchange books the buffer it really moves,
-padding included (`sum_j C_j` rows sent per dropless all-to-all-v).
+padding included (`sum_j C_j` rows sent per bucketed all-to-all-v; exactly the routed rows with
+exact splits).
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, Tuple
 
 import numpy as np
@@ -42,6 +52,7 @@ from moetrain.dist import comm
 from moetrain.dist.topology import Group
 
 _logged_gpu_fallback = []
+SPLITS = ("exact", "bucketed")
 
 
 def _check_layout(name: str, num_experts: int, group: Group) -> int:
@@ -125,16 +136,25 @@ class _EPDispatcher(nn.Cell):
 # ---------------------------------------------------------------------------------------------
 class AllToAllDispatcher(_EPDispatcher):
     """Tokens to the ranks of their experts and back by all-to-all in the `ep` group (see module
-    docstring). `pair_capacity`: per destination rank, the rows every source sends it in the
-    dropless exchange (`()`: the bound `T min(k, L)` for all)."""
+    docstring). `splits`: "bucketed" (host-sized static buffers) or "exact" (device-side split
+    sizes; rows layout only). `pair_capacity` (bucketed): per destination rank, the rows every
+    source sends it in the dropless exchange (`()`: the bound `T min(k, L)` for all)."""
 
     def __init__(self, num_experts: int, top_k: int, capacity_factor: float, group: Group,
-                 layout: str = "rows"):
+                 layout: str = "rows", splits: str = "bucketed"):
         super().__init__("AllToAllDispatcher", num_experts, top_k, capacity_factor, group, layout)
+        if splits not in SPLITS:
+            raise ValueError(f"AllToAllDispatcher: splits {splits!r} is not one of {SPLITS}")
+        if splits == "exact" and self.layout != "rows":
+            raise ValueError("AllToAllDispatcher: exact splits need the rows layout (grouped matmul experts); "
+                             f"this one computes a {self.layout} layout")
+        self.splits = splits
         self.pair_capacity: Tuple[int, ...] = ()
 
     def capacity_fields(self) -> Tuple[str, ...]:
-        return () if self.capacity_factor > 0 else ("pair_capacity",) + super().capacity_fields()
+        if self.capacity_factor > 0 or self.splits == "exact":     # fixed sizes, or no static sizes at all
+            return ()
+        return ("pair_capacity",) + super().capacity_fields()
 
     def needed_capacity(self, loads: np.ndarray) -> Dict[str, object]:
         pairs = loads.reshape(self.n, self.n, self.num_local).sum(-1)      # [source, destination]
@@ -151,12 +171,44 @@ class AllToAllDispatcher(_EPDispatcher):
         state = {"tokens_per_expert": counts.astype(topk_weight.dtype), "topk_weight": topk_weight}
         if self.capacity_factor > 0:
             return self._dispatch_capacity(x, topk_idx, state)
+        if self.splits == "exact":
+            return self._dispatch_exact(x, topk_idx, counts, state)
         return self._dispatch_dropless(x, topk_idx, counts, state)
 
     def combine(self, expert_output, state):
         if self.capacity_factor > 0:
             return self._combine_capacity(expert_output, state)
+        if self.splits == "exact":
+            return self._combine_exact(expert_output, state)
         return self._combine_dropless(expert_output, state)
+
+    # ---- dropless, exact splits (Ascend) ----------------------------------------------------
+    def _dispatch_exact(self, x, topk_idx, counts, state):
+        n, num_local = self.n, self.num_local
+        sorted_rows, slot = self.ops.permute(x, topk_idx, self.num_experts)       # [T k, H] by expert
+        per_expert = counts.reshape(n, num_local)                                 # [destination, L]
+        # counts first (one fp32 per local expert to each rank; no backward), then exactly the rows
+        recv_counts = comm.all_to_all(ops.stop_gradient(per_expert.astype(ms.float32)), self.group)   # [source, L]
+        send_rows = per_expert.sum(1).astype(ms.int64)
+        recv_rows = recv_counts.sum(1).astype(ms.int64)
+        spare = ops.zeros((1, x.shape[1]), sorted_rows.dtype)           # keeps both buffers non-empty
+        send = ops.depend(ops.concat([sorted_rows, spare]), recv_counts)
+        recv = comm.all_to_all_v_dynamic(send, send_rows, recv_rows, self.group)  # [R + 1, H], spare last
+        # received rows come by source, then by local expert: row r is in segment #(segment ends <= r)
+        ends = ops.cumsum(recv_counts.astype(ms.int32).reshape(-1), 0)            # [n L]
+        row = ops.cumsum(ops.ones_like(recv[:, 0], dtype=ms.int32), 0) - 1        # shape-polymorphic arange
+        segment = (row.reshape(-1, 1) >= ends.reshape(1, -1)).astype(ms.int32).sum(1)
+        local = ops.where(segment < n * num_local, segment % num_local, ops.full_like(segment, num_local))
+        state["slot"] = slot
+        state["send_rows"], state["recv_rows"] = send_rows, recv_rows
+        state["dropped"] = ops.zeros((), ms.float32)
+        return self._to_local(recv, local.reshape(-1, 1), 0, state)          # rows layout: no bound needed
+
+    def _combine_exact(self, expert_output, state):
+        returned = self._from_local(expert_output, state)                        # [R + 1, H], received order
+        back = comm.all_to_all_v_dynamic(returned, state["recv_rows"], state["send_rows"], self.group)
+        rows = back[:-1]                                                          # [T k, H] by expert
+        return self.ops.unpermute(rows, state["slot"], state["topk_weight"])
 
     # ---- dropless ---------------------------------------------------------------------------
     def _dispatch_dropless(self, x, topk_idx, counts, state):
@@ -291,11 +343,30 @@ class AllGatherDispatcher(_EPDispatcher):
         return comm.reduce_scatter(partial, self.group)
 
 
+def dispatch_splits(path: str) -> str:
+    """How the dropless alltoall dispatcher sizes its exchange on code path `path`: "exact" (counts
+    on the device, AlltoAllV with Tensor split sizes) on the Ascend path when comm runs Ascend's
+    AlltoAllV (native, or its contract), "bucketed" (host-sized static capacities) elsewhere.
+    `MOETRAIN_EP_SPLITS=exact|bucketed` overrides (e.g. bucketed on Ascend for static shapes)."""
+    forced = os.environ.get("MOETRAIN_EP_SPLITS", "auto").lower()
+    if forced not in ("auto",) + SPLITS:
+        raise ValueError(f"MOETRAIN_EP_SPLITS={forced!r}: use auto, {', '.join(SPLITS)}")
+    has_alltoallv = comm.backend_name() != "emulated" and comm.native_target() == "Ascend"
+    if forced == "exact" and not (path == "ascend" and has_alltoallv):
+        raise ValueError(f"MOETRAIN_EP_SPLITS=exact needs the Ascend MoE path with Ascend's AlltoAllV (this process: "
+                         f"MoE path {path!r}, comm backend {comm.backend_name()!r} for {comm.native_target()}); "
+                         f"unset it or use bucketed")
+    if forced != "auto":
+        return forced
+    return "exact" if path == "ascend" and has_alltoallv else "bucketed"
+
+
 def build_ep_dispatcher(name: str, num_experts: int, top_k: int, capacity_factor: float, group: Group,
                         layout: str = "rows", path: str = "cpu") -> nn.Cell:
     """The expert-parallel dispatcher named by `parallel.moe_token_dispatcher` on code path `path`
     (`native_ops.platform()`): GPU has no AlltoAll in MindSpore 2.10, so "alltoall" runs the
-    allgather dispatcher there (said once in the log)."""
+    allgather dispatcher there (said once in the log); on Ascend the dropless alltoall exchange
+    uses exact split sizes (`dispatch_splits`)."""
     if name not in ("alltoall", "allgather"):
         raise ValueError(f"parallel.moe_token_dispatcher: {name!r} is not one of 'alltoall', 'allgather'")
     if name == "alltoall" and path == "gpu":
@@ -306,5 +377,6 @@ def build_ep_dispatcher(name: str, num_experts: int, top_k: int, capacity_factor
                   flush=True)
         name = "allgather"
     if name == "alltoall":
-        return AllToAllDispatcher(num_experts, top_k, capacity_factor, group, layout)
+        splits = dispatch_splits(path) if capacity_factor == 0 else "bucketed"
+        return AllToAllDispatcher(num_experts, top_k, capacity_factor, group, layout, splits)
     return AllGatherDispatcher(num_experts, top_k, capacity_factor, group, layout)

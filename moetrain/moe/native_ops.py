@@ -4,7 +4,7 @@ Paths (`platform()`): "ascend", "gpu" or "cpu", from MindSpore's device target, 
 `MOETRAIN_MOE_PLATFORM` so that the Ascend and GPU paths run in CI on CPU. What each one runs:
 
     path    permutation                     experts (`expert_compute()`)         ep dispatcher
-    ascend  ops.moe_token_permute/unpermute  grouped_matmul_v4 ("gmm", rows)      alltoall / allgather
+    ascend  ops.moe_token_permute/unpermute  grouped_matmul_v4 ("gmm", rows)      alltoall (exact splits) / allgather
     gpu     sort + gather (permutation.py)   batched matmul over [L, C, H] ("bmm") allgather only
     cpu     sort + gather (permutation.py)   GroupedMatmul kernel ("kernel", rows) alltoall / allgather
                                              or "bmm" without the kernels

@@ -85,6 +85,16 @@ class MicroBatchRunner:
         loss, keys, values = self._evaluate(*as_tensors(batch))
         return float(loss), {k: v.asnumpy() for k, v in zip(keys, values)}
 
+    def capacity_state(self):
+        """The MoE dispatch capacities and their sizing history (None when nothing sizes them)."""
+        controller = getattr(self._grad_step, "controller", None)
+        return None if controller is None else controller.state()
+
+    def load_capacity_state(self, state) -> None:
+        controller = getattr(self._grad_step, "controller", None)
+        if controller is not None and state:
+            controller.load_state(state)
+
     def update_expert_bias(self, expert_load) -> None:
         if hasattr(self.model, "update_expert_bias"):
             self.model.update_expert_bias(np.asarray(expert_load))

@@ -95,8 +95,38 @@ MUTATIONS = {
     "receive_wrong_shape": "link",
     "send_recv_tag_mismatch": "link",
     "both_stages_send_first": "link",
+    # all_to_all_v_dynamic (Tensor counts: the exact-split MoE dispatch) with its lists swapped, or
+    # block_size 1 instead of one row's elements
+    "alltoallv_tensor_lists_swapped": "dynamic:all_to_all_v@tp_empty",
+    "alltoallv_tensor_block_size": "dynamic:all_to_all_v@world",
     "alltoallv_empty_reshaped": "all_to_all_v@tp_empty",   # last: a failed MindSpore op can poison later ops
 }
+
+# all_to_all_v_dynamic (contract phase, PyNative): the all_to_all_v cases with Tensor counts, the
+# input with a spare row (its loss weight SPARE_WEIGHT: a gradient that must not leak into dx)
+DYNAMIC_CASES = ("all_to_all_v@world", "all_to_all_v@tp_empty")
+SPARE_WEIGHT = 3.0
+
+# The exact-split alltoall dispatcher on each tp pair (ep=2, contract Ascend path), every token of
+# every rank routed to experts (0, 1), i.e. to position 0: position 1 receives nothing
+EXACT_EXPERTS, EXACT_TOP_K, EXACT_HIDDEN, EXACT_FFN, EXACT_TOKENS = 4, 2, 8, 6, 6
+
+
+def exact_weights():
+    rng = _rng("exact", "experts")
+    shapes = ((EXACT_EXPERTS, EXACT_HIDDEN, EXACT_FFN), (EXACT_EXPERTS, EXACT_HIDDEN, EXACT_FFN),
+              (EXACT_EXPERTS, EXACT_FFN, EXACT_HIDDEN))
+    return tuple((rng.standard_normal(shape) * 0.5).astype(np.float32) for shape in shapes)
+
+
+def exact_inputs(rank: int):
+    """x [T, H], topk_idx [T, k] (experts 0 and 1, in either order), topk_weight [T, k], cotangent [T, H]."""
+    rng = _rng("exact", "inputs", rank)
+    idx = np.tile(np.array([0, 1], np.int32), (EXACT_TOKENS, 1))
+    idx[rng.random(EXACT_TOKENS) < 0.5] = [1, 0]
+    return (rng.standard_normal((EXACT_TOKENS, EXACT_HIDDEN)).astype(np.float32), idx,
+            rng.uniform(0.1, 1.0, (EXACT_TOKENS, EXACT_TOP_K)).astype(np.float32),
+            rng.standard_normal((EXACT_TOKENS, EXACT_HIDDEN)).astype(np.float32))
 
 
 def _rng(*key) -> np.random.Generator:

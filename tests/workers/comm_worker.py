@@ -16,8 +16,9 @@ import types
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from comm_cases import (CASES, LINK_EXCHANGES, LINK_SHAPE, MUTATIONS, PHASES, case_input,  # noqa: E402
-                        link_payload, loss_weight, phase_cases, position)
+from comm_cases import (CASES, DYNAMIC_CASES, EXACT_EXPERTS, EXACT_FFN, EXACT_HIDDEN, EXACT_TOP_K,  # noqa: E402
+                        LINK_EXCHANGES, LINK_SHAPE, MUTATIONS, PHASES, SPARE_WEIGHT, case_input, exact_inputs,
+                        exact_weights, link_payload, loss_weight, phase_cases, position)
 from comm_recorder import CONTRACT_PRIMS, Recorder  # noqa: E402
 from mindspore import ops  # noqa: E402
 
@@ -81,25 +82,28 @@ class Worker:
             self.xs[name] = x = Tensor(case_input(name, self.rank, shape_of(self.rank)))
             self.ws[name] = Tensor(loss_weight(name, self.rank, apply(op, x, ctx.group(kind), kw).shape))
 
+    def measured(self, fn, x, w):
+        """`y = fn(x)` and the gradient of <w, y> (PyNative), with the ledger's columns and the
+        primitive calls of both (those of the backward marked)."""
+        def loss(x, w):
+            y = fn(x)
+            self.recorder.backward_starts()
+            return (y * w).sum(), y
+
+        grad = self.ms.value_and_grad(loss, grad_position=0, has_aux=True)
+        with self.recorder.recording() as calls, comm.CommLedger() as ledger:
+            (_, y), dx = grad(x, w)
+        return y.asnumpy(), dx.asnumpy(), {"forward": columns(ledger, backward=False),
+                                           "all": columns(ledger, backward=True), "calls": list(calls)}
+
     # ---- PyNative: per op, values, gradients, ledger and the primitive calls -----------------
     def pynative(self, label, phase):
-        ms, out = self.ms, {}
+        out = {}
         start = time.perf_counter()
         for name, *_ in phase_cases(label):
             (op, g, kw), x, w = self.specs[name], self.xs[name], self.ws[name]
-
-            def loss(x, w, op=op, g=g, kw=kw):
-                y = apply(op, x, g, kw)
-                self.recorder.backward_starts()
-                return (y * w).sum(), y
-
-            grad = ms.value_and_grad(loss, grad_position=0, has_aux=True)
-            with self.recorder.recording() as calls, comm.CommLedger() as ledger:
-                (_, y), dx = grad(x, w)
-            self.arrays[f"{label}/pynative/{name}/y"] = y.asnumpy()
-            self.arrays[f"{label}/pynative/{name}/dx"] = dx.asnumpy()
-            out[name] = {"forward": columns(ledger, backward=False), "all": columns(ledger, backward=True),
-                         "calls": list(calls)}
+            y, dx, out[name] = self.measured(lambda x, op=op, g=g, kw=kw: apply(op, x, g, kw), x, w)
+            self.arrays[f"{label}/pynative/{name}/y"], self.arrays[f"{label}/pynative/{name}/dx"] = y, dx
         phase["ledgers"] = out
         phase["pynative_s"] = time.perf_counter() - start
 
@@ -152,6 +156,60 @@ class Worker:
 
         x = (np.arange(8, dtype=np.int64).reshape(4, 2) * 70001 - 3 * 10 ** 7 * self.rank).astype(np.int32)
         self.arrays[f"{label}/int32/y"] = comm.all_to_all(Tensor(x), self.ctx.group("world")).asnumpy()
+
+    # ---- all_to_all_v_dynamic: Tensor counts, a spare row in and out (contract Ascend, PyNative) --
+    def dynamic_input(self, name):
+        """(x with a zero spare row, loss weights with SPARE_WEIGHT on the spare, send, recv counts)."""
+        from mindspore import Tensor
+
+        op, g, kw = self.specs[name]
+        x, w = self.xs[name].asnumpy(), self.ws[name].asnumpy()
+        spare = lambda a, v: Tensor(np.concatenate([a, np.full((1,) + a.shape[1:], v, a.dtype)]))  # noqa: E731
+        counts = lambda c: Tensor(np.array(c, np.int64))   # noqa: E731
+        return g, spare(x, 0.0), spare(w, SPARE_WEIGHT), counts(kw["send_counts"]), counts(kw["recv_counts"])
+
+    def dynamic(self, label, phase):
+        out = {}
+        for name in DYNAMIC_CASES:
+            g, x, w, send, recv = self.dynamic_input(name)
+            y, dx, out[name] = self.measured(
+                lambda x, g=g, send=send, recv=recv: comm.all_to_all_v_dynamic(x, send, recv, g), x, w)
+            self.arrays[f"{label}/dynamic/{name}/y"], self.arrays[f"{label}/dynamic/{name}/dx"] = y, dx
+        phase["dynamic"] = out
+
+    # ---- the exact-split alltoall dispatcher, every token to position 0 of its tp pair ----------
+    def exact_dispatch(self, phase):
+        from mindspore import Tensor
+
+        from moetrain.moe.ep_dispatcher import build_ep_dispatcher
+        from moetrain.moe.experts import GroupedExperts
+        from moetrain.parallel.expert_parallel import shard_experts
+
+        os.environ["MOETRAIN_MOE_PLATFORM"] = "ascend"   # read when the cells are built
+        try:
+            tp = self.ctx.group("tp")
+            experts = GroupedExperts(EXACT_EXPERTS, EXACT_HIDDEN, EXACT_FFN)
+            for param, full in zip((experts.w_gate, experts.w_up, experts.w_down), exact_weights()):
+                param.set_data(Tensor(full))
+            shard_experts(experts, tp.rank_in_group, tp.size)
+            dispatcher = build_ep_dispatcher("alltoall", EXACT_EXPERTS, EXACT_TOP_K, 0.0, tp, experts.layout,
+                                             experts.ops.path)
+        finally:
+            os.environ.pop("MOETRAIN_MOE_PLATFORM")
+        x, idx, weight, cot = exact_inputs(self.rank)
+
+        def loss_fn(x, topk_weight):
+            expert_input, state = dispatcher.dispatch(x, Tensor(idx), topk_weight)
+            y = dispatcher.combine(experts(expert_input, state.get("row_expert"), state.get("group_sizes")), state)
+            return (y * Tensor(cot)).sum(), y, state["expert_rows"], state["group_sizes"]
+
+        grad_fn = self.ms.value_and_grad(loss_fn, (0, 1), has_aux=True)
+        with self.recorder.recording() as calls:
+            (_, y, rows, sizes), (dx, dweight) = grad_fn(Tensor(x), Tensor(weight))
+        for key, value in (("y", y), ("dx", dx), ("dweight", dweight), ("expert_rows", rows), ("group_sizes", sizes)):
+            self.arrays[f"exact/{key}"] = value.asnumpy()
+        phase["exact"] = {"splits": dispatcher.splits, "capacity_fields": list(dispatcher.capacity_fields()),
+                          "compute": experts.compute, "calls": list(calls)}
 
     # ---- emulated extras: jitted loops book nothing, inf stays in its slot ---------------------
     def loop_and_inf(self, phase):
@@ -234,6 +292,16 @@ class Worker:
                 def __init__(self, sr_tag, *args, **kwargs):
                     super().__init__(sr_tag + 1, *args, **kwargs)
             overrides["Receive"] = OtherTag
+        elif mutation == "alltoallv_tensor_lists_swapped":
+            class SwappedLists(contract.AlltoAllV):
+                def __call__(self, x, send_numel_list, recv_numel_list):
+                    return super().__call__(x, recv_numel_list, send_numel_list)
+            overrides["AlltoAllV"] = SwappedLists
+        elif mutation == "alltoallv_tensor_block_size":
+            class BlockOfOne(contract.AlltoAllV):
+                def __init__(self, group=GlobalComm.WORLD_COMM_GROUP, block_size=1):
+                    super().__init__(group, 1)
+            overrides["AlltoAllV"] = BlockOfOne
         elif mutation == "alltoallv_empty_reshaped":   # the pre-fix code: reshape what AlltoAllV returns
             def exchange_v(cell, x, send_numel, recv_numel, elements, rows):
                 y = cell.prim(ops.Reshape()(x, (elements,)), send_numel, recv_numel)
@@ -253,6 +321,9 @@ class Worker:
             receives = exchange == "two_way" or tp.rank_in_group == 1
             payload = self.ms.Tensor(link_payload(exchange, self.rank)) if sends else None
             return link.exchange(payload, LINK_SHAPE if receives else None)
+        if target.startswith("dynamic:"):
+            group, x, _, send, recv = self.dynamic_input(target[len("dynamic:"):])
+            return comm.all_to_all_v_dynamic(x, send, recv, group)
         op, group, kw = self.specs[target]
         return apply(op, self.xs[target], group, kw)
 
@@ -285,6 +356,10 @@ def main():
             worker.links(label, phase)
         if backend == "contract":
             worker.int32_exchange(label)
+        if label == "contract":
+            log(f"{label}: dynamic all_to_all_v, exact dispatch")
+            worker.dynamic(label, phase)
+            worker.exact_dispatch(phase)
         if label == "emulated":
             worker.loop_and_inf(phase)
     os.environ["MOETRAIN_COMM_BACKEND"], os.environ["MOETRAIN_CONTRACT_TARGET"] = "contract", "Ascend"
