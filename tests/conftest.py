@@ -52,3 +52,32 @@ def mnist_overrides(tiny_mnist, tmp_path):
             "train.epochs=0", "train.steps=6", "train.global_batch_size=32", "train.eval_batch_size=32",
             "lr_schedule.warmup_steps=2", "checkpoint.save_steps=0", "logging.tensorboard=false",
             "logging.progress_bar=false"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared msrun jobs (tests/distributed.py: share_runs): one launch per world size for the
+# train_runs_worker runs of every selected test file
+# ---------------------------------------------------------------------------------------------
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """After -k/-m deselection: the test files whose runs join the shared jobs."""
+    import distributed
+
+    distributed.SELECTED_MODULES.update(item.module.__name__ for item in items if item.module is not None)
+
+
+@pytest.fixture(scope="session")
+def shared_job_2(request, tmp_path_factory):
+    """Output folder of the shared 2-rank job (None when no selected test file has 2-rank runs)."""
+    import distributed
+
+    return distributed.shared_job(2, request.getfixturevalue, str(tmp_path_factory.mktemp("shared2")))
+
+
+@pytest.fixture(scope="session")
+def shared_job_4(request, tmp_path_factory, shared_job_2):
+    """Output folder of the shared 4-rank job; after the 2-rank job (a 4-rank run may resume a
+    2-rank run's checkpoint)."""
+    import distributed
+
+    return distributed.shared_job(4, request.getfixturevalue, str(tmp_path_factory.mktemp("shared4")))

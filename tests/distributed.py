@@ -154,3 +154,44 @@ def assert_same_steps(reference: List[Dict], steps: List[Dict], name: str, num_s
                                    err_msg=f"{name}: {key}")
     for a, b in zip(reference, steps):
         np.testing.assert_array_equal(b["expert_load"], a["expert_load"], err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared trainer jobs: the train_runs_worker runs of several test files in ONE msrun launch per
+# world size (a launch costs ~15-20 s before any work: 4 or 8 processes import MindSpore on 2 cores)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SharedRuns:
+    module: str                 # the test file's module: its runs join a job only when one of its tests is selected
+    specs: object               # specs(fixture, out_dir) -> ["NAME:CONFIG:overrides", ...]; fixture(name) gets a
+    #                             session fixture, out_dir is the job's output folder (see shared_run_dirs)
+    timeout: float              # seconds these runs may take
+    last: bool = False          # run after the others (e.g. runs that install a primitive recorder in the process)
+
+
+SHARED_RUNS: Dict[int, List[SharedRuns]] = {}
+SELECTED_MODULES: set = set()   # filled by tests/conftest.py once pytest has selected the tests
+
+
+def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = False) -> None:
+    """Register a test file's runs for the shared `nproc`-rank job (call at import, with `__name__`);
+    its fixtures read the runs' folders with `shared_run_dirs(out_dir, module)`."""
+    SHARED_RUNS.setdefault(nproc, []).append(SharedRuns(module, specs, timeout, last))
+
+
+def shared_job(nproc: int, fixture, job_dir: str) -> Optional[str]:
+    """Launch every registered `nproc`-rank run of the selected test files in one job, one after
+    another (see tests/workers/train_runs_worker.py); returns the job's output folder, where run NAME
+    of MODULE trained into MODULE.NAME (None when no selected file has runs for this world size)."""
+    groups = sorted((g for g in SHARED_RUNS.get(nproc, []) if g.module in SELECTED_MODULES), key=lambda g: g.last)
+    if not groups:
+        return None
+    out_dir = os.path.join(job_dir, "out")
+    specs = [f"{g.module}.{spec}" for g in groups for spec in g.specs(fixture, out_dir)]
+    return run_workers(TRAIN_RUNS_WORKER, nproc, specs, timeout=sum(g.timeout for g in groups),
+                       job_dir=job_dir).check().out_dir
+
+
+def shared_run_dirs(out_dir: str, module: str, names: Sequence[str]) -> Dict[str, str]:
+    """{NAME: folder} of a test file's runs in a shared job."""
+    return {name: os.path.join(out_dir, f"{module}.{name}") for name in names}

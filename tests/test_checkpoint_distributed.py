@@ -1,9 +1,15 @@
 """Sharded checkpoints: exact resume, resharding onto other layouts, consolidation, faults.
 
-Multi-process cases launch `moetrain train` (tests/workers/ckpt_train.py) with msrun on the tiny
-MNIST MLP: dp2 with ZeRO-1 straight for 2N steps (the reference), and N steps then resumed on dp2,
-on dp4 with ZeRO-2 and on one process. Tensor/expert-parallel layouts are covered with hand-marked
-shards on virtual ranks (one process), and by msrun tests that run once those features land.
+Multi-process cases train with msrun in TWO jobs (tests/workers/train_runs_worker.py runs several
+trainings one after another in one job; an msrun launch costs ~15 s before any work):
+- 2 ranks: the tiny MNIST MLP on dp2 with ZeRO-1 straight for 2N steps (the reference), and N steps
+  then resumed in the same folder (`--resume` without a folder); the same straight/split/resume chain
+  for a MoE LM on dp2 x ep2; N steps of a GPT on pp2.
+- 4 ranks (after the first job): the dp2 checkpoint resumed on dp4 with ZeRO-2; N steps of a GPT
+  on dp2 x tp2, then resumed on dp4.
+One-process resumes run in pytest's process. The kill -9 test launches `moetrain train` as the CLI
+runs it (tests/workers/ckpt_train.py). Tensor/expert-parallel layouts with ZeRO are also covered with
+hand-marked shards on virtual ranks (one process).
 """
 import json
 import os
@@ -16,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from distributed import kill_leftovers, launcher_command, new_job_dir, require_msrun, run_workers
+from distributed import kill_leftovers, launcher_command, new_job_dir, run_workers, share_runs, shared_run_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_CFG = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
@@ -39,10 +45,6 @@ def train_args(config, sets, resume=None, dump_state=False):
     if resume is not None:
         args += ["--resume", resume] if resume else ["--resume"]
     return args
-
-
-def launch(nproc, args, timeout=240):
-    return run_workers(WORKER, nproc, args, timeout=timeout).check()
 
 
 # msrun jobs run PyNative: half the CPU time of compiling these tiny steps (in-process runs use jit)
@@ -78,19 +80,80 @@ def trainer_state(trainer):
 # ---------------------------------------------------------------------------------------------
 # msrun runs shared by the tests below
 # ---------------------------------------------------------------------------------------------
+def run_spec(name, config, sets):
+    """One run of tests/workers/train_runs_worker.py; its folder is the job's out/NAME (the worker
+    sets train.output_dir), a later spec with the same NAME and `resume=` continues that folder."""
+    return f"{name}:{config}:{','.join(sets)}"
+
+
+MOE_CFG = os.path.join(ROOT, "configs", "moe_tiny.yaml")
+GPT_CFG = os.path.join(ROOT, "configs", "gpt_tiny.yaml")
+DP2_ZERO1 = ["parallel.data_parallel=2", "parallel.optimizer_shard=1", PYNATIVE]
+DP2_EP2_ZERO1 = ["parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.optimizer_shard=1", PYNATIVE]
+PP2_COMMON = [PYNATIVE, "train.micro_batch_size=2", "model.tie_embeddings=true"]   # 4 micro-batches
+WORLD2_RUNS = ("dp2_straight", "dp2_split", "ep2_straight", "ep2_split", "pp2_half")
+WORLD4_RUNS = ("dp4", "tp2_half", "tp2_to_dp4")
+
+
+def world2_specs(fixture, out_dir):
+    """`dp2_straight` trains 2N steps; `dp2_split` trains N (stop_after, saves at N), then resumes in
+    its folder to 2N; the same for `ep2_*` (MoE LM); `pp2_half` trains N of a GPT on two stages."""
+    data = fixture("tiny_mnist")
+    return [run_spec(*run) for run in [
+        ("dp2_straight", MNIST_CFG, mnist_sets(data, "", *DP2_ZERO1)),
+        ("dp2_split", MNIST_CFG, mnist_sets(data, "", *DP2_ZERO1, f"train.stop_after={HALF}")),
+        ("dp2_split", MNIST_CFG, mnist_sets(data, "", *DP2_ZERO1, "resume=")),
+        ("ep2_straight", MOE_CFG, lm_sets("moe_gpt", "", *DP2_EP2_ZERO1)),
+        ("ep2_split", MOE_CFG, lm_sets("moe_gpt", "", *DP2_EP2_ZERO1, f"train.stop_after={LM_HALF}")),
+        ("ep2_split", MOE_CFG, lm_sets("moe_gpt", "", *DP2_EP2_ZERO1, "resume=")),
+        ("pp2_half", GPT_CFG, lm_sets("gpt", "", *PP2_COMMON, "parallel.pipeline_stage=2",
+                                      f"train.stop_after={LM_HALF}")),
+    ]]
+
+
+def world4_specs(fixture, out_dir):
+    """`dp4` resumes the dp2 checkpoint at N on dp4 with ZeRO-2; `tp2_half` trains N steps of a GPT on
+    dp2 x tp2; `tp2_to_dp4` resumes that on dp4."""
+    dp2_split = shared_run_dirs(fixture("shared_job_2"), __name__, ["dp2_split"])["dp2_split"]
+    tp2_half = shared_run_dirs(out_dir, __name__, ["tp2_half"])["tp2_half"]
+    return [run_spec(*run) for run in [
+        ("dp4", MNIST_CFG, mnist_sets(fixture("tiny_mnist"), "", "parallel.data_parallel=4",
+                                      "parallel.optimizer_shard=2", PYNATIVE, f"resume={checkpoint(dp2_split, HALF)}")),
+        ("tp2_half", GPT_CFG, lm_sets("gpt", "", "parallel.data_parallel=2", "parallel.model_parallel=2",
+                                      "parallel.optimizer_shard=1", PYNATIVE, f"train.stop_after={LM_HALF}")),
+        ("tp2_to_dp4", GPT_CFG, lm_sets("gpt", "", "parallel.data_parallel=4", PYNATIVE,
+                                        f"resume={checkpoint(tp2_half, LM_HALF)}")),
+    ]]
+
+
+# every 2-rank run of this file joins the suite's shared 2-rank msrun job, every 4-rank run the 4-rank
+# job (after the 2-rank one: dp4 resumes the dp2 checkpoint); tests/distributed.py: share_runs
+share_runs(2, __name__, world2_specs, timeout=900)
+share_runs(4, __name__, world4_specs, timeout=900)
+
+
 @pytest.fixture(scope="module")
-def dp2_runs(tiny_mnist, tmp_path_factory):
-    """dp2 ZeRO-1: `straight` trains 2N steps; `half` trains N (stop_after) and saves at N."""
-    require_msrun()
-    base = tmp_path_factory.mktemp("dp2")
-    straight, half = str(base / "straight"), str(base / "half")
-    zero1 = ["parallel.data_parallel=2", "parallel.optimizer_shard=1", PYNATIVE]
-    straight_run = launch(2, train_args(MNIST_CFG, mnist_sets(tiny_mnist, straight, *zero1), dump_state=True))
-    launch(2, train_args(MNIST_CFG, mnist_sets(tiny_mnist, half, *zero1, f"train.stop_after={HALF}")))
-    saved = str(base / "saved_at_half")          # kept apart: tests below resume from it or damage copies
-    shutil.copytree(checkpoint(half, HALF), saved)
-    return {"straight": straight, "half": half, "saved": saved, "data": tiny_mnist, "zero1": zero1,
-            "final_states": straight_run.npz_results()}
+def world2_runs(shared_job_2, tiny_mnist, tmp_path_factory):
+    base = tmp_path_factory.mktemp("world2")
+    dirs = shared_run_dirs(shared_job_2, __name__, WORLD2_RUNS)
+    saved = str(base / "dp2_saved_at_half")     # kept apart: tests below resume from it or damage copies
+    shutil.copytree(checkpoint(dirs["dp2_split"], HALF), saved)
+    ep2_saved = str(base / "ep2_saved_at_half")
+    shutil.copytree(checkpoint(dirs["ep2_split"], LM_HALF), ep2_saved)
+    straight = dirs["dp2_straight"]
+    return {**dirs, "straight": straight, "saved": saved, "ep2_saved": ep2_saved, "data": tiny_mnist,
+            "zero1": DP2_ZERO1,
+            "final_states": [dict(np.load(os.path.join(straight, f"rank_{r}.npz"))) for r in range(2)]}
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(world2_runs):
+    return world2_runs
+
+
+@pytest.fixture(scope="module")
+def world4_runs(shared_job_4):
+    return shared_run_dirs(shared_job_4, __name__, WORLD4_RUNS)
 
 
 @pytest.mark.distributed
@@ -112,21 +175,15 @@ def test_dp2_zero1_resume_at_n_matches_uninterrupted_run_exactly(dp2_runs, tmp_p
                                                      "model.safetensors", "optimizer-rank00000.safetensors",
                                                      "optimizer-rank00001.safetensors"]
 
-    resumed = str(tmp_path / "resumed")
-    shutil.copytree(dp2_runs["half"], resumed)
-    launch(2, train_args(MNIST_CFG, mnist_sets(dp2_runs["data"], resumed, *dp2_runs["zero1"]), resume=""))
-    reference = losses(dp2_runs["straight"])
+    reference = losses(dp2_runs["straight"])     # dp2_split: N steps, then `--resume` in its folder
     assert len(reference) == STEPS
-    assert losses(resumed) == reference            # bitwise: same layout, same reduction order
+    assert losses(dp2_runs["dp2_split"]) == reference    # bitwise: same layout, same reduction order
 
 
 @pytest.mark.distributed
-def test_dp2_checkpoint_resumes_on_dp4_zero2_and_on_one_process(dp2_runs, tmp_path):
+def test_dp2_checkpoint_resumes_on_dp4_zero2_and_on_one_process(dp2_runs, world4_runs, tmp_path):
     reference = losses(dp2_runs["straight"])[HALF:]
-    dp4 = str(tmp_path / "dp4")
-    launch(4, train_args(MNIST_CFG, mnist_sets(dp2_runs["data"], dp4, "parallel.data_parallel=4",
-                                               "parallel.optimizer_shard=2", PYNATIVE), resume=dp2_runs["saved"]))
-    np.testing.assert_allclose(losses(dp4), reference, rtol=1e-5)
+    np.testing.assert_allclose(losses(world4_runs["dp4"]), reference, rtol=1e-5)
 
     one = str(tmp_path / "one")
     trainer = make_trainer(mnist_sets(dp2_runs["data"], one), resume=dp2_runs["saved"])
@@ -437,16 +494,10 @@ def lm_sets(name, output_dir, *extra):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_dp2_ep2_zero1_resume_at_n_is_exact_and_resumes_on_one_process(tmp_path):
-    config = os.path.join(ROOT, "configs", "moe_tiny.yaml")
-    layout = ["parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.optimizer_shard=1", PYNATIVE]
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    launch(2, train_args(config, lm_sets("moe_gpt", straight, *layout)))
-    launch(2, train_args(config, lm_sets("moe_gpt", split, *layout, f"train.stop_after={LM_HALF}")))
-    saved = str(tmp_path / "saved")
-    shutil.copytree(checkpoint(split, LM_HALF), saved)
-    launch(2, train_args(config, lm_sets("moe_gpt", split, *layout), resume=""))
-    assert losses(split) == losses(straight)
+def test_dp2_ep2_zero1_resume_at_n_is_exact_and_resumes_on_one_process(world2_runs, tmp_path):
+    straight, split, saved = world2_runs["ep2_straight"], world2_runs["ep2_split"], world2_runs["ep2_saved"]
+    assert len(losses(straight)) == LM_STEPS
+    assert losses(split) == losses(straight)       # N steps, then `--resume` in its folder: bitwise
     with open(os.path.join(saved, "metadata.json")) as fh:
         tensors = json.load(fh)["tensors"]
     experts = tensors["layers.0.moe.experts.w_up"]["pieces"]
@@ -454,52 +505,42 @@ def test_dp2_ep2_zero1_resume_at_n_is_exact_and_resumes_on_one_process(tmp_path)
     assert "layers.0.moe.expert_bias" in tensors
     # onto one process (ep1): micro-batches of 4 are the samples each dp rank had
     one = str(tmp_path / "one")
-    make_trainer(lm_sets("moe_gpt", one, PYNATIVE, "train.micro_batch_size=4"), resume=saved, config=config).fit()
+    make_trainer(lm_sets("moe_gpt", one, PYNATIVE, "train.micro_batch_size=4"), resume=saved, config=MOE_CFG).fit()
     np.testing.assert_allclose(losses(one), losses(straight)[LM_HALF:], rtol=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_dp2_tp2_checkpoint_resumes_on_dp4_and_on_one_process(tmp_path):
-    config = os.path.join(ROOT, "configs", "gpt_tiny.yaml")
+def test_dp2_tp2_checkpoint_resumes_on_dp4_and_on_one_process(world4_runs, tmp_path):
     straight = str(tmp_path / "straight")               # the uninterrupted reference, on one process
-    make_trainer(lm_sets("gpt", straight, PYNATIVE), config=config).fit()
+    make_trainer(lm_sets("gpt", straight, PYNATIVE), config=GPT_CFG).fit()
     reference = losses(straight)
-    half = str(tmp_path / "half")
-    launch(4, train_args(config, lm_sets("gpt", half, "parallel.data_parallel=2", "parallel.model_parallel=2",
-                                         "parallel.optimizer_shard=1", PYNATIVE, f"train.stop_after={LM_HALF}")))
+    half = world4_runs["tp2_half"]
     np.testing.assert_allclose(losses(half), reference[:LM_HALF], rtol=1e-5)
     saved = checkpoint(half, LM_HALF)
     assert any(p["slice_kind"] == "tp" for e in json.load(open(os.path.join(saved, "metadata.json")))["tensors"].values()
                for p in e["pieces"])
-    dp4 = str(tmp_path / "dp4")
-    launch(4, train_args(config, lm_sets("gpt", dp4, "parallel.data_parallel=4", PYNATIVE), resume=saved))
-    np.testing.assert_allclose(losses(dp4), reference[LM_HALF:], rtol=1e-5)
+    np.testing.assert_allclose(losses(world4_runs["tp2_to_dp4"]), reference[LM_HALF:], rtol=1e-5)
     one = str(tmp_path / "one")
-    make_trainer(lm_sets("gpt", one, PYNATIVE), resume=saved, config=config).fit()
+    make_trainer(lm_sets("gpt", one, PYNATIVE), resume=saved, config=GPT_CFG).fit()
     np.testing.assert_allclose(losses(one), reference[LM_HALF:], rtol=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_pp2_checkpoint_resumes_on_one_process_and_consolidates(tmp_path):
+def test_pp2_checkpoint_resumes_on_one_process_and_consolidates(world2_runs, tmp_path):
     from moetrain.checkpoint.distributed import CheckpointReader, consolidate
     from moetrain.checkpoint.model_dir import model_state
 
-    config = os.path.join(ROOT, "configs", "gpt_tiny.yaml")
-    common = [PYNATIVE, "train.micro_batch_size=2", "model.tie_embeddings=true"]   # 4 micro-batches
     straight = str(tmp_path / "straight")
-    make_trainer(lm_sets("gpt", straight, *common), config=config).fit()
-    half = str(tmp_path / "half")
-    launch(2, train_args(config, lm_sets("gpt", half, *common, "parallel.pipeline_stage=2",
-                                         f"train.stop_after={LM_HALF}")))
-    saved = checkpoint(half, LM_HALF)
+    make_trainer(lm_sets("gpt", straight, *PP2_COMMON), config=GPT_CFG).fit()
+    saved = checkpoint(world2_runs["pp2_half"], LM_HALF)
     reader = CheckpointReader(saved)
     assert reader.metadata["layout"]["pp"] == 2
     assert {p["file"] for e in reader.tensors.values() if e["part"] == "model" for p in e["pieces"]} == {
         "model-rank00000.safetensors", "model-rank00001.safetensors"}           # each stage wrote its layers
     one = str(tmp_path / "one")
-    trainer = make_trainer(lm_sets("gpt", one, *common), resume=saved, config=config)
+    trainer = make_trainer(lm_sets("gpt", one, *PP2_COMMON), resume=saved, config=GPT_CFG)
     loaded = {name: value.copy() for name, value in model_state(trainer.model).items()}   # before fit()
     trainer.fit()
     np.testing.assert_allclose(losses(one), losses(straight)[LM_HALF:], rtol=1e-5)

@@ -17,12 +17,11 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-from distributed import assert_same_steps, run_workers, step_records, train_one_process  # noqa: E402
+from distributed import assert_same_steps, share_runs, shared_run_dirs, step_records, train_one_process  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/moe_tiny.yaml"
 KJV = os.path.join(ROOT, "data", "kjv_tiny", "kjv_tiny")
-WORKER = "tests/workers/train_runs_worker.py"
 LAYERS = 16
 MODEL = [
     f"data.path={KJV}_train", f"data.eval_path={KJV}_eval", f"data.tokenizer={KJV}.model",
@@ -35,8 +34,9 @@ MODEL = [
     "checkpoint.save_at_end=false", "checkpoint.save_steps=0", "logging.tensorboard=false",
     "logging.progress_bar=false",
 ]
-# one msrun launch of 2 ranks; its runs train one after another (expert parallelism is carved out of
-# data parallelism: dp2·ep2 is 2 ranks, each holding half the experts)
+# 2 ranks, in the suite's shared 2-rank msrun job (tests/distributed.py: share_runs); its runs train one
+# after another (expert parallelism is carved out of data parallelism: dp2·ep2 is 2 ranks, each holding
+# half the experts)
 RUNS = {"tp2": ["parallel.model_parallel=2"],
         "pp2": ["parallel.pipeline_stage=2"],
         "dp2_ep2": ["parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.optimizer_shard=1"]}
@@ -54,11 +54,13 @@ def one_process(tmp_path_factory):
     return step_records(train_one_process(str(tmp_path_factory.mktemp("one_process")), spec("reference")))
 
 
+share_runs(2, __name__, lambda fixture, out_dir: [spec(name, parallel) for name, parallel in RUNS.items()],
+           timeout=1500)
+
+
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    job = run_workers(WORKER, 2, [spec(name, parallel) for name, parallel in RUNS.items()], timeout=1500,
-                      job_dir=str(tmp_path_factory.mktemp("depth"))).check()
-    return {name: step_records(os.path.join(job.out_dir, name)) for name in RUNS}
+def launch(shared_job_2):
+    return {name: step_records(run_dir) for name, run_dir in shared_run_dirs(shared_job_2, __name__, RUNS).items()}
 
 
 @pytest.mark.distributed

@@ -2,12 +2,12 @@
 MindSpore primitive the Ascend or the GPU path calls is a checked CPU reference
 (`moetrain/dist/contract.py`), and the real Trainer trains a moe_tiny-width model on
 
-    2 ranks (one launch):  dp2·ep2, alltoall dispatcher, dropless   Ascend path (AlltoAll, jit),
+    2 ranks (shared job):  dp2·ep2, alltoall dispatcher, dropless   Ascend path (AlltoAll, jit),
                                                                     GPU path (AllGather, PyNative),
                                                                     Ascend MoE path with exact splits
                                                                     (AlltoAllV with Tensor counts, MoE
                                                                     op contracts, PyNative)
-    4 ranks (one launch):  tp2·pp2, 1F1B, sequence parallel         Ascend path, GPU path (PairLink: Send/Receive)
+    4 ranks (shared job):  tp2·pp2, 1F1B, sequence parallel         Ascend path, GPU path (PairLink: Send/Receive)
 
 reproducing one process (loss, lm/aux/z losses and the gradient norm within 1e-4 over 3 steps,
 expert loads exact). Each run's rank files name the backend, the target and the stand-ins that
@@ -26,7 +26,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-from distributed import TRAIN_RUNS_WORKER, assert_same_steps, run_workers, step_records, train_one_process  # noqa: E402
+from distributed import assert_same_steps, share_runs, shared_run_dirs, step_records, train_one_process  # noqa: E402
 from workers.comm_recorder import native_bytes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,22 +75,27 @@ def one_process(tmp_path_factory):
     return step_records(train_one_process(str(tmp_path_factory.mktemp("one_process")), spec("reference"), 600))
 
 
-def launch(nproc, tmp_path_factory):
-    runs = LAUNCHES[nproc]
-    job = run_workers(TRAIN_RUNS_WORKER, nproc, [spec(name, parallel) for name, parallel in runs.items()], timeout=900,
-                      job_dir=str(tmp_path_factory.mktemp(f"contract{nproc}"))).check()
-    return {name: (step_records(os.path.join(job.out_dir, name)), rank_records(os.path.join(job.out_dir, name), nproc))
-            for name in runs}
+# each world size's runs join the suite's shared msrun job of that size (tests/distributed.py: share_runs),
+# last: the recorder the worker installs for +record_primitives stays in the process
+for _nproc, _runs in LAUNCHES.items():
+    share_runs(_nproc, __name__, lambda fixture, out_dir, runs=_runs: [spec(name, parallel)
+                                                                      for name, parallel in runs.items()],
+               timeout=900, last=True)
+
+
+def launch(nproc, out_dir):
+    return {name: (step_records(run_dir), rank_records(run_dir, nproc))
+            for name, run_dir in shared_run_dirs(out_dir, __name__, LAUNCHES[nproc]).items()}
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return launch(2, tmp_path_factory)
+def two_ranks(shared_job_2):
+    return launch(2, shared_job_2)
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return launch(4, tmp_path_factory)
+def four_ranks(shared_job_4):
+    return launch(4, shared_job_4)
 
 
 def assert_reproduces(reference, steps, name):

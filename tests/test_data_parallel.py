@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import SHARED_DATA
-from distributed import TRAIN_RUNS_WORKER, run_workers
+from distributed import share_runs, shared_run_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_CFG = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
@@ -39,21 +39,27 @@ def metrics(run_dir):
         return [r for r in map(json.loads, fh) if "loss" in r]
 
 
-@pytest.fixture(scope="module")
-def dp4_runs(tiny_mnist):
-    """Every dp4 run of this file in ONE 4-rank msrun job (tests/workers/train_runs_worker.py):
-    `{name: (rank 0's step records, every rank's record)}`."""
-    runs = {"dp4": overrides(tiny_mnist, **{"optimizer.name": "adamw"}) + ["parallel.data_parallel=4"]}
+def dp4_runs_overrides(data):
+    runs = {"dp4": overrides(data, **{"optimizer.name": "adamw"}) + ["parallel.data_parallel=4"]}
     runs["dp4_accum"] = runs["dp4"] + ["train.micro_batch_size=4"]
     runs["dp4_fp16"] = runs["dp4"] + ["parallel.grad_reduce_dtype=float16"]
     for level in (1, 2):
-        runs[f"zero{level}"] = overrides(tiny_mnist) + ["train.micro_batch_size=4", "parallel.data_parallel=4",
-                                                       f"parallel.optimizer_shard={level}"]
-    job = run_workers(TRAIN_RUNS_WORKER, 4, [f"{name}:{MNIST_CFG}:{','.join(args)}" for name, args in runs.items()],
-                      timeout=600).check()
+        runs[f"zero{level}"] = overrides(data) + ["train.micro_batch_size=4", "parallel.data_parallel=4",
+                                                 f"parallel.optimizer_shard={level}"]
+    return runs
+
+
+DP4_RUNS = ("dp4", "dp4_accum", "dp4_fp16", "zero1", "zero2")
+share_runs(4, __name__, lambda fixture, out_dir: [f"{name}:{MNIST_CFG}:{','.join(args)}" for name, args in
+                                                  dp4_runs_overrides(fixture("tiny_mnist")).items()], timeout=600)
+
+
+@pytest.fixture(scope="module")
+def dp4_runs(shared_job_4):
+    """Every dp4 run of this file, in the suite's shared 4-rank msrun job (tests/distributed.py:
+    share_runs; tests/workers/train_runs_worker.py): `{name: (rank 0's step records, every rank's record)}`."""
     results = {}
-    for name in runs:
-        run_dir = os.path.join(job.out_dir, name)
+    for name, run_dir in shared_run_dirs(shared_job_4, __name__, DP4_RUNS).items():
         ranks = [json.load(open(os.path.join(run_dir, f"rank_{r}.json"))) for r in range(4)]
         results[name] = (metrics(run_dir), ranks)
     return results

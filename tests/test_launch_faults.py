@@ -166,14 +166,40 @@ def _train_cmd(job_dir, args, nproc=2, launcher_args=()):
     return cmd, env
 
 
+DRILL_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def fault_drill(tiny_mnist, tmp_path_factory):
+    """tools/fault_drill.py, one trial on dp2: a clean run of DRILL_STEPS, then kill -9 of a random rank
+    at a random step under --max-restarts. Returns (exit code, workdir); workdir/clean is the clean
+    run, also the uninterrupted reference of the SIGTERM test (the same MNIST job: the drill saves
+    every step, which does not change a loss)."""
+    require_msrun()
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fault_drill", os.path.join(REPO, "tools", "fault_drill.py"))
+    drill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drill)
+    workdir = tmp_path_factory.mktemp("fault_drill")
+    sets = [f"data.path={tiny_mnist}", "model.hidden_size=32", "train.global_batch_size=32",
+            "train.eval_batch_size=32", "lr_schedule.warmup_steps=0"]
+    code = drill.main(["--config", MNIST, "--nproc", "2", "--trials", "1", "--steps", str(DRILL_STEPS),
+                       "--max-restarts", "2", "--seed", "3", "--workdir", str(workdir), "--timeout", "400",
+                       *[a for s in sets for a in ("--set", s)]])
+    kill_leftovers(os.path.join(str(workdir), ""))
+    return code, workdir
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_resume_is_exact(tiny_mnist, tmp_path):
+def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_resume_is_exact(tiny_mnist, tmp_path,
+                                                                                                 fault_drill):
     require_msrun()
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    cmd, env = _train_cmd(str(tmp_path / "a"), _mnist_args(tiny_mnist, straight, "train.steps=10"))
-    assert subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, timeout=460).returncode == 0
-    cmd, env = _train_cmd(str(tmp_path / "b"), _mnist_args(tiny_mnist, split, "train.steps=10"))
+    straight = str(fault_drill[1] / "clean")     # the drill's clean run: DRILL_STEPS uninterrupted on dp2
+    assert len(_losses(straight)) == DRILL_STEPS
+    split = str(tmp_path / "split")
+    cmd, env = _train_cmd(str(tmp_path / "b"), _mnist_args(tiny_mnist, split, f"train.steps={DRILL_STEPS}"))
     proc = subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.time() + 300
@@ -188,7 +214,7 @@ def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_
     statuses = launch.read_statuses(os.path.join(str(tmp_path / "b"), "logs", launch.STATUS_DIR))
     assert [statuses[r].returncode for r in (0, 1)] == [EXIT_PREEMPTED, EXIT_PREEMPTED]
     saved = sorted(os.listdir(os.path.join(split, "checkpoints")))
-    assert len(saved) == 1 and len(_losses(split)) == int(saved[0][5:]) < 10, output[-3000:]
+    assert len(saved) == 1 and len(_losses(split)) == int(saved[0][5:]) < DRILL_STEPS, output[-3000:]
     resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=str(tmp_path), capture_output=True, text=True,
                              timeout=460)
     kill_leftovers(os.path.join(str(tmp_path), ""))
@@ -198,23 +224,12 @@ def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fault_drill_one_trial_on_dp2(tiny_mnist, tmp_path):
+def test_fault_drill_one_trial_on_dp2(fault_drill):
     """tools/fault_drill.py: kill -9 of a random rank at a random step under --max-restarts; the
     job finishes every step with the clean run's losses."""
-    require_msrun()
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fault_drill", os.path.join(REPO, "tools", "fault_drill.py"))
-    drill = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(drill)
-    sets = [f"data.path={tiny_mnist}", "model.hidden_size=32", "train.global_batch_size=32",
-            "train.eval_batch_size=32", "lr_schedule.warmup_steps=0"]
-    code = drill.main(["--config", MNIST, "--nproc", "2", "--trials", "1", "--steps", "6", "--max-restarts", "2",
-                       "--seed", "3", "--workdir", str(tmp_path), "--timeout", "400",
-                       *[a for s in sets for a in ("--set", s)]])
-    kill_leftovers(os.path.join(str(tmp_path), ""))
+    code, workdir = fault_drill
     assert code == 0
-    assert open(tmp_path / "trial_1" / "logs" / "restarts.log").read().count("restart 1/2") == 1
+    assert open(workdir / "trial_1" / "logs" / "restarts.log").read().count("restart 1/2") == 1
 
 
 @pytest.mark.distributed

@@ -221,23 +221,31 @@ def test_trainer_trains_on_packed_documents(tmp_path):
     assert abs(steps[0]["loss"] - plain_steps[0]["loss"]) > 1e-4     # the same batch and weights
 
 
+PARALLEL_RUNS = {"tp2": ["parallel.model_parallel=2", "parallel.use_seq_parallel=true"],
+                 "pp2": ["parallel.pipeline_stage=2"]}
+
+
+def _share_parallel_runs():
+    """tp2 and pp2 (jitted) join the suite's shared 2-rank msrun job (tests/distributed.py: share_runs)."""
+    from distributed import share_runs
+
+    share_runs(2, __name__, lambda fixture, out_dir: [f"{name}:configs/gpt_tiny.yaml:" + ",".join(TRAIN + PACKED + extra)
+                                                      for name, extra in PARALLEL_RUNS.items()], timeout=540)
+
+
+_share_parallel_runs()
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tp2_and_pp2_train_packed_documents_as_one_process(tmp_path):
-    """One 2-rank msrun launch (tp2 with sequence parallelism, then pp2 with 4 micro-batches, jitted)
-    reproduces the one-process losses, gradient norms and evaluation of a packed-document dense run."""
-    from distributed import require_msrun, run_workers
+def test_tp2_and_pp2_train_packed_documents_as_one_process(tmp_path, shared_job_2):
+    """tp2 with sequence parallelism, then pp2 with 4 micro-batches, jitted, on 2 ranks reproduce the
+    one-process losses, gradient norms and evaluation of a packed-document dense run."""
+    from distributed import shared_run_dirs
 
-    require_msrun()
-    args = TRAIN + PACKED
-    single_steps, single_evals = train("gpt_tiny.yaml", args, tmp_path / "single")
-    runs = {"tp2": ["parallel.model_parallel=2", "parallel.use_seq_parallel=true"],
-            "pp2": ["parallel.pipeline_stage=2"]}
-    specs = [f"{name}:configs/gpt_tiny.yaml:" + ",".join(args + extra) for name, extra in runs.items()]
-    run = run_workers("tests/workers/train_runs_worker.py", 2, specs, timeout=540, job_dir=str(tmp_path / "job"))
-    run.check()
-    for name in runs:
-        steps, evals = step_records(os.path.join(run.out_dir, name))
+    single_steps, single_evals = train("gpt_tiny.yaml", TRAIN + PACKED, tmp_path / "single")
+    for name, run_dir in shared_run_dirs(shared_job_2, __name__, PARALLEL_RUNS).items():
+        steps, evals = step_records(run_dir)
         assert [r["step"] for r in steps] == [1, 2, 3, 4], name
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in single_steps], rtol=1e-4,

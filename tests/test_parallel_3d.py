@@ -2,7 +2,7 @@
 sequence parallelism, ZeRO-1/2, recompute, gradient accumulation (pipeline micro-batches), tied
 embeddings, capacity drops and aux-loss-free balancing, against ONE one-process run of the same config.
 
-    4 ranks (one launch, three runs):
+    4 ranks (the suite's shared 4-rank launch, three runs):
         dp2 . tp2                  sequence parallel, ZeRO-2, recompute full (4 accumulated micro-batches)
         tp2 . pp2                  1F1B, recompute full
         dp2 . pp2, ep2             GPipe, ZeRO-2, allgather dispatcher, recompute selective
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-from distributed import run_workers  # noqa: E402
+from distributed import run_workers, share_runs, shared_run_dirs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/moe_tiny.yaml"
@@ -45,7 +45,7 @@ MODEL = [
     "lr_schedule.warmup_steps=0", f"optimizer.clip_grad_norm={CLIP}", "checkpoint.save_at_end=false",
     "checkpoint.save_steps=0", "logging.tensorboard=false", "logging.progress_bar=false",
 ]
-# One msrun launch per world size; the runs of a launch train one after another in its processes.
+# The runs of a world size train one after another in one msrun launch (4 ranks: shared with other files).
 LAUNCHES = {
     4: {
         "dp2_tp2": ["parallel.data_parallel=2", "parallel.model_parallel=2", "parallel.use_seq_parallel=true",
@@ -80,10 +80,9 @@ def load_run(run_dir, nproc):
 
 
 def launch(nproc, tmp_path_factory):
-    runs = LAUNCHES[nproc]
-    specs = [f"{name}:{CONFIG}:" + ",".join(MODEL + parallel) for name, parallel in runs.items()]
-    job = run_workers(WORKER, nproc, specs, timeout=1800, job_dir=str(tmp_path_factory.mktemp(f"job{nproc}"))).check()
-    return {name: load_run(os.path.join(job.out_dir, name), nproc) for name in runs}
+    job = run_workers(WORKER, nproc, specs(nproc), timeout=1800,
+                      job_dir=str(tmp_path_factory.mktemp(f"job{nproc}"))).check()
+    return {name: load_run(os.path.join(job.out_dir, name), nproc) for name in LAUNCHES[nproc]}
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +98,16 @@ def one_process(tmp_path_factory):
     return step_records(run_dir), {p.name: p.asnumpy() for p in trainer.model.get_parameters()}
 
 
+def specs(nproc):
+    return [f"{name}:{CONFIG}:" + ",".join(MODEL + parallel) for name, parallel in LAUNCHES[nproc].items()]
+
+
+share_runs(4, __name__, lambda fixture, out_dir: specs(4), timeout=1800)   # the suite's shared 4-rank job
+
+
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return launch(4, tmp_path_factory)
+def four_ranks(shared_job_4):
+    return {name: load_run(run_dir, 4) for name, run_dir in shared_run_dirs(shared_job_4, __name__, LAUNCHES[4]).items()}
 
 
 @pytest.fixture(scope="module")
