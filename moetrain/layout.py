@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from moetrain.parallel.schedules import SCHEDULES
+
 RECOMPUTE_MODES = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v")
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "zero_bubble_v")   # several model chunks on every stage
 WORLD_SIZE_ENVS = ("MOETRAIN_WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE")   # the launch script's, msrun's, rank table's
 
 
