@@ -43,6 +43,30 @@ def test_config_validation_names_the_fix(tmp_path):
         load_config(GPT_CFG, common + ["train.micro_batch_size=2", "parallel.pipeline_layers=[3,2]"])
 
 
+def test_schedule_and_chunk_rules_name_the_fix():
+    """Model chunks: interleaving needs pp_interleave_num >= 2 and micro-batches in multiples of the
+    stages (Megatron's rule), every chunk a layer; ZB-V is 2 chunks; other schedules one. The
+    virtual stages split the layers (pipeline_layers lists them)."""
+    from moetrain.layout import Layout, ModelShape, layout_problems, split_layers
+
+    def problems(layers=8, **kw):
+        return " ".join(layout_problems(Layout(**{"pp": 2, "num_micro_batches": 4, **kw}), ModelShape(layers=layers)))
+
+    assert problems(schedule="interleaved_1f1b", interleave=2) == ""
+    assert problems(schedule="zero_bubble_v") == "" and problems(schedule="zero_bubble_h1") == ""
+    assert "needs parallel.pp_interleave_num >= 2" in problems(schedule="interleaved_1f1b")
+    assert "must be a multiple of it" in problems(schedule="interleaved_1f1b", interleave=2, num_micro_batches=3)
+    assert "model.num_layers (3) < pipeline_stage (2) x model chunks per stage (2)" in problems(
+        3, schedule="zero_bubble_v")
+    assert "exactly 2 model chunks" in problems(schedule="zero_bubble_v", interleave=3)
+    assert "needs pipeline_schedule=interleaved_1f1b" in problems(interleave=2)
+    assert "pipeline_schedule must be one of" in problems(schedule="dualpipe")
+    assert "cannot be split evenly into 4 virtual stages (pipeline_stage=2 x 2 chunks)" in problems(
+        6, schedule="zero_bubble_v")
+    assert problems(6, schedule="zero_bubble_v", pipeline_layers=(1, 2, 2, 1)) == ""
+    assert split_layers(6, 4, (1, 2, 2, 1), chunks=2) == [(0, 1), (1, 3), (3, 5), (5, 6)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Schedules
 # ---------------------------------------------------------------------------------------------
@@ -369,3 +393,37 @@ def test_pp2_dense_1f1b_uneven_split_reproduces_one_process(tmp_path):
     assert [r["peak_in_flight"] for r in ranks] == [2, 1]           # 1F1B: stages - stage, never more
     # 4 micro-batches of [2, 32, 64] fp32 cross the link each way per step
     assert [r["step_bytes_sent"] for r in ranks] == [4 * 2 * 32 * 64 * 4] * 2
+
+
+def test_plan_reports_the_schedule_bubble_and_inputs_in_flight():
+    """`moetrain plan`: each schedule's idle fraction (its own lists at equal pass costs), the inputs
+    each stage holds (counted from the lists), stage 0 holding the head with ZB-V, and a step time
+    that follows the bubble (ZB-V's split backward recomputes once more: +1/3 compute)."""
+    from moetrain.parallel.schedules import build_schedule, peak_in_flight, schedule_bubble
+    from moetrain.plan import format_plan, load_plan_config, plan
+
+    base = ["parallel.pipeline_stage=4", "parallel.data_parallel=1", "parallel.expert_parallel=1",
+            "train.global_batch_size=16", "train.micro_batch_size=1"]
+    moe_1b = os.path.join(ROOT, "configs", "moe_1b.yaml")
+    results = {}
+    for kind, extra in (("1f1b", []), ("interleaved_1f1b", ["parallel.pp_interleave_num=2"]),
+                        ("zero_bubble_v", [])):
+        result = plan(load_plan_config(moe_1b, base + [f"parallel.pipeline_schedule={kind}"] + extra))
+        chunks = 1 if kind == "1f1b" else 2
+        assert result.bubble_fraction == pytest.approx(schedule_bubble(kind, 4, 16, chunks))
+        assert [st.in_flight for st in result.stages] == [
+            peak_in_flight(build_schedule(kind, 4, s, 16, chunks)) for s in range(4)]
+        pacing = max(result.stages, key=lambda st: st.compute_seconds_per_micro_batch + st.comm_seconds_per_micro_batch)
+        slot = pacing.compute_seconds_per_micro_batch * (4 / 3 if kind == "zero_bubble_v" else 1) \
+            + pacing.comm_seconds_per_micro_batch
+        busy = 16 * slot      # the bubble is the schedule's fraction of busy + bubble
+        assert result.bubble_seconds / (busy + result.bubble_seconds) == pytest.approx(result.bubble_fraction)
+        assert result.compute_seconds == pytest.approx(
+            16 * pacing.compute_seconds_per_micro_batch * (4 / 3 if kind == "zero_bubble_v" else 1))
+        assert f"pipeline     {kind}" in format_plan(result)
+        results[kind] = result
+    one, inter, zbv = results["1f1b"], results["interleaved_1f1b"], results["zero_bubble_v"]
+    assert one.bubble_fraction == pytest.approx(3 / 19)
+    assert inter.bubble_seconds < one.bubble_seconds and zbv.bubble_seconds < inter.bubble_seconds
+    # ZB-V: the head (and its logits) sit on stage 0, not stage 3
+    assert zbv.stages[0].params > one.stages[0].params and zbv.stages[3].params < one.stages[3].params
