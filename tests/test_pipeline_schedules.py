@@ -22,23 +22,14 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
 from distributed import run_workers  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = "configs/moe_tiny.yaml"
-KJV = os.path.join(ROOT, "data", "kjv_tiny", "kjv_tiny")
-WORKER = "tests/workers/train_runs_worker.py"
-CLIP = 0.05
+import test_parallel_3d as three_d  # noqa: E402  (the same tiny model and data)
+from test_parallel_3d import CLIP, CONFIG, ROOT, STEP_KEYS, WORKER, step_records  # noqa: E402
+
 MICRO = 4
-MODEL = [
-    f"data.path={KJV}_train", f"data.eval_path={KJV}_eval", f"data.tokenizer={KJV}.model",
-    "model.hidden_size=64", "model.num_layers=8", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.ffn_hidden_size=128", "model.seq_length=32", "model.vocab_size=2048", "model.tie_embeddings=true",
-    "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=64",
-    "model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001", "model.moe.capacity_factor=1.0",
-    "model.moe.bias_update_rate=0.01",
-    "train.steps=5", f"train.global_batch_size={MICRO}", "train.micro_batch_size=1", "train.eval_max_batches=1",
-    "lr_schedule.warmup_steps=0", f"optimizer.clip_grad_norm={CLIP}", "checkpoint.save_at_end=false",
-    "checkpoint.save_steps=0", "logging.tensorboard=false", "logging.progress_bar=false",
-]
+# 8 layers (pp4 x 2 chunks), 4 micro-batches of 1 per step
+MODEL = [o for o in three_d.MODEL if not o.startswith(("model.num_layers=", "train.global_batch_size=",
+                                                       "train.eval_max_batches="))] + [
+    "model.num_layers=8", f"train.global_batch_size={MICRO}", "train.eval_max_batches=1"]
 SCHEDULES = {"1f1b": [], "interleaved_1f1b": ["parallel.pp_interleave_num=2"], "zero_bubble_h1": [],
              "zero_bubble_v": []}
 LAUNCHES = {
@@ -47,15 +38,6 @@ LAUNCHES = {
     4: {"pp4_interleaved_1f1b": ["parallel.pipeline_stage=4", "parallel.pipeline_schedule=interleaved_1f1b",
                                  "parallel.pp_interleave_num=2"]},
 }
-STEP_KEYS = ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm")
-
-
-def step_records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        records = [json.loads(line) for line in fh]
-    return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
-
-
 def launch(nproc, tmp_path_factory):
     runs = LAUNCHES[nproc]
     specs = [f"{name}:{CONFIG}:" + ",".join(MODEL + parallel) for name, parallel in runs.items()]
