@@ -40,7 +40,8 @@ respect to its parameters and `x` (one pass), or, split for the zero-bubble sche
 respect to `x` only and W with respect to the parameters only, two compiled functions that each
 recompute the chunk's forward (a split backward costs one more forward than an unsplit one; the
 input and output gradient stay held until W). The last virtual stage's forward computes its loss
-and input gradient in one call (its backward only sends that gradient; W adds its weight gradient).
+and all its gradients in one call (nothing after it to wait for), whatever the schedule: its
+backward only sends the input gradient, its W is empty.
 
 Loss and metrics. The model's loss is the head's loss plus the weighted auxiliary losses of the
 layers, so each chunk contributes its layers' part and the last one adds the head's. Each stage
@@ -240,9 +241,7 @@ class ChunkPasses:
     by `pack`. `side`: the micro-batch's fields after (input_ids, labels).
 
         forward(x, labels, *side)                  -> out, stats
-        loss_full(x, labels, scale, *side)         -> stats, grads, dx     last chunk, unsplit backward
-        loss_input(x, labels, scale, *side)        -> stats, dx            last chunk, B in its forward
-        loss_weight(x, labels, scale, *side)       -> grads                last chunk, W
+        loss_full(x, labels, scale, *side)         -> stats, grads, dx     last chunk: forward and backward
         backward(x, dout, scale, *side)            -> grads, dx            unsplit backward
         backward_input(x, dout, scale, *side)      -> dx                   B
         backward_weight(x, dout, scale, *side)     -> grads                W
@@ -266,25 +265,14 @@ class ChunkPasses:
             return (out * dout).sum() + stats["loss"] * scale
 
         loss_full_grad = ms.value_and_grad(loss_of, input_position, params, has_aux=True)
-        loss_weight_grad = ms.value_and_grad(loss_of, None, params, has_aux=True)
         full_grad = ms.value_and_grad(objective, input_position, params)
         weight_grad = ms.value_and_grad(objective, None, params)
-        if not first:
-            loss_input_grad = ms.value_and_grad(loss_of, 0, None, has_aux=True)
-            input_grad = ms.value_and_grad(objective, 0, None)
+        input_grad = ms.value_and_grad(objective, 0, None) if not first else None
 
         def loss_full(x, labels, scale, *side):
             (_, stats), grads = loss_full_grad(x, labels, scale, *side)
             param_grads, dx = _split_grads(grads, first)
             return tuple(stats.keys()), tuple(stats.values()), pack(param_grads), dx
-
-        def loss_input(x, labels, scale, *side):
-            (_, stats), dx = loss_input_grad(x, labels, scale, *side)
-            return tuple(stats.keys()), tuple(stats.values()), dx
-
-        def loss_weight(x, labels, scale, *side):
-            _, grads = loss_weight_grad(x, labels, scale, *side)
-            return pack(tuple(grads))
 
         def backward(x, dout, scale, *side):
             _, grads = full_grad(x, dout, scale, *side)
@@ -297,10 +285,9 @@ class ChunkPasses:
         def backward_weight(x, dout, scale, *side):
             return pack(tuple(weight_grad(x, dout, scale, *side)[1]))
 
-        jitted = {name: wrap(fn) for name, fn in (("forward", forward), ("loss_full", loss_full),
-                                                    ("loss_input", loss_input))}
-        self.backward, self.backward_input = wrap(backward), wrap(backward_input)
-        self.backward_weight, self.loss_weight = wrap(backward_weight), wrap(loss_weight)
+        jitted = {name: wrap(fn) for name, fn in (("forward", forward), ("loss_full", loss_full))}
+        self.backward, self.backward_input, self.backward_weight = wrap(backward), wrap(backward_input), wrap(
+            backward_weight)
 
         def forward_with_dict(x, labels, *side):
             out, keys, values = jitted["forward"](x, labels, *side)
@@ -310,11 +297,7 @@ class ChunkPasses:
             keys, values, grads, dx = jitted["loss_full"](x, labels, scale, *side)
             return dict(zip(keys, values)), grads, dx
 
-        def loss_input_with_dict(x, labels, scale, *side):
-            keys, values, dx = jitted["loss_input"](x, labels, scale, *side)
-            return dict(zip(keys, values)), dx
-
-        self.forward, self.loss_full, self.loss_input = forward_with_dict, loss_full_with_dict, loss_input_with_dict
+        self.forward, self.loss_full = forward_with_dict, loss_full_with_dict
 
 
 class PipelineExecutor:
@@ -387,9 +370,7 @@ class PipelineExecutor:
             u, side = chunk.vstage, tuple(batches[m][2:])
             if op.kind == FORWARD:
                 x = batches[m][0] if chunk.is_first else inbox.pop(Msg(ACTIVATION, u, m))
-                if chunk.is_last and self.split:
-                    stats[c][m], dxs[key] = passes.loss_input(x, batches[m][1], scale, *side)
-                elif chunk.is_last:
+                if chunk.is_last:   # its whole backward now: the loss's gradient needs nothing from later
                     stats[c][m], micro_grads, dxs[key] = passes.loss_full(x, batches[m][1], scale, *side)
                     add(micro_grads)
                 else:
@@ -414,9 +395,7 @@ class PipelineExecutor:
                 if not chunk.is_first:
                     hand_over(Msg(GRADIENT, u - 1, m), dx)
             else:
-                if chunk.is_last:
-                    add(passes.loss_weight(held[key], batches[m][1], scale, *side))
-                else:
+                if not chunk.is_last:    # the last chunk's weight gradient came with its forward
                     add(passes.backward_weight(held[key], douts.pop(key), scale, *side))
                 release(key)
         leftovers = [*held, *douts, *dxs, *inbox, *outbox]
