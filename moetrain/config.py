@@ -64,8 +64,9 @@ class ParallelConfig:
     optimizer_shard: int = choice(0, 0, 1, 2, help="0 none, 1 optimizer states, 2 states and gradients")
     recompute: str = choice("none", "none", "full", "selective")
     mode: str = choice("manual", "manual", "auto")
-    pipeline_schedule: str = choice("1f1b", "1f1b", "gpipe")
-    pipeline_layers: Optional[List[int]] = None   # layers per stage; None: even split
+    pipeline_schedule: str = choice("1f1b", "1f1b", "gpipe", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v")
+    pipeline_layers: Optional[List[int]] = None   # layers per (virtual) stage; None: even split
+    pp_interleave_num: int = 1         # model chunks per stage (interleaved_1f1b; zero_bubble_v: 2)
     grad_bucket_mb: float = 25.0       # gradient all-reduce bucket size ("communication fusion")
     grad_reduce_dtype: str = choice("float32", "float32", "float16", "bfloat16")
     moe_token_dispatcher: str = choice("alltoall", "alltoall", "allgather")

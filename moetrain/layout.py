@@ -17,8 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from moetrain.parallel.schedules import SCHEDULES
+
 RECOMPUTE_MODES = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe")
 WORLD_SIZE_ENVS = ("MOETRAIN_WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE")   # the launch script's, msrun's, rank table's
 
 
@@ -92,6 +93,13 @@ class Layout:
     schedule: str = "1f1b"
     pipeline_layers: Optional[Tuple[int, ...]] = None
     etp: int = 1                              # expert tensor parallel: ranks each routed expert's FFN is split over
+    interleave: int = 1                       # parallel.pp_interleave_num: model chunks per stage
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks on every pipeline stage: pp_interleave_num for interleaved 1F1B, two for ZB-V
+        (its V shape), one otherwise."""
+        return 2 if self.schedule == "zero_bubble_v" else self.interleave
 
     @property
     def world(self) -> int:
@@ -125,7 +133,8 @@ class Layout:
                    etp=p.expert_tensor_parallel, micro_batch_size=micro,
                    num_micro_batches=count, zero=p.optimizer_shard, recompute=p.recompute,
                    sequence_parallel=p.use_seq_parallel, schedule=p.pipeline_schedule,
-                   pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None)
+                   pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None,
+                   interleave=p.pp_interleave_num)
 
     def parallel_settings(self) -> Dict[str, object]:
         """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
@@ -134,7 +143,8 @@ class Layout:
                 "micro_batch_num": self.num_micro_batches,
                 "use_seq_parallel": self.sequence_parallel, "optimizer_shard": self.zero,
                 "recompute": self.recompute, "mode": "manual", "pipeline_schedule": self.schedule,
-                "pipeline_layers": list(self.pipeline_layers) if self.pipeline_layers else None}
+                "pipeline_layers": list(self.pipeline_layers) if self.pipeline_layers else None,
+                "pp_interleave_num": self.interleave}
 
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
@@ -211,9 +221,11 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
              f"{m.mtp_depth}): an MTP depth k reads the first S-k-1 positions of the whole sequence, which the "
              f"sequence-parallel split does not hold; set use_seq_parallel=false (tensor parallelism without it "
              f"splits MTP as it splits the layers) or model.mtp_depth=0")
-    if m.layers is not None:
+    chunk_problems = schedule_problems(L, m.layers)
+    problems += chunk_problems
+    if m.layers is not None and not chunk_problems:
         try:
-            split_layers(m.layers, L.pp, L.pipeline_layers)
+            split_layers(m.layers, L.pp * L.chunks, L.pipeline_layers, chunks=L.chunks)
         except LayoutError as exc:
             problems.append(str(exc))
     elif shape is not None and L.pp > 1:
@@ -230,7 +242,36 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
              f"global = dp x micro x accumulation")
     need(L.zero in (0, 1, 2), f"parallel.optimizer_shard must be 0, 1 or 2, got {L.zero}")
     need(L.recompute in RECOMPUTE_MODES, f"parallel.recompute must be one of {RECOMPUTE_MODES}, got {L.recompute!r}")
-    need(L.schedule in SCHEDULES, f"parallel.pipeline_schedule must be one of {SCHEDULES}, got {L.schedule!r}")
+    return problems
+
+
+def schedule_problems(L: Layout, layers: Optional[int]) -> List[str]:
+    """The rules of the pipeline schedule and its model chunks (moetrain/parallel/pipeline.py)."""
+    if L.schedule not in SCHEDULES:
+        return [f"parallel.pipeline_schedule must be one of {SCHEDULES}, got {L.schedule!r}"]
+    if not isinstance(L.interleave, int) or isinstance(L.interleave, bool) or L.interleave < 1:
+        return [f"parallel.pp_interleave_num must be an integer >= 1, got {L.interleave!r}"]
+    problems = []
+    if L.schedule == "interleaved_1f1b":
+        if L.interleave < 2:
+            problems.append("parallel.pipeline_schedule=interleaved_1f1b needs parallel.pp_interleave_num >= 2 "
+                            "(model chunks per stage); with one chunk use 1f1b")
+        if L.pp > 1 and L.num_micro_batches % L.pp:
+            problems.append(f"interleaved 1F1B runs micro-batches in groups of pipeline_stage ({L.pp}): "
+                            f"micro_batch_num ({L.num_micro_batches}) must be a multiple of it (Megatron's rule)")
+    elif L.schedule == "zero_bubble_v":
+        if L.interleave not in (1, 2):
+            problems.append(f"parallel.pipeline_schedule=zero_bubble_v holds exactly 2 model chunks per stage (a V); "
+                            f"parallel.pp_interleave_num={L.interleave}: leave it unset or set 2")
+    elif L.interleave > 1:
+        problems.append(f"parallel.pp_interleave_num={L.interleave} needs pipeline_schedule=interleaved_1f1b "
+                        f"(or zero_bubble_v, 2 chunks); {L.schedule} runs one chunk per stage")
+    if L.chunks > 1 and L.pp < 2:
+        problems.append(f"parallel.pipeline_schedule={L.schedule} places model chunks on pipeline stages: it needs "
+                        f"pipeline_stage >= 2")
+    if layers is not None and L.pp > 1 and layers < L.pp * L.chunks:
+        problems.append(f"model.num_layers ({layers}) < pipeline_stage ({L.pp}) x model chunks per stage "
+                        f"({L.chunks}): every chunk needs a layer; lower pp_interleave_num or pipeline_stage")
     return problems
 
 
@@ -249,24 +290,28 @@ def check_config_layout(cfg, world: Optional[int] = None) -> Layout:
     return layout
 
 
-def split_layers(num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence[int]] = None
-                 ) -> List[Tuple[int, int]]:
-    """`[(start, end), ...]`: the layer range of every stage (even split, or `layers_per_stage`)."""
+def split_layers(num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence[int]] = None,
+                 chunks: int = 1) -> List[Tuple[int, int]]:
+    """`[(start, end), ...]`: the layer range of every stage (even split, or `layers_per_stage`). With
+    several model chunks per stage, `num_stages` counts virtual stages (pipeline_stage x chunks) and
+    `layers_per_stage` lists them in virtual-stage order."""
     if num_stages < 1:
         raise LayoutError(f"parallel.pipeline_stage must be >= 1, got {num_stages}")
+    stages = (f"parallel.pipeline_stage={num_stages}" if chunks == 1 else
+              f"{num_stages} virtual stages (pipeline_stage={num_stages // chunks} x {chunks} chunks)")
     if layers_per_stage:
         sizes = [int(n) for n in layers_per_stage]
         if len(sizes) != num_stages or min(sizes) < 1 or sum(sizes) != num_layers:
             raise LayoutError(
                 f"parallel.pipeline_layers={list(layers_per_stage)} must give {num_stages} stages "
-                f"(parallel.pipeline_stage) of >= 1 layers summing to model.num_layers={num_layers}; "
+                f"({stages}) of >= 1 layers summing to model.num_layers={num_layers}; "
                 f"it has {len(sizes)} entries summing to {sum(sizes)}")
     else:
         if num_layers % num_stages:
             raise LayoutError(
-                f"model.num_layers={num_layers} cannot be split evenly into parallel.pipeline_stage="
-                f"{num_stages} stages: choose pipeline_stage in {divisors(num_layers)} or list the layers of "
-                f"each stage in parallel.pipeline_layers")
+                f"model.num_layers={num_layers} cannot be split evenly into {stages} stages: choose "
+                f"a stage count in {divisors(num_layers)} or list the layers of each stage in "
+                f"parallel.pipeline_layers")
         sizes = [num_layers // num_stages] * num_stages
     bounds = list(itertools.accumulate(sizes, initial=0))
     return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from moetrain.devices import GiB, DeviceProfile, get_device
 from moetrain.layout import RECOMPUTE_MODES, Layout, LayoutError, ModelShape, divisors, layout_problems
+from moetrain.parallel import schedules
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 FP32 = 4
@@ -264,11 +265,28 @@ def validate_plan(job: Job, layout: Layout, world_size: Optional[int] = None) ->
 # Per-stage costs
 # --------------------------------------------------------------------------------------------
 def stage_layer_lists(arch: Arch, layout: Layout) -> List[List[int]]:
-    sizes = layout.pipeline_layers or [arch.layers // layout.pp] * layout.pp
+    """Each stage's layers: its model chunks' (virtual stages, moetrain/parallel/schedules.py)."""
+    virtual = layout.pp * layout.chunks
+    sizes = layout.pipeline_layers or [arch.layers // virtual] * virtual
     bounds = list(itertools.accumulate(sizes, initial=0))
-    stages = [list(range(bounds[i], bounds[i + 1])) for i in range(layout.pp)]
-    stages[-1] += list(arch.mtp_layers)          # the MTP blocks run after the stack, on the last stage
+    stages = [sorted(layer for c in range(layout.chunks)
+                     for u in [schedules.virtual_stage(layout.schedule, layout.pp, i, c)]
+                     for layer in range(bounds[u], bounds[u + 1])) for i in range(layout.pp)]
+    stages[last_stage(layout)] += list(arch.mtp_layers)   # the MTP blocks run after the stack, with the head
     return stages
+
+
+def last_stage(layout: Layout) -> int:
+    """The stage holding the head and loss: the last (ZB-V: the first, the V's end)."""
+    return schedules.stage_of(layout.schedule, layout.pp, layout.pp * layout.chunks - 1)[0] if layout.pp > 1 else 0
+
+
+def pipeline_in_flight(layout: Layout, stage: int) -> int:
+    """The most micro-batch inputs `stage` holds (model chunks' inputs; 1 without pipeline)."""
+    if layout.pp == 1:
+        return 1
+    return schedules.peak_in_flight(schedules.build_schedule(layout.schedule, layout.pp, stage,
+                                                             layout.num_micro_batches, layout.chunks))
 
 
 def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int,
@@ -323,6 +341,8 @@ class StageCost:
     comm_seconds_per_micro_batch: float  # tp / sp / ep / pp: on the critical path
     dp_seconds: float                    # gradient sync, overlapped with the last backward
     dispatch_bytes: float = 0.0          # token-row buffers of the stage's MoE layers, one micro-batch
+    in_flight: int = 1                   # micro-batch (chunk) inputs held by the pipeline schedule
+    in_flight_bytes: float = 0.0         # their bytes (part of the activations)
 
     @property
     def total_memory(self) -> float:
@@ -337,7 +357,7 @@ def _bandwidth(device: DeviceProfile, span: int) -> float:
 def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stage: int, layer_ids: List[int]
                 ) -> StageCost:
     L, h, s = layout, arch.hidden, job.seq_length
-    t, first, last = L.tp, stage == 0, stage == L.pp - 1
+    t, first, last = L.tp, stage == 0, stage == last_stage(L)
     d = DTYPE_BYTES[job.compute_dtype]
     # What the code holds (measured by `moetrain plan --dry-run`): fp32 parameters, cast to the
     # compute dtype per matmul (moetrain/layers.py); fp32 flat gradient buffers (grad_reduce_dtype
@@ -372,23 +392,20 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
         "optimizer": (dense / zero_states[0] + expert / zero_states[1]) * state_bytes,
     }
 
-    # ---- activations (1F1B: stage i holds pp - i micro-batches in flight). The code's pipeline
-    # keeps only each in-flight micro-batch's stage INPUT and recomputes the stage's forward in its
-    # backward (moetrain/parallel/pipeline.py), so one micro-batch's activations are live at a time
-    # on every stage, plus the inputs of those in flight (token ids on the first stage).
+    # ---- activations (1F1B: stage i holds pp - i micro-batches in flight; every schedule's count:
+    # `pipeline_in_flight`). The code's pipeline keeps only each in-flight micro-batch's chunk INPUT
+    # and recomputes the chunk's forward in its backward (moetrain/parallel/pipeline.py), so one
+    # micro-batch's activations are live at a time on every stage, plus the inputs of those in
+    # flight (token ids on the first stage with one chunk; with several, counted as hidden states).
     tokens = L.micro_batch_size * s
-    if L.pp == 1:
-        in_flight = 1
-    elif L.schedule == "gpipe":
-        in_flight = L.num_micro_batches
-    else:
-        in_flight = min(L.pp - stage, L.num_micro_batches)
+    in_flight = pipeline_in_flight(L, stage)
+    first_input_ids = first and L.chunks == 1
     fused = device.name == "cpu" and d == FP32       # moetrain.kernels: CPU only, fp32 compute
     exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
     per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layer_ids]
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
-    stage_inputs = 0.0 if L.pp == 1 else in_flight * (4 * tokens if first else layer_input)
+    stage_inputs = 0.0 if L.pp == 1 else in_flight * (4 * tokens if first_input_ids else layer_input)
     if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
         head, head_grad = FP32 * tokens * h + FP32 * arch.vocab * h, 0.0
     else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype);
@@ -474,6 +491,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     dp_seconds = (dense_sync + expert_sync) / _bandwidth(device, t * L.dp)
     comm_seconds["dp"] = dp_seconds
     return StageCost(stage=stage, layers=len(layer_ids), params=int(dense + expert + frozen), memory=memory,
+                     in_flight=in_flight, in_flight_bytes=stage_inputs,
                      dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact),
                      activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
                      compute_seconds_per_micro_batch=compute,
@@ -505,6 +523,7 @@ class PlanResult:
     mfu: float
     source: str = ""
     notes: List[str] = field(default_factory=list)
+    bubble_fraction: float = 0.0         # the schedule's idle fraction (moetrain.parallel.schedules)
 
     @property
     def memory(self) -> Dict[str, float]:
@@ -547,14 +566,21 @@ def _plan_valid_layout(job: Job, layout: Layout, device: DeviceProfile, source: 
     capacity = device.memory_bytes / (layout.world if device.shared_host else 1)
     usable = (capacity - device.runtime_bytes) * MEMORY_SAFETY
 
-    # The slowest stage paces the pipeline: (m + pp - 1) micro-batch slots, pp - 1 of them bubble.
+    # The slowest stage paces the pipeline: m micro-batch slots of work, and the schedule's idle
+    # fraction at equal forward / input-gradient / weight-gradient costs (1F1B: (pp - 1) / (m + pp - 1),
+    # i.e. m + pp - 1 slots). A split backward (zero-bubble) recomputes the forward once more: +1/3.
     pacing = max(stages, key=lambda st: st.compute_seconds_per_micro_batch + st.comm_seconds_per_micro_batch)
-    slot = pacing.compute_seconds_per_micro_batch + pacing.comm_seconds_per_micro_batch
+    split = layout.pp > 1 and layout.schedule in schedules.SPLIT_BACKWARD
+    per_micro = pacing.compute_seconds_per_micro_batch * (4 / 3 if split else 1)
+    slot = per_micro + pacing.comm_seconds_per_micro_batch
+    bubble_fraction = (schedules.schedule_bubble(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks)
+                       if layout.pp > 1 else 0.0)
     # Gradient sync overlaps the backward (~2/3 of the compute) of the last micro-batch.
     exposed_dp = max(max(0.0, st.dp_seconds - 2 / 3 * st.compute_seconds_per_micro_batch) for st in stages)
-    step = (layout.num_micro_batches + layout.pp - 1) * slot + exposed_dp
-    bubble = (layout.pp - 1) * slot
-    compute = layout.num_micro_batches * pacing.compute_seconds_per_micro_batch
+    busy = layout.num_micro_batches * slot
+    bubble = busy * bubble_fraction / (1 - bubble_fraction)
+    step = busy + bubble + exposed_dp
+    compute = layout.num_micro_batches * per_micro
 
     params = job.params
     attention = attention_flops_per_token(arch, job.seq_length)
@@ -573,6 +599,7 @@ def _plan_valid_layout(job: Job, layout: Layout, device: DeviceProfile, source: 
                       hardware_flops_per_token=model_flops + extra, tokens_per_step=tokens, stages=stages,
                       peak_stage=peak_stage, capacity_bytes=capacity, usable_bytes=usable, step_seconds=step,
                       compute_seconds=compute, bubble_seconds=bubble, exposed_comm_seconds=step - compute - bubble,
+                      bubble_fraction=bubble_fraction,
                       tokens_per_second=tokens / step, mfu=model_flops * tokens / step / peak_total,
                       source=source, notes=notes)
 
@@ -768,6 +795,8 @@ def format_plan(result: PlanResult) -> str:
         + _gib(r.memory["optimizer"]),
         f"   activations (recompute {L.recompute})".ljust(56) + _gib(r.memory["activations"])
         + "    [" + ", ".join(f"{mode} {_gib(by_mode[mode]).strip()}" for mode in RECOMPUTE_MODES) + "]",
+        *([f"     of which {r.stages[r.peak_stage].in_flight} pipeline input(s) in flight".ljust(56)
+           + _gib(r.stages[r.peak_stage].in_flight_bytes)] if L.pp > 1 else []),
         f"   runtime (framework, workspace)".ljust(56) + _gib(r.memory["runtime"]),
         f"   total".ljust(56) + _gib(r.total_memory)
         + f"    of {r.capacity_bytes / GiB:.2f} GiB: {'FITS' if r.fits else 'DOES NOT FIT'} (usable "
@@ -789,6 +818,9 @@ def format_plan(result: PlanResult) -> str:
         rule,
         f" step time    {r.step_seconds:.3f} s = compute {r.compute_seconds:.3f} s + pipeline "
         f"bubble {r.bubble_seconds:.3f} s + exposed communication {r.exposed_comm_seconds:.3f} s",
+        *([f" pipeline     {L.schedule}" + (f", {L.chunks} model chunks per stage" if L.chunks > 1 else "")
+           + f": bubble {r.bubble_fraction:.1%} of the busiest stage's time at equal pass costs; inputs in "
+           f"flight per stage {[st.in_flight for st in r.stages]}"] if L.pp > 1 else []),
         f" throughput   {r.tokens_per_second:,.0f} tokens/s ({r.tokens_per_second / L.world:,.0f} per device); "
         f"MFU {r.mfu:.1%} (cost model: {dev.compute_efficiency:.0%} of {dev.peak(job.compute_dtype) / 1e12:g} "
         f"TFLOP/s sustained)",

@@ -197,7 +197,8 @@ class Trainer:
 
         ms.set_seed(t.seed)
         # every rank builds the whole model (same seed, same weights), then keeps its part of it
-        self.parallel = parallelize(build_model(cfg), cfg, self.pctx, self.tokens_per_sample)
+        self.parallel = parallelize(build_model(cfg), cfg, self.pctx, self.tokens_per_sample,
+                                    rebuild=lambda: (ms.set_seed(t.seed), build_model(cfg))[1])   # model chunks
         self.model, self.opt_step, self.runner = self.parallel.model, self.parallel.opt_step, self.parallel.runner
         self.summed = summed_stats(self.parallel.specs)
         self.scaler = LossScaler(cfg.precision.loss_scale, cfg.precision.initial_loss_scale,

@@ -152,7 +152,7 @@ def test_pipeline_stages_each_get_the_documents(ms, kernel_ops):
     for name, ref in ref_grads.items():
         np.testing.assert_allclose(got[name], ref, rtol=2e-4, atol=2e-6, err_msg=name)
     for m, ref_loss in enumerate(ref_losses):
-        assert sum(float(stats[m]["loss"].asnumpy()) for _, stats in results) == pytest.approx(ref_loss, rel=1e-5)
+        assert sum(float(stats[0][m]["loss"].asnumpy()) for _, stats in results) == pytest.approx(ref_loss, rel=1e-5)
     # the comparison can fail: the middle stage's output depends on the ids it is given
     x = ms.Tensor(rng.standard_normal((1, 32, 32)).astype(np.float32))
     with_ids, _ = stages[1](x, None, *batches[0][2:])

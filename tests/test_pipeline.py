@@ -43,6 +43,30 @@ def test_config_validation_names_the_fix(tmp_path):
         load_config(GPT_CFG, common + ["train.micro_batch_size=2", "parallel.pipeline_layers=[3,2]"])
 
 
+def test_schedule_and_chunk_rules_name_the_fix():
+    """Model chunks: interleaving needs pp_interleave_num >= 2 and micro-batches in multiples of the
+    stages (Megatron's rule), every chunk a layer; ZB-V is 2 chunks; other schedules one. The
+    virtual stages split the layers (pipeline_layers lists them)."""
+    from moetrain.layout import Layout, ModelShape, layout_problems, split_layers
+
+    def problems(layers=8, **kw):
+        return " ".join(layout_problems(Layout(**{"pp": 2, "num_micro_batches": 4, **kw}), ModelShape(layers=layers)))
+
+    assert problems(schedule="interleaved_1f1b", interleave=2) == ""
+    assert problems(schedule="zero_bubble_v") == "" and problems(schedule="zero_bubble_h1") == ""
+    assert "needs parallel.pp_interleave_num >= 2" in problems(schedule="interleaved_1f1b")
+    assert "must be a multiple of it" in problems(schedule="interleaved_1f1b", interleave=2, num_micro_batches=3)
+    assert "model.num_layers (3) < pipeline_stage (2) x model chunks per stage (2)" in problems(
+        3, schedule="zero_bubble_v")
+    assert "exactly 2 model chunks" in problems(schedule="zero_bubble_v", interleave=3)
+    assert "needs pipeline_schedule=interleaved_1f1b" in problems(interleave=2)
+    assert "pipeline_schedule must be one of" in problems(schedule="dualpipe")
+    assert "cannot be split evenly into 4 virtual stages (pipeline_stage=2 x 2 chunks)" in problems(
+        6, schedule="zero_bubble_v")
+    assert problems(6, schedule="zero_bubble_v", pipeline_layers=(1, 2, 2, 1)) == ""
+    assert split_layers(6, 4, (1, 2, 2, 1), chunks=2) == [(0, 1), (1, 3), (3, 5), (5, 6)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Schedules
 # ---------------------------------------------------------------------------------------------
@@ -53,40 +77,93 @@ class _TagStage:
         self.ops, self.stage = ops, stage
 
     def run(self):
-        from moetrain.parallel.pipeline import EXCHANGE, NEXT, Exchange
+        from moetrain.parallel.pipeline import EXCHANGE, Exchange
 
         seen = []
         for op in self.ops:
             if op.kind != EXCHANGE:
-                seen.append((op.kind, op.micro))
+                seen.append((op.kind, op.chunk, op.micro))
                 continue
-            sent = None if op.send is None else ("act" if op.link == NEXT else "grad", self.stage, op.send)
-            got = yield Exchange(op.link, op.send, op.recv, sent, ())
-            if op.recv is not None:     # an activation from below or a gradient from above, right micro-batch
-                assert got == ("grad" if op.link == NEXT else "act",
-                               self.stage + (1 if op.link == NEXT else -1), op.recv)
+            sent = None if op.send is None else (self.stage, op.send)
+            got = yield Exchange(op.peer, op.send, op.recv, sent, ())
+            if op.recv is not None:     # what the peer sent: the tensor this stage expects
+                assert got == (op.peer, op.recv)
         return seen
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
-def test_schedules_pair_every_exchange_without_deadlock(kind):
-    from moetrain.parallel.pipeline import build_schedule, drive_in_process, peak_in_flight
+# (schedule, model chunks per stage, stage counts, micro-batch counts of a stage count P)
+SCHEDULE_CASES = [("1f1b", 1, range(1, 6), lambda P: range(P, P + 5)),
+                  ("gpipe", 1, range(1, 6), lambda P: range(P, P + 5)),
+                  ("interleaved_1f1b", 2, range(2, 6), lambda P: (P, 2 * P, 3 * P)),
+                  ("interleaved_1f1b", 3, range(2, 5), lambda P: (P, 2 * P)),
+                  ("zero_bubble_h1", 1, range(1, 6), lambda P: range(P, P + 5)),
+                  ("zero_bubble_v", 2, range(1, 6), lambda P: range(P, P + 5))]
 
-    for stages in range(1, 6):
-        for micro in range(stages, stages + 5):
-            schedules = [build_schedule(kind, stages, s, micro) for s in range(stages)]
+
+def _peak_bound(kind, chunks, stages, stage, micro):
+    """The most inputs a stage may hold: 1F1B's P - s (ZB-H1 keeps it), GPipe all, interleaved
+    Megatron's warm-up + 1 virtual micro-batches, ZB-V 2P chunk inputs (P whole-stage ones)."""
+    if kind in ("1f1b", "zero_bubble_h1"):
+        return min(stages - stage, micro)
+    if kind == "gpipe":
+        return micro
+    if kind == "interleaved_1f1b":    # M == P: Megatron runs every forward first
+        return micro * chunks if micro == stages else min((stages - stage - 1) * 2 + (chunks - 1) * stages + 1, micro * chunks)
+    return 2 * stages
+
+
+@pytest.mark.parametrize("kind,chunks,stage_counts,micro_counts", SCHEDULE_CASES)
+def test_schedules_pair_every_exchange_without_deadlock(kind, chunks, stage_counts, micro_counts):
+    """Every stage's list, driven in one process with tags for tensors: both ends of every exchange
+    agree on what crosses, nothing deadlocks, every chunk runs forward < backward (< weight pass)
+    once per micro-batch, and the inputs held stay within the schedule's bound."""
+    from moetrain.parallel.pipeline import SPLIT_BACKWARD, build_schedule, drive_in_process, peak_in_flight
+
+    passes = ("forward", "backward", "weight") if kind in SPLIT_BACKWARD else ("forward", "backward")
+    for stages in stage_counts:
+        for micro in micro_counts(stages):
+            schedules = [build_schedule(kind, stages, s, micro, chunks) for s in range(stages)]
             seen = drive_in_process([_TagStage(ops, s).run() for s, ops in enumerate(schedules)])
             for s, events in enumerate(seen):
-                forwards = [m for k, m in events if k == "forward"]
-                backwards = [m for k, m in events if k == "backward"]
-                assert forwards == list(range(micro)) and backwards == list(range(micro))
-                for m in range(micro):
-                    assert events.index(("forward", m)) < events.index(("backward", m))
+                assert sorted(events) == sorted((k, c, m) for k in passes for c in range(chunks)
+                                                for m in range(micro)), (kind, stages, micro, s)
+                for c in range(chunks):
+                    for m in range(micro):
+                        order = [events.index((k, c, m)) for k in passes]
+                        assert order == sorted(order)
                 held = peak_in_flight(schedules[s])
+                assert held <= _peak_bound(kind, chunks, stages, s, micro), (kind, stages, micro, s, held)
                 if kind == "1f1b":
-                    assert held == min(stages - s, micro) <= stages
-                else:
+                    assert held == min(stages - s, micro)
+                elif kind == "gpipe":
                     assert held == micro
+
+
+def test_schedule_bubbles_match_theory():
+    """The idle fraction of each schedule's lists at unit pass costs: 1F1B (P-1)/(M+P-1), interleaved
+    (P-1)/(vM+P-1) (Megatron's), and ZB-H1 below 1F1B, ZB-V below ZB-H1."""
+    from moetrain.parallel.pipeline import schedule_bubble
+
+    for P in (2, 3, 4):
+        for M in (P, 2 * P, 4 * P):
+            one = schedule_bubble("1f1b", P, M)
+            assert one == pytest.approx((P - 1) / (M + P - 1))
+            assert schedule_bubble("gpipe", P, M) == pytest.approx(one)
+            for v in (2, 3):
+                assert schedule_bubble("interleaved_1f1b", P, M, v) == pytest.approx((P - 1) / (v * M + P - 1))
+            h1, zbv = schedule_bubble("zero_bubble_h1", P, M), schedule_bubble("zero_bubble_v", P, M, 2)
+            assert zbv < h1 < one, (P, M, one, h1, zbv)
+    assert schedule_bubble("zero_bubble_v", 4, 16, 2) < 0.035
+
+
+def test_unfinishable_orders_are_caught():
+    from moetrain.parallel.pipeline import BACKWARD, FORWARD, Op, PipelineError, pair_exchanges
+
+    # stage 1 wants micro-batch 1 first, stage 0 sends 0 first and waits for its gradient
+    orders = [[Op(FORWARD, 0), Op(BACKWARD, 0), Op(FORWARD, 1), Op(BACKWARD, 1)],
+              [Op(FORWARD, 1), Op(BACKWARD, 1), Op(FORWARD, 0), Op(BACKWARD, 0)]]
+    with pytest.raises(PipelineError, match="cannot finish"):
+        pair_exchanges("1f1b", 2, 2, 1, orders)
 
 
 def test_mismatched_schedules_are_caught():
@@ -134,11 +211,10 @@ def _reference(model, batches):
     return {p.name: g for p, g in zip(params, total)}, outputs
 
 
-def test_three_stages_in_one_process_match_whole_model():
+def _drive_and_compare(kind, ranges, chunks, num_micro, expected_peaks):
     """All stages of a tied-embedding MoE model driven in one process (PyNative) through the real
     executor: the summed gradients of every parameter and each micro-batch's loss and MoE stats
-    equal the whole model's; 1F1B holds stages - s micro-batches on stage s. (The jitted path runs
-    in the msrun tests below.)"""
+    equal the whole model's. (The jitted path runs in the msrun tests.)"""
     import mindspore as ms
 
     from moetrain.parallel.pipeline import PipelineExecutor, build_stages, drive_in_process
@@ -146,34 +222,54 @@ def test_three_stages_in_one_process_match_whole_model():
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
     model, cfg = _tiny_moe_model(tied=True)
-    num_micro, batch, seq = 3, 1, 16
+    batch, seq = 1, 16
     batches = _batches(num_micro, batch, seq, cfg.model.vocab_size)
     ref_grads, ref_outputs = _reference(model, batches)
 
-    stages = build_stages(lambda: _tiny_moe_model(tied=True)[0], [(0, 1), (1, 3), (3, 4)])   # fresh copies
-    executors = [PipelineExecutor(stage, stage.trainable_params(), "1f1b", num_micro, jit=False)
-                 for _, stage in sorted(stages.items())]
+    stages = build_stages(lambda: _tiny_moe_model(tied=True)[0], ranges, kind=kind, chunks=chunks)   # fresh copies
+    executors = []
+    for _, stage in sorted(stages.items()):
+        cells = stage if chunks > 1 else [stage]
+        params = list({id(p): p for c in cells for p in c.trainable_params()}.values())   # ZB-V: one shared embedding
+        executors.append(PipelineExecutor(stage, params, kind, num_micro, jit=False))
     scale = ms.Tensor(1.0, ms.float32)
     results = drive_in_process([ex.steps(batches, scale, (batch, seq, cfg.model.hidden_size)) for ex in executors])
 
     got = {}
     for ex, (grads, _) in zip(executors, results):
         for p, g in zip(ex.params, grads):
-            got[p.name] = got.get(p.name, 0) + g.asnumpy()     # the tied embedding: both stages' parts
+            got[p.name] = got.get(p.name, 0) + g.asnumpy()     # the tied embedding: both ends' parts
     assert sorted(got) == sorted(ref_grads)
     for name, ref in ref_grads.items():
         np.testing.assert_allclose(got[name], ref, rtol=2e-4, atol=2e-6, err_msg=name)
 
+    chunk_stats = sorted((ex.chunks[c].vstage, stats[c]) for ex, (_, stats) in zip(executors, results)
+                         for c in range(len(ex.chunks)))
     for m, (ref_loss, ref_stats) in enumerate(ref_outputs):
-        per_stage = [stats[m] for _, stats in results]
-        loss = sum(float(s["loss"].asnumpy()) for s in per_stage)
-        assert loss == pytest.approx(ref_loss, rel=1e-5)
-        assert float(per_stage[-1]["lm_loss"].asnumpy()) == pytest.approx(float(ref_stats["lm_loss"]), rel=1e-5)
+        per_chunk = [stats[m] for _, stats in chunk_stats]      # in virtual-stage (= layer) order
+        assert sum(float(s["loss"].asnumpy()) for s in per_chunk) == pytest.approx(ref_loss, rel=1e-5)
+        assert float(per_chunk[-1]["lm_loss"].asnumpy()) == pytest.approx(float(ref_stats["lm_loss"]), rel=1e-5)
         for key in ("aux_loss", "z_loss", "dropped", "routed"):
-            assert sum(float(s[key].asnumpy()) for s in per_stage) == pytest.approx(float(ref_stats[key]), rel=1e-5)
-        loads = np.concatenate([s["expert_load"].asnumpy() for s in per_stage if "expert_load" in s])
+            assert sum(float(s[key].asnumpy()) for s in per_chunk) == pytest.approx(float(ref_stats[key]), rel=1e-5)
+        loads = np.concatenate([s["expert_load"].asnumpy() for s in per_chunk if "expert_load" in s])
         np.testing.assert_array_equal(loads, ref_stats["expert_load"])
-    assert [ex.peak_in_flight for ex in executors] == [3, 2, 1]
+    assert [ex.peak_in_flight for ex in executors] == expected_peaks
+
+
+def test_three_stages_in_one_process_match_whole_model():
+    """1F1B over three uneven stages; it holds stages - s micro-batches on stage s."""
+    _drive_and_compare("1f1b", [(0, 1), (1, 3), (3, 4)], 1, 3, [3, 2, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,chunks,peaks", [("interleaved_1f1b", 2, [4, 4]), ("zero_bubble_h1", 1, [2, 1]),
+                                               ("zero_bubble_v", 2, [3, 4])])
+def test_chunked_and_split_schedules_in_one_process_match_whole_model(kind, chunks, peaks):
+    """Interleaved 1F1B (chunk c of stage s: virtual stage 2c + s), ZB-H1 (input- and weight-gradient
+    passes apart) and ZB-V (stage 0 holds the first and the last virtual stage, one shared tied
+    embedding) on two stages of a 4-layer MoE model: the same gradients and stats as the whole model."""
+    ranges = [(0, 1), (1, 2), (2, 3), (3, 4)] if chunks == 2 else [(0, 2), (2, 4)]
+    _drive_and_compare(kind, ranges, chunks, 2, peaks)
 
 
 def test_expert_bias_update_reaches_already_compiled_graphs():
@@ -217,9 +313,9 @@ def test_expert_bias_update_reaches_already_compiled_graphs():
     executor = PipelineExecutor(stage, stage.trainable_params(), "1f1b", 2, jit=True)
     hidden = Tensor(np.random.default_rng(1).standard_normal((2, 16, cfg.model.hidden_size)).astype(np.float32))
     scale = Tensor(1.0, ms.float32)
-    before = executor._forward_backward(hidden, labels, scale)[0]["expert_load"].asnumpy()
+    before = executor.passes[0].loss_full(hidden, labels, scale)[0]["expert_load"].asnumpy()
     stage.model.update_expert_bias(overloaded[2:4])   # the stage's own rows (layers 2 and 3)
-    after = executor._forward_backward(hidden, labels, scale)[0]["expert_load"].asnumpy()
+    after = executor.passes[0].loss_full(hidden, labels, scale)[0]["expert_load"].asnumpy()
     assert before[:, 0].min() > 0 and after[:, 0].max() == 0, (before, after)
 
 
@@ -297,3 +393,37 @@ def test_pp2_dense_1f1b_uneven_split_reproduces_one_process(tmp_path):
     assert [r["peak_in_flight"] for r in ranks] == [2, 1]           # 1F1B: stages - stage, never more
     # 4 micro-batches of [2, 32, 64] fp32 cross the link each way per step
     assert [r["step_bytes_sent"] for r in ranks] == [4 * 2 * 32 * 64 * 4] * 2
+
+
+def test_plan_reports_the_schedule_bubble_and_inputs_in_flight():
+    """`moetrain plan`: each schedule's idle fraction (its own lists at equal pass costs), the inputs
+    each stage holds (counted from the lists), stage 0 holding the head with ZB-V, and a step time
+    that follows the bubble (ZB-V's split backward recomputes once more: +1/3 compute)."""
+    from moetrain.parallel.schedules import build_schedule, peak_in_flight, schedule_bubble
+    from moetrain.plan import format_plan, load_plan_config, plan
+
+    base = ["parallel.pipeline_stage=4", "parallel.data_parallel=1", "parallel.expert_parallel=1",
+            "train.global_batch_size=16", "train.micro_batch_size=1"]
+    moe_1b = os.path.join(ROOT, "configs", "moe_1b.yaml")
+    results = {}
+    for kind, extra in (("1f1b", []), ("interleaved_1f1b", ["parallel.pp_interleave_num=2"]),
+                        ("zero_bubble_v", [])):
+        result = plan(load_plan_config(moe_1b, base + [f"parallel.pipeline_schedule={kind}"] + extra))
+        chunks = 1 if kind == "1f1b" else 2
+        assert result.bubble_fraction == pytest.approx(schedule_bubble(kind, 4, 16, chunks))
+        assert [st.in_flight for st in result.stages] == [
+            peak_in_flight(build_schedule(kind, 4, s, 16, chunks)) for s in range(4)]
+        pacing = max(result.stages, key=lambda st: st.compute_seconds_per_micro_batch + st.comm_seconds_per_micro_batch)
+        slot = pacing.compute_seconds_per_micro_batch * (4 / 3 if kind == "zero_bubble_v" else 1) \
+            + pacing.comm_seconds_per_micro_batch
+        busy = 16 * slot      # the bubble is the schedule's fraction of busy + bubble
+        assert result.bubble_seconds / (busy + result.bubble_seconds) == pytest.approx(result.bubble_fraction)
+        assert result.compute_seconds == pytest.approx(
+            16 * pacing.compute_seconds_per_micro_batch * (4 / 3 if kind == "zero_bubble_v" else 1))
+        assert f"pipeline     {kind}" in format_plan(result)
+        results[kind] = result
+    one, inter, zbv = results["1f1b"], results["interleaved_1f1b"], results["zero_bubble_v"]
+    assert one.bubble_fraction == pytest.approx(3 / 19)
+    assert inter.bubble_seconds < one.bubble_seconds and zbv.bubble_seconds < inter.bubble_seconds
+    # ZB-V: the head (and its logits) sit on stage 0, not stage 3
+    assert zbv.stages[0].params > one.stages[0].params and zbv.stages[3].params < one.stages[3].params

@@ -28,10 +28,11 @@ class ParallelModel:
     forward_communicates_over_dp: bool   # the forward runs dp collectives (ep, global aux loss)
 
 
-def parallelize(model, cfg, pctx, seq_length: int = 0) -> ParallelModel:
+def parallelize(model, cfg, pctx, seq_length: int = 0, rebuild=None) -> ParallelModel:
     """`model`: built whole on every rank from the same seed. Returns this rank's part of it, the
     optimizer step over its parameters and the step runner. `seq_length`: tokens per sample (the
-    pipeline's activation shape)."""
+    pipeline's activation shape). `rebuild()`: another identical whole model, for the further
+    model chunks of a stage (interleaved 1F1B, ZB-V)."""
     p = cfg.parallel
     specs = stat_specs_of(model)
     parallelize_model(model, cfg, pctx)
@@ -40,7 +41,14 @@ def parallelize(model, cfg, pctx, seq_length: int = 0) -> ParallelModel:
     optimizer = (cfg.optimizer, p, pctx, cfg.optimizer.clip_grad_norm, cfg.train.jit)
     if pctx.pp > 1:
         allow_slow_neighbours()
-        pipeline = Pipeline(model, specs, cfg, pctx, seq_length or cfg.model.seq_length)
+        def more_models():
+            another = rebuild()
+            parallelize_model(another, cfg, pctx)
+            parallelize_moe(another, p, pctx)
+            return another
+
+        pipeline = Pipeline(model, specs, cfg, pctx, seq_length or cfg.model.seq_length,
+                            more_models if rebuild is not None else None)
         opt_step = OptimizerStep(pipeline.stage.trainable_params(), *optimizer)
         return ParallelModel(pipeline.stage, opt_step, pipeline.bind(opt_step), specs, over_dp)
     opt_step = OptimizerStep(model.trainable_params(), *optimizer)

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: the model cut into stages by layers, run with a 1F1B or GPipe schedule.
+"""Pipeline parallelism: the model cut into stages by layers, run with a 1F1B, GPipe, interleaved
+1F1B or zero-bubble (ZB-H1, ZB-V) schedule.
 
     stage 0: embed + layers[0:a]    stage s: layers[a:b]    stage P-1: layers[..:L] + head and loss
 
@@ -7,37 +8,56 @@ starts exactly where a one-process run starts, tied embeddings included), then `
 (moetrain/modeling.py) cuts it down to its stage; parameter names stay the whole model's. The
 stage runs the model's own pieces (`embed_tokens`, `run_layers`, `head_loss`): no model code here.
 
-Schedules (`build_schedule`) are per-stage instruction lists of forward, backward and link
-exchanges, Megatron's order. 1F1B: stage s runs `min(P - s - 1, M)` warm-up forwards, then
-alternates one forward and one backward, then drains the remaining backwards; it holds at most
-`P - s` micro-batches in flight (GPipe: all M). `PipelineExecutor.peak_in_flight` counts them.
+Model chunks. Interleaved 1F1B (`parallel.pp_interleave_num: v`) and ZB-V (always 2) put several
+chunks on a stage: the layers are split into P·v virtual stages (`parallel.pipeline_layers` lists
+them, in virtual-stage order) and chunk c of stage s runs virtual stage c·P + s (ZB-V: s and
+2P-1-s, a V whose turn is on stage P-1 and whose loss is on stage 0). Each chunk is cut from its
+own identical whole model (`more_models`); ZB-V's first and last chunk share one tied embedding.
+
+Schedules (`build_schedules`) are per-stage instruction lists (`Op`) of forward, backward, weight
+and exchange instructions over (chunk, micro-batch). 1F1B and GPipe: Megatron's order with its
+merged two-way exchanges; 1F1B stage s runs `min(P - s - 1, M)` warm-up forwards, then alternates
+one forward and one backward, then drains the backwards, holding at most `P - s` micro-batches.
+Interleaved 1F1B: Megatron-Core's order; ZB-V: the order of the paper and torchtitan; ZB-H1: each
+stage fills its waits with deferred weight passes within 1F1B's memory (`compute_order`,
+`pair_exchanges`). For those, `pair_exchanges` places the exchanges by a lock-step run at nominal
+costs, so that both ends of every pair make the same exchanges in the same global order (no
+deadlock). `peak_in_flight` counts the inputs held; `schedule_bubble` the idle fraction at given
+pass costs. `drive_in_process` runs all stages in one process and checks the pairing.
 
 Links (`comm.PairLink`): native Send/Receive on Ascend/GPU; on CPU one SUM all-reduce on the
-2-rank group of neighbours. Both ranks make the same calls in the same order; a rank that sends
-an activation while its neighbour sends a gradient makes ONE two-way exchange (Megatron's
-`send_forward_recv_backward`). The schedules pair the exchanges of both ends of every link one to
-one; `drive_in_process` runs all stages in one process with the same pairing and checks it.
+2-rank group of the two stages (neighbours; interleaving over more than two stages also links the
+last stage back to the first, over their `embedding` pair group). Both ranks make the same calls in
+the same order; a rank that sends while its peer sends makes ONE two-way exchange (Megatron's
+`send_forward_recv_backward`). Each rank times its exchanges: `pipeline_bubble` in the step's
+metrics is the fraction of the step spent in them (waiting for a neighbour, plus the transfer),
+averaged over the stages.
 
 Backward by recomputation. MindSpore cannot keep an autodiff graph alive between two jitted
-calls, so a stage keeps only its INPUT per micro-batch in flight (token ids on the first stage)
-and its backward is `value_and_grad` of `sum(stage(x) * dout) + scale * aux(x)` with respect to
-its parameters and `x`: one extra stage forward per micro-batch on every stage but the last,
-whose forward and backward are one call (`value_and_grad` of its loss).
+calls, so a chunk keeps only its INPUT per micro-batch in flight (token ids on the first virtual
+stage) and its backward is `value_and_grad` of `sum(chunk(x) * dout) + scale * aux(x)`: with
+respect to its parameters and `x` (one pass), or, split for the zero-bubble schedules, B with
+respect to `x` only and W with respect to the parameters only, two compiled functions that each
+recompute the chunk's forward (a split backward costs one more forward than an unsplit one; the
+input and output gradient stay held until W). The last virtual stage's forward computes its loss
+and all its gradients in one call (nothing after it to wait for), whatever the schedule: its
+backward only sends the input gradient, its W is empty.
 
 Loss and metrics. The model's loss is the head's loss plus the weighted auxiliary losses of the
-layers, so stage s contributes its layers' part and the last stage adds the head's. Each stage
-reduces its stats over micro-batches into a vector laid out for the WHOLE model (every stat the
-model declares in `stat_specs`; per-layer stats such as `expert_load` at the rows of the stage's
-layers, zeros elsewhere) and one AllReduce over the `pp` group gives every rank the metrics a
-one-process run reports.
+layers, so each chunk contributes its layers' part and the last one adds the head's. Each stage
+reduces its chunks' stats over micro-batches into a vector laid out for the WHOLE model (every stat
+the model declares in `stat_specs`; per-layer stats such as `expert_load` at the rows of the
+chunk's layers, zeros elsewhere) and one AllReduce over the `pp` group gives every rank the metrics
+a one-process run reports.
 
-Tied embeddings: first and last stage both hold `embed.weight`; it is broadcast from the first
-stage at start and marked `tied_group="embedding"`, so the optimizer sums its gradient over that
-group every step and counts it as two copies in the global gradient norm.
+Tied embeddings: first and last virtual stage both hold `embed.weight`; on two ranks it is
+broadcast from the first stage at start and marked `tied_group="embedding"`, so the optimizer sums
+its gradient over that group every step and counts it as two copies in the global gradient norm.
 """
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -52,107 +72,29 @@ from moetrain.dist.sharding import mark_role
 from moetrain.layout import split_layers
 from moetrain.modeling import StatSpec, attention_context, keep_stage, merge_stats, split_specs, stat_rows
 from moetrain.parallel.runner import as_tensors
-
-SCHEDULES = ("1f1b", "gpipe")
-FORWARD, BACKWARD, EXCHANGE = "forward", "backward", "exchange"
-NEXT, PREV = "next", "prev"
-
-
-class PipelineError(RuntimeError):
-    """A schedule that does not pair its exchanges, deadlocks or leaves work behind (a bug, not a
-    layout: layouts are checked by moetrain.layout)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Schedules
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Op:
-    """One instruction. forward/backward: `micro`. exchange on `link` (next: toward stage s+1,
-    prev: toward s-1): `send` is the micro-batch whose tensor goes out (activation on next,
-    gradient on prev), `recv` the one whose tensor comes in (gradient on next, activation on prev)."""
-
-    kind: str
-    micro: int = -1
-    link: str = ""
-    send: Optional[int] = None
-    recv: Optional[int] = None
-
-
-def build_schedule(kind: str, num_stages: int, stage: int, num_micro: int) -> List[Op]:
-    """The instruction list of `stage` (Megatron order; see the module notes)."""
-    if kind not in SCHEDULES:
-        raise PipelineError(f"parallel.pipeline_schedule={kind!r} is not one of {SCHEDULES}")
-    if num_micro < num_stages:
-        raise PipelineError(f"{num_micro} micro-batches cannot fill {num_stages} pipeline stages")
-    first, last = stage == 0, stage == num_stages - 1
-    ops: List[Op] = []
-
-    def exchange(link, send=None, recv=None):
-        if (link == PREV and not first) or (link == NEXT and not last):
-            ops.append(Op(EXCHANGE, link=link, send=send, recv=recv))
-
-    if kind == "gpipe":
-        for m in range(num_micro):
-            exchange(PREV, recv=m)
-            ops.append(Op(FORWARD, m))
-            exchange(NEXT, send=m)
-        for m in range(num_micro):
-            exchange(NEXT, recv=m)
-            ops.append(Op(BACKWARD, m))
-            exchange(PREV, send=m)
-        return ops
-
-    warmup = min(num_stages - stage - 1, num_micro)
-    steady = num_micro - warmup
-    for m in range(warmup):
-        exchange(PREV, recv=m)
-        ops.append(Op(FORWARD, m))
-        exchange(NEXT, send=m)
-    if steady:
-        exchange(PREV, recv=warmup)
-    for i in range(steady):
-        forward_micro, backward_micro = warmup + i, i
-        ops.append(Op(FORWARD, forward_micro))
-        exchange(NEXT, send=forward_micro, recv=backward_micro)          # send_forward_recv_backward
-        ops.append(Op(BACKWARD, backward_micro))
-        if i == steady - 1:
-            exchange(PREV, send=backward_micro)                          # send_backward
-        else:
-            exchange(PREV, send=backward_micro, recv=forward_micro + 1)  # send_backward_recv_forward
-    for m in range(steady, num_micro):
-        exchange(NEXT, recv=m)
-        ops.append(Op(BACKWARD, m))
-        exchange(PREV, send=m)
-    return ops
-
-
-def peak_in_flight(ops: Sequence[Op]) -> int:
-    """Most micro-batches forwarded but not yet backwarded at any point of `ops`."""
-    held = peak = 0
-    for op in ops:
-        held += (op.kind == FORWARD) - (op.kind == BACKWARD)
-        peak = max(peak, held)
-    return peak
-
+# the schedules are data (pure Python, moetrain/parallel/schedules.py); re-exported: the pipeline's vocabulary
+from moetrain.parallel.schedules import (  # noqa: F401
+    ACTIVATION, BACKWARD, EXCHANGE, FORWARD, GRADIENT, SCHEDULES, SPLIT_BACKWARD, WEIGHT, Msg, Op, PipelineError,
+    build_schedule, build_schedules, chunks_per_stage, compute_order, pair_exchanges, peak_in_flight,
+    schedule_bubble, stage_of, virtual_stage)
 
 @dataclass
 class Exchange:
-    """What a stage asks of one link: `payload` goes out (None: nothing), a tensor of `shape` comes
-    in when `recv` is not None. `send`/`recv` name the micro-batches (checked in process)."""
+    """What a stage asks of its link to stage `peer`: `payload` goes out (None: nothing), a tensor of
+    `shape` comes in when `recv` is not None. `send`/`recv` name the tensors (checked in process)."""
 
-    link: str
-    send: Optional[int]
-    recv: Optional[int]
+    peer: int
+    send: Optional[Msg]
+    recv: Optional[Msg]
     payload: object
     shape: Tuple[int, ...]
 
 
 def drive_in_process(runs: Sequence) -> List:
     """Run every stage's generator (see `PipelineExecutor.steps`) in one process: an exchange
-    completes when both ends of its link have reached theirs, as with the pair-group AllReduce.
-    Raises if the two ends disagree on what crosses the link, or if no stage can move (deadlock).
-    Returns each generator's return value."""
+    completes when both ends have reached theirs, as with the pair-group AllReduce. Raises if the
+    two ends disagree on what crosses, or if no stage can move (deadlock). Returns each generator's
+    return value."""
     n = len(runs)
     pending: List[Optional[Exchange]] = [None] * n
     results: List = [None] * n
@@ -168,20 +110,23 @@ def drive_in_process(runs: Sequence) -> List:
         advance(s, None)
     while not all(done):
         moved = False
-        for low in range(n - 1):   # the link between stages low and low + 1
-            a, b = pending[low], pending[low + 1]
-            if a is None or b is None or a.link != NEXT or b.link != PREV:
+        for low in range(n):
+            a = pending[low]
+            if a is None or not low < a.peer < n:
+                continue
+            high = a.peer
+            b = pending[high]
+            if b is None or b.peer != low:
                 continue
             if (a.send, a.recv) != (b.recv, b.send):
-                raise PipelineError(f"link {low}-{low + 1}: stage {low} sends activation {a.send} and expects "
-                                    f"gradient {a.recv}, stage {low + 1} expects activation {b.recv} and "
-                                    f"sends gradient {b.send}")
+                raise PipelineError(f"link {low}-{high}: stage {low} sends {a.send} and expects {a.recv}, stage "
+                                    f"{high} sends {b.send} and expects {b.recv}")
             advance(low, b.payload)
-            advance(low + 1, a.payload)
+            advance(high, a.payload)
             moved = True
         if not moved:
-            waiting = {s: (pending[s].link, pending[s].send, pending[s].recv) for s in range(n) if not done[s]}
-            raise PipelineError(f"pipeline deadlock: stages wait on (link, send, recv) {waiting}")
+            waiting = {s: (pending[s].peer, pending[s].send, pending[s].recv) for s in range(n) if not done[s]}
+            raise PipelineError(f"pipeline deadlock: stages wait on (peer, send, recv) {waiting}")
     return results
 
 
@@ -189,18 +134,23 @@ def drive_in_process(runs: Sequence) -> List:
 # The stage
 # ---------------------------------------------------------------------------------------------
 class PipelineStage(nn.Cell):
-    """This rank's part of a layered model (moetrain/modeling.py): `keep_stage` cut the model down to
-    layers `[start, end)`, the embedding on the first stage and the head on the last; `construct`
-    calls the model's pieces. `construct(x, labels, *side)` -> `(out, stats)`: `out` is the hidden
-    state `[B, S, H]`, or on the last stage its loss part; `stats["loss"]` is this stage's part of the
-    model's loss (its layers' weighted aux terms, + the head's loss on the last). `side`: the batch's
-    fields after `(input_ids, labels)` (packed documents: document_ids, position_ids), which every
-    stage's attention reads."""
+    """One model chunk of a rank (the rank's whole stage with one chunk): `keep_stage`
+    (moetrain/modeling.py) cut the model down to layers `[start, end)`, the embedding on the first
+    virtual stage and the head on the last; `construct` calls the model's pieces.
+    `construct(x, labels, *side)` -> `(out, stats)`: `out` is the hidden state `[B, S, H]`, or on the
+    last virtual stage its loss part; `stats["loss"]` is this chunk's part of the model's loss (its
+    layers' weighted aux terms, + the head's loss on the last). `side`: the batch's fields after
+    `(input_ids, labels)` (packed documents: document_ids, position_ids), which every chunk's
+    attention reads. `stage` / `num_stages`: the rank's pipeline stage; `vstage` / `num_vstages`:
+    this chunk's virtual stage (the same with one chunk a stage)."""
 
-    def __init__(self, model, start: int, end: int, num_stages: int, stage: int):
+    def __init__(self, model, start: int, end: int, num_stages: int, stage: int,
+                 vstage: Optional[int] = None, num_vstages: Optional[int] = None):
         super().__init__(auto_prefix=False)   # the model's parameter names stay
         self.start, self.end, self.stage, self.num_stages = start, end, stage, num_stages
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.vstage = stage if vstage is None else vstage
+        self.num_vstages = num_stages if num_vstages is None else num_vstages
+        self.is_first, self.is_last = self.vstage == 0, self.vstage == self.num_vstages - 1
         self.stacked = split_specs(model.stat_specs())[1]
         keep_stage(model, start, end, self.is_first, self.is_last)
         self.model = model
@@ -218,104 +168,182 @@ class PipelineStage(nn.Cell):
         return h, stats
 
 
-def build_stages(model_factory, ranges: Sequence[Tuple[int, int]], stages: Optional[Sequence[int]] = None) -> Dict:
-    """`{stage: PipelineStage}` for `stages` (default all): each from its own `model_factory()`
-    (the same seed: identical whole models), cut to its range. For tests that drive every stage in
-    one process."""
-    chosen = range(len(ranges)) if stages is None else stages
-    return {s: PipelineStage(model_factory(), *ranges[s], len(ranges), s) for s in chosen}
+class StageChunks(nn.Cell):
+    """A rank's model chunks (interleaved 1F1B, ZB-V): `chunks[c]` is a `PipelineStage` of its own
+    copy of the model; parameter names stay the whole model's."""
+
+    def __init__(self, chunks: Sequence[PipelineStage]):
+        super().__init__(auto_prefix=False)
+        self.chunks = nn.CellList(list(chunks), auto_prefix=False)
+        self.stage, self.num_stages = chunks[0].stage, chunks[0].num_stages
+        self.layer_ranges = [(c.start, c.end) for c in chunks]
+
+
+def build_chunks(models: Sequence, kind: str, num_stages: int, stage: int,
+                 ranges: Sequence[Tuple[int, int]]) -> List[PipelineStage]:
+    """`stage`'s chunks, one per whole model of `models` (identical copies), each cut to the layer
+    range of its virtual stage (`ranges`: every virtual stage's). Where the first and the last
+    virtual stage share a rank (ZB-V) and the head reads the embedding, both use one embedding."""
+    chunks = [PipelineStage(model, *ranges[virtual_stage(kind, num_stages, stage, c)], num_stages, stage,
+                            virtual_stage(kind, num_stages, stage, c), len(ranges)) for c, model in enumerate(models)]
+    first = next((c for c in chunks if c.is_first), None)
+    last = next((c for c in chunks if c.is_last), None)
+    if first is not None and last is not None and first is not last and last.model.needs_embedding_in_head:
+        auto_prefix = last.model._auto_prefix   # no renaming: the shared cells keep their names
+        last.model._auto_prefix = False
+        try:
+            for name in last.model.EMBEDDING_CELLS:
+                setattr(last.model, name, getattr(first.model, name))
+        finally:
+            last.model._auto_prefix = auto_prefix
+    return chunks
+
+
+def build_stages(model_factory, ranges: Sequence[Tuple[int, int]], stages: Optional[Sequence[int]] = None,
+                 kind: str = "1f1b", chunks: int = 1) -> Dict:
+    """`{stage: PipelineStage}` (one chunk) or `{stage: [chunks]}` for `stages` (default all): each
+    chunk from its own `model_factory()` (the same seed: identical whole models), cut to its
+    virtual stage's range of `ranges`. For tests that drive every stage in one process."""
+    num_stages = len(ranges) // chunks
+    chosen = range(num_stages) if stages is None else stages
+    built = {s: build_chunks([model_factory() for _ in range(chunks)], kind, num_stages, s, ranges) for s in chosen}
+    return {s: c[0] if chunks == 1 else c for s, c in built.items()}
 
 
 @dataclass(frozen=True)
 class StatLayout:
-    """Where each stage's stats go in the whole-model vector that is summed over the stages."""
+    """Where each chunk's stats go in the whole-model vector that is summed over the stages."""
 
     scalars: Tuple[str, ...]                       # "loss" and every summed-over-layers stat
     stacked: Dict[str, Tuple[int, ...]]            # per-layer stat -> row shape
     rows: int                                      # per-layer rows of the whole model
-    offset: int                                    # this stage's first row
+    offsets: Tuple[int, ...]                       # each chunk's first row
     reduce: Dict[str, str]
 
     @classmethod
-    def of(cls, model, specs: Dict[str, StatSpec], start: int, last: bool) -> "StatLayout":
+    def of(cls, model, specs: Dict[str, StatSpec], starts: Sequence[int]) -> "StatLayout":
+        """`starts`: the first layer of each of the rank's chunks (in the whole `model`)."""
         summed, stacked = split_specs(specs)
         rows = stat_rows(model.layers) + model.head_stat_rows
         return cls(("loss",) + summed, {name: specs[name].row for name in stacked}, rows,
-                   stat_rows(model.layers[i] for i in range(start)), {k: s.reduce for k, s in specs.items()})
+                   tuple(stat_rows(model.layers[i] for i in range(start)) for start in starts),
+                   {k: s.reduce for k, s in specs.items()})
 
 
 # ---------------------------------------------------------------------------------------------
 # Running a stage
 # ---------------------------------------------------------------------------------------------
-class PipelineExecutor:
-    """Runs one stage's schedule for one optimizer step: compute in (optionally jitted) functions,
-    each link exchange yielded to a driver (`Pipeline` on real ranks, `drive_in_process` in tests)."""
+class ChunkPasses:
+    """The compiled passes of one chunk (jitted functions return tuples, never dicts: stats leave as
+    (keys, values)). Every backward recomputes the chunk's forward from its input (MindSpore keeps
+    no autodiff graph between two jitted calls). Gradients are taken for all of the rank's
+    parameters `params` (the optimizer's order; those of other chunks come out zero) and packed
+    by `pack`. `side`: the micro-batch's fields after (input_ids, labels).
 
-    def __init__(self, stage, params: Sequence, schedule: str, num_micro: int, jit: bool, flatten=None):
-        """`params`: the order of the gradients; `flatten` (e.g. `OptimizerStep.flatten`) packs each
-        micro-batch's gradients into the optimizer's buffers before they are accumulated."""
-        self.stage, self.params = stage, list(params)
-        self.ops = build_schedule(schedule, stage.num_stages, stage.stage, num_micro)
-        self.num_micro = num_micro
-        self.in_flight = self.peak_in_flight = 0
+        forward(x, labels, *side)                  -> out, stats
+        loss_full(x, labels, scale, *side)         -> stats, grads, dx     last chunk: forward and backward
+        backward(x, dout, scale, *side)            -> grads, dx            unsplit backward
+        backward_input(x, dout, scale, *side)      -> dx                   B
+        backward_weight(x, dout, scale, *side)     -> grads                W
+    """
+
+    def __init__(self, chunk: PipelineStage, params: Sequence, jit: bool, pack):
         wrap = ms.jit if jit else (lambda fn: fn)
-        first = stage.is_first
-        pack = flatten if flatten is not None else tuple
+        first = chunk.is_first
+        input_position = None if first else 0     # the first chunk's input is token ids
 
-        # jitted functions return tuples, never dicts (see the trainer): stats leave as (keys, values)
-        # `side`: the micro-batch's fields after (input_ids, labels), given to every stage
         def forward(x, labels, *side):
-            out, stats = stage(x, labels, *side)
+            out, stats = chunk(x, labels, *side)
             return out, tuple(stats.keys()), tuple(stats.values())
 
-        def loss_of(x, labels, scale, *side):     # last stage: its loss part, scaled
-            loss, stats = stage(x, labels, *side)
+        def loss_of(x, labels, scale, *side):     # last chunk: its loss part, scaled
+            loss, stats = chunk(x, labels, *side)
             return loss * scale, stats
 
-        def objective(x, dout, scale, *side):     # other stages: <out, dout> + scale * aux
-            out, stats = stage(x, None, *side)
+        def objective(x, dout, scale, *side):     # other chunks: <out, dout> + scale * aux
+            out, stats = chunk(x, None, *side)
             return (out * dout).sum() + stats["loss"] * scale
 
-        input_position = None if first else 0    # the first stage's input is token ids
-        loss_grad = ms.value_and_grad(loss_of, input_position, self.params, has_aux=True)
-        objective_grad = ms.value_and_grad(objective, input_position, self.params)
+        loss_full_grad = ms.value_and_grad(loss_of, input_position, params, has_aux=True)
+        full_grad = ms.value_and_grad(objective, input_position, params)
+        weight_grad = ms.value_and_grad(objective, None, params)
+        input_grad = ms.value_and_grad(objective, 0, None) if not first else None
 
-        def forward_backward(x, labels, scale, *side):
-            (_, stats), grads = loss_grad(x, labels, scale, *side)
+        def loss_full(x, labels, scale, *side):
+            (_, stats), grads = loss_full_grad(x, labels, scale, *side)
             param_grads, dx = _split_grads(grads, first)
             return tuple(stats.keys()), tuple(stats.values()), pack(param_grads), dx
 
         def backward(x, dout, scale, *side):
-            _, grads = objective_grad(x, dout, scale, *side)
+            _, grads = full_grad(x, dout, scale, *side)
             param_grads, dx = _split_grads(grads, first)
             return pack(param_grads), dx
+
+        def backward_input(x, dout, scale, *side):
+            return input_grad(x, dout, scale, *side)[1]
+
+        def backward_weight(x, dout, scale, *side):
+            return pack(tuple(weight_grad(x, dout, scale, *side)[1]))
+
+        jitted = {name: wrap(fn) for name, fn in (("forward", forward), ("loss_full", loss_full))}
+        self.backward, self.backward_input, self.backward_weight = wrap(backward), wrap(backward_input), wrap(
+            backward_weight)
+
+        def forward_with_dict(x, labels, *side):
+            out, keys, values = jitted["forward"](x, labels, *side)
+            return out, dict(zip(keys, values))
+
+        def loss_full_with_dict(x, labels, scale, *side):
+            keys, values, grads, dx = jitted["loss_full"](x, labels, scale, *side)
+            return dict(zip(keys, values)), grads, dx
+
+        self.forward, self.loss_full = forward_with_dict, loss_full_with_dict
+
+
+class PipelineExecutor:
+    """Runs one stage's schedule for one optimizer step: compute in (optionally jitted) functions,
+    each exchange yielded to a driver (`Pipeline` on real ranks, `drive_in_process` in tests)."""
+
+    def __init__(self, stage, params: Sequence, schedule: str, num_micro: int, jit: bool, flatten=None):
+        """`stage`: a `PipelineStage`, a `StageChunks` or a list of a rank's chunks. `params`: the
+        order of the gradients; `flatten` (e.g. `OptimizerStep.flatten`) packs each pass's
+        gradients into the optimizer's buffers before they are accumulated."""
+        chunks = list(stage.chunks) if isinstance(stage, StageChunks) else (
+            list(stage) if isinstance(stage, (list, tuple)) else [stage])
+        self.chunks, self.params, self.kind = chunks, list(params), schedule
+        self.num_stages, self.stage_index = chunks[0].num_stages, chunks[0].stage
+        self.ops = build_schedule(schedule, self.num_stages, self.stage_index, num_micro, len(chunks))
+        self.split = schedule in SPLIT_BACKWARD
+        self.num_micro = num_micro
+        self.in_flight = self.peak_in_flight = 0
+        pack = flatten if flatten is not None else tuple
+        self.passes = [ChunkPasses(chunk, self.params, jit, pack) for chunk in chunks]
 
         def accumulate(acc, grads):
             return tuple(a + g for a, g in zip(acc, grads))
 
-        jitted_forward, jitted_forward_backward = wrap(forward), wrap(forward_backward)
+        self._accumulate = ms.jit(accumulate) if jit else accumulate
 
-        def forward_with_dict(x, labels, *side):
-            out, keys, values = jitted_forward(x, labels, *side)
-            return out, dict(zip(keys, values))
+    def peers(self) -> List[int]:
+        """The stages this one exchanges with (training and evaluation)."""
+        vstages = [c.vstage for c in self.chunks]
+        around = {u + d for u in vstages for d in (-1, 1) if 0 <= u + d < self.chunks[0].num_vstages}
+        return sorted({stage_of(self.kind, self.num_stages, u)[0] for u in around} - {self.stage_index})
 
-        def forward_backward_with_dict(x, labels, scale, *side):
-            keys, values, grads, dx = jitted_forward_backward(x, labels, scale, *side)
-            return dict(zip(keys, values)), grads, dx
-
-        self._forward, self._forward_backward = forward_with_dict, forward_backward_with_dict
-        self._backward, self._accumulate = wrap(backward), wrap(accumulate)
+    def _is_mine(self, msg: Msg) -> bool:
+        return stage_of(self.kind, self.num_stages, msg.vstage)[0] == self.stage_index
 
     def steps(self, batches: Sequence[Tuple], scale, activation_shape: Tuple[int, ...]):
         """Generator over this stage's schedule; yields `Exchange`s, returns `(grads, stats)` with
-        grads summed over micro-batches and `stats[m]` the stage's stats of micro-batch m.
-        `batches[m]` = (input_ids, labels, *side) Tensors (only the first / last stage reads input_ids /
-        labels; every stage reads `side`)."""
-        stage = self.stage
-        held: Dict[int, object] = {}       # micro -> stage input kept for the backward (last stage: its dx)
-        received = {NEXT: {}, PREV: {}}     # link -> micro -> output gradient (next) / activation (prev)
-        outgoing = {NEXT: {}, PREV: {}}     # link -> micro -> activation (next) / input gradient (prev)
-        stats: List = [None] * self.num_micro
+        grads summed over micro-batches and passes and `stats[c][m]` chunk c's stats of micro-batch
+        m. `batches[m]` = (input_ids, labels, *side) Tensors (only the first / last virtual stage
+        reads input_ids / labels; every chunk reads `side`)."""
+        held: Dict[Tuple[int, int], object] = {}     # (chunk, micro) -> input kept for the backward passes
+        douts: Dict[Tuple[int, int], object] = {}    # split backward: output gradient kept for W
+        dxs: Dict[Tuple[int, int], object] = {}      # last chunk: input gradient from its forward
+        inbox: Dict[Msg, object] = {}
+        outbox: Dict[Msg, object] = {}
+        stats: List[List] = [[None] * self.num_micro for _ in self.chunks]
         grads = None
         self.in_flight = self.peak_in_flight = 0
 
@@ -323,51 +351,76 @@ class PipelineExecutor:
             nonlocal grads
             grads = micro_grads if grads is None else self._accumulate(ms.mutable(grads), ms.mutable(micro_grads))
 
+        def hand_over(msg: Msg, tensor) -> None:
+            (inbox if self._is_mine(msg) else outbox)[msg] = tensor
+
+        def release(key):
+            held.pop(key)
+            self.in_flight -= 1
+
         for op in self.ops:
             if op.kind == EXCHANGE:
-                payload = outgoing[op.link].pop(op.send) if op.send is not None else None
-                reply = yield Exchange(op.link, op.send, op.recv, payload, activation_shape)
+                payload = outbox.pop(op.send) if op.send is not None else None
+                reply = yield Exchange(op.peer, op.send, op.recv, payload, activation_shape)
                 if op.recv is not None:
-                    received[op.link][op.recv] = reply
+                    inbox[op.recv] = reply
                 continue
-            m = op.micro
-            side = tuple(batches[m][2:])
+            c, m = op.chunk, op.micro
+            chunk, passes, key = self.chunks[c], self.passes[c], (op.chunk, op.micro)
+            u, side = chunk.vstage, tuple(batches[m][2:])
             if op.kind == FORWARD:
-                x = batches[m][0] if stage.is_first else received[PREV].pop(m)
-                if stage.is_last:
-                    stats[m], micro_grads, dx = self._forward_backward(x, batches[m][1], scale, *side)
+                x = batches[m][0] if chunk.is_first else inbox.pop(Msg(ACTIVATION, u, m))
+                if chunk.is_last:   # its whole backward now: the loss's gradient needs nothing from later
+                    stats[c][m], micro_grads, dxs[key] = passes.loss_full(x, batches[m][1], scale, *side)
                     add(micro_grads)
-                    held[m] = dx
                 else:
-                    outgoing[NEXT][m], stats[m] = self._forward(x, None, *side)
-                    held[m] = x
+                    out, stats[c][m] = passes.forward(x, None, *side)
+                    hand_over(Msg(ACTIVATION, u + 1, m), out)
+                held[key] = x
                 self.in_flight += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-            else:
-                kept = held.pop(m)
-                self.in_flight -= 1
-                if stage.is_last:
-                    dx = kept
+            elif op.kind == BACKWARD:
+                if chunk.is_last:
+                    dx = dxs.pop(key)
                 else:
-                    micro_grads, dx = self._backward(kept, received[NEXT].pop(m), scale, *side)
-                    add(micro_grads)
-                if not stage.is_first:
-                    outgoing[PREV][m] = dx
-        leftovers = {**held, **received[NEXT], **received[PREV], **outgoing[NEXT], **outgoing[PREV]}
+                    dout = inbox.pop(Msg(GRADIENT, u, m))
+                    if self.split:
+                        dx = None if chunk.is_first else passes.backward_input(held[key], dout, scale, *side)
+                        douts[key] = dout
+                    else:
+                        micro_grads, dx = passes.backward(held[key], dout, scale, *side)
+                        add(micro_grads)
+                if not self.split:
+                    release(key)
+                if not chunk.is_first:
+                    hand_over(Msg(GRADIENT, u - 1, m), dx)
+            else:
+                if not chunk.is_last:    # the last chunk's weight gradient came with its forward
+                    add(passes.backward_weight(held[key], douts.pop(key), scale, *side))
+                release(key)
+        leftovers = [*held, *douts, *dxs, *inbox, *outbox]
         if leftovers:
-            raise PipelineError(f"stage {stage.stage}: the schedule left micro-batches {sorted(leftovers)} behind")
+            raise PipelineError(f"stage {self.stage_index}: the schedule left {leftovers} behind")
         return grads, stats
 
     def forward_only(self, batch, activation_shape):
-        """Generator: one evaluation batch through this stage; returns the stage's stats."""
-        stage = self.stage
-        x = batch[0]
-        if not stage.is_first:
-            x = yield Exchange(PREV, None, 0, None, activation_shape)
-        out, stats = self._forward(x, batch[1] if stage.is_last else None, *batch[2:])
-        if not stage.is_last:
-            yield Exchange(NEXT, 0, None, out, activation_shape)
-        return stats
+        """Generator: one evaluation batch through this stage's chunks in virtual-stage order (each
+        exchange links virtual stages u and u + 1 only: no deadlock); returns `{"loss": this stage's
+        part of the loss}`."""
+        loss, x = 0.0, None
+        for chunk, passes in sorted(zip(self.chunks, self.passes), key=lambda pair: pair[0].vstage):
+            u = chunk.vstage
+            if chunk.is_first:
+                x = batch[0]
+            elif not self._is_mine(Msg(ACTIVATION, u - 1, 0)):
+                x = yield Exchange(stage_of(self.kind, self.num_stages, u - 1)[0], None, Msg(ACTIVATION, u, 0),
+                                   None, activation_shape)
+            x, stats = passes.forward(x, batch[1] if chunk.is_last else None, *batch[2:])
+            loss = loss + float(stats["loss"].asnumpy())
+            if not chunk.is_last and not self._is_mine(Msg(ACTIVATION, u + 1, 0)):
+                yield Exchange(stage_of(self.kind, self.num_stages, u + 1)[0], Msg(ACTIVATION, u + 1, 0), None, x,
+                               activation_shape)
+        return {"loss": loss}
 
 
 def _split_grads(grads, first: bool):
@@ -381,15 +434,19 @@ def _split_grads(grads, first: bool):
 # ---------------------------------------------------------------------------------------------
 # Links between ranks
 # ---------------------------------------------------------------------------------------------
-def run_with_links(run, links: Dict[str, PairLink]):
-    """Drive one stage's generator on a real rank: each exchange goes over its link."""
+def run_with_links(run, links: Dict[int, PairLink], clock: Optional[Dict[str, float]] = None):
+    """Drive one stage's generator on a real rank: each exchange goes over the link to its peer.
+    `clock["wait"]` gains the seconds spent in exchanges (waiting for the neighbour, and the transfer)."""
     reply = None
     while True:
         try:
             request = run.send(reply)
         except StopIteration as stop:
             return stop.value
-        reply = links[request.link].exchange(request.payload, request.shape if request.recv is not None else None)
+        start = time.perf_counter()
+        reply = links[request.peer].exchange(request.payload, request.shape if request.recv is not None else None)
+        if clock is not None:
+            clock["wait"] = clock.get("wait", 0.0) + time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,31 +462,44 @@ def allow_slow_neighbours() -> None:
     os.environ.setdefault("MS_CPU_COMM_OP_TIMEOUT", str(CPU_COLLECTIVE_TIMEOUT_S))
 
 
-def build_pipeline_stage(model, cfg, pctx) -> PipelineStage:
+def build_pipeline_stage(model, cfg, pctx, more_models=None):
     """This rank's stage of `model` (built whole with the run's seed, already tensor / expert
-    parallelized). Once the caller drops `model`, the other stages' cells are freed."""
-    ranges = split_layers(len(model.layers), pctx.pp, cfg.parallel.pipeline_layers)
-    stage = PipelineStage(model, *ranges[pctx.pp_rank], pctx.pp, pctx.pp_rank)
-    embed = getattr(model, "embed", None)
-    if embed is not None and model.needs_embedding_in_head and pctx.group("embedding").size > 1:
+    parallelized): a `PipelineStage`, or with several chunks a `StageChunks` whose chunk c is cut
+    from `more_models()` (another identical whole model) for c >= 1. Once the caller drops
+    `model`, the other stages' cells are freed."""
+    kind, P = cfg.parallel.pipeline_schedule, pctx.pp
+    chunks = chunks_per_stage(kind, cfg.parallel.pp_interleave_num)
+    ranges = split_layers(len(model.layers), P * chunks, cfg.parallel.pipeline_layers, chunks=chunks)
+    if chunks > 1 and more_models is None:
+        raise PipelineError(f"{kind} puts {chunks} model chunks on a stage: pass more_models")
+    parts = build_chunks([model] + [more_models() for _ in range(chunks - 1)], kind, P, pctx.pp_rank, ranges)
+    holder = next((c.model for c in parts if c.is_first or (c.is_last and c.model.needs_embedding_in_head)), None)
+    embed = getattr(holder, "embed", None)
+    # the head on stage P - 1 reads the embedding of stage 0 (not with ZB-V: both on stage 0)
+    across = stage_of(kind, P, P * chunks - 1)[0] != 0
+    if embed is not None and model.needs_embedding_in_head and across and pctx.group("embedding").size > 1:
         weight = embed.weight
         weight.set_data(comm.broadcast(ms.Tensor(weight.asnumpy()), 0, pctx.group("embedding")))   # the first's
         # both ends hold it: the optimizer sums its gradient over them and counts it once in the norm
         mark_role(weight, tied_group="embedding")
-    return stage
+    return parts[0] if chunks == 1 else StageChunks(parts)
 
 
 class Pipeline:
     """The pipeline's step runner (the interface of `moetrain.parallel.runner`): this rank's stage,
     its schedule, the links to its neighbours and the reduction of metrics over the stages."""
 
-    def __init__(self, model, specs: Dict[str, StatSpec], cfg, pctx, seq_length: int):
-        """Cuts `model` (built whole, already tensor / expert parallelized) down to this rank's stage;
-        `bind` then attaches the optimizer step built over the stage's parameters."""
-        ranges = split_layers(len(model.layers), pctx.pp, cfg.parallel.pipeline_layers)
-        start, end = ranges[pctx.pp_rank]
-        self.stats = StatLayout.of(model, specs, start, pctx.pp_rank == pctx.pp - 1)
-        self.stage = build_pipeline_stage(model, cfg, pctx)
+    def __init__(self, model, specs: Dict[str, StatSpec], cfg, pctx, seq_length: int, more_models=None):
+        """Cuts `model` (built whole, already tensor / expert parallelized) down to this rank's stage
+        (`more_models`: see `build_pipeline_stage`); `bind` then attaches the optimizer step built
+        over the stage's parameters."""
+        kind, P = cfg.parallel.pipeline_schedule, pctx.pp
+        chunks = chunks_per_stage(kind, cfg.parallel.pp_interleave_num)
+        ranges = split_layers(len(model.layers), P * chunks, cfg.parallel.pipeline_layers, chunks=chunks)
+        starts = [ranges[virtual_stage(kind, P, pctx.pp_rank, c)][0] for c in range(chunks)]
+        self.stats = StatLayout.of(model, specs, starts)
+        self.stage = build_pipeline_stage(model, cfg, pctx, more_models)
+        self.chunks = list(self.stage.chunks) if chunks > 1 else [self.stage]
         self.model = self.stage
         self.pctx, self.cfg = pctx, cfg
         # the activation crossing a stage boundary: [B, S, H], its sequence slice under sequence parallel
@@ -437,17 +507,27 @@ class Pipeline:
         self.seq_length = seq_length // pctx.tp if sequence_parallel else seq_length
         self.hidden_size = cfg.model.hidden_size
         self.executor = None
-        self.links = {}
-        if not self.stage.is_last:
-            self.links[NEXT] = PairLink(pctx.group("pp_next"), lower=True)
-        if not self.stage.is_first:
-            self.links[PREV] = PairLink(pctx.group("pp_prev"), lower=False)
+        self.links: Dict[int, PairLink] = {}
         self.step_bytes_sent = 0
+        self.step_wait_s = self.step_seconds = 0.0
+
+    def _link(self, peer: int) -> PairLink:
+        """The pair link to stage `peer`: a neighbour, or (interleaving over more than two stages)
+        between the last and the first stage, over their `embedding` pair group."""
+        s, P = self.pctx.pp_rank, self.pctx.pp
+        if peer == s + 1:
+            return PairLink(self.pctx.group("pp_next"), lower=True)
+        if peer == s - 1:
+            return PairLink(self.pctx.group("pp_prev"), lower=False)
+        if {s, peer} == {0, P - 1}:
+            return PairLink(self.pctx.group("embedding"), lower=s == 0)
+        raise PipelineError(f"stage {s} has no link to stage {peer}")
 
     def bind(self, opt_step) -> "Pipeline":
         """Attach the optimizer step built over this stage's parameters (its gradient order and buffers)."""
-        self.executor = PipelineExecutor(self.stage, opt_step.params, self.cfg.parallel.pipeline_schedule,
+        self.executor = PipelineExecutor(self.chunks, opt_step.params, self.cfg.parallel.pipeline_schedule,
                                          self.cfg.num_micro_batches, self.cfg.train.jit, opt_step.flatten)
+        self.links = {peer: self._link(peer) for peer in self.executor.peers()}
         return self
 
     @property
@@ -460,34 +540,40 @@ class Pipeline:
     # ---- training --------------------------------------------------------------------------
     def train_step(self, batches, scale):
         """All micro-batches of one step through the schedule: this stage's gradient buffers summed
-        over micro-batches, and the step's values for the whole model (the same on every stage)."""
+        over micro-batches, and the step's values for the whole model (the same on every stage),
+        with `pipeline_bubble`: the fraction of the step the stages spent in exchanges with their
+        neighbours, averaged over the stages."""
         batches = [as_tensors(batch) for batch in batches]
         shape = self.activation_shape(int(batches[0][0].shape[0]))
+        clock = {"wait": 0.0}
+        start = time.perf_counter()
         with comm.CommLedger() as ledger:
-            grads, stats = run_with_links(self.executor.steps(batches, scale, shape), self.links)
+            grads, stats = run_with_links(self.executor.steps(batches, scale, shape), self.links, clock)
+        self.step_seconds, self.step_wait_s = time.perf_counter() - start, clock["wait"]
         self.step_bytes_sent = ledger.bytes_by_group(backward=False).get("pp", 0)
-        return grads, self.combine_stats(stats)
+        return grads, self.combine_stats(stats, self.step_wait_s / max(self.step_seconds, 1e-12))
 
-    def combine_stats(self, stats: Sequence[Dict]) -> Dict[str, object]:
-        """Micro-batch mean (or sum) of this stage's stats, written into the whole-model layout and
-        summed over the stages."""
+    def combine_stats(self, stats: Sequence[Sequence[Dict]], bubble: float = 0.0) -> Dict[str, object]:
+        """Micro-batch mean (or sum) of each chunk's stats (`stats[c][m]`), written into the
+        whole-model layout, and this stage's `bubble` over the stage count, summed over the stages."""
         layout = self.stats
-        parts = []
-        for key in layout.scalars:
-            arrays = [float(s[key].asnumpy()) if key in s else 0.0 for s in stats]
-            parts.append(np.sum(arrays) if layout.reduce.get(key) == "sum" else np.mean(arrays))
-        vector = [np.array(parts, np.float64)]
-        for key, row in layout.stacked.items():
-            rows = np.zeros((layout.rows,) + tuple(row), np.float64)
-            if key in stats[0]:
-                own = np.asarray([s[key].asnumpy() for s in stats], np.float64)
-                own = own.sum(0) if layout.reduce.get(key) == "sum" else own.mean(0)
-                rows[layout.offset:layout.offset + own.shape[0]] = own
-            vector.append(rows.reshape(-1))
-        flat = np.concatenate(vector).astype(np.float32)
+        parts = np.zeros(len(layout.scalars) + 1, np.float64)
+        rows = {key: np.zeros((layout.rows,) + tuple(row), np.float64) for key, row in layout.stacked.items()}
+        for chunk_stats, offset in zip(stats, layout.offsets):
+            for i, key in enumerate(layout.scalars):
+                arrays = [float(s[key].asnumpy()) if key in s else 0.0 for s in chunk_stats]
+                parts[i] += np.sum(arrays) if layout.reduce.get(key) == "sum" else np.mean(arrays)
+            for key in layout.stacked:
+                if key in chunk_stats[0]:
+                    own = np.asarray([s[key].asnumpy() for s in chunk_stats], np.float64)
+                    own = own.sum(0) if layout.reduce.get(key) == "sum" else own.mean(0)
+                    rows[key][offset:offset + own.shape[0]] = own
+        parts[-1] = bubble / self.pctx.pp
+        flat = np.concatenate([parts] + [r.reshape(-1) for r in rows.values()]).astype(np.float32)
         total = comm.all_reduce(ms.Tensor(flat), self.pctx.group("pp")).asnumpy().astype(np.float64)
         values = {key: total[i] for i, key in enumerate(layout.scalars)}
-        offset = len(layout.scalars)
+        values["pipeline_bubble"] = total[len(layout.scalars)]
+        offset = len(layout.scalars) + 1
         for key, row in layout.stacked.items():
             size = layout.rows * int(np.prod(row))
             values[key] = total[offset:offset + size].reshape((layout.rows,) + tuple(row))
@@ -500,12 +586,14 @@ class Pipeline:
         batch = as_tensors(batch)
         shape = self.activation_shape(int(batch[0].shape[0]))
         stats = run_with_links(self.executor.forward_only(batch, shape), self.links)
-        part = np.array([float(stats["loss"].asnumpy())], np.float32)
+        part = np.array([stats["loss"]], np.float32)
         return float(comm.all_reduce(ms.Tensor(part), self.pctx.group("pp")).asnumpy()[0]), {}
 
     def update_expert_bias(self, expert_load) -> None:
-        """Aux-loss-free balancing for this stage's MoE layers, from its rows of the whole model's load."""
-        model = self.stage.model
-        if hasattr(model, "update_expert_bias"):
-            rows = len(model.moe_modules())
-            model.update_expert_bias(np.asarray(expert_load)[self.stats.offset:self.stats.offset + rows])
+        """Aux-loss-free balancing for this stage's MoE layers, from its chunks' rows of the whole
+        model's load."""
+        for chunk, offset in zip(self.chunks, self.stats.offsets):
+            model = chunk.model
+            if hasattr(model, "update_expert_bias"):
+                rows = len(model.moe_modules())
+                model.update_expert_bias(np.asarray(expert_load)[offset:offset + rows])

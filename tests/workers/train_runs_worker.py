@@ -157,7 +157,9 @@ def main():
         }
         if pipeline is not None:
             record.update(peak_in_flight=pipeline.peak_in_flight, step_bytes_sent=pipeline.step_bytes_sent,
-                          stage_layers=[model.start, model.end])
+                          stage_layers=([list(r) for r in model.layer_ranges] if hasattr(model, "layer_ranges")
+                                        else [model.start, model.end]),      # model chunks: every chunk's
+                          step_wait_s=pipeline.step_wait_s, step_seconds=pipeline.step_seconds)
         with open(os.path.join(run_dir, f"rank_{pctx.rank}.json"), "w") as fh:
             json.dump(record, fh)
         np.savez(os.path.join(run_dir, f"rank_{pctx.rank}.npz"), **{p.name: p.asnumpy() for p in params})

@@ -1,0 +1,156 @@
+"""Interleaved 1F1B and the zero-bubble schedules through the real Trainer under msrun, against ONE
+one-process run of the same config, and their measured pipeline bubble against 1F1B's.
+
+    2 ranks (one launch, four runs):  pp2 1f1b, pp2 interleaved_1f1b (v=2), pp2 zero_bubble_h1,
+                                      pp2 zero_bubble_v
+    4 ranks (one launch):             pp4 interleaved_1f1b (v=2)
+
+The model: moe_tiny-like, 8 layers (pp4 x 2 chunks needs 8), hidden 64, 4 experts top-2 with
+capacity 1.0 (some tokens dropped), tied embeddings (across stages for 1F1B / interleaved, on one
+rank for ZB-V), global batch 4 in micro-batches of 1 (4 pipeline micro-batches; the one-process run
+accumulates the same 4). Clipping at 0.05 makes the global gradient norm scale every update.
+Compared over 5 steps: losses and grad_norm (1e-4 relative), expert loads and drop counts (exact),
+the final evaluation loss, every stage's parameters after training.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
+from distributed import run_workers  # noqa: E402
+
+import test_parallel_3d as three_d  # noqa: E402  (the same tiny model and data)
+from test_parallel_3d import CLIP, CONFIG, ROOT, STEP_KEYS, WORKER, step_records  # noqa: E402
+
+MICRO = 4
+# 8 layers (pp4 x 2 chunks), 4 micro-batches of 1 per step
+MODEL = [o for o in three_d.MODEL if not o.startswith(("model.num_layers=", "train.global_batch_size=",
+                                                       "train.eval_max_batches="))] + [
+    "model.num_layers=8", f"train.global_batch_size={MICRO}", "train.eval_max_batches=1"]
+SCHEDULES = {"1f1b": [], "interleaved_1f1b": ["parallel.pp_interleave_num=2"], "zero_bubble_h1": [],
+             "zero_bubble_v": []}
+LAUNCHES = {
+    2: {f"pp2_{kind}": ["parallel.pipeline_stage=2", f"parallel.pipeline_schedule={kind}"] + extra
+        for kind, extra in SCHEDULES.items()},
+    4: {"pp4_interleaved_1f1b": ["parallel.pipeline_stage=4", "parallel.pipeline_schedule=interleaved_1f1b",
+                                 "parallel.pp_interleave_num=2"]},
+}
+def launch(nproc, tmp_path_factory):
+    runs = LAUNCHES[nproc]
+    specs = [f"{name}:{CONFIG}:" + ",".join(MODEL + parallel) for name, parallel in runs.items()]
+    job = run_workers(WORKER, nproc, specs, timeout=1500, job_dir=str(tmp_path_factory.mktemp(f"job{nproc}"))).check()
+    out = {}
+    for name in runs:
+        run_dir = os.path.join(job.out_dir, name)
+        ranks = [json.load(open(os.path.join(run_dir, f"rank_{r}.json"))) for r in range(nproc)]
+        params = [dict(np.load(os.path.join(run_dir, f"rank_{r}.npz"))) for r in range(nproc)]
+        out[name] = (step_records(run_dir), ranks, params)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    from moetrain.config import load_config
+    from moetrain.trainer import Trainer
+
+    run_dir = str(tmp_path_factory.mktemp("one_process"))
+    trainer = Trainer(load_config(os.path.join(ROOT, CONFIG), MODEL + [f"train.output_dir={run_dir}"]))
+    trainer.fit()
+    assert trainer.n_micro == MICRO
+    return step_records(run_dir), {p.name: p.asnumpy() for p in trainer.model.get_parameters()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return launch(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return launch(4, tmp_path_factory)
+
+
+def assert_reproduces(one_process, run):
+    """Losses and grad_norm within 1e-4 over 5 steps, expert loads and drops exact, the evaluation
+    loss, and every parameter (from the stage holding it) after training."""
+    (steps_a, evals_a), single_params = one_process
+    (steps_b, evals_b), ranks, params = run
+    assert [r["step"] for r in steps_b] == [r["step"] for r in steps_a] == [1, 2, 3, 4, 5]
+    for key in STEP_KEYS:
+        np.testing.assert_allclose([r[key] for r in steps_b], [r[key] for r in steps_a], rtol=1e-4, err_msg=key)
+    assert all(r["grad_norm"] > 10 * CLIP for r in steps_a)           # the clip acted on every step
+    for a, b in zip(steps_a, steps_b):
+        np.testing.assert_array_equal(b["expert_load"], a["expert_load"])
+        assert (b["dropped"], b["routed"]) == (a["dropped"], a["routed"])
+    assert any(r["dropped"] > 0 for r in steps_a)
+    assert evals_b[-1]["eval_loss"] == pytest.approx(evals_a[-1]["eval_loss"], rel=1e-5)
+    seen = set()
+    for held in params:
+        for name, value in held.items():
+            np.testing.assert_allclose(value, single_params[name], rtol=1e-3, atol=3e-5, err_msg=name)
+            seen.add(name)
+    assert seen == set(single_params)
+    for info in ranks:   # metrics are reduced over the stages: every rank reports rank 0's values
+        assert info["train"]["loss"] == pytest.approx(steps_b[-1]["loss"], rel=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(SCHEDULES))
+def test_pp2_schedules_reproduce_one_process(one_process, two_ranks, kind):
+    from moetrain.parallel.pipeline import build_schedule, peak_in_flight
+
+    run = two_ranks[f"pp2_{kind}"]
+    assert_reproduces(one_process, run)
+    ranks = run[1]
+    chunks = 1 if kind in ("1f1b", "zero_bubble_h1") else 2
+    for info in ranks:
+        s = info["pp_rank"]
+        # the executor held what the schedule's own count says
+        assert info["peak_in_flight"] == peak_in_flight(build_schedule(kind, 2, s, MICRO, chunks))
+    layers = {"1f1b": [[0, 4], [4, 8]], "zero_bubble_h1": [[0, 4], [4, 8]],
+              "interleaved_1f1b": [[[0, 2], [4, 6]], [[2, 4], [6, 8]]],     # chunk c of stage s: 2c + s
+              "zero_bubble_v": [[[0, 2], [6, 8]], [[2, 4], [4, 6]]]}[kind]  # the V: s and 3 - s
+    assert [info["stage_layers"] for info in sorted(ranks, key=lambda r: r["pp_rank"])] == layers
+    # every activation of every chunk boundary crosses between the ranks once per micro-batch
+    crossings = {"1f1b": 1, "zero_bubble_h1": 1, "interleaved_1f1b": 3, "zero_bubble_v": 2}[kind]
+    assert sum(info["step_bytes_sent"] for info in ranks) == 2 * crossings * MICRO * 32 * 64 * 4
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp4_interleaved_reproduces_one_process(one_process, four_ranks):
+    run = four_ranks["pp4_interleaved_1f1b"]
+    assert_reproduces(one_process, run)
+    ranks = sorted(run[1], key=lambda r: r["pp_rank"])
+    assert [info["stage_layers"] for info in ranks] == [[[s, s + 1], [s + 4, s + 5]] for s in range(4)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_measured_bubble_of_interleaved_and_zb_h1_is_below_1f1b(two_ranks):
+    """pp2, 4 micro-batches: the fraction of the step the stages wait on each other (metrics.jsonl
+    `pipeline_bubble`), over steps 2-5 (step 1 compiles), median (one slow step of the shared
+    machine does not decide). Theory at equal pass costs: 1F1B 0.20, interleaved 0.11, ZB-H1 0.14,
+    ZB-V 0.04. Interleaved 1F1B and ZB-H1 measure below 1F1B. ZB-V does NOT on this machine
+    (measured 0.26 to 0.32 against 1F1B's 0.16 to 0.22, docs/parallel_engine.md): its stage 1
+    makes two chunks' F, B and W calls (each B and W recomputing the forward) against stage 0's
+    one chunk and the fused loss chunk, and at this size the host cost of a call dominates; so it is
+    only checked to be measured and sane here."""
+    from moetrain.parallel.pipeline import schedule_bubble
+
+    def measured(kind):
+        (steps, _), _, _ = two_ranks[f"pp2_{kind}"]
+        values = [r["pipeline_bubble"] for r in steps[1:]]
+        assert len(values) == 4 and all(0.0 <= v < 1.0 for v in values), values
+        return float(np.median(values))
+
+    baseline = measured("1f1b")
+    assert baseline > 0.05        # 1F1B's bubble shows: the stages do wait on each other
+    for kind, chunks in (("interleaved_1f1b", 2), ("zero_bubble_h1", 1)):
+        assert schedule_bubble(kind, 2, MICRO, chunks) < schedule_bubble("1f1b", 2, MICRO)
+        assert measured(kind) < baseline, (kind, measured(kind), baseline)
+    measured("zero_bubble_v")
