@@ -365,7 +365,7 @@ class Trainer:
                               "global_batch_size": t.global_batch_size,
                               "consumed_samples": (self.step + self.sampler.offset) * t.global_batch_size,
                               "epoch": self.sampler.epoch_of(self.step), **self.faults.state(),
-                              "moe_capacities": getattr(self.runner, "capacity_state", lambda: None)()},
+                              "moe_capacities": self.runner.capacity_state()},
             "config": self.cfg.to_dict()}
         return self._checkpointer.save(self.step, self._checkpoint_tensors(), metadata,
                                        os.path.join(self.out, "resolved_config.yaml"))
@@ -400,8 +400,7 @@ class Trainer:
         if "loss_scale" in state:
             self.scaler.load(state["loss_scale"])
         self.faults.load_state(state)
-        if hasattr(self.runner, "load_capacity_state"):   # exact continuation of load-proportional dispatch
-            self.runner.load_capacity_state(state.get("moe_capacities"))
+        self.runner.load_capacity_state(state.get("moe_capacities"))   # exact continuation of the MoE dispatch
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> Dict:

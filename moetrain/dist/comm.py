@@ -52,7 +52,6 @@ primitives.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -61,6 +60,7 @@ from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.ops import ReduceOp
 
+from moetrain.env import env_choice
 from moetrain.dist.topology import Group
 
 COUNTER_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "embedding", "other")
@@ -76,9 +76,7 @@ BACKENDS = ("emulated", "native", "contract")
 def backend_name() -> str:
     """'emulated' (derived from AllReduce; CPU), 'native' (MindSpore primitives; Ascend/GPU) or
     'contract' (the native code path on CPU, each primitive a checked reference: moetrain.dist.contract)."""
-    forced = os.environ.get("MOETRAIN_COMM_BACKEND", "auto").lower()
-    if forced not in ("auto",) + BACKENDS:
-        raise ValueError(f"MOETRAIN_COMM_BACKEND={forced!r}: use auto, {', '.join(BACKENDS)}")
+    forced = env_choice("MOETRAIN_COMM_BACKEND", BACKENDS)
     if forced != "auto":
         return forced
     return "emulated" if ms.get_context("device_target") == "CPU" else "native"

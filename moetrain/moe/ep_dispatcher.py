@@ -36,7 +36,6 @@ exact splits).
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, Tuple
 
 import numpy as np
@@ -44,6 +43,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
 
+from moetrain.env import env_choice
 from moetrain.moe.dispatcher import check_layout, expert_counts, rows_layout
 from moetrain.moe.native_ops import MoEOps
 from moetrain.moe.permutation import (assignment_rows, capacity_layout, capacity_rows, expert_capacity,
@@ -348,9 +348,7 @@ def dispatch_splits(path: str) -> str:
     on the device, AlltoAllV with Tensor split sizes) on the Ascend path when comm runs Ascend's
     AlltoAllV (native, or its contract), "bucketed" (host-sized static capacities) elsewhere.
     `MOETRAIN_EP_SPLITS=exact|bucketed` overrides (e.g. bucketed on Ascend for static shapes)."""
-    forced = os.environ.get("MOETRAIN_EP_SPLITS", "auto").lower()
-    if forced not in ("auto",) + SPLITS:
-        raise ValueError(f"MOETRAIN_EP_SPLITS={forced!r}: use auto, {', '.join(SPLITS)}")
+    forced = env_choice("MOETRAIN_EP_SPLITS", SPLITS)
     has_alltoallv = comm.backend_name() != "emulated" and comm.native_target() == "Ascend"
     if forced == "exact" and not (path == "ascend" and has_alltoallv):
         raise ValueError(f"MOETRAIN_EP_SPLITS=exact needs the Ascend MoE path with Ascend's AlltoAllV (this process: "

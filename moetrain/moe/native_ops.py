@@ -35,7 +35,6 @@ unspecified, so code that relies on one fails its tests instead of passing by lu
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import numpy as np
@@ -44,6 +43,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 from mindspore.ops.auto_generate import grouped_matmul_v4 as _native_grouped_matmul_v4
 
+from moetrain.env import env_choice
 from moetrain.moe import permutation
 
 PLATFORMS = ("cpu", "ascend", "gpu")
@@ -56,9 +56,7 @@ _forced_contract: Optional[bool] = None
 # ---------------------------------------------------------------------------------------------
 def platform() -> str:
     """The MoE code path: `MOETRAIN_MOE_PLATFORM` (cpu, ascend, gpu) or the device target."""
-    forced = os.environ.get("MOETRAIN_MOE_PLATFORM", "auto").lower()
-    if forced not in ("auto",) + PLATFORMS:
-        raise ValueError(f"MOETRAIN_MOE_PLATFORM={forced!r}: use auto, {', '.join(PLATFORMS)}")
+    forced = env_choice("MOETRAIN_MOE_PLATFORM", PLATFORMS)
     if forced != "auto":
         return forced
     target = ms.get_context("device_target").lower()
@@ -75,9 +73,7 @@ def implementation() -> str:
     """"native" (MindSpore's Ascend op) or "contract" (CPU reference of its documented semantics)."""
     if _forced_contract is not None:
         return "contract" if _forced_contract else "native"
-    forced = os.environ.get("MOETRAIN_MOE_OPS", "auto").lower()
-    if forced not in ("auto",) + IMPLEMENTATIONS:
-        raise ValueError(f"MOETRAIN_MOE_OPS={forced!r}: use auto, native or contract")
+    forced = env_choice("MOETRAIN_MOE_OPS", IMPLEMENTATIONS)
     if forced != "auto":
         return forced
     return "native" if ms.get_context("device_target") == "Ascend" else "contract"

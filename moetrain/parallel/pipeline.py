@@ -589,6 +589,13 @@ class Pipeline:
         part = np.array([stats["loss"]], np.float32)
         return float(comm.all_reduce(ms.Tensor(part), self.pctx.group("pp")).asnumpy()[0]), {}
 
+    def capacity_state(self):
+        """None: the stages' MoE dispatchers keep the bound (`moetrain.moe.capacity.adaptive_steps`)."""
+        return None
+
+    def load_capacity_state(self, state) -> None:
+        """Nothing to restore (see `capacity_state`)."""
+
     def update_expert_bias(self, expert_load) -> None:
         """Aux-loss-free balancing for this stage's MoE layers, from its chunks' rows of the whole
         model's load."""

@@ -7,6 +7,7 @@ without a pipeline (`moetrain.parallel.pipeline.Pipeline` is the other runner).
                                                         and stats for the whole model on this rank
     loss, stats = runner.evaluate(batch)                one evaluation batch
     runner.update_expert_bias(expert_load)              aux-loss-free balancing from the global load
+    runner.capacity_state() / load_capacity_state(s)    the MoE dispatch capacities a checkpoint keeps
 
 Jitted functions return tuples, never dicts: a dict output becomes Python-executed graph nodes whose
 side effects make MindSpore 2.10's compile time exponential in depth (docs/performance.md).
