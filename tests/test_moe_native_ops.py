@@ -300,6 +300,34 @@ def test_adaptive_step_reruns_an_overflowing_call_with_a_new_graph(ms):
     assert adaptive("again")[0] == "again" and len(wraps) == 2        # that graph is reused: no compile
 
 
+def test_adaptive_step_keeps_a_bounded_number_of_graphs(ms):
+    """Capacities that keep changing (drifting loads) compile new graphs; only the `max_graphs`
+    most recently used stay, and a dropped one is compiled again when its capacities return."""
+    from moetrain.moe.capacity import AdaptiveStep
+
+    class Keys:                                               # a controller whose capacity set we choose
+        def __init__(self):
+            self.now, self.changes, self.dispatchers = (0,), [], [None]
+
+        def key(self):
+            return self.now
+
+        def update(self, load):
+            return False
+
+    controller, wraps = Keys(), []
+    adaptive = AdaptiveStep(lambda x: (x, ("expert_load",), (ms.Tensor(np.ones(8, np.float32)),)),
+                            lambda fn: wraps.append(fn) or fn, controller, lambda load: load[None],
+                            log=lambda line: None, max_graphs=3)
+    for capacity in (1, 2, 3, 1, 4):                          # 1 is used again before 4 arrives: 2 is dropped
+        controller.now = (capacity,)
+        adaptive("x")
+    assert list(adaptive.compiled) == [(3,), (1,), (4,)] and len(wraps) == 4
+    controller.now = (2,)
+    adaptive("x")
+    assert len(wraps) == 5 and len(adaptive.compiled) == 3 and (3,) not in adaptive.compiled
+
+
 def test_first_capacities_are_a_multiple_of_the_even_share(ms, monkeypatch):
     from moetrain.moe.capacity import CapacityController, prior, sized, tokens_per_call
 

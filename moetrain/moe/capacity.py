@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections import OrderedDict
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -169,12 +170,16 @@ _bucketed = np.vectorize(lambda rows: bucket(math.ceil(rows)), otypes=[np.int64]
 class AdaptiveStep:
     """`fn(*args)` (returning `(loss, stat_keys, stat_values, ...)`) with capacities managed by
     `controller`: compiled with `wrap` once per capacity set, re-run when a buffer overflowed.
-    `gather(load [layers, E]) -> [world, layers, E]` collects every rank's counts."""
+    `gather(load [layers, E]) -> [world, layers, E]` collects every rank's counts. At most
+    `max_graphs` compiled graphs are kept (least recently used dropped): a long run whose loads
+    drift would otherwise hold a graph for every capacity set it ever met."""
 
     def __init__(self, fn: Callable, wrap: Callable, controller: CapacityController,
-                 gather: Callable[[np.ndarray], np.ndarray], log: Callable[[str], None] = print):
+                 gather: Callable[[np.ndarray], np.ndarray], log: Callable[[str], None] = print,
+                 max_graphs: int = 8):
         self.fn, self.wrap, self.controller, self.gather, self.log = fn, wrap, controller, gather, log
-        self.compiled: Dict[Tuple[int, ...], Callable] = {}
+        self.compiled: "OrderedDict[Tuple[int, ...], Callable]" = OrderedDict()
+        self.max_graphs = max_graphs
         self.calls = self.reruns = 0
 
     def __call__(self, *args):
@@ -186,6 +191,9 @@ class AdaptiveStep:
             key = self.controller.key()
             if key not in self.compiled:
                 self.compiled[key] = self.wrap(self.fn)   # a new jit wrapper compiles a new graph
+                if len(self.compiled) > self.max_graphs:
+                    self.compiled.popitem(last=False)
+            self.compiled.move_to_end(key)
             out = self.compiled[key](*args)
             self.calls += 1
             keys, values = out[1], out[2]
