@@ -178,8 +178,9 @@ SELECTED_MODULES: set = set()   # filled by tests/conftest.py once pytest has se
 def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = False, references=None) -> None:
     """Register a test file's runs for the shared `nproc`-rank job (call at import, with `__name__`);
     its fixtures read the runs' folders with `shared_run_dirs(out_dir, module)`. `references(fixture)`
-    (optional) gives one-process runs that train beside the launch, in one process for all files (the
-    ranks leave a core idle while they wait on each other); read with `shared_reference_dirs`."""
+    (optional) gives one-process runs that train beside the launch, in one process for all files; read
+    with `shared_reference_dirs`. They fill what the launch leaves idle (start-up, the launcher's polling;
+    ranks waiting in a collective busy-wait, measured, so the overlap is partial)."""
     SHARED_RUNS.setdefault(nproc, []).append(SharedRuns(module, specs, timeout, last, references))
 
 

@@ -125,8 +125,8 @@ def test_mnist_four_workers_with_run_script_match_one_process(tmp_path):
            os.path.join(ROOT, "configs", "mnist_mlp_4p.yaml")]
     for a in args + [f"train.output_dir={out}"]:
         cmd += ["--set", a]
-    # the job starts first and the one-process run trains beside it (the ranks leave a core idle while
-    # they wait on each other); output to a file: a pipe could fill and stall the job
+    # the job starts first and the one-process run trains beside it (tests/distributed.py: share_runs
+    # says what that overlaps); output to a file: a pipe could fill and stall the job
     with open(tmp_path / "launch.log", "w+") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
