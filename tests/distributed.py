@@ -167,31 +167,81 @@ class SharedRuns:
     #                             session fixture, out_dir is the job's output folder (see shared_run_dirs)
     timeout: float              # seconds these runs may take
     last: bool = False          # run after the others (e.g. runs that install a primitive recorder in the process)
+    references: object = None   # references(fixture) -> specs of one-process runs, trained in one process
+    #                             beside the launch (see shared_reference_dirs)
 
 
 SHARED_RUNS: Dict[int, List[SharedRuns]] = {}
 SELECTED_MODULES: set = set()   # filled by tests/conftest.py once pytest has selected the tests
 
 
-def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = False) -> None:
+def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = False, references=None) -> None:
     """Register a test file's runs for the shared `nproc`-rank job (call at import, with `__name__`);
-    its fixtures read the runs' folders with `shared_run_dirs(out_dir, module)`."""
-    SHARED_RUNS.setdefault(nproc, []).append(SharedRuns(module, specs, timeout, last))
+    its fixtures read the runs' folders with `shared_run_dirs(out_dir, module)`. `references(fixture)`
+    (optional) gives one-process runs that train beside the launch, in one process for all files; read
+    with `shared_reference_dirs`. They fill what the launch leaves idle (start-up, the launcher's polling;
+    ranks waiting in a collective busy-wait, measured, so the overlap is partial)."""
+    SHARED_RUNS.setdefault(nproc, []).append(SharedRuns(module, specs, timeout, last, references))
 
 
 def shared_job(nproc: int, fixture, job_dir: str) -> Optional[str]:
     """Launch every registered `nproc`-rank run of the selected test files in one job, one after
-    another (see tests/workers/train_runs_worker.py); returns the job's output folder, where run NAME
-    of MODULE trained into MODULE.NAME (None when no selected file has runs for this world size)."""
+    another (see tests/workers/train_runs_worker.py), with their one-process references in one process
+    beside it; returns the job's output folder, where run NAME of MODULE trained into MODULE.NAME and
+    reference NAME into reference_dir(out)/MODULE.NAME (None when no selected file has runs for this world size)."""
     groups = sorted((g for g in SHARED_RUNS.get(nproc, []) if g.module in SELECTED_MODULES), key=lambda g: g.last)
     if not groups:
         return None
     out_dir = os.path.join(job_dir, "out")
     specs = [f"{g.module}.{spec}" for g in groups for spec in g.specs(fixture, out_dir)]
-    return run_workers(TRAIN_RUNS_WORKER, nproc, specs, timeout=sum(g.timeout for g in groups),
-                       job_dir=job_dir).check().out_dir
+    references = [f"{g.module}.{spec}" for g in groups if g.references for spec in g.references(fixture)]
+    timeout = sum(g.timeout for g in groups)
+    beside = BesideProcess(reference_dir(out_dir), references) if references else None
+    try:
+        run_workers(TRAIN_RUNS_WORKER, nproc, specs, timeout=timeout, job_dir=job_dir).check()
+        if beside is not None:
+            beside.wait(timeout)
+    finally:
+        if beside is not None:
+            beside.stop()
+    return out_dir
 
 
 def shared_run_dirs(out_dir: str, module: str, names: Sequence[str]) -> Dict[str, str]:
     """{NAME: folder} of a test file's runs in a shared job."""
     return {name: os.path.join(out_dir, f"{module}.{name}") for name in names}
+
+
+def reference_dir(out_dir: str) -> str:
+    """Where the references beside the job with output folder `out_dir` train: beside the job's folder,
+    not in it (run_workers kills every process that mentions the job's folder once the launch ends)."""
+    return os.path.dirname(os.path.abspath(out_dir)) + "-reference"
+
+
+def shared_reference_dirs(out_dir: str, module: str, names: Sequence[str]) -> Dict[str, str]:
+    """{NAME: folder} of a test file's one-process references trained beside a shared job."""
+    return shared_run_dirs(reference_dir(out_dir), module, names)
+
+
+class BesideProcess:
+    """train_runs_worker runs (`NAME:CONFIG:overrides`) in one process of their own, started now, into
+    `out_dir`; its output goes to out_dir/reference.log (a file: a pipe could fill and stall it)."""
+
+    def __init__(self, out_dir: str, specs: Sequence[str]):
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir = out_dir
+        self.log = open(os.path.join(out_dir, "reference.log"), "w+")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, TRAIN_RUNS_WORKER), out_dir, *specs],
+                                     cwd=out_dir, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float) -> None:
+        if self.proc.wait(timeout=timeout) != 0:
+            self.log.seek(0)
+            raise AssertionError(f"the one-process runs beside the launch failed:\n{self.log.read()[-3000:]}")
+
+    def stop(self) -> None:
+        """Kill it if it still runs (a failed launch must not leave it behind)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

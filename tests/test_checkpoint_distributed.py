@@ -7,7 +7,8 @@ trainings one after another in one job; an msrun launch costs ~15 s before any w
   for a MoE LM on dp2 x ep2; N steps of a GPT on pp2.
 - 4 ranks (after the first job): the dp2 checkpoint resumed on dp4 with ZeRO-2; N steps of a GPT
   on dp2 x tp2, then resumed on dp4.
-One-process resumes run in pytest's process. The kill -9 test launches `moetrain train` as the CLI
+One-process resumes run in pytest's process (the pp2 GPT's uninterrupted one-process run trains
+beside the 2-rank job). The kill -9 test launches `moetrain train` as the CLI
 runs it (tests/workers/ckpt_train.py). Tensor/expert-parallel layouts with ZeRO are also covered with
 hand-marked shards on virtual ranks (one process).
 """
@@ -22,7 +23,8 @@ import time
 import numpy as np
 import pytest
 
-from distributed import kill_leftovers, launcher_command, new_job_dir, run_workers, share_runs, shared_run_dirs
+from distributed import (kill_leftovers, launcher_command, new_job_dir, run_workers, share_runs,
+                         shared_reference_dirs, shared_run_dirs)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_CFG = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
@@ -128,14 +130,16 @@ def world4_specs(fixture, out_dir):
 
 # every 2-rank run of this file joins the suite's shared 2-rank msrun job, every 4-rank run the 4-rank
 # job (after the 2-rank one: dp4 resumes the dp2 checkpoint); tests/distributed.py: share_runs
-share_runs(2, __name__, world2_specs, timeout=900)
+share_runs(2, __name__, world2_specs, timeout=900, references=lambda fixture: [
+    run_spec("pp2_straight", GPT_CFG, lm_sets("gpt", "", *PP2_COMMON))])     # pp2_half's layout-free reference
 share_runs(4, __name__, world4_specs, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def world2_runs(shared_job_2, tiny_mnist, tmp_path_factory):
     base = tmp_path_factory.mktemp("world2")
-    dirs = shared_run_dirs(shared_job_2, __name__, WORLD2_RUNS)
+    dirs = {**shared_run_dirs(shared_job_2, __name__, WORLD2_RUNS),
+            **shared_reference_dirs(shared_job_2, __name__, ["pp2_straight"])}
     saved = str(base / "dp2_saved_at_half")     # kept apart: tests below resume from it or damage copies
     shutil.copytree(checkpoint(dirs["dp2_split"], HALF), saved)
     ep2_saved = str(base / "ep2_saved_at_half")
@@ -532,8 +536,7 @@ def test_pp2_checkpoint_resumes_on_one_process_and_consolidates(world2_runs, tmp
     from moetrain.checkpoint.distributed import CheckpointReader, consolidate
     from moetrain.checkpoint.model_dir import model_state
 
-    straight = str(tmp_path / "straight")
-    make_trainer(lm_sets("gpt", straight, *PP2_COMMON), config=GPT_CFG).fit()
+    straight = world2_runs["pp2_straight"]        # one process, beside the shared job
     saved = checkpoint(world2_runs["pp2_half"], LM_HALF)
     reader = CheckpointReader(saved)
     assert reader.metadata["layout"]["pp"] == 2

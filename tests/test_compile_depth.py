@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-from distributed import assert_same_steps, share_runs, shared_run_dirs, step_records, train_one_process  # noqa: E402
+from distributed import (assert_same_steps, share_runs, shared_reference_dirs, shared_run_dirs,  # noqa: E402
+                         step_records)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/moe_tiny.yaml"
@@ -46,16 +47,16 @@ def spec(name, parallel=()):
     return f"{name}:{CONFIG}:" + ",".join(MODEL + list(parallel))
 
 
+share_runs(2, __name__, lambda fixture, out_dir: [spec(name, parallel) for name, parallel in RUNS.items()],
+           timeout=1500, references=lambda fixture: [spec("reference")])
+
+
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """The reference, in its own process (one trainer per process keeps MindSpore's state clean).
+def one_process(shared_job_2):
+    """The reference, trained in one process beside the shared job (tests/distributed.py: share_runs).
     Micro-batches of one sample and the per-micro-batch aux loss: every layout sees the same
     micro-batches, so losses and routing are the same."""
-    return step_records(train_one_process(str(tmp_path_factory.mktemp("one_process")), spec("reference")))
-
-
-share_runs(2, __name__, lambda fixture, out_dir: [spec(name, parallel) for name, parallel in RUNS.items()],
-           timeout=1500)
+    return step_records(shared_reference_dirs(shared_job_2, __name__, ["reference"])["reference"])
 
 
 @pytest.fixture(scope="module")

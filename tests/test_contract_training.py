@@ -26,7 +26,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-from distributed import assert_same_steps, share_runs, shared_run_dirs, step_records, train_one_process  # noqa: E402
+from distributed import (assert_same_steps, share_runs, shared_reference_dirs, shared_run_dirs,  # noqa: E402
+                         step_records)
 from workers.comm_recorder import native_bytes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,18 +70,19 @@ def rank_records(run_dir, nproc):
     return [json.load(open(os.path.join(run_dir, f"rank_{r}.json"))) for r in range(nproc)]
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """The reference, on the emulated backend in its own process (one trainer per process)."""
-    return step_records(train_one_process(str(tmp_path_factory.mktemp("one_process")), spec("reference"), 600))
-
-
 # each world size's runs join the suite's shared msrun job of that size (tests/distributed.py: share_runs),
-# last: the recorder the worker installs for +record_primitives stays in the process
+# last: the recorder the worker installs for +record_primitives stays in the process; the one-process
+# reference trains beside the 2-rank job
 for _nproc, _runs in LAUNCHES.items():
     share_runs(_nproc, __name__, lambda fixture, out_dir, runs=_runs: [spec(name, parallel)
                                                                       for name, parallel in runs.items()],
-               timeout=900, last=True)
+               timeout=900, last=True, references=(lambda fixture: [spec("reference")]) if _nproc == 2 else None)
+
+
+@pytest.fixture(scope="module")
+def one_process(shared_job_2):
+    """The reference, on the emulated backend, in one process beside the shared 2-rank job."""
+    return step_records(shared_reference_dirs(shared_job_2, __name__, ["reference"])["reference"])
 
 
 def launch(nproc, out_dir):

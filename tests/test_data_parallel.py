@@ -2,12 +2,13 @@
 import json
 import math
 import os
+import signal
 
 import numpy as np
 import pytest
 
 from conftest import SHARED_DATA
-from distributed import share_runs, shared_run_dirs
+from distributed import kill_leftovers, share_runs, shared_run_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST_CFG = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
@@ -119,14 +120,25 @@ def test_mnist_four_workers_with_run_script_match_one_process(tmp_path):
 
     args = [f"data.path={MNIST_DIR}", "train.epochs=0", "train.steps=150", "logging.tensorboard=false",
             "checkpoint.save_at_end=false", "train.eval_batch_size=1000"]
-    single, _, single_result = one_process(tmp_path, args)
     out = tmp_path / "dp4"
     cmd = ["bash", os.path.join(ROOT, "run_scripts", "run_distributed.sh"), "--nproc", "4",
            os.path.join(ROOT, "configs", "mnist_mlp_4p.yaml")]
     for a in args + [f"train.output_dir={out}"]:
         cmd += ["--set", a]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the job starts first and the one-process run trains beside it (tests/distributed.py: share_runs
+    # says what that overlaps); output to a file: a pipe could fill and stall the job
+    with open(tmp_path / "launch.log", "w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            single, _, single_result = one_process(tmp_path, args)
+            returncode = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:       # a failed reference or a hung job: leave no rank behind
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                kill_leftovers(str(out))
+        log.seek(0)
+        assert returncode == 0, log.read()[-6000:]
     dp4 = metrics(out)
     assert_same_training(single, dp4, rtol=1e-4)
     final = [json.loads(l) for l in open(out / "metrics.jsonl") if "eval_accuracy" in l][-1]

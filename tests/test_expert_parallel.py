@@ -154,20 +154,39 @@ def expected_expert_rows(case, ref, capacity):
 
 
 @pytest.fixture(scope="module")
-def ep_job(request):
+def ep_job(request, tmp_path_factory):
     """One 4-rank msrun job: the dispatcher cases, then, when the training tests are selected, the
-    dp4 training runs (one launch instead of two). The first dispatch capacities of the training
-    runs are half the even share, so their first micro-batch overflows and is re-run."""
+    dp4 training runs (one launch instead of two), with their one-process references in a process
+    beside it (tests/distributed.py: share_runs says what that overlaps). The first dispatch
+    capacities of the training runs are half the even share, so their first micro-batch overflows
+    and is re-run. Returns (the job, the references' process or None)."""
     training_selected = any("training" in getattr(item, "fixturenames", ()) for item in request.session.items)
     runs = [f"{name}:{TINY_MOE},parallel.data_parallel=4,{overrides}" for name, (_, overrides) in EP_RUNS.items()]
-    return run_workers("tests/workers/ep_layer_worker.py", nproc=C.WORLD, timeout=1800,
-                       args=[CONFIG, *runs] if training_selected else [],
-                       env={"MOETRAIN_MOE_CAPACITY_PRIOR": "0.5"}).check()
+    references = None
+    if training_selected:
+        out = str(tmp_path_factory.mktemp("ep-train-reference"))
+        log = open(os.path.join(out, "reference.log"), "w+")     # a file: a pipe could fill and stall it
+        references = subprocess.Popen([sys.executable, WORKER, out, CONFIG, f"dropless:{TINY_MOE}",
+                                       f"capacity:{TINY_MOE},{CAPACITY}"], cwd=out, stdout=log,
+                                      stderr=subprocess.STDOUT), log, out
+    try:
+        job = run_workers("tests/workers/ep_layer_worker.py", nproc=C.WORLD, timeout=1800,
+                          args=[CONFIG, *runs] if training_selected else [],
+                          env={"MOETRAIN_MOE_CAPACITY_PRIOR": "0.5"}).check()
+        yield job, references
+    finally:
+        if references is not None:
+            proc, log, _ = references
+            if proc.poll() is None:      # a failed launch: do not leave the references behind
+                proc.kill()
+                proc.wait()
+            log.close()
 
 
 @pytest.fixture(scope="module")
 def layer_run(ep_job):
-    return ep_job.npz_results(), ep_job.json_results()
+    job, _ = ep_job
+    return job.npz_results(), job.json_results()
 
 
 def case_arrays(arrays, name, rank):
@@ -370,17 +389,17 @@ WORKER = os.path.join(REPO, "tests", "workers", "ep_train_worker.py")
 
 
 @pytest.fixture(scope="module")
-def training(ep_job, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("ep-train-reference"))
-    references = [f"dropless:{TINY_MOE}", f"capacity:{TINY_MOE},{CAPACITY}"]
-    done = subprocess.run([sys.executable, WORKER, out, CONFIG, *references], cwd=out, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+def training(ep_job):
+    """(the one-process references' step records, every rank's) of the training runs."""
+    job, (proc, log, out) = ep_job
+    if proc.wait(timeout=600) != 0:
+        log.seek(0)
+        raise AssertionError(f"the one-process references failed:\n{log.read()[-3000:]}")
     with open(os.path.join(out, "rank_0.json")) as fh:
         reference = json.load(fh)
     ranks = []
     for rank in range(C.WORLD):
-        with open(os.path.join(ep_job.out_dir, "train", f"rank_{rank}.json")) as fh:
+        with open(os.path.join(job.out_dir, "train", f"rank_{rank}.json")) as fh:
             ranks.append(json.load(fh))
     return reference, ranks
 

@@ -1,6 +1,7 @@
 """DeepSeek-V3 (MLA, MTP) and Qwen3-MoE on every parallel dimension, each against one process.
 
-One 2-rank msrun launch trains, one after another (tests/workers/train_runs_worker.py):
+The suite's shared 2-rank msrun job (tests/distributed.py: share_runs) trains, one after another
+(tests/workers/train_runs_worker.py):
   deepseek_tp2          MLA heads split (wq_b/wkv_b column-, wo row-parallel; latents whole), MTP block
                         split like the layers, full recompute
   deepseek_pp2          dense layer | MoE layer + head + MTP (the embedding on both stages), selective
@@ -13,7 +14,7 @@ One 2-rank msrun launch trains, one after another (tests/workers/train_runs_work
   qwen3_dp2_ep2         half the experts per rank, ZeRO-1
   qwen3_pp2_from_tp2    pp2 (full recompute) resuming qwen3_tp2_sp's checkpoint
   mixtral_dp2_ep2       an imported Hugging Face Mixtral continued through checkpoint.load_path
-and one one-process subprocess, running beside the launch, trains both families' references. Tiny
+and one process, running beside the launch, trains both families' references. Tiny
 widths, the shipped KJV tokenizer's 2048 tokens, 3 steps of 4 micro-batches of one sample, per-micro-
 batch aux loss: every layout sees the same micro-batches, so losses, aux terms, MTP loss and gradient
 norm agree within 1e-4 and expert loads exactly (the aux-loss-free bias moves every step, so routing in
@@ -22,7 +23,6 @@ A resumed run's step 3 matches the reference's step 3 the same way.
 """
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -30,12 +30,11 @@ import pytest
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distributed import run_workers  # noqa: E402
-from test_load_path import imported_mixtral  # noqa: E402,F401  (a module fixture: the imported tiny Mixtral)
+from distributed import share_runs, shared_reference_dirs, shared_run_dirs  # noqa: E402
+from test_load_path import import_tiny_mixtral  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KJV = os.path.join(ROOT, "data", "kjv_tiny", "kjv_tiny")
-WORKER = os.path.join(ROOT, "tests", "workers", "train_runs_worker.py")
 STEPS, SAVED_AT = 3, 2
 RUN = [
     f"data.path={KJV}_train", "data.eval_path=", f"data.tokenizer={KJV}.model", "model.seq_length=32",
@@ -87,12 +86,19 @@ def checkpoint_dir(run_dir, step=SAVED_AT):
 
 
 # ---------------------------------------------------------------------------------------------
-# The jobs (module-scoped: each runs once for all the tests that read it)
+# The runs: in the suite's shared 2-rank job, the references beside it
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mixtral_config(imported_mixtral, tmp_path_factory):
-    """A run config continuing the imported Mixtral (`checkpoint.load_path`) for one step on KJV."""
-    model_dir, section = imported_mixtral
+def mixtral_paths(out_dir):
+    """(imported model folder, run config) of the Mixtral run of the shared job with output folder `out_dir`."""
+    root = os.path.join(os.path.dirname(out_dir), "families_mixtral")
+    return os.path.join(root, "model"), os.path.join(root, "mixtral_load_path.yaml")
+
+
+def write_mixtral_config(out_dir):
+    """Imports the tiny Mixtral and writes a run config continuing it (`checkpoint.load_path`) for one
+    step on KJV; returns the config's path."""
+    model_dir, path = mixtral_paths(out_dir)
+    _, section = import_tiny_mixtral(os.path.dirname(model_dir))
     config = {
         "model": section,
         "data": {"type": "lm", "path": f"{KJV}_train", "eval_path": "", "seq_length": 32},
@@ -101,48 +107,41 @@ def mixtral_config(imported_mixtral, tmp_path_factory):
         "checkpoint": {"load_path": str(model_dir), "save_at_end": False, "save_steps": 0},
         "logging": {"progress_bar": False, "tensorboard": False, "log_interval": 1},
     }
-    path = tmp_path_factory.mktemp("mixtral_config") / "mixtral_load_path.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
+    with open(path, "w") as fh:
+        yaml.safe_dump(config, fh)
+    return path
 
 
-@pytest.fixture(scope="module")
-def reference_job(tmp_path_factory):
-    """Both families' one-process references, trained one after another in one fresh process that
-    starts before the launch and runs beside it (the ranks leave a core idle while they wait)."""
-    out = str(tmp_path_factory.mktemp("one_process"))
-    log = open(os.path.join(out, "reference.log"), "w+")    # a file: a pipe could fill and stall it
-    proc = subprocess.Popen([sys.executable, WORKER, out, *(spec(name, family) for name, family in FAMILIES.items())],
-                            cwd=out, stdout=log, stderr=subprocess.STDOUT)
-    yield proc, log
-    if proc.poll() is None:     # a failed launch: do not leave the reference behind
-        proc.kill()
-        proc.wait()
-    log.close()
-
-
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory, mixtral_config, reference_job):
-    job_dir = str(tmp_path_factory.mktemp("families"))
-    out = os.path.join(job_dir, "out")                       # run_workers' output folder
+def job_specs(fixture, out_dir):
+    """The layouts, then the runs resuming their checkpoints, then the imported Mixtral on dp2·ep2."""
     runs = [spec(name, family, extra) for name, (family, extra) in RUNS.items()]
-    runs += [spec(name, FAMILIES[saver.split("_")[0]], extra + [f"resume={checkpoint_dir(os.path.join(out, saver))}"])
+    saved = shared_run_dirs(out_dir, __name__, [saver for saver, _ in RESUMED.values()])
+    runs += [spec(name, FAMILIES[saver.split("_")[0]], extra + [f"resume={checkpoint_dir(saved[saver])}"])
              for name, (saver, extra) in RESUMED.items()]
-    runs.append(f"mixtral_dp2_ep2:{mixtral_config}:" + ",".join(DP2_EP2))
-    job = run_workers(WORKER, 2, runs, timeout=1800, job_dir=job_dir).check()
-    assert job.out_dir == out
-    return out
+    return runs + [f"mixtral_dp2_ep2:{write_mixtral_config(out_dir)}:" + ",".join(DP2_EP2)]
+
+
+share_runs(2, __name__, job_specs, timeout=1500,
+           references=lambda fixture: [spec(name, family) for name, family in FAMILIES.items()])
 
 
 @pytest.fixture(scope="module")
-def one_process(launch, reference_job):
+def launch(shared_job_2):
+    """{run name: its folder} in the shared job."""
+    return shared_run_dirs(shared_job_2, __name__, [*RUNS, *RESUMED, "mixtral_dp2_ep2"])
+
+
+@pytest.fixture(scope="module")
+def one_process(shared_job_2):
     """{family: step records} of the one-process references."""
-    proc, log = reference_job
-    if proc.wait(timeout=1800) != 0:
-        log.seek(0)
-        raise AssertionError(f"the one-process reference failed:\n{log.read()[-3000:]}")
-    out = os.path.dirname(log.name)
-    return {name: step_records(os.path.join(out, name)) for name in FAMILIES}
+    return {name: step_records(run_dir) for name, run_dir in shared_reference_dirs(shared_job_2, __name__,
+                                                                                    FAMILIES).items()}
+
+
+@pytest.fixture(scope="module")
+def mixtral(shared_job_2):
+    """(imported model folder, run config) of the Mixtral run."""
+    return mixtral_paths(shared_job_2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +152,7 @@ def one_process(launch, reference_job):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_family_layout_reproduces_one_process(launch, one_process, name):
     family = name.split("_")[0]
-    reference, steps = one_process[family], step_records(os.path.join(launch, name))
+    reference, steps = one_process[family], step_records(launch[name])
     assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(1, STEPS + 1)), name
     for key in STEP_KEYS[family]:
         np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in reference], rtol=1e-4,
@@ -173,7 +172,7 @@ def test_family_layouts_split_what_they_should(launch):
     gradient summed over tp; on pp the last stage holds the MTP block and its own embedding copy;
     on ep every MoE layer, the MTP block's included, holds half the experts."""
     def rank_info(name, rank):
-        with open(os.path.join(launch, name, f"rank_{rank}.json")) as fh:
+        with open(os.path.join(launch[name], f"rank_{rank}.json")) as fh:
             return json.load(fh)
 
     tp = rank_info("deepseek_tp2", 1)
@@ -203,7 +202,7 @@ def test_family_layouts_split_what_they_should(launch):
     resumed_ep = rank_info("deepseek_ep2_from_pp2", 1)
     assert resumed_ep["shards"]["mtp.0.block.moe.experts.w_up"][1:] == [0, 1, 2, "ep"]
     assert rank_info("qwen3_pp2_from_tp2", 1)["stage_layers"] == [1, 2]
-    pp_params = [dict(np.load(os.path.join(launch, "deepseek_pp2", f"rank_{r}.npz"))) for r in (0, 1)]
+    pp_params = [dict(np.load(os.path.join(launch["deepseek_pp2"], f"rank_{r}.npz"))) for r in (0, 1)]
     np.testing.assert_array_equal(pp_params[0]["embed.weight"], pp_params[1]["embed.weight"])   # one weight, two copies
 
 
@@ -219,7 +218,7 @@ def test_family_checkpoint_resumes_on_another_layout(launch, one_process, name):
     as the run that saved it did."""
     saver, _ = RESUMED[name]
     family = name.split("_")[0]
-    with open(os.path.join(checkpoint_dir(os.path.join(launch, saver)), "metadata.json")) as fh:
+    with open(os.path.join(checkpoint_dir(launch[saver]), "metadata.json")) as fh:
         tensors = json.load(fh)["tensors"]
     if family == "deepseek":
         parts = {tensors[key]["part"] for key in tensors if ".mtp.0.block.attention.wkv_b." in f".{key}"}
@@ -231,8 +230,8 @@ def test_family_checkpoint_resumes_on_another_layout(launch, one_process, name):
         assert sorted((p["slice_kind"], p["index"]) for p in pieces) == [("tp", 0), ("tp", 1)]
     else:
         assert {p["file"] for p in pieces} == {"model-rank00001.safetensors"}   # the last stage's
-    resumed = step_records(os.path.join(launch, name))
-    continued = step_records(os.path.join(launch, saver))[SAVED_AT:]
+    resumed = step_records(launch[name])
+    continued = step_records(launch[saver])[SAVED_AT:]
     reference = one_process[family][SAVED_AT:]
     assert [r["step"] for r in resumed] == [r["step"] for r in continued] == list(range(SAVED_AT + 1, STEPS + 1))
     for key in STEP_KEYS[family]:
@@ -248,7 +247,7 @@ def test_family_checkpoint_resumes_on_another_layout(launch, one_process, name):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_imported_mixtral_continues_on_dp2_ep2(launch, imported_mixtral, mixtral_config):
+def test_imported_mixtral_continues_on_dp2_ep2(launch, mixtral):
     """The first step's loss is the imported model's loss on that step's micro-batches (one process,
     PyNative, no trainer), and every rank's weights, its half of the experts included, moved from
     the imported ones by AdamW's first step (about lr)."""
@@ -258,18 +257,18 @@ def test_imported_mixtral_continues_on_dp2_ep2(launch, imported_mixtral, mixtral
     from moetrain.config import load_config
     from moetrain.data import build_datasets, build_sampler, fetch
 
-    model_dir, _ = imported_mixtral
+    model_dir, mixtral_config = mixtral
     cfg = load_config(mixtral_config)
     train_set, _ = build_datasets(cfg)
     model, _ = load_model(str(model_dir))
     losses = [float(model(*(ms.Tensor(b) for b in fetch(train_set, [i])))[0])
               for i in build_sampler(cfg, train_set).global_batch(0)]
-    first = step_records(os.path.join(launch, "mixtral_dp2_ep2"))[0]
+    first = step_records(launch["mixtral_dp2_ep2"])[0]
     assert first["step"] == 1
     assert first["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     _, imported = load_model_dir(str(model_dir))
     for rank in (0, 1):
-        trained = dict(np.load(os.path.join(launch, "mixtral_dp2_ep2", f"rank_{rank}.npz")))
+        trained = dict(np.load(os.path.join(launch["mixtral_dp2_ep2"], f"rank_{rank}.npz")))
         assert trained["layers.0.moe.experts.w_up"].shape[0] == 2       # 2 of 4 experts
         for name, start in (("layers.0.attention.wq.weight", None), ("layers.0.moe.experts.w_up", 2 * rank)):
             before = imported[name] if start is None else imported[name][start:start + 2]

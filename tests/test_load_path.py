@@ -28,15 +28,22 @@ def run_config(model_section, out_dir, load_path, steps=2):
     })
 
 
-@pytest.fixture(scope="module")
-def imported_mixtral(tmp_path_factory):
+def import_tiny_mixtral(root):
+    """A tiny random Hugging Face Mixtral written under `root` and imported: (model folder, its model section)."""
+    from pathlib import Path
+
     from moetrain.checkpoint.hf import hf_import
 
-    root = tmp_path_factory.mktemp("mixtral")
+    root = Path(root)
     write_hf_checkpoint(root / "hf", TINY_MIXTRAL, random_hf_weights(TINY_MIXTRAL, seed=11, scale=0.2))
     hf_import(str(root / "hf"), str(root / "model"))
     with open(root / "model" / "config.yaml") as fh:
         return root / "model", yaml.safe_load(fh)["model"]
+
+
+@pytest.fixture(scope="module")
+def imported_mixtral(tmp_path_factory):
+    return import_tiny_mixtral(tmp_path_factory.mktemp("mixtral"))
 
 
 def loaded_model_loss(model_dir, batch):

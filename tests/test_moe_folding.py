@@ -1,7 +1,8 @@
 """MoE parallel folding (`parallel.expert_tensor_parallel`, expert parallelism spanning tensor-parallel
 ranks) against one process, under msrun on CPU.
 
-One 4-rank launch (tp2 dp2) trains, one after another (tests/workers/train_runs_worker.py):
+The suite's shared 4-rank msrun job (tests/distributed.py: share_runs; tp2 dp2) trains, one after
+another (tests/workers/train_runs_worker.py):
   ascend_tp2_etp2_ep2   every expert's FFN split over the tp pair, experts over the dp pair, on the
                         native Ascend path (MOETRAIN_COMM_BACKEND=contract: AlltoAll); saves step 2
   tp2_etp2_ep1          etp 2 with ep 1 (emulated collectives): expert gradients reduced over edp
@@ -9,7 +10,7 @@ One 4-rank launch (tp2 dp2) trains, one after another (tests/workers/train_runs_
   tp2_ep4_sp            ep over all four ranks, each tp rank dispatching half of its dp rank's tokens,
                         sequence parallelism in the attention (emulated collectives; the allgather
                         dispatcher: no dropless capacities to resize, so no recompiles)
-beside a one-process reference, then one process resumes the step-2 checkpoint. Every layout
+with a one-process reference beside the job, then one process resumes the step-2 checkpoint. Every layout
 reproduces one process over 3 steps (losses and grad_norm within 1e-4, expert loads exactly; the
 aux-loss-free bias moves every step, so routing changes); the resumed step 3 is within 1e-5 of the
 reference's. The tp2 dp1 ep2 layout is tp2_ep4_sp's ep group within one dp rank; group membership
@@ -17,14 +18,14 @@ of every layout is tested without processes (tests/test_topology.py).
 """
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distributed import TRAIN_RUNS_WORKER, assert_same_steps, run_workers, step_records  # noqa: E402
+from distributed import (assert_same_steps, share_runs, shared_reference_dirs, shared_run_dirs,  # noqa: E402
+                         step_records, train_one_process)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/moe_tiny.yaml"
@@ -57,48 +58,23 @@ def spec(name, parallel=()):
     return f"{name}:{CONFIG}:" + ",".join(MODEL + list(parallel))
 
 
-def one_process_job(out, *specs):
-    log = open(os.path.join(out, "one_process.log"), "w+")     # a file: a pipe could fill and stall it
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, TRAIN_RUNS_WORKER), out, *specs], cwd=out,
-                            stdout=log, stderr=subprocess.STDOUT), log
-
-
-def finished(proc, log, timeout=900):
-    if proc.wait(timeout=timeout) != 0:
-        log.seek(0)
-        raise AssertionError(f"the one-process run failed:\n{log.read()[-3000:]}")
-    log.close()
+share_runs(4, __name__, lambda fixture, out_dir: [spec(name, parallel) for name, parallel in LAUNCHES[4].items()],
+           timeout=900, references=lambda fixture: [spec("reference")])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{name: (step records, rank records)} of every run; the reference starts first and runs beside
-    the launches (the ranks leave a core idle while they wait)."""
-    one = str(tmp_path_factory.mktemp("one_process"))
-    reference = one_process_job(one, spec("reference"))
-    resumed = None
-    try:
-        out = {}
-        for nproc, launch in LAUNCHES.items():
-            job = run_workers(TRAIN_RUNS_WORKER, nproc, [spec(name, parallel) for name, parallel in launch.items()],
-                              timeout=900, job_dir=str(tmp_path_factory.mktemp(f"folding{nproc}"))).check()
-            for name in launch:
-                run_dir = os.path.join(job.out_dir, name)
-                out[name] = (step_records(run_dir), [json.load(open(os.path.join(run_dir, f"rank_{r}.json")))
-                                                     for r in range(nproc)])
-                if name == SAVER:
-                    saved = os.path.join(run_dir, "checkpoints", f"step_{SAVED_AT:08d}")
-        finished(*reference)
-        resumed = one_process_job(one, spec("resumed", [f"resume={saved}"]))
-        finished(*resumed)
-    finally:
-        for proc, _ in filter(None, (reference, resumed)):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    out["reference"] = (step_records(os.path.join(one, "reference")), [])
-    out["resumed"] = (step_records(os.path.join(one, "resumed")), [])
-    out["saved"] = saved
+def runs(shared_job_4, tmp_path_factory):
+    """{name: (step records, rank records)} of every run: the layouts' and the reference's from the shared
+    4-rank job, then one process resumes the saver's step-2 checkpoint."""
+    out = {}
+    for name, run_dir in shared_run_dirs(shared_job_4, __name__, LAUNCHES[4]).items():
+        out[name] = (step_records(run_dir), [json.load(open(os.path.join(run_dir, f"rank_{r}.json")))
+                                             for r in range(4)])
+    out["saved"] = os.path.join(shared_job_4, f"{__name__}.{SAVER}", "checkpoints", f"step_{SAVED_AT:08d}")
+    out["reference"] = (step_records(shared_reference_dirs(shared_job_4, __name__, ["reference"])["reference"]), [])
+    resumed = train_one_process(str(tmp_path_factory.mktemp("one_process")),
+                                spec("resumed", [f"resume={out['saved']}"]))
+    out["resumed"] = (step_records(resumed), [])
     return out
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__))))
-from distributed import run_workers, share_runs, shared_run_dirs  # noqa: E402
+from distributed import run_workers, share_runs, shared_reference_dirs, shared_run_dirs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/moe_tiny.yaml"
@@ -85,24 +85,22 @@ def launch(nproc, tmp_path_factory):
     return {name: load_run(os.path.join(job.out_dir, name), nproc) for name in LAUNCHES[nproc]}
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """The reference every layout must reproduce: same config, one process, 8 micro-batches a step."""
-    from moetrain.config import load_config
-    from moetrain.trainer import Trainer
-
-    run_dir = str(tmp_path_factory.mktemp("one_process"))
-    trainer = Trainer(load_config(os.path.join(ROOT, CONFIG), MODEL + [f"train.output_dir={run_dir}"]))
-    trainer.fit()
-    assert trainer.n_micro == 8
-    return step_records(run_dir), {p.name: p.asnumpy() for p in trainer.model.get_parameters()}
-
-
 def specs(nproc):
     return [f"{name}:{CONFIG}:" + ",".join(MODEL + parallel) for name, parallel in LAUNCHES[nproc].items()]
 
 
-share_runs(4, __name__, lambda fixture, out_dir: specs(4), timeout=1800)   # the suite's shared 4-rank job
+# the suite's shared 4-rank job; the one-process reference trains beside it
+share_runs(4, __name__, lambda fixture, out_dir: specs(4), timeout=1800,
+           references=lambda fixture: [f"one_process:{CONFIG}:" + ",".join(MODEL)])
+
+
+@pytest.fixture(scope="module")
+def one_process(shared_job_4):
+    """The reference every layout must reproduce: same config, one process, 8 micro-batches a step."""
+    run_dir = shared_reference_dirs(shared_job_4, __name__, ["one_process"])["one_process"]
+    records, ranks, params, _ = load_run(run_dir, 1)
+    assert ranks[0]["num_micro_batches"] == 8
+    return records, params[0]
 
 
 @pytest.fixture(scope="module")

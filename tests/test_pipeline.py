@@ -1,7 +1,8 @@
 """Pipeline parallelism: layer split and validation, the 1F1B / GPipe schedules (pairing of link
 exchanges, no deadlock, activations in flight), stage numerics against the whole model in one
-process (PyNative), the balancing bias reaching compiled stage graphs, and one 2-rank msrun job
-(jitted steps, dense GPT, uneven split) that reproduces one-process training.
+process (PyNative), the balancing bias reaching compiled stage graphs, and one 2-rank msrun run
+(jitted steps, dense GPT, uneven split; in the suite's shared 2-rank job) that reproduces one-process
+training (trained beside the job).
 
 Pipelines of MoE models, GPipe, tied embeddings across stages, and pipeline combined with data,
 tensor, sequence and expert parallelism, ZeRO-1/2 and checkpoints are tested in
@@ -12,6 +13,7 @@ import os
 import numpy as np
 import pytest
 
+from distributed import share_runs, shared_reference_dirs, shared_run_dirs
 from moetrain.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -346,19 +348,23 @@ def step_records(run_dir):
     return [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
 
 
-def train_one_process(config, args, run_dir):
-    from moetrain.trainer import Trainer
-
-    trainer = Trainer(load_config(config, list(args) + [f"train.output_dir={run_dir}"]))
-    trainer.fit()
-    return step_records(run_dir), {p.name: p.asnumpy() for p in trainer.model.get_parameters()}
+UNEVEN = lm_overrides(False, **{"model.num_layers": 3})
+UNEVEN_PP2 = UNEVEN + ["parallel.pipeline_stage=2", "parallel.pipeline_layers=[1,2]"]
 
 
-def train_pipeline(config, nproc, args):
-    from distributed import run_workers
+def run_spec(name, overrides):
+    return f"{name}:{GPT_CFG}:" + ",".join(overrides)
 
-    run = run_workers("tests/workers/pipeline_worker.py", nproc, [config, *args], timeout=480).check()
-    return step_records(os.path.join(run.out_dir, "run")), run.json_results(), run.npz_results(), run.out_dir
+
+# the pp2 run joins the suite's shared 2-rank msrun job, its one-process reference trains beside it
+share_runs(2, __name__, lambda fixture, out_dir: [run_spec("uneven_pp2", UNEVEN_PP2)], timeout=480,
+           references=lambda fixture: [run_spec("uneven_single", UNEVEN)])
+
+
+def rank_files(run_dir, nproc):
+    """Every rank's record and parameters (tests/workers/train_runs_worker.py)."""
+    return ([json.load(open(os.path.join(run_dir, f"rank_{r}.json"))) for r in range(nproc)],
+            [dict(np.load(os.path.join(run_dir, f"rank_{r}.npz"))) for r in range(nproc)])
 
 
 def assert_same_training(single, piped, keys):
@@ -383,10 +389,11 @@ def assert_same_parameters(single_params, ranks, npz, dp_rank=0):
 
 
 @pytest.mark.distributed
-def test_pp2_dense_1f1b_uneven_split_reproduces_one_process(tmp_path):
-    args = lm_overrides(False, **{"model.num_layers": 3})
-    single, single_params = train_one_process(GPT_CFG, args, tmp_path / "single")
-    piped, ranks, npz, _ = train_pipeline(GPT_CFG, 2, args + ["parallel.pipeline_stage=2", "parallel.pipeline_layers=[1,2]"])
+def test_pp2_dense_1f1b_uneven_split_reproduces_one_process(shared_job_2):
+    single_dir = shared_reference_dirs(shared_job_2, __name__, ["uneven_single"])["uneven_single"]
+    single, single_params = step_records(single_dir), rank_files(single_dir, 1)[1][0]
+    piped_dir = shared_run_dirs(shared_job_2, __name__, ["uneven_pp2"])["uneven_pp2"]
+    piped, (ranks, npz) = step_records(piped_dir), rank_files(piped_dir, 2)
     assert_same_training(single, piped, ("loss", "lm_loss", "grad_norm"))
     assert_same_parameters(single_params, ranks, npz)
     assert [r["stage_layers"] for r in ranks] == [[0, 1], [1, 3]]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers"))
-from distributed import run_workers  # noqa: E402
+from distributed import BesideProcess, run_workers  # noqa: E402
 from tp_worker import VOCAB, layer_case  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +72,20 @@ def run_info(run_dir, rank):
 # Jobs (module-scoped: each msrun launch runs once for all the tests that read it)
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tp2_job():
+def references(request, tmp_path_factory):
+    """One-process training of each tiny model (the reference every layout must reproduce), in one
+    process started before the launch and running beside it; None when no selected test reads it."""
+    if not any("one_process" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        yield None
+        return
+    beside = BesideProcess(str(tmp_path_factory.mktemp("one_process")),
+                           [f"{model}:{config}:" + ",".join(overrides(model)) for model, config in CONFIGS.items()])
+    yield beside
+    beside.stop()
+
+
+@pytest.fixture(scope="module")
+def tp2_job(references):
     args = ["--tp", "2", "--layers"]
     for name, (model, extra) in TP2_RUNS.items():
         args += run_spec(name, model, extra)
@@ -80,17 +93,10 @@ def tp2_job():
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """One-process training of each tiny model: the reference every layout must reproduce."""
-    from moetrain.config import load_config
-    from moetrain.trainer import Trainer
-
-    records = {}
-    for model, config in CONFIGS.items():
-        out = tmp_path_factory.mktemp(f"single_{model}")
-        Trainer(load_config(os.path.join(ROOT, config), overrides(model) + [f"train.output_dir={out}"])).fit()
-        records[model] = metrics(out)
-    return records
+def one_process(references, tp2_job):
+    """{model: its one-process run's records}."""
+    references.wait(timeout=900)
+    return {model: metrics(os.path.join(references.out_dir, model)) for model in CONFIGS}
 
 
 def assert_same_training(reference, parallel):

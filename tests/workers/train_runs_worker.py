@@ -2,7 +2,8 @@
 more runs with the real Trainer (`fit`: metrics.jsonl, evaluation) in this process, one after another.
 
     python tests/workers/train_runs_worker.py OUT_DIR RUN [RUN ...]
-    RUN = NAME:CONFIG:key=value,key=value,...      (CONFIG relative to the repository root, or absolute)
+    RUN = NAME:CONFIG:key=value,key=value,...      (CONFIG relative to the repository root, or absolute;
+                                                    a value may be a list: key=[1,2])
 
 `resume=CHECKPOINT_DIR` among the overrides resumes that run from a checkpoint (`--resume DIR`).
 
@@ -23,6 +24,7 @@ after training).
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -109,7 +111,7 @@ def main():
     for run in runs:
         name, config, overrides = run.split(":", 2)
         run_dir = os.path.join(out_dir, name)
-        overrides = [o for o in overrides.split(",") if o]
+        overrides = [o for o in re.split(r",(?![^\[]*\])", overrides) if o]     # not the commas of a [list]
         env = dict(o.split("=", 1) for o in overrides if o.startswith("MOETRAIN_"))
         record_calls = "+record_primitives" in overrides
         resume = next((o[len("resume="):] for o in overrides if o.startswith("resume=")), None)
@@ -118,11 +120,11 @@ def main():
         cfg = load_config(os.path.join(ROOT, config),
                           [o for o in overrides if not o.startswith(("MOETRAIN_", "+", "resume="))]
                           + [f"train.output_dir={run_dir}"])
-        start, built = time.perf_counter(), dict(contract.CONSTRUCTED)
+        start, cpu_start, built = time.perf_counter(), time.process_time(), dict(contract.CONSTRUCTED)
         trainer = trainer_module.Trainer(cfg, resume=resume)
         with recorded(record_calls) as calls, comm.CommLedger() as ledger:
             result = trainer.fit()
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         traffic = {"primitive_calls": [c for c in calls if c["source"] == "contract"],
                    "ledger": {"native": ledger.bytes_by_group(backward=True),
                               "emulated": ledger.bytes_by_group(backward=True, emulated=True)}} if record_calls else {}
@@ -164,7 +166,7 @@ def main():
             json.dump(record, fh)
         np.savez(os.path.join(run_dir, f"rank_{pctx.rank}.npz"), **{p.name: p.asnumpy() for p in params})
         if pctx.rank == 0:
-            print(f"{name}: {seconds:.1f} s", flush=True)
+            print(f"{name}: {seconds:.1f} s, {cpu_seconds:.1f} CPU s", flush=True)
 
 
 if __name__ == "__main__":
