@@ -325,14 +325,23 @@ class Trainer:
         starts = list(range(0, n, batch_size))
         if self.cfg.train.eval_max_batches:
             starts = starts[:self.cfg.train.eval_max_batches]
-        if self.parallel.forward_communicates_over_dp:   # ep / global aux loss: equal batch shapes and counts on all dp ranks
-            starts = [s for s in starts if s + batch_size <= n]
-            starts = starts[:len(starts) - len(starts) % self.pctx.dp]
-        starts = starts[self.pctx.dp_rank::self.pctx.dp]  # evaluation shared among dp ranks
+        lockstep = self.parallel.forward_communicates_over_dp   # ep / global aux loss: every dp rank runs each forward
+        if lockstep:
+            starts = [s for s in starts if s + batch_size <= n]   # equal batch shapes on all dp ranks
+        if not starts:
+            raise ValueError(f"evaluation: the eval set ({n} samples) holds no {'full ' if lockstep else ''}batch of "
+                             f"train.eval_batch_size={batch_size}; lower train.eval_batch_size or give a larger eval set")
+        mine = starts[self.pctx.dp_rank::self.pctx.dp]          # evaluation shared among dp ranks
+        # in lockstep a rank out of batches runs the first one again, uncounted, so every forward's collectives match
+        rounds = -(-len(starts) // self.pctx.dp) if lockstep else len(mine)
         loss_sum = correct = count = 0.0
-        for start in starts:
+        for i in range(rounds):
+            counted = i < len(mine)
+            start = mine[i] if counted else starts[0]
             indices = np.arange(start, min(n, start + batch_size))
             loss, stats = self.runner.evaluate(fetch(dataset, indices))
+            if not counted:
+                continue
             loss_sum += float(loss) * len(indices)
             count += len(indices)
             if "correct" in stats:

@@ -9,6 +9,7 @@ layers on (docs/performance.md, "Compile time at depth"). The model mixes dense 
 First-step times are recorded (`seconds` in the rank files) but not asserted: timings live in
 tools/compile_depth.py and docs/performance.md.
 """
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,23 @@ def test_sixteen_layers_train_on_every_layout_and_reproduce_one_process(one_proc
     for name, steps in launch.items():
         assert_same_steps(one_process, steps, name, num_steps=3)
         assert all(len(r["expert_load"]) == LAYERS // 2 for r in one_process)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_final_evaluation_matches_one_process_on_every_layout(shared_job_2):
+    """train.eval_max_batches=1 on dp2·ep2: one batch, which rank 0 evaluates while rank 1 runs it
+    again uncounted (the experts' all-to-all needs every dp rank); the eval loss is that batch's."""
+    runs = {**shared_run_dirs(shared_job_2, __name__, RUNS), **shared_reference_dirs(shared_job_2, __name__, ["reference"])}
+    final = {name: eval_records(run_dir)[-1]["eval_loss"] for name, run_dir in runs.items()}
+    assert final["reference"] > 1.0
+    for name in RUNS:
+        np.testing.assert_allclose(final[name], final["reference"], rtol=1e-4, err_msg=name)
+
+
+def eval_records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if "eval_loss" in r]
 
 
 BROKEN_MODEL = """
