@@ -594,39 +594,45 @@ def reference_adam_step(p, m, v, g, lr, step, grad_scale, wd, beta1, beta2, eps,
 
 
 @MODES
+@pytest.mark.parametrize("sizes", [(70001,), (25000, 1, 45000)], ids=["one-buffer", "three-tensors"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam-l2"])
-def test_fused_adamw_updates_in_place_like_torch(ms, kernel_ops, jit, decoupled):
+def test_fused_adamw_updates_in_place_like_torch(ms, kernel_ops, jit, decoupled, sizes):
     from mindspore import Parameter
 
     rng = np.random.default_rng(8)
-    n = 70001                                                  # not a multiple of the SIMD width
-    ends = np.array([30000, 30000, 50000, n], np.int64)        # an empty segment too
+    n = sum(sizes)                                             # 70001: not a multiple of the SIMD width
+    ends = np.array([30000, 30000, 50000, n], np.int64)        # an empty segment too; segments cross tensors
     decay = np.array([0.1, 0.5, 0.0, 0.02], np.float32)
     wd = np.repeat(decay, np.diff(np.concatenate([[0], ends])))
     p0 = rng.standard_normal(n).astype(np.float32)
-    param = Parameter(ms.Tensor(p0), name="flat")
-    exp_avg = Parameter(ms.Tensor(np.zeros(n, np.float32)), name="flat_m")
-    exp_avg_sq = Parameter(ms.Tensor(np.zeros(n, np.float32)), name="flat_v")
-    op = kernel_ops.FusedAdamW(0.9, 0.95, 1e-8, decoupled)
+    cuts = np.cumsum((0,) + sizes)
+    shapes = [(size,) if i % 2 else (1, size) for i, size in enumerate(sizes)]   # any shape: the elements count
+    params = tuple(Parameter(ms.Tensor(p0[a:b].reshape(shape)), name=f"p{i}")
+                   for i, (a, b, shape) in enumerate(zip(cuts, cuts[1:], shapes)))
+    exp_avgs = tuple(Parameter(ms.Tensor(np.zeros(shape, np.float32)), name=f"m{i}") for i, shape in enumerate(shapes))
+    exp_avg_sqs = tuple(Parameter(ms.Tensor(np.zeros(shape, np.float32)), name=f"v{i}")
+                        for i, shape in enumerate(shapes))
+    op = kernel_ops.FusedAdamW(0.9, 0.95, 1e-8, decoupled, tensors=len(sizes))
+    concat = lambda tensors: np.concatenate([t.asnumpy().reshape(-1) for t in tensors])
 
     def update(grad, lr, step, scale):
-        before = param * 1.0
-        op(param, exp_avg, exp_avg_sq, grad, lr, step, scale, ms.Tensor(ends), ms.Tensor(decay))  # output unused
-        return before, param * 1.0                             # reads ordered around the in-place update
+        before = params[-1] * 1.0
+        op(params, exp_avgs, exp_avg_sqs, grad, lr, step, scale, ms.Tensor(ends), ms.Tensor(decay))  # output unused
+        return before, params[-1] * 1.0                       # reads ordered around the in-place update
 
     update = ms.jit(update) if jit else update
     p, m, v = p0.astype(np.float64), np.zeros(n), np.zeros(n)
     for step, (lr, scale) in enumerate([(1e-2, 1.0), (5e-3, 0.5), (2e-3, 2.0)], start=1):
         g = rng.standard_normal(n).astype(np.float32)
-        expected_before = p.copy()
+        expected_before = p[cuts[-2]:].copy()
         p, m, v = reference_adam_step(p, m, v, g.astype(np.float64), lr, step, scale, wd, 0.9, 0.95, 1e-8, decoupled)
         before, after = update(ms.Tensor(g), ms.Tensor([lr], ms.float32), ms.Tensor([float(step)], ms.float32),
                                ms.Tensor([scale], ms.float32))
-        np.testing.assert_allclose(before.asnumpy(), expected_before, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(after.asnumpy(), p, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(param.asnumpy(), p, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(exp_avg.asnumpy(), m, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(exp_avg_sq.asnumpy(), v, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(before.asnumpy().reshape(-1), expected_before, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(after.asnumpy().reshape(-1), p[cuts[-2]:], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(concat(params), p, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(concat(exp_avgs), m, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(concat(exp_avg_sqs), v, rtol=1e-5, atol=1e-7)
 
 
 @MODES
@@ -665,8 +671,9 @@ h, head = ms.Tensor(np.ones((4, 8), np.float32)), ms.Tensor(np.ones((10, 8), np.
 labels = ms.Tensor(np.array([0, 9, 10, 1], np.int32))          # 10: outside a vocabulary of 10
 buffers = [Parameter(ms.Tensor(np.zeros(10, np.float32)), name=f"b{i}") for i in range(3)]
 one = ms.Tensor([1.0], ms.float32)
-adamw = lambda ends: ops.FusedAdamW()(*buffers, ms.Tensor(np.ones(10, np.float32)), one, one, one,
-                                      ms.Tensor(np.array(ends, np.int64)), ms.Tensor(np.zeros(len(ends), np.float32)))
+adamw = lambda ends, n=10: ops.FusedAdamW()(*([b] for b in buffers), ms.Tensor(np.ones(n, np.float32)), one, one,
+                                           one, ms.Tensor(np.array(ends, np.int64)),
+                                           ms.Tensor(np.zeros(len(ends), np.float32)))
 try:
     (%s)[0].asnumpy()
 except RuntimeError as error:
@@ -679,6 +686,7 @@ BAD_INPUTS = {   # case: (the failing call, the kernel function that must report
     "label-out-of-vocab-eval": ("ops.LMHeadLogitStats(strict=True)(h, head, labels)", "LMHeadLogitStatsStrict"),
     "segments-not-ending-at-n": ("adamw([4, 9])", "AdamWUpdate"),
     "segments-not-ascending": ("adamw([6, 4, 10])", "AdamWUpdate"),
+    "grad-longer-than-the-tensors": ("adamw([11], n=11)", "AdamWUpdate"),
     "position-outside-rope-table": ("ops.FusedCausalAttention()(*[ms.Tensor(np.ones((1, 4, 2, 4), np.float32))] * 3, "
                                     "ms.Tensor(np.ones((4, 4), np.float32)), ms.Tensor(np.zeros((4, 4), np.float32)), "
                                     "ms.Tensor(np.array([[0, 1, 2, 4]], np.int32)), ms.Tensor(np.zeros((1, 4), np.int32)))",

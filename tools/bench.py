@@ -20,7 +20,9 @@ graph compiles in the first) are not timed. Printed fields:
                     CPU-second times the usable cores (robust to other processes on the host)
   cpu_ms_median     median CPU time of the process per timed step, all threads (less sensitive
                     to other processes than the wall time; ~2x the wall time on an idle 2-core host)
-  peak_rss_mb       peak resident memory of the process
+  peak_rss_mb       peak resident memory of the process (the matmul calibration runs in a child
+                    process: MindSpore's memory pool keeps its buffers, ~45 MB at 2048^2, which
+                    would count as the training step's otherwise)
   fused_kernels     whether moetrain.kernels (grouped GEMM, fused SwiGLU) ran; with them the
                     dropless MoE layout is exact (no padding), without them padded blocks
   loadavg           1-minute load average before and after the timed steps (other processes
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import resource
 import statistics
@@ -103,6 +106,7 @@ def measure_matmul_peak(size: int = PEAK_MATMUL_SIZE, repeats: int = 5) -> dict:
     import mindspore as ms
     from mindspore import ops
 
+    ms.set_device("CPU")   # run() calls this in a fresh child process
     rng = np.random.default_rng(0)
     a = rng.standard_normal((size, size), dtype=np.float32) / np.sqrt(size)
     b = rng.standard_normal((size, size), dtype=np.float32) / np.sqrt(size)
@@ -174,7 +178,8 @@ def run(args) -> dict:
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
-    peak = measure_matmul_peak(args.peak_matmul_size)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:   # its buffers stay out of this process's RSS
+        peak = pool.apply(measure_matmul_peak, (args.peak_matmul_size,))
     peak_gflops = max(peak.values())
     total_steps = args.warmup + args.steps + (args.profile_steps if args.profile else 0)
     with tempfile.TemporaryDirectory(prefix="moetrain-bench-") as workdir:

@@ -142,8 +142,8 @@ def adamw_piece(num_params: int):
             self.ends, self.decay = Tensor([num_params], ms.int64), Tensor([0.1], ms.float32)
 
         def construct(self, grad_, lr_, step_, scale_):
-            return self.kernel(self.param, self.exp_avg, self.exp_avg_sq, grad_, lr_, step_, scale_, self.ends,
-                               self.decay)
+            return self.kernel((self.param,), (self.exp_avg,), (self.exp_avg_sq,), grad_, lr_, step_, scale_,
+                               self.ends, self.decay)
 
     return {"plain": Plain(), "fused": Fused()}, (grad, lr, step, scale), None
 

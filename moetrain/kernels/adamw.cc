@@ -2,8 +2,12 @@
 // exp_avg_sq in place, and the squared norm the gradient clipping needs.
 //
 //   SumOfSquares x [...] -> [1]: sum of x^2, accumulated in double (no gradient)
-//   AdamWUpdate  param [N], exp_avg [N], exp_avg_sq [N], grad [N], hyper [4], lr [1], step [1],
-//                grad_scale [1], segment_ends [K] int64, segment_decay [K] -> status [1] (0)
+//   AdamWUpdate  param_1..param_T, exp_avg_1..exp_avg_T, exp_avg_sq_1..exp_avg_sq_T, grad [N], hyper [4],
+//                lr [1], step [1], grad_scale [1], segment_ends [K] int64, segment_decay [K] -> status [1] (0)
+//
+// The T tensors (param_t, exp_avg_t, exp_avg_sq_t of equal size) laid end to end are the N elements of
+// `grad` (T = 1: one flat buffer, e.g. a ZeRO master row; T > 1: the separate parameters whose
+// gradients one flat buffer holds, updated where they live, so no copy back).
 //
 // hyper = (beta1, beta2, eps, decoupled: 1 AdamW, 0 Adam with L2). Elements [segment_ends[k-1],
 // segment_ends[k]) use weight decay segment_decay[k] (segment_ends ascending, the last equal to N), so a
@@ -56,24 +60,35 @@ extern "C" int AdamWUpdateInferType(std::vector<int> type_ids, void *extra) { re
 
 extern "C" int AdamWUpdate(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                            void *stream, void *extra) {
-  if (nparam != 11) return 1;
-  for (int i = 0; i < 10; ++i)
-    if (i != 8 && !moetrain::Float32(dtypes[i])) return 1;
-  if (std::strcmp(dtypes[8], "int64") != 0) return 1;
-  const int64_t n = moetrain::Size(ndims[0], shapes[0]);
-  for (int i = 1; i < 4; ++i)
-    if (moetrain::Size(ndims[i], shapes[i]) != n) return 1;
-  if (ndims[4] != 1 || shapes[4][0] != 4 || ndims[8] != 1 || ndims[9] != 1 || shapes[8][0] != shapes[9][0] ||
-      shapes[8][0] < 1)
+  // inputs: K params, K exp_avgs, K exp_avg_sqs, then the 7 shared ones; one output
+  if (nparam < 11 || (nparam - 8) % 3 != 0) return 1;
+  const int tensors = (nparam - 8) / 3, shared = 3 * tensors;
+  for (int i = 0; i < shared + 7; ++i)
+    if (i != shared + 5 && !moetrain::Float32(dtypes[i])) return 1;
+  if (std::strcmp(dtypes[shared + 5], "int64") != 0) return 1;
+  std::vector<int64_t> tensor_ends(tensors);   // where each tensor ends in the concatenated index space
+  for (int t = 0; t < tensors; ++t) {
+    const int64_t size = moetrain::Size(ndims[t], shapes[t]);
+    if (moetrain::Size(ndims[tensors + t], shapes[tensors + t]) != size ||
+        moetrain::Size(ndims[2 * tensors + t], shapes[2 * tensors + t]) != size)
+      return 1;
+    tensor_ends[t] = (t ? tensor_ends[t - 1] : 0) + size;
+  }
+  const int64_t n = tensor_ends[tensors - 1];
+  if (moetrain::Size(ndims[shared], shapes[shared]) != n) return 3;
+  const int64_t *hyper_shape = shapes[shared + 1], *ends_shape = shapes[shared + 5];
+  if (ndims[shared + 1] != 1 || hyper_shape[0] != 4 || ndims[shared + 5] != 1 || ndims[shared + 6] != 1 ||
+      ends_shape[0] != shapes[shared + 6][0] || ends_shape[0] < 1)
     return 1;
-  float *p = static_cast<float *>(params[0]), *m = static_cast<float *>(params[1]);
-  float *v = static_cast<float *>(params[2]);
-  const float *g = static_cast<const float *>(params[3]), *hyper = static_cast<const float *>(params[4]);
-  const float lr = *static_cast<const float *>(params[5]), step = *static_cast<const float *>(params[6]);
-  const float grad_scale = *static_cast<const float *>(params[7]);
-  const int64_t *ends = static_cast<const int64_t *>(params[8]);
-  const float *decay = static_cast<const float *>(params[9]);
-  const int64_t segments = shapes[8][0];
+  float **p = reinterpret_cast<float **>(params), **m = p + tensors, **v = p + 2 * tensors;
+  const float *g = static_cast<const float *>(params[shared]);
+  const float *hyper = static_cast<const float *>(params[shared + 1]);
+  const float lr = *static_cast<const float *>(params[shared + 2]);
+  const float step = *static_cast<const float *>(params[shared + 3]);
+  const float grad_scale = *static_cast<const float *>(params[shared + 4]);
+  const int64_t *ends = static_cast<const int64_t *>(params[shared + 5]);
+  const float *decay = static_cast<const float *>(params[shared + 6]);
+  const int64_t segments = ends_shape[0];
   if (ends[segments - 1] != n) return 2;
   for (int64_t k = 0; k < segments; ++k)
     if (ends[k] < (k ? ends[k - 1] : 0)) return 2;
@@ -82,21 +97,27 @@ extern "C" int AdamWUpdate(int nparam, void **params, int *ndims, int64_t **shap
   const double c1 = 1.0 - std::pow(static_cast<double>(b1), static_cast<double>(step));
   const double c2 = 1.0 - std::pow(static_cast<double>(b2), static_cast<double>(step));
   const float step_size = static_cast<float>(lr / c1), inv_sqrt_c2 = static_cast<float>(1.0 / std::sqrt(c2));
+  const int64_t *tensor_end = tensor_ends.data();
   moetrain::ParallelSplit(n, moetrain::PartsFor(n, 1 << 16), [&](int, int64_t begin, int64_t end) {
     int64_t k = std::upper_bound(ends, ends + segments, begin) - ends;
-    for (int64_t start = begin; start < end; ++k) {
-      const int64_t stop = std::min(end, ends[k]);
+    int64_t t = std::upper_bound(tensor_end, tensor_end + tensors, begin) - tensor_end;
+    for (int64_t start = begin; start < end;) {   // pieces of one segment inside one tensor
+      const int64_t stop = std::min({end, ends[k], tensor_end[t]}), offset = start - (t ? tensor_end[t - 1] : 0);
       const float wd = decay[k], shrink = decoupled ? 1.0f - lr * wd : 1.0f, l2 = decoupled ? 0.0f : wd;
-      for (int64_t i = start; i < stop; ++i) {
-        const float gi = g[i] * grad_scale + l2 * p[i];
-        const float mi = b1 * m[i] + (1.0f - b1) * gi, vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = p[i] * shrink - step_size * mi / (std::sqrt(vi) * inv_sqrt_c2 + eps);
+      float *__restrict pt = p[t] + offset, *__restrict mt = m[t] + offset, *__restrict vt = v[t] + offset;
+      const float *__restrict gt = g + start;
+      for (int64_t i = 0; i < stop - start; ++i) {
+        const float gi = gt[i] * grad_scale + l2 * pt[i];
+        const float mi = b1 * mt[i] + (1.0f - b1) * gi, vi = b2 * vt[i] + (1.0f - b2) * gi * gi;
+        mt[i] = mi;
+        vt[i] = vi;
+        pt[i] = pt[i] * shrink - step_size * mi / (std::sqrt(vi) * inv_sqrt_c2 + eps);
       }
       start = stop;
+      while (k < segments && ends[k] <= start) ++k;          // past empty segments and tensors too
+      while (t < tensors && tensor_end[t] <= start) ++t;
     }
   });
-  *static_cast<float *>(params[10]) = 0.0f;
+  *static_cast<float *>(params[nparam - 1]) = 0.0f;
   return 0;
 }

@@ -241,42 +241,48 @@ def decay_segments(sizes, weight_decays):
     return Tensor(np.array(ends, np.int64)), Tensor(np.array(decays, np.float32))
 
 
-class _AdamWUpdatePrimitive(ops.Custom):
-    """The AdamWUpdate kernel with param, exp_avg and exp_avg_sq marked as written in place: MindSpore
-    then orders the op against every read of those Parameters in a jitted graph and keeps it even
-    though nothing uses its output (measured: without the marks a read placed after the op saw
-    the new value before it ran)."""
-    __mindspore_signature__ = (
-        sig.make_sig("param", sig.sig_rw.RW_WRITE), sig.make_sig("exp_avg", sig.sig_rw.RW_WRITE),
-        sig.make_sig("exp_avg_sq", sig.sig_rw.RW_WRITE), sig.make_sig("grad"), sig.make_sig("hyper"),
-        sig.make_sig("lr"), sig.make_sig("step"), sig.make_sig("grad_scale"), sig.make_sig("segment_ends"),
-        sig.make_sig("segment_decay"))
+def _adamw_update_primitive(tensors: int):
+    """The AdamWUpdate kernel for `tensors` (param, exp_avg, exp_avg_sq) triples, each marked as written
+    in place: MindSpore then orders the op against every read of those Parameters in a jitted graph
+    and keeps it even though nothing uses its output (measured: without the marks a read placed after
+    the op saw the new value before it ran)."""
+    written = [sig.make_sig(f"{kind}{t}", sig.sig_rw.RW_WRITE) for kind in ("param", "exp_avg", "exp_avg_sq")
+               for t in range(tensors)]
+    read = [sig.make_sig(name) for name in ("grad", "hyper", "lr", "step", "grad_scale", "segment_ends",
+                                            "segment_decay")]
+    primitive = type("AdamWUpdatePrimitive", (ops.Custom,), {"__mindspore_signature__": tuple(written + read)})
+    reg = CustomRegOp(f"AdamWUpdate{tensors}")   # MindSpore keys the reg info by this name: one per arity
+    for i in range(3 * tensors + 7):
+        reg = reg.input(i, f"x{i}")
+    dtypes = (F32,) * (3 * tensors + 5) + (I64, F32, F32)
+    reg = reg.output(0, "status").dtype_format(*dtypes).target("CPU").get_op_info()
+    update = primitive(f"{library_path()}:AdamWUpdate", out_shape=None, out_dtype=None, func_type="aot", reg_info=reg)
+    update.add_prim_attr("side_effect_mem", True)
+    return update
 
 
 class FusedAdamW(nn.Cell):
-    """AdamW (or Adam with L2, `decoupled=False`) over flat fp32 buffers, in place, one pass.
+    """AdamW (or Adam with L2, `decoupled=False`) in place, one pass over a flat fp32 gradient.
 
-    `construct(param, exp_avg, exp_avg_sq, grad, lr, step, grad_scale, segment_ends, segment_decay)`:
-    `param`, `exp_avg`, `exp_avg_sq` are fp32 Parameters of N elements (any shape), updated in place;
-    `grad` fp32 of N elements; `lr`, `step` (1-based), `grad_scale` (the gradient multiplier: loss
-    scale unscale x clip factor) fp32 `[1]` tensors; elements `[segment_ends[k-1], segment_ends[k])`
-    use weight decay `segment_decay[k]` (`segment_ends` int64 ascending, last = N). Returns a `[1]`
-    status tensor (0). Matches torch.optim.AdamW / Adam step for step (tests/test_kernels.py)."""
+    `construct(params, exp_avgs, exp_avg_sqs, grad, lr, step, grad_scale, segment_ends, segment_decay)`:
+    `params`, `exp_avgs`, `exp_avg_sqs` are tuples of `tensors` fp32 Parameters each (param t and its
+    two moments of one size), updated in place; laid end to end they are the N elements of the fp32
+    `grad` (one flat buffer: `tensors=1`, or the separate parameters whose gradients a flat buffer
+    holds); `lr`, `step` (1-based), `grad_scale` (the gradient multiplier: loss scale unscale x clip
+    factor) fp32 `[1]` tensors; elements `[segment_ends[k-1], segment_ends[k])` use weight decay
+    `segment_decay[k]` (`segment_ends` int64 ascending, last = N). Returns a `[1]` status tensor (0).
+    Matches torch.optim.AdamW / Adam step for step (tests/test_kernels.py)."""
 
-    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, decoupled: bool = True):
+    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, decoupled: bool = True,
+                 tensors: int = 1):
         super().__init__()
+        if tensors < 1:
+            raise ValueError(f"FusedAdamW: tensors must be at least 1, got {tensors}")
         self.hyper = Tensor(np.array([beta1, beta2, eps, 1.0 if decoupled else 0.0], np.float32))
-        reg = CustomRegOp()
-        for i, name in enumerate(("param", "exp_avg", "exp_avg_sq", "grad", "hyper", "lr", "step", "grad_scale",
-                                  "segment_ends", "segment_decay")):
-            reg = reg.input(i, name)
-        reg = reg.output(0, "status").dtype_format(*(F32,) * 8, I64, F32, F32).target("CPU").get_op_info()
-        self.update = _AdamWUpdatePrimitive(f"{library_path()}:AdamWUpdate", out_shape=None, out_dtype=None,
-                                            func_type="aot", reg_info=reg)
-        self.update.add_prim_attr("side_effect_mem", True)
+        self.update = _adamw_update_primitive(tensors)
 
-    def construct(self, param, exp_avg, exp_avg_sq, grad, lr, step, grad_scale, segment_ends, segment_decay):
-        return self.update(param, exp_avg, exp_avg_sq, grad, self.hyper, lr, step, grad_scale, segment_ends,
+    def construct(self, params, exp_avgs, exp_avg_sqs, grad, lr, step, grad_scale, segment_ends, segment_decay):
+        return self.update(*params, *exp_avgs, *exp_avg_sqs, grad, self.hyper, lr, step, grad_scale, segment_ends,
                            segment_decay)
 
 

@@ -16,6 +16,12 @@ same number of times in the global norm and share a weight-decay flag.
                         level 1/2: the optimizer on this rank's fp32 master rows, then all-gather
                         the rows into the parameters
 
+With moetrain's CPU kernels (fp32 AdamW / Adam) prepare and apply touch the buffers only twice:
+`SumOfSquares` per buffer for the norm, then `FusedAdamW` per buffer, which takes unscale x clip as
+one gradient multiplier and updates the parameters (or the ZeRO master row) and both moments in
+place. No scaled, clipped or per-parameter copy of the gradients is made (the plain path makes
+three); the moments stay the optimizer's per-parameter Parameters, so checkpoints are the same.
+
 Buffer layout. At level 0 a buffer is the parameters' gradients flattened and concatenated. With
 ZeRO over a group of G ranks each parameter of n elements is padded to G * ceil(n / G) and the
 buffer is a [G, S] matrix, S = sum of ceil(n / G): row r is rank r's shard of every parameter, so
@@ -126,7 +132,8 @@ class OptimizerStep:
     describe the layout; the trainer calls `flatten` inside its jitted grad step, `accumulate` (module
     function) between micro-batches and `__call__` once per step."""
 
-    def __init__(self, params: Sequence[Parameter], optimizer_cfg, parallel_cfg, pctx, clip: float, jit: bool):
+    def __init__(self, params: Sequence[Parameter], optimizer_cfg, parallel_cfg, pctx, clip: float, jit: bool,
+                 fused: bool = None):
         self.pctx = pctx
         self.level = parallel_cfg.optimizer_shard
         self.clip = clip
@@ -142,9 +149,31 @@ class OptimizerStep:
             self.masters = [Parameter(Tensor(self._own_row(b)), name=f"{MASTER_PREFIX}buffer{i}")
                             for i, b in enumerate(self.buffers)]
             self.optimizer = build_optimizer(self.masters, optimizer_cfg, decay_flags=[b.decay for b in self.buffers])
+        # fused: None picks the kernels where they run (tests pass False / True to compare the paths)
+        self.fused = _fused_optimizer_runs(optimizer_cfg, self.optimizer.params) if fused is None else fused
+        if self.fused:
+            self._bind_fused_kernels(optimizer_cfg)
         wrap = ms.jit if jit else (lambda fn: fn)
-        self._prepare = wrap(self._prepare_impl)
-        self._apply = wrap(self._apply_impl)
+        self._prepare = wrap(self._prepare_fused_impl if self.fused else self._prepare_impl)
+        self._apply = wrap(self._apply_fused_impl if self.fused else self._apply_impl)
+
+    def _bind_fused_kernels(self, optimizer_cfg) -> None:
+        """One FusedAdamW per buffer over the tensors the optimizer updates for it: the buffer's
+        parameters (level 0) or its master row (ZeRO), with the optimizer's own moments."""
+        from moetrain.kernels.ops import FusedAdamW, SumOfSquares
+
+        opt = self.optimizer
+        self.sum_of_squares = SumOfSquares()
+        self.fused_groups = []
+        for i, b in enumerate(self.buffers):
+            start, end = (b.start, b.end) if self.level == 0 else (i, i + 1)
+            kernel = FusedAdamW(optimizer_cfg.beta1, optimizer_cfg.beta2, optimizer_cfg.eps,
+                                decoupled=optimizer_cfg.name == "adamw", tensors=end - start)
+            size = sum(int(np.prod(p.shape)) for p in opt.params[start:end])
+            decay = optimizer_cfg.weight_decay if b.decay else 0.0
+            self.fused_groups.append((kernel, tuple(opt.params[start:end]), tuple(opt.exp_avg[start:end]),
+                                      tuple(opt.exp_avg_sq[start:end]), Tensor(np.array([size], np.int64)),
+                                      Tensor(np.array([decay], np.float32))))
 
     # ---- layout ---------------------------------------------------------------------------
     def _layout(self, params: List[Parameter]) -> Tuple[List[Parameter], List[FlatBuffer]]:
@@ -226,7 +255,8 @@ class OptimizerStep:
         return ops.concat(done)
 
     # ---- the step -------------------------------------------------------------------------
-    def _prepare_impl(self, flats, inv_scale):
+    def _reduced(self, flats):
+        """The buffers summed over their groups (level 0) or reduce-scattered (level 1)."""
         out = ()
         for b, flat in zip(self.buffers, flats):
             for kind in b.summed_over:
@@ -237,21 +267,41 @@ class OptimizerStep:
                 flat = self._reduce(flat, b, comm.all_reduce, out)
             elif self.level == 1:
                 flat = self._reduce(flat, b, comm.reduce_scatter, out)
-            out += (flat * inv_scale,)
-        # squared norm of what this rank holds, each copy weighted by 1/copies, summed over the world
-        local_sq = ops.zeros((), ms.float32)
-        for b, flat in zip(self.buffers, out):
-            local_sq = local_sq + (flat * flat).sum() * b.norm_weight
+            out += (flat,)
+        return out
+
+    def _global_norm(self, local_sq, out):
+        """(norm, finite, clip factor or None) from this rank's weighted squared norm."""
         if self.world.size > 1:
             local_sq = comm.all_reduce(ops.depend(local_sq, out[-1]).reshape(1), self.world)[0]
         # An inf or nan anywhere makes the sum of squares non-finite (so does a sum past fp32 range,
         # which clipping would turn into a zero update anyway): no separate all_finite pass.
         finite = ops.isfinite(local_sq)
         norm = ops.sqrt(local_sq)
-        if self.clip > 0:
-            factor = ops.minimum(self.clip / (norm + 1e-6), 1.0)
+        factor = ops.minimum(self.clip / (norm + 1e-6), 1.0) if self.clip > 0 else None
+        return norm, finite, factor
+
+    def _prepare_impl(self, flats, inv_scale):
+        out = tuple(flat * inv_scale for flat in self._reduced(flats))
+        # squared norm of what this rank holds, each copy weighted by 1/copies, summed over the world
+        local_sq = ops.zeros((), ms.float32)
+        for b, flat in zip(self.buffers, out):
+            local_sq = local_sq + (flat * flat).sum() * b.norm_weight
+        norm, finite, factor = self._global_norm(local_sq, out)
+        if factor is not None:
             out = tuple(flat * factor for flat in out)
         return out, norm, finite
+
+    def _prepare_fused_impl(self, flats, inv_scale):
+        """As `_prepare_impl`, but the buffers stay as reduced: the unscale and the clip factor come
+        back as one multiplier `[1]` for FusedAdamW, and the norm is taken of the unscaled sums."""
+        out = self._reduced(flats)
+        local_sq = ops.zeros((), ms.float32)
+        for b, flat in zip(self.buffers, out):
+            local_sq = local_sq + self.sum_of_squares(flat)[0] * b.norm_weight
+        norm, finite, factor = self._global_norm(local_sq * inv_scale * inv_scale, out)
+        scale = inv_scale if factor is None else inv_scale * factor
+        return out, norm, finite, scale.reshape(1)
 
     def _apply_impl(self, flats, lr, step):
         if self.level == 0:
@@ -261,19 +311,33 @@ class OptimizerStep:
             self.optimizer(grads, lr, step)
             return lr
         self.optimizer(flats, lr, step)
+        self._gather_masters()
+        return lr
+
+    def _apply_fused_impl(self, flats, lr, step, grad_scale):
+        for (kernel, params, exp_avgs, exp_avg_sqs, ends, decay), flat in zip(self.fused_groups, flats):
+            kernel(params, exp_avgs, exp_avg_sqs, flat, lr, step, grad_scale, ends, decay)   # in place
+        if self.level:
+            self._gather_masters()
+        return lr
+
+    def _gather_masters(self):
+        """ZeRO: all-gather every buffer's updated master rows into the parameters."""
         gathered = None
         for b, master, params in zip(self.buffers, self.masters, self.param_tuples):
             row = master if gathered is None else ops.depend(master, gathered)
             gathered = comm.all_gather(row, b.group) if b.group.size > 1 else row
             matrix = gathered.reshape(b.rows, b.row)
             self.hyper(ops.partial(_ASSIGN_COLUMNS, matrix), b.offsets, b.shards, b.numels, params)
-        return lr
 
     def __call__(self, flats, lr: float, step: int, inv_scale: float):
         """Returns (grad_norm, finite); the optimizer runs only when every gradient is finite."""
-        flats, norm, finite = self._prepare(ms.mutable(tuple(flats)), Tensor(inv_scale, ms.float32))
+        prepared = self._prepare(ms.mutable(tuple(flats)), Tensor(inv_scale, ms.float32))
+        flats, norm, finite = prepared[:3]
         finite = bool(finite)
-        if finite:
+        if finite and self.fused:
+            self._apply(ms.mutable(flats), Tensor([lr], ms.float32), Tensor([float(step)], ms.float32), prepared[3])
+        elif finite:
             self._apply(ms.mutable(flats), Tensor(lr, ms.float32), Tensor(step, ms.int32))
         return float(norm), finite
 
@@ -308,6 +372,15 @@ class OptimizerStep:
                 key = f"{prefix}{param.name}" if prefix else f"{MASTER_PREFIX}{param.name}"
                 pieces.append((key, param, b, j, (b.offsets[j], b.offsets[j] + b.shards[j]), state))
         return pieces
+
+
+def _fused_optimizer_runs(optimizer_cfg, params) -> bool:
+    """Whether FusedAdamW serves this step: AdamW or Adam on fp32 tensors, with the kernels here."""
+    if optimizer_cfg.name not in ("adamw", "adam") or any(p.dtype != ms.float32 for p in params):
+        return False
+    from moetrain import kernels
+
+    return kernels.available()
 
 
 def accumulate(acc, flats):

@@ -1,0 +1,111 @@
+"""`OptimizerStep` in one process: unscale, global-norm clipping and AdamW / Adam over the flat
+gradient buffers, without and with ZeRO (level 1: fp32 master rows), against a float64 numpy
+reference of torch.optim.AdamW after `clip_grad_norm_`; the plain MindSpore path and the fused
+kernels (`SumOfSquares` + `FusedAdamW`, where they build) must both meet it, in PyNative and jit."""
+import numpy as np
+import pytest
+
+SHAPES = {"w1": (33, 17), "b1": (17,), "w2": (5, 7, 3), "norm": (21,)}     # no size a multiple of 8
+LR, WEIGHT_DECAY, CLIP, INV_SCALE = 1e-2, 0.1, 1.0, 0.5
+
+
+@pytest.fixture(scope="module")
+def ms():
+    import mindspore as ms
+
+    ms.set_device("CPU")
+    return ms
+
+
+def reference(values, grads, decoupled):
+    """float64: per step unscale by INV_SCALE, clip the global norm to CLIP, then AdamW (or Adam, L2)."""
+    p = {k: v.astype(np.float64) for k, v in values.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v2 = {k: np.zeros_like(v) for k, v in p.items()}
+    norms = []
+    for step, grad in enumerate(grads, start=1):
+        g = {k: x.astype(np.float64) * INV_SCALE for k, x in grad.items()}
+        norm = np.sqrt(sum((x ** 2).sum() for x in g.values()))
+        norms.append(norm)
+        factor = min(CLIP / (norm + 1e-6), 1.0)
+        for k in p:
+            wd = WEIGHT_DECAY if len(SHAPES[k]) >= 2 else 0.0
+            gk = g[k] * factor + (0.0 if decoupled else wd * p[k])
+            m[k] = 0.9 * m[k] + 0.1 * gk
+            v2[k] = 0.95 * v2[k] + 0.05 * gk * gk
+            if decoupled:
+                p[k] = p[k] * (1 - LR * wd)
+            p[k] = p[k] - LR / (1 - 0.9 ** step) * m[k] / (np.sqrt(v2[k] / (1 - 0.95 ** step)) + 1e-8)
+    return p, norms
+
+
+def run_step(ms, values, grads, name, level, fused, jit):
+    from mindspore import Parameter, Tensor
+
+    from moetrain.config import OptimizerConfig, ParallelConfig
+    from moetrain.dist.topology import ParallelContext
+    from moetrain.parallel.data_parallel import OptimizerStep
+
+    params = [Parameter(Tensor(v), name=k) for k, v in values.items()]
+    cfg = OptimizerConfig(name=name, lr=LR, weight_decay=WEIGHT_DECAY, beta1=0.9, beta2=0.95, eps=1e-8)
+    step = OptimizerStep(params, cfg, ParallelConfig(optimizer_shard=level), ParallelContext.build(1, 0, 1),
+                         clip=CLIP, jit=jit, fused=fused)
+    assert step.fused == fused
+    flatten = ms.jit(step.flatten) if jit else step.flatten
+    norms = []
+    for t, grad in enumerate(grads, start=1):
+        by_name = {p.name: Tensor(grad[p.name]) for p in params}
+        flats = flatten(ms.mutable(tuple(by_name[p.name] for p in step.params)))
+        norm, finite = step(flats, LR, t, INV_SCALE)
+        assert finite
+        norms.append(norm)
+    return {p.name: p.asnumpy() for p in params}, norms, step
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["pynative", "jit"])
+@pytest.mark.parametrize("level", [0, 1], ids=["zero0", "zero1"])
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_optimizer_step_unscales_clips_and_updates_like_torch(ms, name, level, fused, jit):
+    if fused:
+        from moetrain import kernels
+
+        if not kernels.available():
+            pytest.skip("moetrain.kernels cannot be built here")
+    rng = np.random.default_rng(3)
+    values = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    scales = (0.01, 1.0, 0.05)     # the global norm: below the clip, above it (clipped), below again
+    grads = [{k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in SHAPES.items()} for scale in scales]
+    expected, expected_norms = reference(values, grads, decoupled=name == "adamw")
+    got, norms, step = run_step(ms, values, grads, name, level, fused, jit)
+    assert expected_norms[0] < CLIP < expected_norms[1]          # both branches of the clip ran
+    np.testing.assert_allclose(norms, expected_norms, rtol=1e-5)
+    for k in SHAPES:
+        np.testing.assert_allclose(got[k], expected[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # the moments are the optimizer's per-parameter (or per-master) Parameters either way: checkpoints
+    # hold the same tensors whichever path ran
+    assert len(step.optimizer.state_parameters()) == 2 * (len(SHAPES) if level == 0 else len(step.buffers))
+
+
+def test_fused_optimizer_step_skips_a_non_finite_gradient(ms):
+    from moetrain import kernels
+
+    if not kernels.available():
+        pytest.skip("moetrain.kernels cannot be built here")
+    from mindspore import Parameter, Tensor
+
+    from moetrain.config import OptimizerConfig, ParallelConfig
+    from moetrain.dist.topology import ParallelContext
+    from moetrain.parallel.data_parallel import OptimizerStep
+
+    values = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
+    params = [Parameter(Tensor(v), name=k) for k, v in values.items()]
+    step = OptimizerStep(params, OptimizerConfig(name="adamw"), ParallelConfig(), ParallelContext.build(1, 0, 1),
+                         clip=CLIP, jit=True)
+    assert step.fused                                             # picked by default where the kernels run
+    grads = [np.ones(p.shape, np.float32) for p in step.params]
+    grads[-1].reshape(-1)[3] = np.inf
+    norm, finite = step(step.flatten(tuple(Tensor(g) for g in grads)), LR, 1, INV_SCALE)
+    assert not finite and not np.isfinite(norm)
+    for p in params:
+        np.testing.assert_array_equal(p.asnumpy(), values[p.name])  # nothing was updated
