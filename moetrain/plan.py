@@ -475,7 +475,8 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
         rows = tokens * arch.routed_rows_per_token()
         per_mb["tp"] += moe_layers * (2 + full) * 2 * (L.etp - 1) / L.etp * rows * h * d
     if L.pp > 1:
-        per_mb["pp"] = ((not first) + (not last)) * layer_input    # activation forward, gradient backward
+        # activations forward, gradients backward, at every chunk boundary that crosses to another stage
+        per_mb["pp"] = schedules.sends_per_micro_batch(L.schedule, L.pp, stage, L.chunks) * layer_input
     spans = {"tp": t, "sp": t, "ep": L.etp * L.ep if L.expert_folded else t * L.ep, "pp": L.world}
     comm_bytes = {dim: per_mb[dim] * L.num_micro_batches for dim in per_mb}
     comm_seconds = {dim: comm_bytes[dim] / _bandwidth(device, spans[dim]) for dim in per_mb}

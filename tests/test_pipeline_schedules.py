@@ -236,3 +236,27 @@ def test_dry_run_builds_a_chunked_stage():
     assert held and dry["measured"]["weights"] == 4 * sum(int(np.prod(p.shape)) for p in held)
     static = [sum(d[k] for k in ("weights", "gradients", "optimizer")) for d in (dry["planned"], dry["measured"])]
     assert abs(static[0] / static[1] - 1) <= 0.10, dry
+
+
+@pytest.mark.parametrize("pp,kind,interleave", [(2, "interleaved_1f1b", 2), (4, "interleaved_1f1b", 2),
+                                                (2, "zero_bubble_v", 1), (4, "zero_bubble_v", 1), (4, "1f1b", 1)])
+def test_planned_pipeline_traffic_counts_every_chunk_crossing(pp, kind, interleave):
+    """`moetrain plan`'s pp bytes per stage and step equal the tensors the stage's own schedule
+    sends (its exchanges with a payload, counted in the instruction lists), each a micro-batch's
+    fp32 hidden state [1, 32, 64]: a chunked schedule sends at every chunk boundary that crosses
+    stages, and ZB-V's stage 0 (the V's first and last virtual stage) sends both ways."""
+    from moetrain.config import load_config
+    from moetrain.layout import Layout
+    from moetrain.parallel.schedules import build_schedule
+    from moetrain.plan import Job, plan_layout
+
+    cfg = load_config(os.path.join(ROOT, CONFIG), MODEL + [
+        f"parallel.pipeline_stage={pp}", f"parallel.pipeline_schedule={kind}", f"parallel.pp_interleave_num={interleave}",
+        f"train.global_batch_size={2 * pp}"])
+    layout = Layout.of(cfg)
+    stages = plan_layout(Job.of(cfg), layout, "cpu", layout.world).stages
+    tensor = 4 * 1 * 32 * 64
+    for s, stage in enumerate(stages):
+        ops = build_schedule(kind, pp, s, 2 * pp, layout.chunks)
+        sent = sum(op.kind == "exchange" and op.send is not None for op in ops)
+        assert sent > 0 and stage.comm_bytes["pp"] == sent * tensor, (s, sent, stage.comm_bytes["pp"])

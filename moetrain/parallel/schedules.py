@@ -7,6 +7,7 @@ Pure Python (the planner imports it); moetrain/parallel/pipeline.py runs the lis
     peak_in_flight(ops)                    the most micro-batch inputs a stage holds
     schedule_bubble(kind, P, M, chunks)    the idle fraction at given pass costs
     virtual_stage / stage_of               where the model chunks sit (round robin, or ZB-V's V)
+    sends_per_micro_batch                  the tensors a stage sends its neighbours per micro-batch
 
 The schedules and their sources are described in moetrain/parallel/pipeline.py.
 """
@@ -72,6 +73,17 @@ def stage_of(kind: str, num_stages: int, vstage: int) -> Tuple[int, int]:
     if kind == "zero_bubble_v" and vstage >= num_stages:
         return 2 * num_stages - 1 - vstage, 1
     return vstage % num_stages, vstage // num_stages
+
+
+def sends_per_micro_batch(kind: str, num_stages: int, stage: int, chunks: int = 1) -> int:
+    """Tensors `stage` sends to other stages per micro-batch: for each of its chunks, the
+    activation into the next virtual stage and the gradient into the previous one, where that
+    virtual stage sits on another stage (ZB-V's turn stays on its stage)."""
+    V, sends = num_stages * chunks, 0
+    for c in range(chunks):
+        u = virtual_stage(kind, num_stages, stage, c)
+        sends += sum(0 <= w < V and stage_of(kind, num_stages, w)[0] != stage for w in (u + 1, u - 1))
+    return sends
 
 
 def build_schedule(kind: str, num_stages: int, stage: int, num_micro: int, chunks: int = 1) -> List[Op]:
