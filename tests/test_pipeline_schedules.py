@@ -257,3 +257,33 @@ def test_planned_pipeline_traffic_counts_every_chunk_crossing(pp, kind, interlea
         ops = build_schedule(kind, pp, s, 2 * pp, layout.chunks)
         sent = sum(op.kind == "exchange" and op.send is not None for op in ops)
         assert sent > 0 and stage.comm_bytes["pp"] == sent * tensor, (s, sent, stage.comm_bytes["pp"])
+
+
+def test_layout_search_tries_interleaved_where_the_layers_allow():
+    """The auto-layout search costs interleaved 1F1B (v=2) beside 1F1B for every pipeline layout
+    whose 8 layers split into 2·pp virtual stages and whose micro-batches come in groups of pp, and
+    only there (no candidate is invalid for its schedule); each interleaved candidate's planned
+    bubble is the schedule's (P-1)/(vM+P-1), below its 1F1B twin's (P-1)/(M+P-1)."""
+    import dataclasses
+
+    from moetrain.config import load_config
+    from moetrain.plan import choose_layout
+
+    cfg = load_config(os.path.join(ROOT, CONFIG), MODEL + ["train.global_batch_size=8"])
+    _, search = choose_layout(cfg, 4, device="cpu")
+    by_layout = {c.layout: c for c in search.candidates}
+    interleaved = [c for c in search.candidates if c.layout.schedule == "interleaved_1f1b"]
+    assert interleaved and not any("interleav" in c.reason for c in search.with_status("invalid"))
+    piped = {(c.layout.pp, c.layout.num_micro_batches) for c in search.candidates if c.layout.pp > 1}
+    allowed = {(pp, m) for pp, m in piped if 8 % (2 * pp) == 0 and m % pp == 0}
+    assert allowed and {(c.layout.pp, c.layout.num_micro_batches) for c in interleaved} == allowed
+    costed = 0
+    for c in interleaved:
+        assert c.layout.chunks == 2 and "interleaved_1f1b v2" in c.layout.describe()
+        twin = by_layout[dataclasses.replace(c.layout, schedule="1f1b", interleave=1)]
+        P, M = c.layout.pp, c.layout.num_micro_batches
+        if c.result is not None and twin.result is not None:
+            assert c.result.bubble_fraction == pytest.approx((P - 1) / (2 * M + P - 1))
+            assert twin.result.bubble_fraction == pytest.approx((P - 1) / (M + P - 1))
+            costed += 1
+    assert costed > 0
