@@ -307,7 +307,9 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
     started = time.perf_counter()
     with SoloComm() as solo:
         ms.set_seed(run.train.seed)
-        parallel = parallelize(build_model(run), run, pctx, seq)
+        # `rebuild`: the further model chunks of a stage (interleaved 1F1B, ZB-V), as the trainer builds them
+        parallel = parallelize(build_model(run), run, pctx, seq,
+                               rebuild=lambda: (ms.set_seed(run.train.seed), build_model(run))[1])
         detail["build_s"] = time.perf_counter() - started
         measured = {"weights": nbytes(parallel.model.get_parameters()),
                     "optimizer": nbytes(parallel.opt_step.state_parameters())}

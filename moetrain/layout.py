@@ -149,7 +149,9 @@ class Layout:
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
         etp = f" etp{self.etp}" if self.etp > 1 else ""
-        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp} ep{self.ep}{etp} zero{self.zero} "
+        schedule = f" {self.schedule}" if self.pp > 1 and self.schedule != "1f1b" else ""
+        schedule += f" v{self.chunks}" if self.pp > 1 and self.chunks > 1 else ""
+        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}{schedule} ep{self.ep}{etp} zero{self.zero} "
                 f"recompute={self.recompute} micro={self.micro_batch_size}x{self.num_micro_batches}")
 
 

@@ -475,7 +475,8 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
         rows = tokens * arch.routed_rows_per_token()
         per_mb["tp"] += moe_layers * (2 + full) * 2 * (L.etp - 1) / L.etp * rows * h * d
     if L.pp > 1:
-        per_mb["pp"] = ((not first) + (not last)) * layer_input    # activation forward, gradient backward
+        # activations forward, gradients backward, at every chunk boundary that crosses to another stage
+        per_mb["pp"] = schedules.sends_per_micro_batch(L.schedule, L.pp, stage, L.chunks) * layer_input
     spans = {"tp": t, "sp": t, "ep": L.etp * L.ep if L.expert_folded else t * L.ep, "pp": L.world}
     comm_bytes = {dim: per_mb[dim] * L.num_micro_batches for dim in per_mb}
     comm_seconds = {dim: comm_bytes[dim] / _bandwidth(device, spans[dim]) for dim in per_mb}
@@ -650,9 +651,19 @@ class LayoutSearch:
         return format_search(self)
 
 
+def pipeline_schedules(arch: Arch, pp: int, num_micro_batches: int) -> List[Tuple[str, int]]:
+    """`(schedule, pp_interleave_num)` pairs the search tries: 1F1B, and with pipeline stages
+    interleaved 1F1B of two chunks a stage where the layers split evenly into 2·pp virtual stages
+    and the micro-batches come in groups of pp (moetrain/layout.py)."""
+    if pp > 1 and arch.layers % (2 * pp) == 0 and num_micro_batches % pp == 0:
+        return [("1f1b", 1), ("interleaved_1f1b", 2)]
+    return [("1f1b", 1)]
+
+
 def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
-    """Every dp x tp x pp = world, ep, micro-batching, ZeRO level, recompute and sequence-parallel
-    combination worth costing (ZeRO levels are all the same layout when dp = 1)."""
+    """Every dp x tp x pp = world, ep, micro-batching, ZeRO level, recompute, sequence-parallel
+    and pipeline-schedule combination worth costing (ZeRO levels are all the same layout when
+    dp = 1)."""
     arch = job.arch
     layouts = []
     for tp in divisors(world_size):
@@ -666,16 +677,18 @@ def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
                     RECOMPUTE_MODES, (False, True) if tp > 1 else (False,)):
                 if (dp * tp // etp) % ep:      # ep up to dp x tp / etp (MoE folding, moetrain/layout.py)
                     continue
-                layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, micro_batch_size=max(1, per_rank // count),
-                                      num_micro_batches=count, zero=zero, recompute=recompute,
-                                      sequence_parallel=sp))
+                for schedule, interleave in pipeline_schedules(arch, pp, count):
+                    layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp,
+                                          micro_batch_size=max(1, per_rank // count), num_micro_batches=count,
+                                          zero=zero, recompute=recompute, sequence_parallel=sp,
+                                          schedule=schedule, interleave=interleave))
     return layouts
 
 
 def _tie_key(result: PlanResult):
     L = result.layout
     return (result.total_comm_bytes, L.zero, RECOMPUTE_MODES.index(L.recompute), L.tp, L.pp,
-            L.sequence_parallel, -L.micro_batch_size, L.ep, L.etp)
+            L.sequence_parallel, -L.micro_batch_size, L.ep, L.etp, L.chunks)
 
 
 def choose_layout(cfg, world_size: int, device=None) -> Tuple[Dict[str, object], LayoutSearch]:

@@ -18,9 +18,9 @@ Schedules (`build_schedules`) are per-stage instruction lists (`Op`) of forward,
 and exchange instructions over (chunk, micro-batch). 1F1B and GPipe: Megatron's order with its
 merged two-way exchanges; 1F1B stage s runs `min(P - s - 1, M)` warm-up forwards, then alternates
 one forward and one backward, then drains the backwards, holding at most `P - s` micro-batches.
-Interleaved 1F1B: Megatron-Core's order; ZB-V: the order of the paper and torchtitan; ZB-H1: each
-stage fills its waits with deferred weight passes within 1F1B's memory (`compute_order`,
-`pair_exchanges`). For those, `pair_exchanges` places the exchanges by a lock-step run at nominal
+Interleaved 1F1B: Megatron-Core's order (`compute_order`); ZB-H1 and ZB-V: each stage runs its
+ready passes backward first and fills its waits with deferred weight passes, within 1F1B's memory
+(`pair_exchanges`; ZB-V's chunks in the paper's V). For those, `pair_exchanges` places the exchanges by a lock-step run at nominal
 costs, so that both ends of every pair make the same exchanges in the same global order (no
 deadlock). `peak_in_flight` counts the inputs held; `schedule_bubble` the idle fraction at given
 pass costs. `drive_in_process` runs all stages in one process and checks the pairing.

@@ -7,6 +7,7 @@ Pure Python (the planner imports it); moetrain/parallel/pipeline.py runs the lis
     peak_in_flight(ops)                    the most micro-batch inputs a stage holds
     schedule_bubble(kind, P, M, chunks)    the idle fraction at given pass costs
     virtual_stage / stage_of               where the model chunks sit (round robin, or ZB-V's V)
+    sends_per_micro_batch                  the tensors a stage sends its neighbours per micro-batch
 
 The schedules and their sources are described in moetrain/parallel/pipeline.py.
 """
@@ -74,6 +75,17 @@ def stage_of(kind: str, num_stages: int, vstage: int) -> Tuple[int, int]:
     return vstage % num_stages, vstage // num_stages
 
 
+def sends_per_micro_batch(kind: str, num_stages: int, stage: int, chunks: int = 1) -> int:
+    """Tensors `stage` sends to other stages per micro-batch: for each of its chunks, the
+    activation into the next virtual stage and the gradient into the previous one, where that
+    virtual stage sits on another stage (ZB-V's turn stays on its stage)."""
+    V, sends = num_stages * chunks, 0
+    for c in range(chunks):
+        u = virtual_stage(kind, num_stages, stage, c)
+        sends += sum(0 <= w < V and stage_of(kind, num_stages, w)[0] != stage for w in (u + 1, u - 1))
+    return sends
+
+
 def build_schedule(kind: str, num_stages: int, stage: int, num_micro: int, chunks: int = 1) -> List[Op]:
     """The instruction list of `stage` (see the module notes)."""
     return list(build_schedules(kind, num_stages, num_micro, chunks)[stage])
@@ -82,8 +94,8 @@ def build_schedule(kind: str, num_stages: int, stage: int, num_micro: int, chunk
 @functools.lru_cache(maxsize=64)
 def build_schedules(kind: str, num_stages: int, num_micro: int, chunks: int = 1) -> Tuple[Tuple[Op, ...], ...]:
     """Every stage's instruction list. 1F1B and GPipe: Megatron's order with its merged two-way
-    exchanges. The others: each stage's compute order (`compute_order`), with the exchanges placed
-    by `pair_exchanges`."""
+    exchanges. Interleaved 1F1B: each stage's compute order (`compute_order`), the zero-bubble
+    schedules: backward first; the exchanges placed by `pair_exchanges`."""
     if kind not in SCHEDULES:
         raise PipelineError(f"parallel.pipeline_schedule={kind!r} is not one of {SCHEDULES}")
     if num_micro < num_stages:
@@ -95,7 +107,7 @@ def build_schedules(kind: str, num_stages: int, num_micro: int, chunks: int = 1)
                             f"({num_stages})")
     if kind in ("1f1b", "gpipe"):
         return tuple(tuple(_megatron_schedule(kind, num_stages, s, num_micro)) for s in range(num_stages))
-    orders = None if kind == "zero_bubble_h1" else [
+    orders = None if kind in SPLIT_BACKWARD else [
         compute_order(kind, num_stages, s, num_micro, chunks) for s in range(num_stages)]
     return tuple(tuple(ops) for ops in pair_exchanges(kind, num_stages, num_micro, chunks, orders))
 
@@ -158,58 +170,25 @@ def compute_order(kind: str, num_stages: int, stage: int, num_micro: int, chunks
         micro-batch k runs chunk (k mod P·v) // P (backward: the chunks in reverse) on micro-batch
         (k // P·v)·P + k mod P; (P - s - 1)·2 + (v - 1)·P warm-up forwards, then one forward and one
         backward, then the remaining backwards.
-    zero_bubble_h1 has no fixed order: `pair_exchanges` fills each stage's waits with deferred
-        weight passes (ZB-H1, Qi et al. 2023, section 3: 1F1B's memory, a smaller bubble).
-    zero_bubble_v: ZB-V (ibid., section 6; torchtitan's ScheduleZBVZeroBubble): 2(P - s) - 1
-        forwards of chunk 0, s pairs F1 F0, P - s triples F1 B1 W1, then F0 B0 W0 F1 B1 W1 until
-        every forward ran, then the remaining backwards and weight passes.
+    The zero-bubble schedules have no fixed order: `pair_exchanges` runs each stage's ready passes
+    backward first (see there).
     """
-    P, M, s = num_stages, num_micro, stage
-    order: List[Op] = []
-    if kind == "interleaved_1f1b":
-        v = chunks
-        total = M * v
-        warmup = total if M == P else min((P - s - 1) * 2 + (v - 1) * P, total)
+    if kind != "interleaved_1f1b":
+        raise PipelineError(f"{kind} has no fixed compute order")
+    P, M, s, v = num_stages, num_micro, stage, chunks
+    total = M * v
+    warmup = total if M == P else min((P - s - 1) * 2 + (v - 1) * P, total)
 
-        def op(k_index: int, forward: bool) -> Op:
-            in_group = k_index % (P * v)
-            chunk = in_group // P
-            micro = (k_index // (P * v)) * P + in_group % P
-            return Op(FORWARD if forward else BACKWARD, micro, chunk if forward else v - 1 - chunk)
+    def op(k_index: int, forward: bool) -> Op:
+        in_group = k_index % (P * v)
+        chunk = in_group // P
+        micro = (k_index // (P * v)) * P + in_group % P
+        return Op(FORWARD if forward else BACKWARD, micro, chunk if forward else v - 1 - chunk)
 
-        order += [op(k, True) for k in range(warmup)]
-        for k in range(total - warmup):
-            order += [op(k + warmup, True), op(k, False)]
-        order += [op(k, False) for k in range(total - warmup, total)]
-        return order
-    # zero_bubble_v: counts run past M (at least 2P - 1 micro-batches fill the V); passes of
-    # micro-batches >= M are dropped afterwards
-    n = max(2 * P - 1, M)
-    count = {(k, c): 0 for k in (FORWARD, BACKWARD, WEIGHT) for c in (0, 1)}
-
-    def run(k: str, c: int, micro: Optional[int] = None) -> None:
-        m = count[(k, c)] if micro is None else micro
-        count[(k, c)] = m + 1
-        order.append(Op(k, m, c))
-
-    for _ in range(2 * (P - s) - 1):
-        run(FORWARD, 0)
-    for _ in range(s):
-        run(FORWARD, 1), run(FORWARD, 0)
-    for _ in range(P - s):
-        run(FORWARD, 1), run(BACKWARD, 1), run(WEIGHT, 1)
-    while count[(FORWARD, 1)] < count[(FORWARD, 0)] or count[(FORWARD, 0)] < n:
-        if count[(FORWARD, 0)] < n:
-            run(FORWARD, 0)
-        run(BACKWARD, 0), run(WEIGHT, 0), run(FORWARD, 1), run(BACKWARD, 1), run(WEIGHT, 1)
-    for _ in range(s):
-        run(BACKWARD, 0), run(BACKWARD, 1)
-    for _ in range(P - s):
-        run(BACKWARD, 0), run(WEIGHT, 0)
-    for c in (1, 0):
-        while count[(WEIGHT, c)] < count[(BACKWARD, c)]:
-            run(WEIGHT, c)
-    return [op for op in order if op.micro < M]
+    order = [op(k, True) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [op(k + warmup, True), op(k, False)]
+    return order + [op(k, False) for k in range(total - warmup, total)]
 
 
 def pair_exchanges(kind: str, num_stages: int, num_micro: int, chunks: int,
@@ -223,8 +202,14 @@ def pair_exchanges(kind: str, num_stages: int, num_micro: int, chunks: int,
     tensor (in a fixed order of pairs; each end sends its oldest waiting tensor for the other, or
     nothing), then every idle
     stage starts its next pass whose input has arrived: the next of `orders[s]`, or with no orders
-    (ZB-H1) the first ready of: the next backward, the next forward while fewer than P - s
-    micro-batches are held (1F1B's memory), the oldest deferred weight pass. Every stage lists its
+    (the zero-bubble schedules) the first ready of: the next backward (ZB-V: of the V's second leg
+    first), the next forward (second leg first) while fewer than P - s micro-batches (ZB-H1, 1F1B's
+    memory) or 2P chunk inputs (ZB-V, the same bytes) are held, the oldest deferred weight pass.
+    ZB-H1 is Qi et al. 2023, section 3; ZB-V places its chunks as in section 6 (torchtitan's
+    ScheduleZBVZeroBubble) but runs backward first rather than the paper's fixed order (F B W per
+    chunk in turn): here a weight pass recomputes the chunk's forward and costs about as much as
+    a forward and an input gradient together, and the fixed order put a W and an F ahead of the
+    input gradient the V's first leg waits for (measured: docs/parallel_engine.md). Every stage lists its
     exchanges in the same global (time, pair) order, so the lowest unfinished exchange always has
     both ends able to reach it: no deadlock. A tensor between two chunks of one stage (ZB-V's turn)
     is handed over without an exchange. Raises if the orders can never finish."""
@@ -250,16 +235,18 @@ def pair_exchanges(kind: str, num_stages: int, num_micro: int, chunks: int,
         return (BACKWARD, op.chunk, op.micro) in done[s]
 
     def greedy(s: int) -> Optional[Op]:
-        """ZB-H1: backward first, then a forward within 1F1B's memory, then a deferred weight pass."""
+        """The zero-bubble schedules' next pass (see above)."""
         started = [op for op in lists[s] if op.kind != EXCHANGE]
-        forwards, backwards, weights = (sum(op.kind == k for op in started) for k in (FORWARD, BACKWARD, WEIGHT))
-        candidates = []
-        if backwards < forwards:
-            candidates.append(Op(BACKWARD, backwards))
-        if forwards < num_micro and forwards - weights < P - s:
-            candidates.append(Op(FORWARD, forwards))
-        if weights < backwards:
-            candidates.append(Op(WEIGHT, weights))
+        count = {(k, c): sum(op.kind == k and op.chunk == c for op in started)
+                 for k in (FORWARD, BACKWARD, WEIGHT) for c in range(chunks)}
+        held = sum(count[(FORWARD, c)] - count[(WEIGHT, c)] for c in range(chunks))
+        bound = P - s if chunks == 1 else 2 * P
+        candidates = [Op(BACKWARD, count[(BACKWARD, c)], c) for c in reversed(range(chunks))
+                      if count[(BACKWARD, c)] < count[(FORWARD, c)]]
+        candidates += [Op(FORWARD, count[(FORWARD, c)], c) for c in reversed(range(chunks))
+                       if count[(FORWARD, c)] < num_micro and held < bound]
+        weights = [Op(WEIGHT, op.micro, op.chunk) for op in started if op.kind == BACKWARD]
+        candidates += [op for op in weights if op not in started][:1]        # the oldest deferred one
         return next((op for op in candidates if ready(s, op)), None)
 
     time_step = 0
