@@ -26,6 +26,7 @@ class DeviceProfile:
     inter_node_bandwidth: float          # ... between nodes, per device
     devices_per_node: int
     runtime_bytes: float                 # per process: framework, kernels workspace, comm buffers
+    p2p_latency: float = 20e-6           # seconds one pipeline exchange costs beyond its bytes
     shared_host: bool = False            # all ranks share one host's memory and cores (CPU)
     emulated_collectives: bool = False   # reduce-scatter / all-to-all built from all-reduce (CPU)
     sources: str = field(default="", compare=False)
@@ -83,6 +84,7 @@ PROFILES: Dict[str, DeviceProfile] = {p.name: p for p in (
         inter_node_bandwidth=14e6,
         devices_per_node=1024,
         runtime_bytes=0.41 * GiB,        # RSS of a process after `import mindspore`
+        p2p_latency=5e-3,                # an exchange is a 2-rank all-reduce: 5.3 ms for 4 floats (measured)
         shared_host=True,
         emulated_collectives=True,
         sources="measured: /work/shared/notes/mindspore-cpu.md"),

@@ -474,12 +474,15 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
     if L.etp > 1:            # the experts' partial outputs all-reduced over etp, their input gradients too
         rows = tokens * arch.routed_rows_per_token()
         per_mb["tp"] += moe_layers * (2 + full) * 2 * (L.etp - 1) / L.etp * rows * h * d
+    sends = schedules.sends_per_micro_batch(L.schedule, L.pp, stage, L.chunks) if L.pp > 1 else 0
     if L.pp > 1:
         # activations forward, gradients backward, at every chunk boundary that crosses to another stage
-        per_mb["pp"] = schedules.sends_per_micro_batch(L.schedule, L.pp, stage, L.chunks) * layer_input
+        per_mb["pp"] = sends * layer_input
     spans = {"tp": t, "sp": t, "ep": L.etp * L.ep if L.expert_folded else t * L.ep, "pp": L.world}
     comm_bytes = {dim: per_mb[dim] * L.num_micro_batches for dim in per_mb}
     comm_seconds = {dim: comm_bytes[dim] / _bandwidth(device, spans[dim]) for dim in per_mb}
+    # each exchange also costs a fixed latency, whatever its size: what more chunks a stage pay
+    comm_seconds["pp"] += sends * L.num_micro_batches * device.p2p_latency
 
     def sync_bytes(params: float, group: int) -> float:
         if group == 1:

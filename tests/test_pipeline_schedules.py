@@ -243,6 +243,7 @@ def test_planned_pipeline_traffic_counts_every_chunk_crossing(pp, kind, interlea
     fp32 hidden state [1, 32, 64]: a chunked schedule sends at every chunk boundary that crosses
     stages, and ZB-V's stage 0 (the V's first and last virtual stage) sends both ways."""
     from moetrain.config import load_config
+    from moetrain.devices import get_device
     from moetrain.layout import Layout
     from moetrain.parallel.schedules import build_schedule
     from moetrain.plan import Job, plan_layout
@@ -257,6 +258,9 @@ def test_planned_pipeline_traffic_counts_every_chunk_crossing(pp, kind, interlea
         ops = build_schedule(kind, pp, s, 2 * pp, layout.chunks)
         sent = sum(op.kind == "exchange" and op.send is not None for op in ops)
         assert sent > 0 and stage.comm_bytes["pp"] == sent * tensor, (s, sent, stage.comm_bytes["pp"])
+        # seconds: the bytes at the link's bandwidth plus the profile's fixed latency per exchange
+        cpu = get_device("cpu")
+        assert stage.comm_seconds["pp"] == pytest.approx(sent * (tensor / cpu.intra_node_bandwidth + cpu.p2p_latency))
 
 
 def test_layout_search_tries_interleaved_where_the_layers_allow():
