@@ -100,14 +100,25 @@ def test_plan_within_bounds_of_measurement(dry_ep, dry_dp):
     assert within(planned["dispatch_buffers"], measured["dispatch_buffers"], 0.25), (planned, measured)
 
 
-def test_bad_rank_is_a_clear_error():
-    result = run_plan("--dry-run", "--rank", "2", *EXPERT_PARALLEL)
-    assert result.returncode == 2
-    assert "--rank 2" in result.stderr and "ranks 0..1" in result.stderr    # ep lies inside dp: 2 ranks
+def plan_in_process(capsys, monkeypatch, *args):
+    """(exit status, stderr) of `moetrain plan TINY ARGS` run in this process: for arguments refused before
+    any model is built, where a fresh interpreter would cost seconds of imports for nothing."""
+    from moetrain.plan import main
+
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    status = main([TINY, *args])
+    return status, capsys.readouterr().err
 
 
-def test_bad_layers_and_sequence_are_clear_errors():
+def test_bad_rank_is_a_clear_error(capsys, monkeypatch):
+    status, err = plan_in_process(capsys, monkeypatch, "--dry-run", "--rank", "2", *EXPERT_PARALLEL)
+    assert status == 2
+    assert "--rank 2" in err and "ranks 0..1" in err    # ep lies inside dp: 2 ranks
+
+
+def test_bad_layers_and_sequence_are_clear_errors(capsys, monkeypatch):
     for flag, value, message in (("--layers", "9", "--layers 9: must be in [pipeline stages=1, model.num_layers=2]"),
                                  ("--seq", "999", "--seq 999: must be in [1, model.seq_length=128]")):
-        result = run_plan("--dry-run", flag, value, *EXPERT_PARALLEL)
-        assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+        status, err = plan_in_process(capsys, monkeypatch, "--dry-run", flag, value, *EXPERT_PARALLEL)
+        assert status == 2 and message in err, err[-2000:]

@@ -36,11 +36,14 @@ from test_load_path import import_tiny_mixtral  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KJV = os.path.join(ROOT, "data", "kjv_tiny", "kjv_tiny")
 STEPS, SAVED_AT = 3, 2
+# dispatch buffers at their bound for the whole run: adaptive sizing (moetrain/moe/capacity.py, tested in
+# test_moe_native_ops and test_expert_parallel) recompiles and re-runs micro-batches, costly in 3-step runs
+FIXED_CAPACITIES = "MOETRAIN_MOE_CAPACITY=bound"
 RUN = [
     f"data.path={KJV}_train", "data.eval_path=", f"data.tokenizer={KJV}.model", "model.seq_length=32",
     f"train.steps={STEPS}", "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_interval=0",
     "lr_schedule.warmup_steps=0", "checkpoint.save_at_end=false", "checkpoint.save_steps=0",
-    "logging.tensorboard=false", "logging.progress_bar=false",
+    "logging.tensorboard=false", "logging.progress_bar=false", FIXED_CAPACITIES,
 ]
 DEEPSEEK = ("configs/deepseek_v3_tiny.yaml", RUN + [
     "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.ffn_hidden_size=64",
@@ -118,7 +121,7 @@ def job_specs(fixture, out_dir):
     saved = shared_run_dirs(out_dir, __name__, [saver for saver, _ in RESUMED.values()])
     runs += [spec(name, FAMILIES[saver.split("_")[0]], extra + [f"resume={checkpoint_dir(saved[saver])}"])
              for name, (saver, extra) in RESUMED.items()]
-    return runs + [f"mixtral_dp2_ep2:{write_mixtral_config(out_dir)}:" + ",".join(DP2_EP2)]
+    return runs + [f"mixtral_dp2_ep2:{write_mixtral_config(out_dir)}:" + ",".join(DP2_EP2 + [FIXED_CAPACITIES])]
 
 
 share_runs(2, __name__, job_specs, timeout=1500,

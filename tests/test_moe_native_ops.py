@@ -344,6 +344,34 @@ def test_first_capacities_are_a_multiple_of_the_even_share(ms, monkeypatch):
         prior()
 
 
+def test_capacity_bound_leaves_every_buffer_at_its_bound(ms, monkeypatch):
+    """`MOETRAIN_MOE_CAPACITY=bound`: the step functions are wrapped plainly (no AdaptiveStep), so the
+    dispatchers keep the bound for the whole run; the default manages them; another value is an error."""
+    from types import SimpleNamespace
+
+    from moetrain.dist.topology import ParallelContext
+    from moetrain.moe.capacity import AdaptiveStep, adaptive_steps
+    from moetrain.parallel import expert_parallel
+
+    dispatcher = alltoall_dispatcher()
+    monkeypatch.setattr(expert_parallel, "moe_layers", lambda model: [SimpleNamespace(dispatcher=dispatcher)])
+    pctx = ParallelContext.build(1, 0, 1)
+
+    def step(ids):
+        return ids, ("expert_load",), (ms.Tensor(np.full(8, 25.0, np.float32)),)
+
+    (managed,) = adaptive_steps(None, pctx, lambda fn: fn, step)
+    assert isinstance(managed, AdaptiveStep)
+    monkeypatch.setenv("MOETRAIN_MOE_CAPACITY", "bound")
+    (plain,) = adaptive_steps(None, pctx, lambda fn: fn, step)
+    assert plain is step
+    plain(ms.Tensor(np.zeros((4, 25), np.int32)))
+    assert dispatcher.pair_capacity == () and not dispatcher.expert_capacity
+    monkeypatch.setenv("MOETRAIN_MOE_CAPACITY", "fixed")
+    with pytest.raises(ValueError, match="MOETRAIN_MOE_CAPACITY='fixed': must be 'adaptive'"):
+        adaptive_steps(None, pctx, lambda fn: fn, step)
+
+
 def test_controller_sizes_each_layer_from_its_own_row_of_the_loads(ms):
     """Two MoE layers, a world of two ep groups: each layer follows its row of `expert_load`, and
     a capacity is the largest need over the groups."""

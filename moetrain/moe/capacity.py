@@ -12,8 +12,8 @@ therefore sizes its buffers with Python ints ("capacities", read when the graph 
     SortDispatcher       expert_capacity  (bmm experts only)
 
 Unset (0 / `()`) means the bound (`T min(k, L)` per pair, `ep T` per expert): exact for any routing, and what a
-dispatcher uses when nobody manages it (tests, the pipeline schedule). `AdaptiveStep` manages them
-for the trainer's step and evaluation functions:
+dispatcher uses when nobody manages it (tests, the pipeline schedule, `MOETRAIN_MOE_CAPACITY=bound`).
+`AdaptiveStep` manages them for the trainer's step and evaluation functions:
 
 1. Run the micro-batch with the current capacities (a graph compiled once per set of capacities;
    graphs are kept, so a set seen before costs nothing). Before any counts are seen they are
@@ -233,6 +233,17 @@ def prior() -> float:
     return parsed
 
 
+def adaptive() -> bool:
+    """False when `MOETRAIN_MOE_CAPACITY=bound`: every dispatcher keeps the bound for the whole run (one
+    graph, no re-runs, no host sync; larger buffers), as under the pipeline schedule. For runs too short
+    for sizing to pay off, e.g. tests that compare layouts over a few steps."""
+    value = os.environ.get("MOETRAIN_MOE_CAPACITY", "adaptive")
+    if value not in ("adaptive", "bound"):
+        raise ValueError(f"MOETRAIN_MOE_CAPACITY={value!r}: must be 'adaptive' (capacities sized from the "
+                         f"routing counts, the default) or 'bound' (every buffer at its bound, never resized)")
+    return value == "adaptive"
+
+
 def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable) -> Tuple[Callable, ...]:
     """`fns` wrapped with `wrap` (e.g. `ms.jit`), as `AdaptiveStep`s sharing one controller when
     `model` has dropless MoE dispatchers with capacities to manage; plainly otherwise. The pipeline
@@ -241,7 +252,8 @@ def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable) -> Tuple[Callabl
 
     layers = moe_layers(model)
     dispatchers = [layer.dispatcher for layer in layers]
-    if pctx.pp > 1 or not any(getattr(d, "capacity_fields", lambda: ())() for d in dispatchers):
+    if (pctx.pp > 1 or not adaptive()
+            or not any(getattr(d, "capacity_fields", lambda: ())() for d in dispatchers)):
         return tuple(wrap(fn) for fn in fns)
     controller = CapacityController(dispatchers, ep_groups_of(pctx))
     gather = _world_gather(pctx)
