@@ -368,7 +368,7 @@ def test_capacity_bound_leaves_every_buffer_at_its_bound(ms, monkeypatch):
     plain(ms.Tensor(np.zeros((4, 25), np.int32)))
     assert dispatcher.pair_capacity == () and not dispatcher.expert_capacity
     monkeypatch.setenv("MOETRAIN_MOE_CAPACITY", "fixed")
-    with pytest.raises(ValueError, match="MOETRAIN_MOE_CAPACITY='fixed': must be 'adaptive'"):
+    with pytest.raises(ValueError, match="MOETRAIN_MOE_CAPACITY='fixed': use auto, adaptive, bound"):
         adaptive_steps(None, pctx, lambda fn: fn, step)
 
 

@@ -42,6 +42,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from moetrain.env import env_choice
+
 PRIOR = 2.0          # before any counts: capacities for PRIOR x the even share (MOETRAIN_MOE_CAPACITY_PRIOR)
 SPREAD = 2.0         # headroom in standard deviations of a count (~sqrt(count), multinomial routing)
 GROWTH = 1.5         # an overflowing capacity grows at least this much (few recompiles while routing drifts)
@@ -237,11 +239,7 @@ def adaptive() -> bool:
     """False when `MOETRAIN_MOE_CAPACITY=bound`: every dispatcher keeps the bound for the whole run (one
     graph, no re-runs, no host sync; larger buffers), as under the pipeline schedule. For runs too short
     for sizing to pay off, e.g. tests that compare layouts over a few steps."""
-    value = os.environ.get("MOETRAIN_MOE_CAPACITY", "adaptive")
-    if value not in ("adaptive", "bound"):
-        raise ValueError(f"MOETRAIN_MOE_CAPACITY={value!r}: must be 'adaptive' (capacities sized from the "
-                         f"routing counts, the default) or 'bound' (every buffer at its bound, never resized)")
-    return value == "adaptive"
+    return env_choice("MOETRAIN_MOE_CAPACITY", ("adaptive", "bound")) != "bound"
 
 
 def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable) -> Tuple[Callable, ...]:
