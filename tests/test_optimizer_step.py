@@ -87,7 +87,7 @@ def test_optimizer_step_unscales_clips_and_updates_like_torch(ms, name, level, f
     assert len(step.optimizer.state_parameters()) == 2 * (len(SHAPES) if level == 0 else len(step.buffers))
 
 
-def test_fused_optimizer_step_skips_a_non_finite_gradient(ms):
+def test_fused_optimizer_step_skips_a_non_finite_gradient(ms, monkeypatch):
     from moetrain import kernels
 
     if not kernels.available():
@@ -100,9 +100,12 @@ def test_fused_optimizer_step_skips_a_non_finite_gradient(ms):
 
     values = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
     params = [Parameter(Tensor(v), name=k) for k, v in values.items()]
-    step = OptimizerStep(params, OptimizerConfig(name="adamw"), ParallelConfig(), ParallelContext.build(1, 0, 1),
-                         clip=CLIP, jit=True)
-    assert step.fused                                             # picked by default where the kernels run
+    make = lambda: OptimizerStep(params, OptimizerConfig(name="adamw"), ParallelConfig(),  # noqa: E731
+                                 ParallelContext.build(1, 0, 1), clip=CLIP, jit=True)
+    assert not make().fused                                       # off by default (data_parallel.py says why)
+    monkeypatch.setenv("MOETRAIN_FUSED_OPTIMIZER", "on")
+    step = make()
+    assert step.fused                                             # on: picked where the kernels run
     grads = [np.ones(p.shape, np.float32) for p in step.params]
     grads[-1].reshape(-1)[3] = np.inf
     norm, finite = step(step.flatten(tuple(Tensor(g) for g in grads)), LR, 1, INV_SCALE)

@@ -16,7 +16,8 @@ same number of times in the global norm and share a weight-decay flag.
                         level 1/2: the optimizer on this rank's fp32 master rows, then all-gather
                         the rows into the parameters
 
-With moetrain's CPU kernels (fp32 AdamW / Adam) prepare and apply touch the buffers only twice:
+With MOETRAIN_FUSED_OPTIMIZER=on and moetrain's CPU kernels (fp32 AdamW / Adam; off by default, see
+`OptimizerStep.__init__`) prepare and apply touch the buffers only twice:
 `SumOfSquares` per buffer for the norm, then `FusedAdamW` per buffer, which takes unscale x clip as
 one gradient multiplier and updates the parameters (or the ZeRO master row) and both moments in
 place. No scaled, clipped or per-parameter copy of the gradients is made (the plain path makes
@@ -50,6 +51,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, ops
 from moetrain.optim import build_optimizer, decays
 from moetrain.dist import comm
 from moetrain.dist.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec, tp_copies
+from moetrain.env import env_choice
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -149,8 +151,13 @@ class OptimizerStep:
             self.masters = [Parameter(Tensor(self._own_row(b)), name=f"{MASTER_PREFIX}buffer{i}")
                             for i, b in enumerate(self.buffers)]
             self.optimizer = build_optimizer(self.masters, optimizer_cfg, decay_flags=[b.decay for b in self.buffers])
-        # fused: None picks the kernels where they run (tests pass False / True to compare the paths)
-        self.fused = _fused_optimizer_runs(optimizer_cfg, self.optimizer.params) if fused is None else fused
+        # fused: None reads MOETRAIN_FUSED_OPTIMIZER (off unless "on": with it, MNIST dp4 drifted from one
+        # process after ~100 steps, 1e-2 at step 141, where the plain path stays within 6e-7; cause not
+        # found yet); tests pass False / True to compare the paths
+        if fused is None:
+            fused = (env_choice("MOETRAIN_FUSED_OPTIMIZER", ("on", "off")) == "on"
+                     and _fused_optimizer_runs(optimizer_cfg, self.optimizer.params))
+        self.fused = fused
         if self.fused:
             self._bind_fused_kernels(optimizer_cfg)
         wrap = ms.jit if jit else (lambda fn: fn)
