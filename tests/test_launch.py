@@ -122,31 +122,3 @@ def test_run_distributed_sh_reports_a_rank_that_raises(tmp_path):
     assert "RuntimeError: rank 1 fails on purpose at step 1" in output   # the end of its log, echoed
     assert not leftovers
 
-
-@pytest.mark.distributed
-def test_two_nodes_on_one_machine_complete_an_all_reduce(tmp_path):
-    require_msrun()
-    job_dir = str(tmp_path)
-    results = os.path.join(job_dir, "results")
-    os.makedirs(results)
-    port = str(launch.free_port())
-    nodes = []
-    for node in (0, 1):
-        cmd = [os.path.join(SCRIPTS, "run_multinode.sh"), "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port, results]
-        env = _script_env(os.path.join(job_dir, f"node{node}"))
-        nodes.append(subprocess.Popen(cmd, cwd=job_dir, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=240)[0] for p in nodes]
-    leftovers = kill_leftovers(os.path.join(job_dir, ""))
-    for node, (proc, output) in enumerate(zip(nodes, outputs)):
-        assert proc.returncode == 0, f"node {node}:\n{output[-3000:]}"
-    ranks = sorted(json.load(open(os.path.join(results, f"rank_{r}.json")))["rank"] for r in range(4))
-    assert ranks == [0, 1, 2, 3]
-    for r in range(4):
-        report = json.load(open(os.path.join(results, f"rank_{r}.json")))
-        assert report["world"] == 4
-        assert report["sums"] == [sum(rank + step for rank in range(4)) for step in range(3)]
-    assert os.path.exists(os.path.join(job_dir, "node1", "logs", "worker_3.log"))
-    assert not os.path.exists(os.path.join(job_dir, "node1", "logs", "scheduler.log"))
-    assert not leftovers

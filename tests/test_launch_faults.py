@@ -250,7 +250,8 @@ def test_an_output_dir_that_is_not_shared_by_every_rank_is_refused(tmp_path):
 def test_two_nodes_relaunch_together_after_a_rank_fails(tmp_path):
     """run_multinode.sh --max-restarts 1: rank 3 (node 1) fails in the first attempt; node 1
     relaunches at once on port P+1, node 0 when its collectives time out; the second attempt runs
-    on both nodes to the end."""
+    on both nodes to the end: 4 ranks of a world of 4, their all-reduces correct (this also is the
+    suite's two-nodes-on-one-machine check)."""
     require_msrun()
     job_dir = str(tmp_path)
     results = os.path.join(job_dir, "results")
@@ -277,7 +278,11 @@ def test_two_nodes_relaunch_together_after_a_rank_fails(tmp_path):
         assert restarts.count("restart 1/1") == 1, restarts
     for rank in range(4):
         report = json.load(open(os.path.join(results, f"rank_{rank}.json")))
+        assert (report["rank"], report["world"]) == (rank, 4)
         assert report["sums"] == [sum(r + step for r in range(4)) for step in range(4)]
+    # node 1's ranks log on node 1, which runs no scheduler (node 0 does)
+    assert os.path.exists(os.path.join(job_dir, "node1", "logs", "worker_3.log"))
+    assert not os.path.exists(os.path.join(job_dir, "node1", "logs", "scheduler.log"))
     assert not leftovers
 
 
