@@ -60,24 +60,49 @@ def mnist_overrides(tiny_mnist, tmp_path):
 # ---------------------------------------------------------------------------------------------
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """After -k/-m deselection: the test files whose runs join the shared jobs."""
+    """After -k/-m deselection: the test files whose runs join the shared jobs, and the order: files
+    of one-process tests first (they run while the shared jobs train in the background), then the
+    files that read the shared jobs, then those that launch jobs of their own (after the shared jobs,
+    so their launches and timeouts see the machine as before). Whole files move, so module
+    fixtures are built once."""
     import distributed
 
     distributed.SELECTED_MODULES.update(item.module.__name__ for item in items if item.module is not None)
+    shared = {g.module for groups in distributed.SHARED_RUNS.values() for g in groups}
+    order = {}
+    for item in items:
+        module = item.module.__name__ if item.module is not None else ""
+        rank = 1 if module in shared else (2 if item.get_closest_marker("distributed") else 0)
+        order[module] = max(order.get(module, 0), rank)
+    items[:] = sorted(items, key=lambda item: order[item.module.__name__ if item.module is not None else ""])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_jobs(request, tmp_path_factory):
+    """The shared 2- and 4-rank jobs, launched in the background at the first test."""
+    import distributed
+
+    jobs = distributed.SharedJobs(request.getfixturevalue,
+                                  {n: str(tmp_path_factory.mktemp(f"shared{n}")) for n in (2, 4)})
+    yield jobs
+    jobs.stop()
+
+
+def pytest_runtest_setup(item):
+    """No test starts while a shared job trains a run whose timings a test asserts on."""
+    import distributed
+
+    if distributed.ACTIVE_JOBS:
+        distributed.ACTIVE_JOBS[0].hold_while_quiet()
 
 
 @pytest.fixture(scope="session")
-def shared_job_2(request, tmp_path_factory):
+def shared_job_2(shared_jobs):
     """Output folder of the shared 2-rank job (None when no selected test file has 2-rank runs)."""
-    import distributed
-
-    return distributed.shared_job(2, request.getfixturevalue, str(tmp_path_factory.mktemp("shared2")))
+    return shared_jobs.wait(2)
 
 
 @pytest.fixture(scope="session")
-def shared_job_4(request, tmp_path_factory, shared_job_2):
-    """Output folder of the shared 4-rank job; after the 2-rank job (a 4-rank run may resume a
-    2-rank run's checkpoint)."""
-    import distributed
-
-    return distributed.shared_job(4, request.getfixturevalue, str(tmp_path_factory.mktemp("shared4")))
+def shared_job_4(shared_jobs):
+    """Output folder of the shared 4-rank job (run after the 2-rank job)."""
+    return shared_jobs.wait(4)

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -169,42 +170,121 @@ class SharedRuns:
     last: bool = False          # run after the others (e.g. runs that install a primitive recorder in the process)
     references: object = None   # references(fixture) -> specs of one-process runs, trained in one process
     #                             beside the launch (see shared_reference_dirs)
+    quiet: bool = False         # runs whose timings a test asserts on: no test starts while they train
 
 
 SHARED_RUNS: Dict[int, List[SharedRuns]] = {}
 SELECTED_MODULES: set = set()   # filled by tests/conftest.py once pytest has selected the tests
 
 
-def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = False, references=None) -> None:
+def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = False, references=None,
+               quiet: bool = False) -> None:
     """Register a test file's runs for the shared `nproc`-rank job (call at import, with `__name__`);
     its fixtures read the runs' folders with `shared_run_dirs(out_dir, module)`. `references(fixture)`
     (optional) gives one-process runs that train beside the launch, in one process for all files; read
     with `shared_reference_dirs`. They fill what the launch leaves idle (start-up, the launcher's polling;
     ranks waiting in a collective busy-wait, measured, so the overlap is partial)."""
-    SHARED_RUNS.setdefault(nproc, []).append(SharedRuns(module, specs, timeout, last, references))
+    SHARED_RUNS.setdefault(nproc, []).append(SharedRuns(module, specs, timeout, last, references, quiet))
 
 
-def shared_job(nproc: int, fixture, job_dir: str) -> Optional[str]:
-    """Launch every registered `nproc`-rank run of the selected test files in one job, one after
-    another (see tests/workers/train_runs_worker.py), with their one-process references in one process
-    beside it; returns the job's output folder, where run NAME of MODULE trained into MODULE.NAME and
-    reference NAME into reference_dir(out)/MODULE.NAME (None when no selected file has runs for this world size)."""
+def prepare_shared_job(nproc: int, fixture, job_dir: str) -> Optional[dict]:
+    """The `nproc`-rank job of every registered run of the selected test files (None when there is
+    none): its specs and references, built in pytest's thread (a specs function may request fixtures;
+    `fixture("shared_job_N")` gives job N's output folder before it has run)."""
     groups = sorted((g for g in SHARED_RUNS.get(nproc, []) if g.module in SELECTED_MODULES), key=lambda g: g.last)
     if not groups:
         return None
     out_dir = os.path.join(job_dir, "out")
-    specs = [f"{g.module}.{spec}" for g in groups for spec in g.specs(fixture, out_dir)]
+    specs = [_quiet(f"{g.module}.{spec}", g.quiet) for g in groups for spec in g.specs(fixture, out_dir)]
     references = [f"{g.module}.{spec}" for g in groups if g.references for spec in g.references(fixture)]
-    timeout = sum(g.timeout for g in groups)
-    beside = BesideProcess(reference_dir(out_dir), references) if references else None
+    return dict(nproc=nproc, job_dir=job_dir, out_dir=out_dir, specs=specs, references=references,
+                timeout=sum(g.timeout for g in groups))
+
+
+def _quiet(spec: str, quiet: bool) -> str:
+    return spec + ("" if spec.endswith(":") else ",") + QUIET_FLAG if quiet else spec
+
+
+def launch_shared_job(job: dict) -> str:
+    """Run a prepared shared job (see tests/workers/train_runs_worker.py), its one-process references
+    in one process beside it; returns the job's output folder, where run NAME of MODULE trained into
+    MODULE.NAME and reference NAME into reference_dir(out)/MODULE.NAME."""
+    beside = BesideProcess(reference_dir(job["out_dir"]), job["references"]) if job["references"] else None
     try:
-        run_workers(TRAIN_RUNS_WORKER, nproc, specs, timeout=timeout, job_dir=job_dir).check()
+        run_workers(TRAIN_RUNS_WORKER, job["nproc"], job["specs"], timeout=job["timeout"],
+                    job_dir=job["job_dir"]).check()
         if beside is not None:
-            beside.wait(timeout)
+            beside.wait(job["timeout"])
     finally:
         if beside is not None:
             beside.stop()
-    return out_dir
+    return job["out_dir"]
+
+
+class SharedJobs:
+    """The shared jobs (2 ranks, then 4: a 4-rank run may resume a 2-rank run's checkpoint), launched
+    in a thread at the first test while pytest goes on with the one-process tests, which
+    tests/conftest.py orders first: the launches' ranks busy-wait in collectives and start up
+    for ~15 s, time the one-process tests fill. `wait(nproc)` blocks for a job's output folder
+    (None: no selected file has runs for it). Runs registered `quiet` (timings they assert on)
+    keep pytest from starting a test while they train (`hold_while_quiet`)."""
+
+    def __init__(self, fixture, job_dirs: Dict[int, str]):
+        planned = {f"shared_job_{n}": os.path.join(d, "out") for n, d in job_dirs.items()}
+        lookup = lambda name: planned[name] if name in planned else fixture(name)   # noqa: E731
+        self.jobs = {n: prepare_shared_job(n, lookup, d) for n, d in sorted(job_dirs.items())}
+        self.results: Dict[int, tuple] = {}
+        self.done = {n: threading.Event() for n in self.jobs}
+        self.thread = threading.Thread(target=self._run, name="shared-msrun-jobs", daemon=True)
+        self.thread.start()
+        ACTIVE_JOBS[:] = [self]
+
+    def _run(self) -> None:
+        failed = None
+        for n, job in self.jobs.items():
+            try:
+                if failed is not None:
+                    raise AssertionError(f"not launched: the {failed}-rank shared job failed")
+                self.results[n] = (launch_shared_job(job) if job else None, None)
+            except BaseException as error:   # handed to the tests that wait for this job
+                self.results[n] = (None, error)
+                failed = failed or n
+            self.done[n].set()
+
+    def wait(self, nproc: int) -> Optional[str]:
+        self.done[nproc].wait()
+        out_dir, error = self.results[nproc]
+        if error is not None:
+            raise error
+        return out_dir
+
+    def hold_while_quiet(self, limit: float = 600.0) -> None:
+        """Block while a quiet run trains (its ranks hold OUT/quiet.<pid> files) and its job runs."""
+        deadline = time.time() + limit
+        for n, job in self.jobs.items():
+            while (job and not self.done[n].is_set() and time.time() < deadline
+                   and any(name.startswith("quiet.") for name in _listdir(job["out_dir"]))):
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Session end: kill what still runs (an interrupted session must not leave ranks behind)."""
+        for n, job in self.jobs.items():
+            if job and not self.done[n].is_set():
+                kill_leftovers(os.path.join(job["job_dir"], ""))
+                kill_leftovers(os.path.join(reference_dir(job["out_dir"]), ""))
+        self.thread.join(timeout=120)
+        ACTIVE_JOBS.clear()
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+ACTIVE_JOBS: List["SharedJobs"] = []   # this session's (tests/conftest.py starts it)
+QUIET_FLAG = "+quiet"   # a run override: the worker's ranks hold OUT/quiet.<pid> while the run trains
 
 
 def shared_run_dirs(out_dir: str, module: str, names: Sequence[str]) -> Dict[str, str]:
