@@ -7,9 +7,10 @@
 Everything is closed-form arithmetic on the model config (docs/plan.md has every formula and its
 source): parameters exactly as the built model holds them; FLOPs = 6 x active matmul params +
 attention; memory per device of the most loaded pipeline stage (weights, gradients, optimizer
-states with ZeRO, activations after Korthikanti et al. 2022 adapted to SwiGLU/GQA/MoE); bytes each
-parallel dimension moves per step; and a cost model (compute at a sustained fraction of peak,
-communication at the device profile's bandwidths, the 1F1B bubble) for step time and MFU.
+states with ZeRO, activations after Korthikanti et al. 2022 adapted to SwiGLU/GQA/MoE, a pipeline
+stage's from a walk over its schedule's instruction list); bytes each parallel dimension moves per
+step; and a cost model (compute at a sustained fraction of peak, communication at the device
+profile's bandwidths, the schedule's bubble at the runtime's pass costs) for step time and MFU.
 
 Rank order assumed for link placement: tensor-parallel ranks innermost, then expert-parallel (a
 slice of data parallel), then data parallel, pipeline stages outermost.
