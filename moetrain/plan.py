@@ -947,7 +947,7 @@ def format_plan(result: PlanResult) -> str:
         f" step time    {r.step_seconds:.3f} s = compute {r.compute_seconds:.3f} s + pipeline "
         f"bubble {r.bubble_seconds:.3f} s + exposed communication {r.exposed_comm_seconds:.3f} s",
         *([f" pipeline     {L.schedule}" + (f", {L.chunks} model chunks per stage" if L.chunks > 1 else "")
-           + f": bubble {r.bubble_fraction:.1%} of the busiest stage's time at equal pass costs; inputs in "
+           + f": bubble {r.bubble_fraction:.1%} of the busiest stage's time at this runtime's pass costs; inputs in "
            f"flight per stage {[st.in_flight for st in r.stages]}"] if L.pp > 1 else []),
         f" throughput   {r.tokens_per_second:,.0f} tokens/s ({r.tokens_per_second / L.world:,.0f} per device); "
         f"MFU {r.mfu:.1%} (cost model: {dev.compute_efficiency:.0%} of {dev.peak(job.compute_dtype) / 1e12:g} "
