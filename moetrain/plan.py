@@ -278,11 +278,6 @@ def chunk_layer_lists(arch: Arch, layout: Layout, stage: int) -> List[List[int]]
     return chunks
 
 
-def stage_layer_lists(arch: Arch, layout: Layout) -> List[List[int]]:
-    """Each stage's layers: its model chunks' (virtual stages, moetrain/parallel/schedules.py)."""
-    return [sorted(layer for chunk in chunk_layer_lists(arch, layout, i) for layer in chunk) for i in range(layout.pp)]
-
-
 def last_stage(layout: Layout) -> int:
     """The stage holding the head and loss: the last (ZB-V: the first, the V's end)."""
     return schedules.stage_of(layout.schedule, layout.pp, layout.pp * layout.chunks - 1)[0] if layout.pp > 1 else 0
