@@ -7,9 +7,10 @@
 Everything is closed-form arithmetic on the model config (docs/plan.md has every formula and its
 source): parameters exactly as the built model holds them; FLOPs = 6 x active matmul params +
 attention; memory per device of the most loaded pipeline stage (weights, gradients, optimizer
-states with ZeRO, activations after Korthikanti et al. 2022 adapted to SwiGLU/GQA/MoE); bytes each
-parallel dimension moves per step; and a cost model (compute at a sustained fraction of peak,
-communication at the device profile's bandwidths, the 1F1B bubble) for step time and MFU.
+states with ZeRO, activations after Korthikanti et al. 2022 adapted to SwiGLU/GQA/MoE, a pipeline
+stage's from a walk over its schedule's instruction list); bytes each parallel dimension moves per
+step; and a cost model (compute at a sustained fraction of peak, communication at the device
+profile's bandwidths, the schedule's bubble at the runtime's pass costs) for step time and MFU.
 
 Rank order assumed for link placement: tensor-parallel ranks innermost, then expert-parallel (a
 slice of data parallel), then data parallel, pipeline stages outermost.
@@ -264,16 +265,17 @@ def validate_plan(job: Job, layout: Layout, world_size: Optional[int] = None) ->
 # --------------------------------------------------------------------------------------------
 # Per-stage costs
 # --------------------------------------------------------------------------------------------
-def stage_layer_lists(arch: Arch, layout: Layout) -> List[List[int]]:
-    """Each stage's layers: its model chunks' (virtual stages, moetrain/parallel/schedules.py)."""
+def chunk_layer_lists(arch: Arch, layout: Layout, stage: int) -> List[List[int]]:
+    """The layers of each model chunk of `stage`: chunk c runs virtual stage
+    `schedules.virtual_stage(stage, c)`; the MTP blocks run after the stack, with the head."""
     virtual = layout.pp * layout.chunks
     sizes = layout.pipeline_layers or [arch.layers // virtual] * virtual
     bounds = list(itertools.accumulate(sizes, initial=0))
-    stages = [sorted(layer for c in range(layout.chunks)
-                     for u in [schedules.virtual_stage(layout.schedule, layout.pp, i, c)]
-                     for layer in range(bounds[u], bounds[u + 1])) for i in range(layout.pp)]
-    stages[last_stage(layout)] += list(arch.mtp_layers)   # the MTP blocks run after the stack, with the head
-    return stages
+    chunks = []
+    for c in range(layout.chunks):
+        u = schedules.virtual_stage(layout.schedule, layout.pp, stage, c) if layout.pp > 1 else 0
+        chunks.append(list(range(bounds[u], bounds[u + 1])) + (list(arch.mtp_layers) if u == virtual - 1 else []))
+    return chunks
 
 
 def last_stage(layout: Layout) -> int:
@@ -287,6 +289,73 @@ def pipeline_in_flight(layout: Layout, stage: int) -> int:
         return 1
     return schedules.peak_in_flight(schedules.build_schedule(layout.schedule, layout.pp, stage,
                                                              layout.num_micro_batches, layout.chunks))
+
+
+def pipeline_peak(layout: Layout, stage: int, inputs: Sequence[float], working: Sequence[float], hidden: float,
+                  grads: float, buffers: float) -> float:
+    """The most `stage` holds above the step's start while it runs its schedule's instruction list,
+    as moetrain/parallel/pipeline.py's `PipelineExecutor` keeps tensors (found with the dry run's
+    pool record, pass by pass): each chunk input from its forward to its backward (or W);
+    `hidden` for every hidden state or gradient received and not yet used, handed over and not yet
+    sent, an output gradient kept from B to W, the last chunk's input gradient kept from its
+    forward to its B; inside a pass, chunk c's working set `working[c]` (its layers' activations,
+    recomputed from the input) and, in a pass that takes parameter gradients (unsplit backward, W,
+    the last chunk's forward), the per-parameter gradients `grads` and their packed copy `buffers`
+    at its end; between passes, the running gradient sum, with the old sum and the micro-batch's
+    packed gradients while they are added. Every schedule is counted by this one walk."""
+    kind, P = layout.schedule, layout.pp
+    V, split = P * layout.chunks, kind in schedules.SPLIT_BACKWARD
+    held = peak = 0.0
+    summed = False       # the running gradient sum exists (after the first gradient pass)
+
+    def gradient_pass(c: int) -> None:
+        nonlocal peak, summed
+        total = buffers if summed else 0.0
+        peak = max(peak, held + total + max(working[c], grads + buffers))
+        if summed:               # old sum + micro-batch + new sum
+            peak = max(peak, held + 3 * buffers)
+        summed = True
+
+    for op in schedules.build_schedule(kind, P, stage, layout.num_micro_batches, layout.chunks):
+        if op.kind == schedules.EXCHANGE:
+            held += hidden * ((op.recv is not None) - (op.send is not None))
+            continue
+        c = op.chunk
+        u = schedules.virtual_stage(kind, P, stage, c)
+        first, last = u == 0, u == V - 1
+        if op.kind == schedules.FORWARD:
+            held += inputs[c] - (0.0 if first else hidden)    # the received activation becomes the input
+            if last:
+                gradient_pass(c)                            # its whole backward runs in its forward
+            held += hidden                                  # output handed over, or the last's input gradient
+        elif op.kind == schedules.BACKWARD:
+            if last:
+                held -= 0.0 if split else inputs[c]
+            elif split:                                     # B: the output gradient stays for W
+                if not first:
+                    peak = max(peak, held + (buffers if summed else 0.0) + working[c] + hidden)
+                    held += hidden
+            else:
+                gradient_pass(c)
+                held += (0.0 if first else hidden) - inputs[c] - hidden
+        else:                                               # W
+            if not last:
+                gradient_pass(c)
+                held -= hidden
+            held -= inputs[c]
+    return peak
+
+
+def pipeline_bubble(layout: Layout, pass_costs: Sequence[Sequence[Tuple[float, float, float]]]) -> float:
+    """The idle fraction of the busiest stage when every stage runs its schedule's instruction list
+    with its own pass costs (`pass_costs[stage][chunk]`: F, B, W seconds) and exchanges take no
+    time: 1 - busiest stage's work / makespan. At equal costs on every stage this is
+    `schedules.schedule_bubble`; here the costs are this runtime's (the last virtual stage takes its
+    gradients in its forward, a split backward recomputes the forward in B and in W)."""
+    index = {schedules.FORWARD: 0, schedules.BACKWARD: 1, schedules.WEIGHT: 2}
+    makespan, busy = schedules.run_schedule(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks,
+                                            lambda stage, op: pass_costs[stage][op.chunk][index[op.kind]])
+    return 1.0 - max(busy) / makespan
 
 
 def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int,
@@ -343,6 +412,7 @@ class StageCost:
     dispatch_bytes: float = 0.0          # token-row buffers of the stage's MoE layers, one micro-batch
     in_flight: int = 1                   # micro-batch (chunk) inputs held by the pipeline schedule
     in_flight_bytes: float = 0.0         # their bytes (part of the activations)
+    pass_costs: List[Tuple[float, float, float]] = field(default_factory=list)   # per chunk: F, B, W seconds
 
     @property
     def total_memory(self) -> float:
@@ -354,9 +424,11 @@ def _bandwidth(device: DeviceProfile, span: int) -> float:
     return device.intra_node_bandwidth if span <= device.devices_per_node else device.inter_node_bandwidth
 
 
-def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stage: int, layer_ids: List[int]
-                ) -> StageCost:
+def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stage: int,
+                chunks: List[List[int]]) -> StageCost:
+    """The costs of pipeline stage `stage`, whose model chunks hold the layers `chunks`."""
     L, h, s = layout, arch.hidden, job.seq_length
+    layer_ids = sorted(layer for chunk in chunks for layer in chunk)
     t, first, last = L.tp, stage == 0, stage == last_stage(L)
     d = DTYPE_BYTES[job.compute_dtype]
     # What the code holds (measured by `moetrain plan --dry-run`): fp32 parameters, cast to the
@@ -392,63 +464,96 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
         "optimizer": (dense / zero_states[0] + expert / zero_states[1]) * state_bytes,
     }
 
-    # ---- activations (1F1B: stage i holds pp - i micro-batches in flight; every schedule's count:
-    # `pipeline_in_flight`). The code's pipeline keeps only each in-flight micro-batch's chunk INPUT
-    # and recomputes the chunk's forward in its backward (moetrain/parallel/pipeline.py), so one
-    # micro-batch's activations are live at a time on every stage, plus the inputs of those in
-    # flight (token ids on the first stage with one chunk; with several, counted as hidden states).
+    # ---- activations. Without a pipeline, one micro-batch's activations of every layer (gradient
+    # accumulation). With one, the pipeline keeps only each in-flight micro-batch's chunk INPUT and
+    # recomputes the chunk in its backward (moetrain/parallel/pipeline.py): `pipeline_peak` walks the
+    # schedule's instruction list with one chunk's activations live inside a pass.
     tokens = L.micro_batch_size * s
     in_flight = pipeline_in_flight(L, stage)
-    first_input_ids = first and L.chunks == 1
     fused = device.name == "cpu" and d == FP32       # moetrain.kernels: CPU only, fp32 compute
     exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
-    per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layer_ids]
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
-    stage_inputs = 0.0 if L.pp == 1 else in_flight * (4 * tokens if first_input_ids else layer_input)
     if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
         head, head_grad = FP32 * tokens * h + FP32 * arch.vocab * h, 0.0
     else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype);
         lower = d if d < FP32 else 0      # once a step, the head weight's gradient (measured at moe_1b width)
         head = (2 * FP32 + 2 * lower) * tokens * arch.vocab / t
         head_grad = (FP32 + lower) * arch.vocab * h / t if last else 0.0
-    logits = (head + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth) if last else 0.0
-    working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
-    by_mode = {
-        "none": sum(stored + probs for stored, probs in per_layer),
-        "selective": sum(stored for stored, _ in per_layer),
-        "full": layer_input * len(layer_ids) + working_set,
-    }
+    logits = (head + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth)
     # Besides: the compute-dtype copies of the weights (the matmuls' saved inputs; under full
     # recompute only the recomputed layer's). The backward's per-parameter gradients add nothing
-    # at the peak (measured): each layer's appear as its saved activations are freed.
+    # at the peak without a pipeline (measured): each layer's appear as its saved activations are freed.
     cast_bytes = d * (dense + expert) if d < FP32 else 0.0
-    casts = {"none": cast_bytes, "selective": cast_bytes, "full": cast_bytes / max(1, len(layer_ids))}
-    by_mode = {mode: value + logits + head_grad + casts[mode] + stage_inputs for mode, value in by_mode.items()}
+
+    def by_recompute(layers: List[int], extra: float) -> Dict[str, float]:
+        """One micro-batch's activations of `layers` per recompute mode, + `extra`."""
+        per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layers]
+        working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
+        casts = cast_bytes * len(layers) / max(1, len(layer_ids))
+        return {"none": sum(stored + probs for stored, probs in per_layer) + casts + extra,
+                "selective": sum(stored for stored, _ in per_layer) + casts + extra,
+                "full": layer_input * len(layers) + working_set + casts / max(1, len(layers)) + extra}
+
+    if L.pp == 1:
+        by_mode, stage_inputs = by_recompute(layer_ids, (logits + head_grad) if last else 0.0), 0.0
+    else:
+        V = L.pp * L.chunks
+        vstages = [schedules.virtual_stage(L.schedule, L.pp, stage, c) for c in range(L.chunks)]
+        inputs = [4.0 * tokens if u == 0 else layer_input for u in vstages]     # token ids on the first
+        working = [by_recompute(layers, logits if u == V - 1 else 0.0) for layers, u in zip(chunks, vstages)]
+        stage_inputs = in_flight * max(inputs)
+        by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
+                                       FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
+                   for mode in RECOMPUTE_MODES}
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
 
     # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work). Routers are whole
     # on every tp rank, and so are the routed experts unless folded (then a tp rank computes
-    # 1/token_slices of the rows on 1/etp of the FFN: 1/tp of the work); a pipeline stage other than
-    # the last runs its forward again in its backward (pipeline.py).
-    split = whole = 0.0
-    for layer in layer_ids:
-        moe = arch.is_moe(layer)
-        matmul = arch.attention_params + (3 * h * arch.shared_ffn if moe else 3 * h * arch.ffn)
-        routed = arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k / (L.token_slices * L.etp) if moe else 0
-        if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
-            matmul += 2 * h * h + arch.vocab * h
-        attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
-        forwards = 1 + (L.recompute == "full") + (L.pp > 1 and not last)
-        split += (4 + 2 * forwards) * matmul + (2 + forwards) * attention
-        whole += (4 + 2 * forwards) * routed
-        if L.recompute == "selective":
-            split += attention
-    if last:
-        split += 6 * arch.vocab * h
+    # 1/token_slices of the rows on 1/etp of the FFN: 1/tp of the work). The pipeline
+    # (moetrain/parallel/pipeline.py) recomputes a chunk's forward in its backward, except on the
+    # last virtual stage, whose forward takes its gradients at once; a split backward (zero-bubble)
+    # is two compiled passes that each recompute the forward: B (input gradient) and W (weight
+    # gradient, which also back-propagates through the chunk), so a chunk between the first and
+    # the last virtual stage computes one forward and one input gradient more (the first one's B is
+    # empty: token ids need no gradient). `pass_costs`: (F, B, W) seconds of each chunk's passes.
     peak = device.peak(job.compute_dtype) / (L.world if device.shared_host else 1)
-    compute = tokens * (split / t + whole) / (peak * device.compute_efficiency)
+    per_flop = tokens / (peak * device.compute_efficiency)
+    V = L.pp * L.chunks
+    split_backward = L.pp > 1 and L.schedule in schedules.SPLIT_BACKWARD
+    compute, pass_costs = 0.0, []
+    for c, layers in enumerate(chunks):
+        u = schedules.virtual_stage(L.schedule, L.pp, stage, c) if L.pp > 1 else 0
+        input_gradient_again = split_backward and 0 < u < V - 1
+        forward = tp_flops = whole = 0.0
+        for layer in layers:
+            moe = arch.is_moe(layer)
+            matmul = arch.attention_params + (3 * h * arch.shared_ffn if moe else 3 * h * arch.ffn)
+            routed = arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k / (L.token_slices * L.etp) if moe else 0
+            if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
+                matmul += 2 * h * h + arch.vocab * h
+            attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
+            forwards = 1 + (L.recompute == "full") + (L.pp > 1 and u < V - 1) + input_gradient_again
+            again = 2 * input_gradient_again                  # the input gradient once more (matmuls x2, core x2)
+            tp_flops += (4 + 2 * forwards + again) * matmul + (2 + forwards + again) * attention
+            whole += (4 + 2 * forwards + again) * routed
+            forward += 2 * matmul / t + attention / t + 2 * routed
+            if L.recompute == "selective":
+                tp_flops += attention
+        if u == V - 1:
+            tp_flops += 6 * arch.vocab * h
+            forward += 2 * arch.vocab * h / t
+        total = (tp_flops / t + whole) * per_flop
+        forward *= per_flop
+        compute += total
+        if L.pp == 1 or u == V - 1:          # the last virtual stage: all in its forward
+            pass_costs.append((total, 0.0, 0.0))
+        elif not split_backward:
+            pass_costs.append((forward, total - forward, 0.0))
+        else:                                # B: a forward and an input gradient (about a forward's FLOPs)
+            backward_input = 2 * forward if u > 0 else 0.0
+            pass_costs.append((forward, backward_input, total - forward - backward_input))
 
     # ---- communication (bytes per device)
     # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/dist/comm.py):
@@ -498,7 +603,7 @@ def _stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, sta
                      in_flight=in_flight, in_flight_bytes=stage_inputs,
                      dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact),
                      activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
-                     compute_seconds_per_micro_batch=compute,
+                     compute_seconds_per_micro_batch=compute, pass_costs=pass_costs,
                      comm_seconds_per_micro_batch=sum(comm_seconds[dim] for dim in per_mb) / L.num_micro_batches,
                      dp_seconds=dp_seconds)
 
@@ -564,21 +669,18 @@ def plan_layout(job: Job, layout: Layout, device: Union[str, DeviceProfile] = "c
 
 def _plan_valid_layout(job: Job, layout: Layout, device: DeviceProfile, source: str = "") -> PlanResult:
     arch = job.arch
-    stages = [_stage_cost(job, arch, layout, device, i, layers)
-              for i, layers in enumerate(stage_layer_lists(arch, layout))]
+    stages = [_stage_cost(job, arch, layout, device, i, chunk_layer_lists(arch, layout, i))
+              for i in range(layout.pp)]
     peak_stage = max(range(len(stages)), key=lambda i: stages[i].total_memory)
     capacity = device.memory_bytes / (layout.world if device.shared_host else 1)
     usable = (capacity - device.runtime_bytes) * MEMORY_SAFETY
 
     # The slowest stage paces the pipeline: m micro-batch slots of work, and the schedule's idle
-    # fraction at equal forward / input-gradient / weight-gradient costs (1F1B: (pp - 1) / (m + pp - 1),
-    # i.e. m + pp - 1 slots). A split backward (zero-bubble) recomputes the forward once more: +1/3.
+    # fraction at this runtime's pass costs (`pipeline_bubble`; 1F1B at pp 2: (pp - 1) / (m + pp - 1)).
     pacing = max(stages, key=lambda st: st.compute_seconds_per_micro_batch + st.comm_seconds_per_micro_batch)
-    split = layout.pp > 1 and layout.schedule in schedules.SPLIT_BACKWARD
-    per_micro = pacing.compute_seconds_per_micro_batch * (4 / 3 if split else 1)
+    per_micro = pacing.compute_seconds_per_micro_batch
     slot = per_micro + pacing.comm_seconds_per_micro_batch
-    bubble_fraction = (schedules.schedule_bubble(layout.schedule, layout.pp, layout.num_micro_batches, layout.chunks)
-                       if layout.pp > 1 else 0.0)
+    bubble_fraction = pipeline_bubble(layout, [st.pass_costs for st in stages]) if layout.pp > 1 else 0.0
     # Gradient sync overlaps the backward (~2/3 of the compute) of the last micro-batch.
     exposed_dp = max(max(0.0, st.dp_seconds - 2 / 3 * st.compute_seconds_per_micro_batch) for st in stages)
     busy = layout.num_micro_batches * slot
@@ -656,11 +758,16 @@ class LayoutSearch:
 
 def pipeline_schedules(arch: Arch, pp: int, num_micro_batches: int) -> List[Tuple[str, int]]:
     """`(schedule, pp_interleave_num)` pairs the search tries: 1F1B, and with pipeline stages
-    interleaved 1F1B of two chunks a stage where the layers split evenly into 2·pp virtual stages
-    and the micro-batches come in groups of pp (moetrain/layout.py)."""
-    if pp > 1 and arch.layers % (2 * pp) == 0 and num_micro_batches % pp == 0:
-        return [("1f1b", 1), ("interleaved_1f1b", 2)]
-    return [("1f1b", 1)]
+    ZB-H1, plus, where the layers split evenly into 2·pp virtual stages, ZB-V (two chunks in a V)
+    and interleaved 1F1B of two chunks a stage if the micro-batches come in groups of pp
+    (moetrain/layout.py)."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    tried = [("1f1b", 1), ("zero_bubble_h1", 1)]
+    if arch.layers % (2 * pp) == 0:
+        tried += [("interleaved_1f1b", 2)] if num_micro_batches % pp == 0 else []
+        tried += [("zero_bubble_v", 1)]
+    return tried
 
 
 def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
@@ -691,7 +798,7 @@ def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
 def _tie_key(result: PlanResult):
     L = result.layout
     return (result.total_comm_bytes, L.zero, RECOMPUTE_MODES.index(L.recompute), L.tp, L.pp,
-            L.sequence_parallel, -L.micro_batch_size, L.ep, L.etp, L.chunks)
+            L.sequence_parallel, -L.micro_batch_size, L.ep, L.etp, L.chunks, L.schedule in schedules.SPLIT_BACKWARD)
 
 
 def choose_layout(cfg, world_size: int, device=None) -> Tuple[Dict[str, object], LayoutSearch]:
@@ -835,7 +942,7 @@ def format_plan(result: PlanResult) -> str:
         f" step time    {r.step_seconds:.3f} s = compute {r.compute_seconds:.3f} s + pipeline "
         f"bubble {r.bubble_seconds:.3f} s + exposed communication {r.exposed_comm_seconds:.3f} s",
         *([f" pipeline     {L.schedule}" + (f", {L.chunks} model chunks per stage" if L.chunks > 1 else "")
-           + f": bubble {r.bubble_fraction:.1%} of the busiest stage's time at equal pass costs; inputs in "
+           + f": bubble {r.bubble_fraction:.1%} of the busiest stage's time at this runtime's pass costs; inputs in "
            f"flight per stage {[st.in_flight for st in r.stages]}"] if L.pp > 1 else []),
         f" throughput   {r.tokens_per_second:,.0f} tokens/s ({r.tokens_per_second / L.world:,.0f} per device); "
         f"MFU {r.mfu:.1%} (cost model: {dev.compute_efficiency:.0%} of {dev.peak(job.compute_dtype) / 1e12:g} "

@@ -403,34 +403,42 @@ def test_pp2_dense_1f1b_uneven_split_reproduces_one_process(shared_job_2):
 
 
 def test_plan_reports_the_schedule_bubble_and_inputs_in_flight():
-    """`moetrain plan`: each schedule's idle fraction (its own lists at equal pass costs), the inputs
-    each stage holds (counted from the lists), stage 0 holding the head with ZB-V, and a step time
-    that follows the bubble (ZB-V's split backward recomputes once more: +1/3 compute)."""
+    """`moetrain plan`: each schedule's idle fraction (its own lists run at this runtime's pass
+    costs: `pipeline_bubble`, which at equal costs on every stage is the schedule's own
+    `schedule_bubble`), the inputs each stage holds (counted from the lists), stage 0 holding the
+    head with ZB-V, and a step time that follows the bubble."""
     from moetrain.parallel.schedules import build_schedule, peak_in_flight, schedule_bubble
-    from moetrain.plan import format_plan, load_plan_config, plan
+    from moetrain.plan import format_plan, load_plan_config, pipeline_bubble, plan
 
     base = ["parallel.pipeline_stage=4", "parallel.data_parallel=1", "parallel.expert_parallel=1",
             "train.global_batch_size=16", "train.micro_batch_size=1"]
     moe_1b = os.path.join(ROOT, "configs", "moe_1b.yaml")
     results = {}
     for kind, extra in (("1f1b", []), ("interleaved_1f1b", ["parallel.pp_interleave_num=2"]),
-                        ("zero_bubble_v", [])):
+                        ("zero_bubble_h1", []), ("zero_bubble_v", [])):
         result = plan(load_plan_config(moe_1b, base + [f"parallel.pipeline_schedule={kind}"] + extra))
-        chunks = 1 if kind == "1f1b" else 2
-        assert result.bubble_fraction == pytest.approx(schedule_bubble(kind, 4, 16, chunks))
+        chunks = result.layout.chunks
+        equal = (1.0, 1.0, 1.0) if kind in ("zero_bubble_h1", "zero_bubble_v") else (1.0, 2.0, 0.0)
+        assert pipeline_bubble(result.layout, [[tuple(c / chunks for c in equal)] * chunks] * 4) == pytest.approx(
+            schedule_bubble(kind, 4, 16, chunks, (1.0, 1.0, 1.0)))
+        assert result.bubble_fraction == pytest.approx(
+            pipeline_bubble(result.layout, [st.pass_costs for st in result.stages]))
+        for st in result.stages:          # the passes add up to the stage's compute
+            assert sum(map(sum, st.pass_costs)) == pytest.approx(st.compute_seconds_per_micro_batch)
         assert [st.in_flight for st in result.stages] == [
             peak_in_flight(build_schedule(kind, 4, s, 16, chunks)) for s in range(4)]
         pacing = max(result.stages, key=lambda st: st.compute_seconds_per_micro_batch + st.comm_seconds_per_micro_batch)
-        slot = pacing.compute_seconds_per_micro_batch * (4 / 3 if kind == "zero_bubble_v" else 1) \
-            + pacing.comm_seconds_per_micro_batch
-        busy = 16 * slot      # the bubble is the schedule's fraction of busy + bubble
+        busy = 16 * (pacing.compute_seconds_per_micro_batch + pacing.comm_seconds_per_micro_batch)
         assert result.bubble_seconds / (busy + result.bubble_seconds) == pytest.approx(result.bubble_fraction)
-        assert result.compute_seconds == pytest.approx(
-            16 * pacing.compute_seconds_per_micro_batch * (4 / 3 if kind == "zero_bubble_v" else 1))
+        assert result.compute_seconds == pytest.approx(16 * pacing.compute_seconds_per_micro_batch)
         assert f"pipeline     {kind}" in format_plan(result)
         results[kind] = result
-    one, inter, zbv = results["1f1b"], results["interleaved_1f1b"], results["zero_bubble_v"]
-    assert one.bubble_fraction == pytest.approx(3 / 19)
-    assert inter.bubble_seconds < one.bubble_seconds and zbv.bubble_seconds < inter.bubble_seconds
+    one, inter, zbh1, zbv = (results[k] for k in ("1f1b", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v"))
+    # the last stage takes its gradients in its forward, without a recompute: lighter than the
+    # others, it idles less than the textbook (P - 1) / (M + P - 1) says of the busiest
+    assert 0.10 < one.bubble_fraction < 3 / 19
+    # ZB-H1 fills its bubble, but its middle stages recompute the forward in B and in W: slower
+    assert zbh1.bubble_fraction < one.bubble_fraction and zbh1.step_seconds > one.step_seconds
+    assert inter.bubble_fraction < one.bubble_fraction
     # ZB-V: the head (and its logits) sit on stage 0, not stage 3
     assert zbv.stages[0].params > one.stages[0].params and zbv.stages[3].params < one.stages[3].params

@@ -128,23 +128,71 @@ def test_memory_and_comm_of_a_small_layout_by_hand():
 
 
 def test_pipeline_stages_by_hand():
-    # pp = 2, 2 micro-batches: under 1F1B stage 0 (embed + layer 0) has 2 in flight, stage 1 one. The
-    # pipeline keeps each in-flight micro-batch's stage input (int32 token ids on stage 0, the fp32
-    # [4, 8] activation on stage 1) and recomputes the stage in its backward: one micro-batch's
-    # activations live at a time.
+    # pp = 2, 2 micro-batches, 1F1B: stage 0 (embed + layer 0, 848 parameters) runs F0 F1 B0 B1,
+    # stage 1 (layer 1 + final norm + head, 856) F0 B0 F1 B1. The pipeline keeps each in-flight
+    # micro-batch's chunk input (int32 token ids on stage 0, the fp32 [4, 8] hidden state on stage 1),
+    # every hidden state or gradient received and not yet used, and recomputes the chunk in its
+    # backward; a backward (stage 1: its forward) holds the chunk's activations, or at its end the
+    # per-parameter gradients and their packed copy (2 G), on top of the running sum G from the
+    # previous micro-batch. `activations` is the peak less the gradient buffers G.
     r = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2), EXACT)
-    layer, logits, head_grad = 2048, 1280, 4 * 32 * 8           # head_grad: once a step, not per micro-batch
-    ids, activation = 4 * 4, 4 * 4 * 8
+    layer, logits = 2048, 1280
+    ids, hidden = 4 * 4, 4 * 4 * 8
+    g0, g1 = (256 + 592) * 4, (592 + 8 + 256) * 4
     s0, s1 = r.stages
-    assert s0.activations_by_recompute["none"] == layer + 2 * ids
-    assert s1.activations_by_recompute["none"] == layer + logits + head_grad + activation
-    assert s0.memory["weights"] == (256 + 592) * 4 and s1.memory["weights"] == (592 + 8 + 256) * 4
-    assert s0.total_memory == (256 + 592) * 16 + layer + 2 * ids  # fp32 weights, grads, m + v: 16 B a parameter
-    assert r.peak_stage == 1 and r.total_memory == (592 + 8 + 256) * 16 + layer + logits + head_grad + activation
+    assert max(layer, layer + logits) < 2 * min(g0, g1)          # the gradients make the peak here
+    # stage 0 at B1: micro-batch 1's ids and received gradient, the sum G, then 2 G
+    assert s0.activations_by_recompute["none"] == ids + hidden + g0 + 2 * g0 - g0
+    # stage 1 at F1 (micro-batch 0's input gradient left with the exchange that brought micro-batch
+    # 1's input): that input, the sum G, then 2 G
+    assert s1.activations_by_recompute["none"] == hidden + g1 + 2 * g1 - g1
+    assert s0.memory["weights"] == g0 and s1.memory["weights"] == g1
+    assert s0.total_memory == g0 * 4 + s0.memory["activations"]  # fp32 weights, grads, m + v: 16 B a parameter
+    assert r.peak_stage == 1
     assert s0.comm_bytes["pp"] == 2 * 4 * 4 * 8                     # one fp32 [4, 8] send per micro-batch
+    # GPipe: stage 1 runs F0 F1 B0 B1: at F1 it also holds micro-batch 0's input and input gradient
     gpipe = plan_layout(hand_job(global_batch=2), Layout(pp=2, micro_batch_size=1, num_micro_batches=2,
                                                          schedule="gpipe"), EXACT)
-    assert gpipe.stages[1].activations_by_recompute["none"] == layer + logits + head_grad + 2 * activation
+    assert gpipe.stages[1].activations_by_recompute["none"] == 3 * hidden + g1 + 2 * g1 - g1
+    # 8 sequences a micro-batch: one micro-batch's activations make the peak (stage 0 at B1: + the
+    # ids and received gradient of micro-batch 1, the sum G)
+    big = plan_layout(hand_job(global_batch=16), Layout(pp=2, micro_batch_size=8, num_micro_batches=2), EXACT)
+    assert 8 * layer > 2 * g0
+    assert big.stages[0].activations_by_recompute["none"] == 8 * layer + 8 * ids + 8 * hidden + g0 - g0
+
+
+def test_pipeline_pass_costs_and_step_by_hand():
+    """The split backward's cost on this runtime, and each schedule's step from its own lists, by
+    hand for tiny_gpt with 4 layers at pp 2, 2 micro-batches of 4 tokens, on a device of 1 TFLOP/s
+    with free links. FLOPs per token and layer: matmuls of 576 parameters, 1152 forward, as much
+    for the input gradient and for the weight gradient; attention core 128 forward, 256 backward;
+    the head (256 parameters) 512 forward, 1536 in all. F = 1280. A chunk's backward recomputes
+    its forward: 1280 + 1152 + 1152 + 256 = 3840, a chunk 5120 a layer; the last virtual stage
+    takes its gradients in its forward without the recompute: 3840 a layer. Split (ZB) on a middle
+    chunk: B (a forward and an input gradient, booked as two forwards: 2560) and W (a forward and
+    both gradients) each recompute: 7808 a layer instead of 5120, W = 7808 - 1280 - 2560 = 3968.
+    The first virtual stage's B is empty (token ids), its W the whole backward."""
+    device = dataclasses.replace(EXACT, p2p_latency=0.0, intra_node_bandwidth=1e30, inter_node_bandwidth=1e30)
+    job = Job(model=tiny_gpt(num_layers=4), seq_length=4, global_batch_size=2)
+    unit = 4 / 1e12                     # seconds a FLOP-per-token costs for 4 tokens
+    result = {kind: plan_layout(job, Layout(pp=2, micro_batch_size=1, num_micro_batches=2, schedule=kind), device)
+              for kind in ("1f1b", "zero_bubble_h1", "zero_bubble_v")}
+
+    def costs(kind):
+        return [[tuple(round(x / unit) for x in chunk) for chunk in st.pass_costs] for st in result[kind].stages]
+    assert costs("1f1b") == [[(2560, 7680, 0)], [(9216, 0, 0)]]            # layers 0-1 | 2-3 + head
+    assert costs("zero_bubble_h1") == [[(2560, 0, 7680)], [(9216, 0, 0)]]
+    assert costs("zero_bubble_v") == [[(1280, 0, 3840), (5376, 0, 0)],      # layer 0 | layer 3 + head
+                                      [(1280, 2560, 3968), (1280, 2560, 3968)]]   # layers 1 | 2
+    # 1F1B: F0 0-2560, F1 -5120 | stage 1 F0 2560-11776, F1 11776-20992 | B0 11776-19456, B1 20992-28672
+    # ZB-H1 at pp 2 has no middle stage: the same passes, the same times (W in B's place)
+    for kind in ("1f1b", "zero_bubble_h1"):
+        assert result[kind].step_seconds == pytest.approx(28672 * unit)
+        assert result[kind].bubble_fraction == pytest.approx(1 - 20480 / 28672)
+    # ZB-V: stage 1 runs F 1280, B 2560, W 3968 for 2 chunks x 2 micro-batches (31232 busy); its four
+    # W run last, from 19712 (after B1 of both chunks, which waits on stage 0's head at 14592)
+    assert result["zero_bubble_v"].step_seconds == pytest.approx((19712 + 4 * 3968) * unit)
+    assert result["zero_bubble_v"].bubble_fraction == pytest.approx(1 - 31232 / 35584)
 
 
 def test_zero_and_recompute_shrink_memory():

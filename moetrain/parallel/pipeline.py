@@ -319,10 +319,12 @@ class PipelineExecutor:
         pack = flatten if flatten is not None else tuple
         self.passes = [ChunkPasses(chunk, self.params, jit, pack) for chunk in chunks]
 
-        def accumulate(acc, grads):
-            return tuple(a + g for a, g in zip(acc, grads))
-
-        self._accumulate = ms.jit(accumulate) if jit else accumulate
+    @staticmethod
+    def _accumulate(acc, grads):
+        """`acc + grads` per buffer, in PyNative: a compiled graph keeps its last call's inputs alive
+        until its next call (measured), so a jitted sum held the previous sum and the micro-batch's
+        gradients (two gradient-sized buffers) through the passes that followed."""
+        return tuple(a + g for a, g in zip(acc, grads))
 
     def peers(self) -> List[int]:
         """The stages this one exchanges with (training and evaluation)."""
@@ -349,7 +351,7 @@ class PipelineExecutor:
 
         def add(micro_grads):
             nonlocal grads
-            grads = micro_grads if grads is None else self._accumulate(ms.mutable(grads), ms.mutable(micro_grads))
+            grads = micro_grads if grads is None else self._accumulate(grads, micro_grads)
 
         def hand_over(msg: Msg, tensor) -> None:
             (inbox if self._is_mine(msg) else outbox)[msg] = tensor
@@ -373,6 +375,7 @@ class PipelineExecutor:
                 if chunk.is_last:   # its whole backward now: the loss's gradient needs nothing from later
                     stats[c][m], micro_grads, dxs[key] = passes.loss_full(x, batches[m][1], scale, *side)
                     add(micro_grads)
+                    del micro_grads     # not held through the next pass
                 else:
                     out, stats[c][m] = passes.forward(x, None, *side)
                     hand_over(Msg(ACTIVATION, u + 1, m), out)
@@ -390,6 +393,7 @@ class PipelineExecutor:
                     else:
                         micro_grads, dx = passes.backward(held[key], dout, scale, *side)
                         add(micro_grads)
+                        del micro_grads
                 if not self.split:
                     release(key)
                 if not chunk.is_first:

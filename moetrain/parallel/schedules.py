@@ -6,6 +6,7 @@ Pure Python (the planner imports it); moetrain/parallel/pipeline.py runs the lis
     compute_order / pair_exchanges         the passes' order; the exchanges placed by a lock-step run
     peak_in_flight(ops)                    the most micro-batch inputs a stage holds
     schedule_bubble(kind, P, M, chunks)    the idle fraction at given pass costs
+    run_schedule(kind, P, M, chunks, cost) makespan and busy time at per-stage pass costs
     virtual_stage / stage_of               where the model chunks sit (round robin, or ZB-V's V)
     sends_per_micro_batch                  the tensors a stage sends its neighbours per micro-batch
 
@@ -315,19 +316,27 @@ def schedule_bubble(kind: str, num_stages: int, num_micro: int, chunks: int = 1,
     of a whole stage take `costs` (F, B, W; a chunk's pass: over the chunks) and exchanges take no
     time, found by running every stage's list: 1 - busy / (stages x makespan). An unsplit backward
     costs B + W. 1F1B gives the textbook (P - 1) / (M + P - 1)."""
-    ops = build_schedules(kind, num_stages, num_micro, chunks)
     f, b, w = (c / chunks for c in costs)
     split = kind in SPLIT_BACKWARD
     cost = {FORWARD: f, BACKWARD: b if split else b + w, WEIGHT: w}
-    clock, position, busy = [0.0] * num_stages, [0] * num_stages, 0.0
+    makespan, busy = run_schedule(kind, num_stages, num_micro, chunks, lambda stage, op: cost[op.kind])
+    return 1.0 - sum(busy) / (num_stages * makespan)
+
+
+def run_schedule(kind: str, num_stages: int, num_micro: int, chunks: int, cost) -> Tuple[float, List[float]]:
+    """`(makespan, busy time of each stage)` of every stage's list when pass `op` of `stage` takes
+    `cost(stage, op)` and exchanges take no time (both ends leave an exchange together)."""
+    ops = build_schedules(kind, num_stages, num_micro, chunks)
+    clock, position, busy = [0.0] * num_stages, [0] * num_stages, [0.0] * num_stages
     while any(position[s] < len(ops[s]) for s in range(num_stages)):
         moved = False
         for s in range(num_stages):
             while position[s] < len(ops[s]):
                 op = ops[s][position[s]]
                 if op.kind != EXCHANGE:
-                    clock[s] += cost[op.kind]
-                    busy += cost[op.kind]
+                    seconds = cost(s, op)
+                    clock[s] += seconds
+                    busy[s] += seconds
                     position[s] += 1
                     moved = True
                     continue
@@ -341,4 +350,4 @@ def schedule_bubble(kind: str, num_stages: int, num_micro: int, chunks: int = 1,
                 moved = True
         if not moved:
             raise PipelineError(f"{kind}: the schedule deadlocks")
-    return 1.0 - busy / (num_stages * max(clock))
+    return max(clock), busy
