@@ -12,7 +12,9 @@ before any worker starts. Pure Python: no MindSpore import.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -28,7 +30,16 @@ class LayoutError(ValueError):
 
 
 def divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return list(_divisors(n))
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> Tuple[int, ...]:
+    # the layout search asks for the divisors of vocabularies and batch sizes thousands of times
+    if n < 1:
+        return ()
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
 def world_fix(world: int, model_ranks: int, global_batch_size: Optional[int] = None) -> str:

@@ -14,6 +14,7 @@ The schedules and their sources are described in moetrain/parallel/pipeline.py.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -238,16 +239,17 @@ def pair_exchanges(kind: str, num_stages: int, num_micro: int, chunks: int,
     def greedy(s: int) -> Optional[Op]:
         """The zero-bubble schedules' next pass (see above)."""
         started = [op for op in lists[s] if op.kind != EXCHANGE]
-        count = {(k, c): sum(op.kind == k and op.chunk == c for op in started)
-                 for k in (FORWARD, BACKWARD, WEIGHT) for c in range(chunks)}
+        tally = collections.Counter((op.kind, op.chunk) for op in started)
+        count = {(k, c): tally[(k, c)] for k in (FORWARD, BACKWARD, WEIGHT) for c in range(chunks)}
         held = sum(count[(FORWARD, c)] - count[(WEIGHT, c)] for c in range(chunks))
         bound = P - s if chunks == 1 else 2 * P
         candidates = [Op(BACKWARD, count[(BACKWARD, c)], c) for c in reversed(range(chunks))
                       if count[(BACKWARD, c)] < count[(FORWARD, c)]]
         candidates += [Op(FORWARD, count[(FORWARD, c)], c) for c in reversed(range(chunks))
                        if count[(FORWARD, c)] < num_micro and held < bound]
-        weights = [Op(WEIGHT, op.micro, op.chunk) for op in started if op.kind == BACKWARD]
-        candidates += [op for op in weights if op not in started][:1]        # the oldest deferred one
+        begun = {(op.kind, op.chunk, op.micro) for op in started}
+        candidates += [Op(WEIGHT, op.micro, op.chunk) for op in started            # the oldest deferred one
+                       if op.kind == BACKWARD and (WEIGHT, op.chunk, op.micro) not in begun][:1]
         return next((op for op in candidates if ready(s, op)), None)
 
     time_step = 0
