@@ -100,15 +100,17 @@ def new_job_dir() -> str:
 
 def run_workers(script: str, nproc: int, args: Sequence[str] = (), timeout: float = 180, *,
                 launcher_args: Sequence[str] = (), env: Optional[Dict[str, str]] = None,
-                job_dir: Optional[str] = None) -> WorkerRun:
+                job_dir: Optional[str] = None, base_env: Optional[Dict[str, str]] = None) -> WorkerRun:
     """Launch `script` on `nproc` ranks and wait (the launcher enforces `timeout`; a backstop kills
-    the launcher's process group 60 s later)."""
+    the launcher's process group 60 s later). The job's environment: `base_env` (default: this
+    process's now) updated with `env`."""
     require_msrun()
     job_dir = job_dir or new_job_dir()
     os.makedirs(os.path.join(job_dir, "out"), exist_ok=True)
     cmd = launcher_command(script, nproc, job_dir, args, launcher_args, timeout)
     start = time.time()
-    proc = subprocess.Popen(cmd, cwd=job_dir, env={**os.environ, **(env or {})}, start_new_session=True,
+    proc = subprocess.Popen(cmd, cwd=job_dir, env={**(os.environ if base_env is None else base_env), **(env or {})},
+                            start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=timeout + 60)
@@ -197,8 +199,9 @@ def prepare_shared_job(nproc: int, fixture, job_dir: str) -> Optional[dict]:
     out_dir = os.path.join(job_dir, "out")
     specs = [_quiet(f"{g.module}.{spec}", g.quiet) for g in groups for spec in g.specs(fixture, out_dir)]
     references = [f"{g.module}.{spec}" for g in groups if g.references for spec in g.references(fixture)]
+    # the environment as it is now: a test running meanwhile may patch os.environ (monkeypatch.setenv)
     return dict(nproc=nproc, job_dir=job_dir, out_dir=out_dir, specs=specs, references=references,
-                timeout=sum(g.timeout for g in groups))
+                timeout=sum(g.timeout for g in groups), env=dict(os.environ))
 
 
 def _quiet(spec: str, quiet: bool) -> str:
@@ -209,10 +212,11 @@ def launch_shared_job(job: dict) -> str:
     """Run a prepared shared job (see tests/workers/train_runs_worker.py), its one-process references
     in one process beside it; returns the job's output folder, where run NAME of MODULE trained into
     MODULE.NAME and reference NAME into reference_dir(out)/MODULE.NAME."""
-    beside = BesideProcess(reference_dir(job["out_dir"]), job["references"]) if job["references"] else None
+    beside = (BesideProcess(reference_dir(job["out_dir"]), job["references"], env=job["env"])
+              if job["references"] else None)
     try:
         run_workers(TRAIN_RUNS_WORKER, job["nproc"], job["specs"], timeout=job["timeout"],
-                    job_dir=job["job_dir"]).check()
+                    job_dir=job["job_dir"], base_env=job["env"]).check()
         if beside is not None:
             beside.wait(job["timeout"])
     finally:
@@ -307,12 +311,12 @@ class BesideProcess:
     """train_runs_worker runs (`NAME:CONFIG:overrides`) in one process of their own, started now, into
     `out_dir`; its output goes to out_dir/reference.log (a file: a pipe could fill and stall it)."""
 
-    def __init__(self, out_dir: str, specs: Sequence[str]):
+    def __init__(self, out_dir: str, specs: Sequence[str], env: Optional[Dict[str, str]] = None):
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         self.log = open(os.path.join(out_dir, "reference.log"), "w+")
         self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, TRAIN_RUNS_WORKER), out_dir, *specs],
-                                     cwd=out_dir, stdout=self.log, stderr=subprocess.STDOUT)
+                                     cwd=out_dir, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait(self, timeout: float) -> None:
         if self.proc.wait(timeout=timeout) != 0:
