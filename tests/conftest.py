@@ -67,14 +67,16 @@ def pytest_collection_modifyitems(session, config, items):
     fixtures are built once."""
     import distributed
 
-    distributed.SELECTED_MODULES.update(item.module.__name__ for item in items if item.module is not None)
+    def module(item):
+        return item.module.__name__ if item.module is not None else ""
+
+    distributed.SELECTED_MODULES.update(module(item) for item in items if item.module is not None)
     shared = {g.module for groups in distributed.SHARED_RUNS.values() for g in groups}
     order = {}
     for item in items:
-        module = item.module.__name__ if item.module is not None else ""
-        rank = 1 if module in shared else (2 if item.get_closest_marker("distributed") else 0)
-        order[module] = max(order.get(module, 0), rank)
-    items[:] = sorted(items, key=lambda item: order[item.module.__name__ if item.module is not None else ""])
+        rank = 1 if module(item) in shared else (2 if item.get_closest_marker("distributed") else 0)
+        order[module(item)] = max(order.get(module(item), 0), rank)
+    items[:] = sorted(items, key=lambda item: order[module(item)])
 
 
 @pytest.fixture(scope="session", autouse=True)
