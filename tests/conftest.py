@@ -63,8 +63,10 @@ def pytest_collection_modifyitems(session, config, items):
     """After -k/-m deselection: the test files whose runs join the shared jobs, and the order: files
     of one-process tests first (they run while the shared jobs train in the background), then the
     files that read the shared jobs, then those that launch jobs of their own (after the shared jobs,
-    so their launches and timeouts see the machine as before). Whole files move, so module
-    fixtures are built once."""
+    so their launches and timeouts see the machine as before), and last the files whose child
+    process runs in the background (tests/background.py: the more of the session it has had, the
+    less its test waits). Whole files move, so module fixtures are built once."""
+    import background
     import distributed
 
     def module(item):
@@ -74,20 +76,25 @@ def pytest_collection_modifyitems(session, config, items):
     shared = {g.module for groups in distributed.SHARED_RUNS.values() for g in groups}
     order = {}
     for item in items:
-        rank = 1 if module(item) in shared else (2 if item.get_closest_marker("distributed") else 0)
+        rank = (3 if module(item) in background.REGISTERED else 1 if module(item) in shared
+                else 2 if item.get_closest_marker("distributed") else 0)
         order[module(item)] = max(order.get(module(item), 0), rank)
     items[:] = sorted(items, key=lambda item: order[module(item)])
 
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_jobs(request, tmp_path_factory):
-    """The shared 2- and 4-rank jobs, launched in the background at the first test."""
+    """The shared 2- and 4-rank jobs, launched in the background at the first test; the selected
+    files' idle-priority children (tests/background.py) start then too."""
+    import background
     import distributed
 
+    background.start_selected(distributed.SELECTED_MODULES)
     jobs = distributed.SharedJobs(request.getfixturevalue,
                                   {n: str(tmp_path_factory.mktemp(f"shared{n}")) for n in (2, 4)})
     yield jobs
     jobs.stop()
+    background.stop_all()
 
 
 def pytest_runtest_setup(item):

@@ -1,0 +1,77 @@
+"""Child test processes that run at idle priority through the whole session.
+
+A test file registers a command at import (`run_in_background(__name__, argv, env)`); when one of its
+tests is selected, tests/conftest.py starts the command at the session's first test under `nice 19`
+and orders the file last, and its test reads the outcome with `wait_for_background(__name__)`.
+
+Why: the first half of the suite keeps both cores busy (one-process tests beside the shared msrun
+jobs) and the second half does not (launches start up, ranks wait for each other, the fault drills
+sleep; measured: about a third of the two cores idle over its last 13 minutes). A niced child takes
+next to nothing while the others are busy and the idle share when they are not, so a child pytest
+that would add two minutes at the end runs in time that was idle.
+"""
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+IDLE_NICE = 19
+
+
+@dataclass
+class BackgroundRun:
+    argv: List[str]
+    env: Dict[str, str]
+    cwd: str
+    timeout: float
+    proc: Optional[subprocess.Popen] = None
+    log_path: str = ""
+    started: float = 0.0
+
+
+REGISTERED: Dict[str, BackgroundRun] = {}
+
+
+def run_in_background(module: str, argv: List[str], env: Dict[str, str], cwd: str, timeout: float) -> None:
+    """Register `argv` for the session's background (call at import, with `__name__`)."""
+    REGISTERED[module] = BackgroundRun(list(argv), dict(env), cwd, timeout)
+
+
+def start_selected(selected: set) -> None:
+    """Start the registered commands of the selected test files (tests/conftest.py, first test)."""
+    for module, run in REGISTERED.items():
+        if module in selected and run.proc is None:
+            fd, run.log_path = tempfile.mkstemp(prefix=f"moetrain-background-{module}-", suffix=".log")
+            log = os.fdopen(fd, "w")
+            run.started = time.time()
+            run.proc = subprocess.Popen(run.argv, cwd=run.cwd, env=run.env, stdout=log, stderr=subprocess.STDOUT,
+                                        preexec_fn=lambda: os.nice(IDLE_NICE))
+            log.close()
+
+
+def wait_for_background(module: str) -> subprocess.CompletedProcess:
+    """The registered command's outcome (its output in `stdout`); kills it past its timeout, counted
+    from its start."""
+    run = REGISTERED[module]
+    if run.proc is None:     # not started by the session (e.g. the test run without conftest's hook)
+        start_selected({module})
+    remaining = max(1.0, run.timeout - (time.time() - run.started))
+    try:
+        code = run.proc.wait(timeout=remaining)
+    except subprocess.TimeoutExpired:
+        run.proc.kill()
+        code = run.proc.wait()
+    with open(run.log_path) as fh:
+        output = fh.read()
+    os.remove(run.log_path)
+    return subprocess.CompletedProcess(run.argv, code, output, "")
+
+
+def stop_all() -> None:
+    """Session end: kill what still runs (an interrupted session leaves no child behind)."""
+    for run in REGISTERED.values():
+        if run.proc is not None and run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
