@@ -184,8 +184,8 @@ def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = Fals
     """Register a test file's runs for the shared `nproc`-rank job (call at import, with `__name__`);
     its fixtures read the runs' folders with `shared_run_dirs(out_dir, module)`. `references(fixture)`
     (optional) gives one-process runs that train beside the launch, in one process for all files; read
-    with `shared_reference_dirs`. They fill what the launch leaves idle (start-up, the launcher's polling;
-    ranks waiting in a collective busy-wait, measured, so the overlap is partial)."""
+    with `shared_reference_dirs`. They fill what the launch leaves idle (start-up, the launcher's polling,
+    ranks waiting for each other: on the CPU they block rather than spin, see topology.init_parallel)."""
     SHARED_RUNS.setdefault(nproc, []).append(SharedRuns(module, specs, timeout, last, references, quiet))
 
 
@@ -228,8 +228,8 @@ def launch_shared_job(job: dict) -> str:
 class SharedJobs:
     """The shared jobs (2 ranks, then 4: a 4-rank run may resume a 2-rank run's checkpoint), launched
     in a thread at the first test while pytest goes on with the one-process tests, which
-    tests/conftest.py orders first: the launches' ranks busy-wait in collectives and start up
-    for ~15 s, time the one-process tests fill. `wait(nproc)` blocks for a job's output folder
+    tests/conftest.py orders first: the launches' ranks start up for ~15 s and wait for each other,
+    time the one-process tests fill. `wait(nproc)` blocks for a job's output folder
     (None: no selected file has runs for it). Runs registered `quiet` (timings they assert on)
     keep pytest from starting a test while they train (`hold_while_quiet`)."""
 

@@ -251,7 +251,7 @@ def test_two_nodes_relaunch_together_after_a_rank_fails(tmp_path):
     """run_multinode.sh --max-restarts 1: rank 3 (node 1) fails in the first attempt; node 1
     relaunches at once on port P+1, node 0 when its collectives time out; the second attempt runs
     on both nodes to the end: 4 ranks of a world of 4, their all-reduces correct (this also is the
-    suite's two-nodes-on-one-machine check)."""
+    suite's two-nodes-on-one-machine check); the ranks that wait for a late rank 3 use little CPU."""
     require_msrun()
     job_dir = str(tmp_path)
     results = os.path.join(job_dir, "results")
@@ -267,7 +267,8 @@ def test_two_nodes_relaunch_together_after_a_rank_fails(tmp_path):
         cmd = [os.path.join(REPO, "run_scripts", "run_multinode.sh"), "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                "--max-restarts", "1", "--collective-timeout", "10", results,
-               "--fail-rank", "3", "--fail-mode", "raise", "--fail-attempt", "0", "--steps", "4"]
+               "--fail-rank", "3", "--fail-mode", "raise", "--fail-attempt", "0", "--steps", "4",
+               "--late-rank", "3", "--late-s", "3"]
         nodes.append(subprocess.Popen(cmd, cwd=job_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     outputs = [p.communicate(timeout=500)[0] for p in nodes]
@@ -280,6 +281,12 @@ def test_two_nodes_relaunch_together_after_a_rank_fails(tmp_path):
         report = json.load(open(os.path.join(results, f"rank_{rank}.json")))
         assert (report["rank"], report["world"]) == (rank, 4)
         assert report["sums"] == [sum(r + step for r in range(4)) for step in range(4)]
+        # ranks 0-2 waited ~3 s for rank 3 in their first all_reduce, blocked: a spinning wait
+        # (MindSpore's asynchronous PyNative dispatch) costs about its wall time in CPU
+        wall, cpu = report["first_wait"]
+        assert report["host_blocking_run"] == "1"
+        if rank != 3:
+            assert wall > 2.0 and cpu < 0.3 * wall, (rank, wall, cpu)
     # node 1's ranks log on node 1, which runs no scheduler (node 0 does)
     assert os.path.exists(os.path.join(job_dir, "node1", "logs", "worker_3.log"))
     assert not os.path.exists(os.path.join(job_dir, "node1", "logs", "scheduler.log"))
