@@ -32,7 +32,7 @@ from moetrain.config import Config, _validate, dump_config
 from moetrain.data import build_datasets, build_sampler, fetch
 from moetrain.data.blend import evaluate_sources
 from moetrain.devices import get_device
-from moetrain.dist.topology import init_parallel, launched_world_size
+from moetrain.dist.topology import cpu_ops_on_calling_thread, init_parallel, launched_world_size
 from moetrain.faults import TrainerFaults
 from moetrain.layout import LayoutError, check_config_layout
 from moetrain.logger import MetricsLogger, print_rank0
@@ -86,6 +86,7 @@ def setup_device(device: str) -> None:
     except RuntimeError:  # the runtime already started (an earlier trainer in this process)
         if ms.get_context("device_target") != target:
             raise
+    cpu_ops_on_calling_thread()
 
 
 def build_model(cfg: Config):

@@ -144,3 +144,33 @@ def test_metrics_jsonl_contract(mnist_overrides, tmp_path):
     assert evals and 0.0 <= evals[-1]["eval_accuracy"] <= 1.0
     assert os.path.isfile(run / "resolved_config.yaml")
     assert os.listdir(run / "checkpoints")
+
+
+def test_a_cpu_trainer_runs_pynative_ops_on_the_calling_thread(mnist_overrides, tmp_path, monkeypatch):
+    """setup_device sets MS_DEV_HOST_BLOCKING_RUN=1 on the CPU before the process's first PyNative op
+    (MindSpore reads it then): a fresh process that trains one step has no PyNative queue thread
+    ("frontend_queue"), whose busy-wait spun a core; a value the user set is kept."""
+    import subprocess
+    import sys
+
+    from moetrain.dist.topology import HOST_BLOCKING_RUN, cpu_ops_on_calling_thread
+
+    script = ("import glob, os, sys\n"
+              "from moetrain.config import load_config\n"
+              "from moetrain.trainer import Trainer\n"
+              f"Trainer(load_config({MNIST!r}, sys.argv[1:])).train_step()\n"
+              "names = [open(f).read().strip() for f in glob.glob(f'/proc/{os.getpid()}/task/*/comm')]\n"
+              "print(os.environ.get('MS_DEV_HOST_BLOCKING_RUN'), 'frontend_queue' in names)\n")
+    env = {k: v for k, v in os.environ.items() if k != HOST_BLOCKING_RUN}
+    runs = {}
+    for chosen in (None, "0"):
+        out = str(tmp_path / f"run_{chosen}")
+        done = subprocess.run([sys.executable, "-c", script, *mnist_overrides, f"train.output_dir={out}"],
+                              cwd=ROOT, env=env if chosen is None else {**env, HOST_BLOCKING_RUN: chosen},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[chosen] = done.stdout.strip().splitlines()[-1]
+    assert runs == {None: "1 False", "0": "0 True"}     # the user's 0 brings the queue thread back
+    monkeypatch.delenv(HOST_BLOCKING_RUN, raising=False)
+    cpu_ops_on_calling_thread()
+    assert os.environ[HOST_BLOCKING_RUN] == "1"
