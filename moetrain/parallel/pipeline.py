@@ -30,8 +30,9 @@ Links (`comm.PairLink`): native Send/Receive on Ascend/GPU; on CPU one SUM all-r
 last stage back to the first, over their `embedding` pair group). Both ranks make the same calls in
 the same order; a rank that sends while its peer sends makes ONE two-way exchange (Megatron's
 `send_forward_recv_backward`). Each rank times its exchanges: `pipeline_bubble` in the step's
-metrics is the fraction of the step spent in them (waiting for a neighbour, plus the transfer),
-averaged over the stages.
+metrics is the fraction of the step spent waiting for a neighbour, `pipeline_comm` the fraction
+spent moving the data (the step's fastest exchange, one whose peer was already there, times the
+number of exchanges), both averaged over the stages.
 
 Backward by recomputation. MindSpore cannot keep an autodiff graph alive between two jitted
 calls, so a chunk keeps only its INPUT per micro-batch in flight (token ids on the first virtual
@@ -440,7 +441,8 @@ def _split_grads(grads, first: bool):
 # ---------------------------------------------------------------------------------------------
 def run_with_links(run, links: Dict[int, PairLink], clock: Optional[Dict[str, float]] = None):
     """Drive one stage's generator on a real rank: each exchange goes over the link to its peer.
-    `clock["wait"]` gains the seconds spent in exchanges (waiting for the neighbour, and the transfer)."""
+    `clock["wait"]` gains the seconds spent in exchanges (waiting for the neighbour, and the transfer),
+    `clock["count"]` their number and `clock["fastest"]` the shortest one."""
     reply = None
     while True:
         try:
@@ -450,7 +452,10 @@ def run_with_links(run, links: Dict[int, PairLink], clock: Optional[Dict[str, fl
         start = time.perf_counter()
         reply = links[request.peer].exchange(request.payload, request.shape if request.recv is not None else None)
         if clock is not None:
-            clock["wait"] = clock.get("wait", 0.0) + time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            clock["wait"] = clock.get("wait", 0.0) + seconds
+            clock["count"] = clock.get("count", 0) + 1
+            clock["fastest"] = min(clock.get("fastest", seconds), seconds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +518,7 @@ class Pipeline:
         self.executor = None
         self.links: Dict[int, PairLink] = {}
         self.step_bytes_sent = 0
-        self.step_wait_s = self.step_seconds = 0.0
+        self.step_wait_s = self.step_comm_s = self.step_seconds = 0.0
 
     def _link(self, peer: int) -> PairLink:
         """The pair link to stage `peer`: a neighbour, or (interleaving over more than two stages)
@@ -545,23 +550,31 @@ class Pipeline:
     def train_step(self, batches, scale):
         """All micro-batches of one step through the schedule: this stage's gradient buffers summed
         over micro-batches, and the step's values for the whole model (the same on every stage),
-        with `pipeline_bubble`: the fraction of the step the stages spent in exchanges with their
-        neighbours, averaged over the stages."""
+        with `pipeline_bubble`: the fraction of the step the stages spent waiting for their
+        neighbours, and `pipeline_comm`: the fraction spent moving the data, both averaged over the
+        stages. An exchange takes the time its peer keeps it waiting plus the transfer; the transfer
+        is taken as the step's fastest exchange (one whose peer was already there; the payloads are
+        the same hidden-state shape), so the bubble is the time in exchanges beyond that."""
         batches = [as_tensors(batch) for batch in batches]
         shape = self.activation_shape(int(batches[0][0].shape[0]))
         clock = {"wait": 0.0}
         start = time.perf_counter()
         with comm.CommLedger() as ledger:
             grads, stats = run_with_links(self.executor.steps(batches, scale, shape), self.links, clock)
-        self.step_seconds, self.step_wait_s = time.perf_counter() - start, clock["wait"]
+        self.step_seconds = time.perf_counter() - start
+        self.step_comm_s = clock.get("count", 0) * clock.get("fastest", 0.0)
+        self.step_wait_s = clock["wait"] - self.step_comm_s
         self.step_bytes_sent = ledger.bytes_by_group(backward=False).get("pp", 0)
-        return grads, self.combine_stats(stats, self.step_wait_s / max(self.step_seconds, 1e-12))
+        step = max(self.step_seconds, 1e-12)
+        return grads, self.combine_stats(stats, self.step_wait_s / step, self.step_comm_s / step)
 
-    def combine_stats(self, stats: Sequence[Sequence[Dict]], bubble: float = 0.0) -> Dict[str, object]:
+    def combine_stats(self, stats: Sequence[Sequence[Dict]], bubble: float = 0.0,
+                      transfer: float = 0.0) -> Dict[str, object]:
         """Micro-batch mean (or sum) of each chunk's stats (`stats[c][m]`), written into the
-        whole-model layout, and this stage's `bubble` over the stage count, summed over the stages."""
+        whole-model layout, and this stage's `bubble` and `transfer` fractions over the stage count,
+        summed over the stages."""
         layout = self.stats
-        parts = np.zeros(len(layout.scalars) + 1, np.float64)
+        parts = np.zeros(len(layout.scalars) + 2, np.float64)
         rows = {key: np.zeros((layout.rows,) + tuple(row), np.float64) for key, row in layout.stacked.items()}
         for chunk_stats, offset in zip(stats, layout.offsets):
             for i, key in enumerate(layout.scalars):
@@ -572,12 +585,12 @@ class Pipeline:
                     own = np.asarray([s[key].asnumpy() for s in chunk_stats], np.float64)
                     own = own.sum(0) if layout.reduce.get(key) == "sum" else own.mean(0)
                     rows[key][offset:offset + own.shape[0]] = own
-        parts[-1] = bubble / self.pctx.pp
+        parts[-2:] = bubble / self.pctx.pp, transfer / self.pctx.pp
         flat = np.concatenate([parts] + [r.reshape(-1) for r in rows.values()]).astype(np.float32)
         total = comm.all_reduce(ms.Tensor(flat), self.pctx.group("pp")).asnumpy().astype(np.float64)
         values = {key: total[i] for i, key in enumerate(layout.scalars)}
-        values["pipeline_bubble"] = total[len(layout.scalars)]
-        offset = len(layout.scalars) + 1
+        values["pipeline_bubble"], values["pipeline_comm"] = total[len(layout.scalars):len(layout.scalars) + 2]
+        offset = len(layout.scalars) + 2
         for key, row in layout.stacked.items():
             size = layout.rows * int(np.prod(row))
             values[key] = total[offset:offset + size].reshape((layout.rows,) + tuple(row))
