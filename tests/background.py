@@ -75,3 +75,5 @@ def stop_all() -> None:
         if run.proc is not None and run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
+        if run.log_path and os.path.exists(run.log_path):   # its test did not read it
+            os.remove(run.log_path)
