@@ -242,6 +242,9 @@ def launched_world_size() -> int:
     return announced_world_size() or 1
 
 
+HOST_BLOCKING_RUN = "MS_DEV_HOST_BLOCKING_RUN"
+
+
 def cpu_ops_on_calling_thread() -> None:
     """On the CPU, run PyNative ops on the thread that calls them (`MS_DEV_HOST_BLOCKING_RUN=1`,
     MindSpore's documented switch for single-threaded dispatch) instead of handing them to a queue
@@ -257,9 +260,6 @@ def cpu_ops_on_calling_thread() -> None:
 
     if ms.get_context("device_target") == "CPU":
         os.environ.setdefault(HOST_BLOCKING_RUN, "1")
-
-
-HOST_BLOCKING_RUN = "MS_DEV_HOST_BLOCKING_RUN"
 
 
 def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 1, *, etp: int = 1,
