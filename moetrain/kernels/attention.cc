@@ -110,11 +110,15 @@ struct Rope {
 struct Visibility {
   const int32_t *ids = nullptr;
   std::vector<int64_t> first;
+  bool runs = true;   // every query sees exactly the keys [first[t], t]: no key-by-key check
 
   Visibility(const int32_t *document_ids, int64_t seq) : ids(document_ids), first(seq, 0) {
     if (ids == nullptr) return;
     for (int64_t t = 1; t < seq; ++t)
-      if (ids[t] < ids[t - 1]) return;                         // not a packed layout: check every key
+      if (ids[t] < ids[t - 1]) {                               // not a packed layout: check every key
+        runs = false;
+        return;
+      }
     for (int64_t t = 1; t < seq; ++t) first[t] = ids[t] == ids[t - 1] ? first[t - 1] : t;
   }
   bool Visible(int64_t t, int64_t u) const { return ids == nullptr || ids[u] == ids[t]; }
@@ -123,12 +127,27 @@ struct Visibility {
 };
 
 // probs[i, :cols] = masked softmax of the scores of query r0 + i over keys [k0, k0 + cols); a key
-// the query may not see (vis) gets probability 0. Key r0 + i itself is always visible.
+// the query may not see (vis) gets probability 0. Key r0 + i itself is always visible. Where the
+// visible keys are one run (causal, packed documents) the exp loop has no branch, so the compiler
+// vectorises it (libmvec expf, -ffast-math): the scalar expf was most of this kernel's time.
 void MaskedSoftmax(float *probs, int64_t rows, int64_t cols, int64_t r0, int64_t k0, const Visibility &vis) {
   for (int64_t i = 0; i < rows; ++i) {
     float *row = probs + i * cols;
     const int64_t t = r0 + i, lo = vis.first[t] - k0, hi = t - k0 + 1;   // candidate keys [lo, hi)
     float top = row[hi - 1];
+    if (vis.runs) {
+      for (int64_t j = lo; j < hi; ++j) top = std::max(top, row[j]);
+      float sum = 0.0f;
+      for (int64_t j = lo; j < hi; ++j) {
+        row[j] = std::exp(row[j] - top);
+        sum += row[j];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t j = lo; j < hi; ++j) row[j] *= inv;
+      std::fill(row, row + lo, 0.0f);
+      std::fill(row + hi, row + cols, 0.0f);
+      continue;
+    }
     for (int64_t j = lo; j < hi; ++j)
       if (vis.Visible(t, k0 + j)) top = std::max(top, row[j]);
     float sum = 0.0f;
