@@ -115,7 +115,15 @@ MNIST_DIR = os.path.join(SHARED_DATA, "mnist")
 
 @pytest.mark.skipif(not os.path.isdir(MNIST_DIR), reason="real MNIST not at ../shared/data/mnist")
 def test_mnist_four_workers_with_run_script_match_one_process(tmp_path):
-    """The classic: MNIST on 4 data-parallel workers started by run_scripts/run_distributed.sh."""
+    """The classic: MNIST on 4 data-parallel workers started by run_scripts/run_distributed.sh.
+
+    Step by step over the first 60 steps, then the last 50 steps' mean loss and the final accuracy.
+    The 4-rank gradient sum rounds differently from the one-process sum (on either optimizer path),
+    and this training at its peak learning rate amplifies such float32 noise: measured 2026-11-25
+    with the fused optimizer, the largest relative loss difference is 5e-7 up to step 60, 6e-6 at
+    70, 1.4e-4 at 80, 1e-2 at 150; one process against itself with `lr` changed by two ulps ends
+    1.1e-4 apart at step 150 (docs/performance.md, the fused optimizer step). A wrong reduction
+    shows from the first step."""
     import subprocess
 
     args = [f"data.path={MNIST_DIR}", "train.epochs=0", "train.steps=150", "logging.tensorboard=false",
@@ -140,7 +148,10 @@ def test_mnist_four_workers_with_run_script_match_one_process(tmp_path):
         log.seek(0)
         assert returncode == 0, log.read()[-6000:]
     dp4 = metrics(out)
-    assert_same_training(single, dp4, rtol=1e-4)
+    assert [r["step"] for r in dp4] == [r["step"] for r in single] == list(range(1, 151))
+    assert_same_training(single[:60], dp4[:60], rtol=1e-4)
+    late = [np.mean([r["loss"] for r in run[-50:]]) for run in (single, dp4)]
+    assert late[1] == pytest.approx(late[0], rel=1e-2)
     final = [json.loads(l) for l in open(out / "metrics.jsonl") if "eval_accuracy" in l][-1]
     assert final["eval_accuracy"] == pytest.approx(single_result["eval"]["eval_accuracy"], abs=2e-3)
     assert final["eval_accuracy"] > 0.9

@@ -102,10 +102,11 @@ def test_fused_optimizer_step_skips_a_non_finite_gradient(ms, monkeypatch):
     params = [Parameter(Tensor(v), name=k) for k, v in values.items()]
     make = lambda: OptimizerStep(params, OptimizerConfig(name="adamw"), ParallelConfig(),  # noqa: E731
                                  ParallelContext.build(1, 0, 1), clip=CLIP, jit=True)
-    assert not make().fused                                       # off by default (data_parallel.py says why)
-    monkeypatch.setenv("MOETRAIN_FUSED_OPTIMIZER", "on")
+    monkeypatch.setenv("MOETRAIN_FUSED_OPTIMIZER", "off")
+    assert not make().fused                                       # off: the plain path
+    monkeypatch.delenv("MOETRAIN_FUSED_OPTIMIZER")
     step = make()
-    assert step.fused                                             # on: picked where the kernels run
+    assert step.fused                                             # the default: picked where the kernels run
     grads = [np.ones(p.shape, np.float32) for p in step.params]
     grads[-1].reshape(-1)[3] = np.inf
     norm, finite = step(step.flatten(tuple(Tensor(g) for g in grads)), LR, 1, INV_SCALE)

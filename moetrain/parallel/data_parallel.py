@@ -16,8 +16,8 @@ same number of times in the global norm and share a weight-decay flag.
                         level 1/2: the optimizer on this rank's fp32 master rows, then all-gather
                         the rows into the parameters
 
-With MOETRAIN_FUSED_OPTIMIZER=on and moetrain's CPU kernels (fp32 AdamW / Adam; off by default, see
-`OptimizerStep.__init__`) prepare and apply touch the buffers only twice:
+Where moetrain's CPU kernels run and the optimizer is fp32 AdamW / Adam (MOETRAIN_FUSED_OPTIMIZER=off
+turns it off), prepare and apply touch the buffers only twice:
 `SumOfSquares` per buffer for the norm, then `FusedAdamW` per buffer, which takes unscale x clip as
 one gradient multiplier and updates the parameters (or the ZeRO master row) and both moments in
 place. No scaled, clipped or per-parameter copy of the gradients is made (the plain path makes
@@ -151,11 +151,10 @@ class OptimizerStep:
             self.masters = [Parameter(Tensor(self._own_row(b)), name=f"{MASTER_PREFIX}buffer{i}")
                             for i, b in enumerate(self.buffers)]
             self.optimizer = build_optimizer(self.masters, optimizer_cfg, decay_flags=[b.decay for b in self.buffers])
-        # fused: None reads MOETRAIN_FUSED_OPTIMIZER (off unless "on": with it, the real-MNIST dp4 test drifts
-        # from one process after ~100 steps, 1e-2 at step 141; both paths perturb dp4 vs one process
-        # alike and that training amplifies rounding noise, docs/performance.md); tests pass False / True
+        # fused: None reads MOETRAIN_FUSED_OPTIMIZER (auto / on: wherever the kernels serve the
+        # optimizer; off: the plain path); tests pass False / True
         if fused is None:
-            fused = (env_choice("MOETRAIN_FUSED_OPTIMIZER", ("on", "off")) == "on"
+            fused = (env_choice("MOETRAIN_FUSED_OPTIMIZER", ("on", "off")) != "off"
                      and _fused_optimizer_runs(optimizer_cfg, self.optimizer.params))
         self.fused = fused
         if self.fused:
