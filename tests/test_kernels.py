@@ -32,13 +32,20 @@ def grad_fn(ms, fn, argnums, jit):
 
 
 @MODES
-def test_grouped_matmul_matches_numpy(ms, kernel_ops, jit):
+@pytest.mark.parametrize("rows, k, f, experts, sorted_rows", [
+    (70, 12, 20, 5, 50),
+    # f a multiple of 256 and runs of >= 128 rows: the forward copies each expert's matrix with
+    # padded rows first (grouped_gemm.cc); the last expert with rows has a run too short for that
+    (700, 16, 256, 4, 660),
+], ids=["small", "padded-copy"])
+def test_grouped_matmul_matches_numpy(ms, kernel_ops, jit, rows, k, f, experts, sorted_rows):
     rng = np.random.default_rng(0)
-    rows, k, f, experts = 70, 12, 20, 5
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((experts, k, f)).astype(np.float32)
-    row_expert = np.sort(rng.integers(0, experts - 1, rows)).astype(np.int32)   # expert 4 owns no row
-    row_expert[50:] = rng.integers(0, experts - 1, rows - 50)                    # an unsorted tail too
+    row_expert = np.sort(rng.integers(0, experts - 1, rows)).astype(np.int32)   # the last expert owns no row
+    if experts == 4:
+        row_expert = np.repeat(np.arange(3, dtype=np.int32), [400, 200, 100])   # runs of 400, 200, 100 rows
+    row_expert[sorted_rows:] = rng.integers(0, experts - 1, rows - sorted_rows)  # an unsorted tail too
     upstream = rng.standard_normal((rows, f)).astype(np.float32)
     op = kernel_ops.GroupedMatmul()
 
@@ -46,17 +53,19 @@ def test_grouped_matmul_matches_numpy(ms, kernel_ops, jit):
         return (op(x_, w_, ms.Tensor(row_expert)) * ms.Tensor(upstream)).sum()
 
     value, (dx, dw) = grad_fn(ms, loss, (0, 1), jit)(ms.Tensor(x), ms.Tensor(w))
-    y_ref = np.stack([x[n] @ w[row_expert[n]] for n in range(rows)])
-    dx_ref = np.stack([upstream[n] @ w[row_expert[n]].T for n in range(rows)])
-    dw_ref = np.zeros_like(w)
+    x64, w64, up64 = x.astype(np.float64), w.astype(np.float64), upstream.astype(np.float64)
+    y_ref = np.stack([x64[n] @ w64[row_expert[n]] for n in range(rows)])
+    dx_ref = np.stack([up64[n] @ w64[row_expert[n]].T for n in range(rows)])
+    dw_ref = np.zeros_like(w64)
     for n in range(rows):
-        dw_ref[row_expert[n]] += np.outer(x[n], upstream[n])
+        dw_ref[row_expert[n]] += np.outer(x64[n], up64[n])
+    atol = 1e-5 * max(1.0, max(k, f) / 20)         # float32 sums over up to max(k, f) terms of N(0, 1) products
     np.testing.assert_allclose(op(ms.Tensor(x), ms.Tensor(w), ms.Tensor(row_expert)).asnumpy(), y_ref,
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(float(value), (y_ref * upstream).sum(), rtol=1e-5)
-    np.testing.assert_allclose(dx.asnumpy(), dx_ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dw.asnumpy(), dw_ref, rtol=1e-5, atol=1e-5)
-    assert not dw.asnumpy()[4].any()
+                               rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(float(value), (y_ref * up64).sum(), rtol=1e-5)
+    np.testing.assert_allclose(dx.asnumpy(), dx_ref, rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(dw.asnumpy(), dw_ref, rtol=1e-5, atol=atol)
+    assert not dw.asnumpy()[experts - 1].any()
 
 
 def test_grouped_matmul_kernel_skips_padding_rows(ms, kernel_ops):

@@ -63,14 +63,26 @@ int RowGrouped(void **params, int64_t **shapes, bool transpose_w) {
   const int64_t y_cols = transpose_w ? k : f;
   if (a_cols != (transpose_w ? f : k) || shapes[2][0] != rows) return 1;
   const int parts = moetrain::PartsFor(rows, 32);
+  // NN reads w[e] row by row, f floats apart: where that stride is a multiple of 1 KB the rows
+  // collide in the cache's sets and oneDNN's sgemm runs ~20 % slower (gate|up, f = 2F = 1024:
+  // 93 vs 115 GFLOP/s a core), so the expert's matrix is first copied with rows 16 floats longer.
+  const int64_t padded_ld = !transpose_w && f % 256 == 0 ? f + 16 : 0;
   std::vector<char> ok(parts, 1);
   moetrain::ParallelSplit(parts, parts, [&](int p, int64_t, int64_t) {
     const int64_t begin = rows * p / parts, end = rows * (p + 1) / parts;
+    std::vector<float> padded(padded_ld ? k * padded_ld : 0);
     ok[p] = ForEachRun(
         row_expert, begin, end, num_experts,
         [&](int64_t r0, int64_t r1, int64_t e) {
-          dnnl_sgemm('N', transpose_w ? 'T' : 'N', r1 - r0, y_cols, a_cols, 1.0f, a + r0 * a_cols, a_cols,
-                     w + e * k * f, f, 0.0f, y + r0 * y_cols, y_cols);
+          const float *we = w + e * k * f;
+          int64_t ldw = f;
+          if (padded_ld && r1 - r0 >= 128) {   // fewer rows: the copy costs about what it saves
+            for (int64_t i = 0; i < k; ++i) std::memcpy(padded.data() + i * padded_ld, we + i * f, f * sizeof(float));
+            we = padded.data();
+            ldw = padded_ld;
+          }
+          dnnl_sgemm('N', transpose_w ? 'T' : 'N', r1 - r0, y_cols, a_cols, 1.0f, a + r0 * a_cols, a_cols, we, ldw,
+                     0.0f, y + r0 * y_cols, y_cols);
         },
         [&](int64_t r0, int64_t r1) { std::memset(y + r0 * y_cols, 0, (r1 - r0) * y_cols * sizeof(float)); });
   });
