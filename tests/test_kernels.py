@@ -1,6 +1,6 @@
 """The fused CPU kernels (moetrain/kernels) against numpy (float64), forward and backward, in PyNative
 and under ms.jit: grouped GEMM, SwiGLU, RMSNorm, LM head + cross-entropy, attention with RoPE, the
-router, AdamW and the squared norm; each fused layer against its plain-ops path; and the fallback
+router, the MoE token permutation, AdamW and the squared norm; each fused layer against its plain-ops path; and the fallback
 to plain ops when the kernel library cannot be built."""
 import os
 import subprocess
@@ -89,6 +89,80 @@ def test_grouped_matmul_kernel_skips_padding_rows(ms, kernel_ops):
     np.testing.assert_allclose(dx.asnumpy(), want_dx, rtol=1e-5, atol=1e-6)
     want_dw = np.stack([x[row_expert == e].T @ upstream[row_expert == e] for e in range(2)])
     np.testing.assert_allclose(dw.asnumpy(), want_dw, rtol=1e-5, atol=1e-6)
+
+
+@MODES
+@pytest.mark.parametrize("tokens, top_k, hidden", [(9, 2, 5), (300, 3, 16)], ids=["small", "threads"])
+def test_permute_and_unpermute_rows_match_numpy(ms, kernel_ops, jit, tokens, top_k, hidden):
+    """PermuteRows: row slot[t k + j] = x[t]; UnpermuteRows: y[t] = sum_j w[t, j] rows[slot[t k + j]];
+    both against float64 numpy with their gradients (x; rows and w)."""
+    rng = np.random.default_rng(11)
+    n = tokens * top_k
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    rows = rng.standard_normal((n, hidden)).astype(np.float32)
+    weight = rng.standard_normal((tokens, top_k)).astype(np.float32)
+    slot = rng.permutation(n).astype(np.int32)
+    up_rows = rng.standard_normal((n, hidden)).astype(np.float32)
+    up_tokens = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    permute, unpermute = kernel_ops.PermuteRows(), kernel_ops.UnpermuteRows()
+
+    def permute_loss(x_):
+        return (permute(x_, ms.Tensor(slot)) * ms.Tensor(up_rows)).sum()
+
+    def unpermute_loss(rows_, weight_):
+        return (unpermute(rows_, ms.Tensor(slot), weight_) * ms.Tensor(up_tokens)).sum()
+
+    x64, rows64, w64 = x.astype(np.float64), rows.astype(np.float64), weight.astype(np.float64)
+    token_of_row = np.empty(n, np.int64)
+    token_of_row[slot] = np.arange(n) // top_k
+    picked = rows64[slot].reshape(tokens, top_k, hidden)
+    np.testing.assert_array_equal(permute(ms.Tensor(x), ms.Tensor(slot)).asnumpy(), x[token_of_row])
+    _, dx = grad_fn(ms, permute_loss, 0, jit)(ms.Tensor(x))
+    np.testing.assert_allclose(dx.asnumpy(), up_rows.astype(np.float64)[slot].reshape(tokens, top_k, hidden).sum(1),
+                               rtol=1e-6, atol=1e-6)
+    y_ref = (w64[:, :, None] * picked).sum(1)
+    np.testing.assert_allclose(unpermute(ms.Tensor(rows), ms.Tensor(slot), ms.Tensor(weight)).asnumpy(), y_ref,
+                               rtol=1e-5, atol=1e-6)
+    value, (drows, dweight) = grad_fn(ms, unpermute_loss, (0, 1), jit)(ms.Tensor(rows), ms.Tensor(weight))
+    up64 = up_tokens.astype(np.float64)
+    np.testing.assert_allclose(float(value), (y_ref * up64).sum(), rtol=1e-5)
+    drows_ref = np.empty_like(rows64)
+    drows_ref[slot] = (w64[:, :, None] * up64[:, None, :]).reshape(n, hidden)
+    np.testing.assert_allclose(drows.asnumpy(), drows_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dweight.asnumpy(), (picked * up64[:, None, :]).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@MODES
+def test_moe_layer_permutation_kernels_equal_plain_path(ms, kernel_ops, jit):
+    """The dropless MoE layer with the permute / unpermute kernels and with the plain gather +
+    batched-matmul path: the same output and the same gradients for the input and every parameter."""
+    from moetrain.moe.config import MoEConfig
+    from moetrain.moe.layer import MoELayer
+
+    ms.set_seed(3)
+    layer = MoELayer(16, MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=8, aux_loss_coeff=0.0))
+    moe_ops = layer.dispatcher.ops
+    assert moe_ops.rows_kernels is not None and layer.experts.compute == "kernel"
+    rng = np.random.default_rng(4)
+    x = ms.Tensor(rng.standard_normal((24, 16)).astype(np.float32))
+    upstream = ms.Tensor(rng.standard_normal((24, 16)).astype(np.float32))
+    params = layer.trainable_params()
+
+    def objective(x_):
+        return (layer(x_)[0] * upstream).sum()
+
+    def run():
+        f = ms.value_and_grad(objective, 0, params)
+        value, (dx, dparams) = (ms.jit(f) if jit else f)(x)
+        return [value.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dparams]
+
+    fused = run()
+    kernels, moe_ops.rows_kernels = moe_ops.rows_kernels, None
+    plain = run()
+    moe_ops.rows_kernels = kernels
+    names = ["value", "dx"] + [p.name for p in params]
+    for name, a, b in zip(names, fused, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @MODES
@@ -689,6 +763,8 @@ except RuntimeError as error:
     print("REJECTED", str(error).splitlines()[0])
 """
 BAD_INPUTS = {   # case: (the failing call, the kernel function that must report it)
+    "slot-not-a-permutation": ("ops.UnpermuteRows()(ms.Tensor(np.ones((4, 3), np.float32)), ms.Tensor(np.array("
+                               "[0, 1, 1, 3], np.int32)), ms.Tensor(np.ones((2, 2), np.float32)))", "UnpermuteRows"),
     "expert-id-out-of-range": ("ops.GroupedMatmul()(ms.Tensor(np.ones((4, 3), np.float32)), ms.Tensor(np.ones((2, 3, 5), "
                                "np.float32)), ms.Tensor(np.array([0, 1, 3, 1], np.int32)))", "GroupedMatmulNN"),
     "label-out-of-vocab-training": ("ops.FusedLMHeadCrossEntropy().loss_grad(h, head, labels)", "LMHeadLossGrad"),

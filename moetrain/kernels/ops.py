@@ -70,6 +70,44 @@ class FusedSwiGLU(nn.Cell):
         return self.forward(gate_up)
 
 
+class PermuteRows(nn.Cell):
+    """`construct(x [T, H], slot [T k] int32) -> [T k, H]`, row `slot[t k + j]` = `x[t]`: the token
+    rows sorted by expert (`moetrain.moe.permutation.permute_by_id`'s gather), one copy pass; the
+    backward sums each token's k rows. `slot` must be a permutation of `[0, T k)` (else the op fails)."""
+
+    def __init__(self):
+        super().__init__()
+        backward = _custom("PermuteRowsBackward", (F32, F32, I32))
+
+        def bprop(x, slot, out, dout):
+            return backward(x, dout, slot), ops.zeros_like(slot)
+
+        self.forward = _custom("PermuteRows", (F32, I32), bprop)
+
+    def construct(self, x, slot):
+        return self.forward(x, slot)
+
+
+class UnpermuteRows(nn.Cell):
+    """`construct(rows [T k, H], slot [T k] int32, weight [T, k]) -> [T, H]`,
+    `y[t] = sum_j weight[t, j] * rows[slot[t k + j]]`: the weighted combine of the experts' rows
+    (`moetrain.moe.permutation.unpermute` with every assignment kept), one pass each way; gradients
+    for `rows` and `weight`. `slot` must be a permutation of `[0, T k)` (else the op fails)."""
+
+    def __init__(self):
+        super().__init__()
+        backward = _custom("UnpermuteRowsBackward", (F32, I32, F32, F32), output_dtypes=(F32, F32))
+
+        def bprop(rows, slot, weight, out, dout):
+            drows, dweight = backward(rows, slot, weight, dout)
+            return drows, ops.zeros_like(slot), dweight
+
+        self.forward = _custom("UnpermuteRows", (F32, I32, F32), bprop)
+
+    def construct(self, rows, slot, weight):
+        return self.forward(rows, slot, weight)
+
+
 class FusedRMSNorm(nn.Cell):
     """`construct(x [..., H], weight [H], eps [1]) -> x / sqrt(mean(x^2, -1) + eps) * weight`, fp32;
     gradients for `x` and `weight` (`eps` is a constant)."""

@@ -112,10 +112,17 @@ class MoEOps(nn.Cell):
             raise ValueError(f"MoEOps: path {self.path!r} is not one of {PLATFORMS}")
         self.native = implementation() == "native"
         self.compute = expert_compute(self.path)
+        self.rows_kernels = None
+        if self.compute == "kernel":   # moetrain's CPU kernels: one pass each way for fp32 rows
+            from moetrain.kernels.ops import PermuteRows, UnpermuteRows, shared
+            self.rows_kernels = (shared(PermuteRows), shared(UnpermuteRows))
 
     def permute(self, rows, ids, num_ids: int):
         if self.path == "ascend":
             return moe_token_permute(rows, ids, self.native)
+        if self.rows_kernels is not None and rows.dtype == ms.float32:
+            slot = permutation.slots_by_id(ids, num_ids)
+            return self.rows_kernels[0](rows, slot), slot
         return permutation.permute_by_id(rows, ids, num_ids)
 
     def unpermute(self, sorted_rows, slot, probs=None):
@@ -123,6 +130,8 @@ class MoEOps(nn.Cell):
             return moe_token_unpermute(sorted_rows, slot, probs, self.native)
         if probs is None:
             return ops.gather(sorted_rows, slot, 0)
+        if self.rows_kernels is not None and sorted_rows.dtype == ms.float32 and probs.dtype == ms.float32:
+            return self.rows_kernels[1](sorted_rows, slot, probs)
         return permutation.unpermute(sorted_rows, slot, probs)
 
     def grouped_matmul(self, x, w, group_sizes):

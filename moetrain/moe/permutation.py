@@ -82,10 +82,18 @@ def permute_by_id(rows, ids, num_ids: int):
     """`rows [T, H]`, `ids [T, k]` int32 in `[0, num_ids)` -> `(sorted [T k, H], slot [T k] int32)`:
     the assignments `a = t k + j` grouped by ascending id (stable), `sorted[slot[a]] = rows[a // k]`.
     The `moe_token_permute` semantics (moetrain.moe.native_ops) from a sort and a gather."""
-    top_k = ids.shape[1]
+    order, slot = _order_and_slot(ids, num_ids)
+    return ops.gather(rows, order // ids.shape[1], 0), slot
+
+
+def slots_by_id(ids, num_ids: int):
+    """The `slot [T k]` of `permute_by_id` alone (for a kernel that moves the rows itself)."""
+    return _order_and_slot(ids, num_ids)[1]
+
+
+def _order_and_slot(ids, num_ids: int):
     order, _, _, _ = sort_by_expert(ids.reshape(-1), num_ids)
-    slot = assignment_rows(order, ops.arange(order.shape[0], dtype=ms.int32))
-    return ops.gather(rows, order // top_k, 0), slot
+    return order, assignment_rows(order, ops.arange(order.shape[0], dtype=ms.int32))
 
 
 def permute(x, order, slot_row, top_k: int, num_rows: int):
