@@ -1,7 +1,8 @@
 """The fused CPU kernels (moetrain/kernels) against numpy (float64), forward and backward, in PyNative
 and under ms.jit: grouped GEMM, SwiGLU, RMSNorm, LM head + cross-entropy, attention with RoPE, the
-router, the MoE token permutation, AdamW and the squared norm; each fused layer against its plain-ops path; and the fallback
-to plain ops when the kernel library cannot be built."""
+router, the MoE token permutation, AdamW and the squared norm; each fused layer against its plain-ops path; the kernels'
+thread pool (every task once, concurrent callers, fork, the same bits every call); and the fallback to plain ops when
+the kernel library cannot be built."""
 import os
 import subprocess
 import sys
@@ -789,6 +790,74 @@ def test_kernel_rejects_bad_input(kernel_ops, case):
                           env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REJECTED" in proc.stdout and f"function({kernel})" in proc.stdout, proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernels' thread pool (common.h): tasks handed out dynamically, results independent of that
+# ----------------------------------------------------------------------------------------------
+
+
+def test_kernel_pool_runs_every_task_once_with_concurrent_callers(kernel_ops):
+    """One caller and four at once (the busy pool makes the others run inline): every task of every
+    call runs exactly once, on a slot below Slots()."""
+    import ctypes
+
+    from moetrain.kernels import library_path
+
+    check = ctypes.CDLL(library_path()).MoetrainPoolCheck
+    assert check(1, 37, 300) == 0
+    assert check(4, 37, 300) == 0
+    assert check(3, 1, 100) == 0
+
+
+POOL_FORK_SCRIPT = """
+import ctypes, os, sys
+sys.path.insert(0, %r)
+from moetrain.kernels import library_path
+lib = ctypes.CDLL(library_path())
+assert lib.MoetrainPoolCheck(1, 50, 20) == 0        # the parent's pool is running
+pid = os.fork()
+if pid == 0:                                        # the child has none of its workers: a fresh pool
+    os._exit(10 + lib.MoetrainPoolCheck(2, 50, 20))
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_kernel_pool_works_in_a_forked_child(kernel_ops):
+    proc = subprocess.run([sys.executable, "-c", POOL_FORK_SCRIPT % ROOT], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "child 10" in proc.stdout, proc.stdout
+
+
+@MODES
+def test_kernels_give_the_same_bits_every_call(ms, kernel_ops, jit):
+    """Tasks go to whichever thread is free, so the split of work differs from call to call; no result
+    may: the attention and grouped-GEMM gradients, the RMSNorm weight gradient (partial sums per task)
+    and the LM head (per-thread dW accumulators) are bitwise equal over repeated calls."""
+    from moetrain.layers import RotaryEmbedding
+
+    rng = np.random.default_rng(11)
+    tensor = lambda *shape: ms.Tensor(rng.standard_normal(shape).astype(np.float32))   # noqa: E731
+    q, k, v, up = tensor(2, 130, 4, 16), tensor(2, 130, 2, 16), tensor(2, 130, 2, 16), tensor(2, 130, 4, 16)
+    cos, sin = RotaryEmbedding(16, 130).tables(130)
+    attention, gmm, norm = kernel_ops.FusedCausalAttention(), kernel_ops.GroupedMatmul(), kernel_ops.FusedRMSNorm()
+    x, w, rows_up = tensor(900, 32), tensor(5, 32, 256), tensor(900, 256)
+    row_expert = ms.Tensor(np.sort(rng.integers(0, 5, 900)).astype(np.int32))
+    h, head, labels = tensor(300, 32), tensor(500, 32), ms.Tensor(rng.integers(0, 500, 300).astype(np.int32))
+    nx, nw, eps = tensor(1000, 64), tensor(64), ms.Tensor(np.array([1e-5], np.float32))
+    head_loss = kernel_ops.FusedLMHeadCrossEntropy()
+
+    def loss(q_, k_, v_, x_, w_, h_, head_, nx_, nw_):
+        return ((attention(q_, k_, v_, cos, sin) * up).sum() + (gmm(x_, w_, row_expert) * rows_up).sum()
+                + head_loss(h_, head_, labels) + (norm(nx_, nw_, eps) * nx).sum())
+
+    step = grad_fn(ms, loss, tuple(range(9)), jit)
+    runs = [[g.asnumpy() for g in step(q, k, v, x, w, h, head, nx, nw)[1]] for _ in range(6)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert np.array_equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------

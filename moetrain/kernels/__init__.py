@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ELEMENTWISE_FLAGS = ("-march=native", "-ffast-math")
 SOURCES = {"grouped_gemm.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
            "attention.cc": ELEMENTWISE_FLAGS, "lm_head_loss.cc": ELEMENTWISE_FLAGS, "router.cc": ELEMENTWISE_FLAGS,
-           "adamw.cc": ELEMENTWISE_FLAGS, "permute.cc": ELEMENTWISE_FLAGS}
+           "adamw.cc": ELEMENTWISE_FLAGS, "permute.cc": ELEMENTWISE_FLAGS, "pool.cc": ()}
 HEADERS = ("common.h",)
 
 

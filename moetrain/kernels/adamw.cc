@@ -38,7 +38,7 @@ extern "C" int SumOfSquares(int nparam, void **params, int *ndims, int64_t **sha
   if (nparam != 2 || !moetrain::Float32(dtypes[0])) return 1;
   const float *x = static_cast<const float *>(params[0]);
   const int64_t n = moetrain::Size(ndims[0], shapes[0]);
-  const int parts = moetrain::PartsFor(n, 1 << 16);
+  const int parts = moetrain::TasksFor(n, 1 << 16);
   std::vector<double> partial(parts, 0.0);
   moetrain::ParallelSplit(n, parts, [&](int part, int64_t begin, int64_t end) {
     double total = 0.0;
@@ -98,7 +98,7 @@ extern "C" int AdamWUpdate(int nparam, void **params, int *ndims, int64_t **shap
   const double c2 = 1.0 - std::pow(static_cast<double>(b2), static_cast<double>(step));
   const float step_size = static_cast<float>(lr / c1), inv_sqrt_c2 = static_cast<float>(1.0 / std::sqrt(c2));
   const int64_t *tensor_end = tensor_ends.data();
-  moetrain::ParallelSplit(n, moetrain::PartsFor(n, 1 << 16), [&](int, int64_t begin, int64_t end) {
+  moetrain::ParallelSplit(n, moetrain::TasksFor(n, 1 << 16), [&](int, int64_t begin, int64_t end) {
     int64_t k = std::upper_bound(ends, ends + segments, begin) - ends;
     int64_t t = std::upper_bound(tensor_end, tensor_end + tensors, begin) - tensor_end;
     for (int64_t start = begin; start < end;) {   // pieces of one segment inside one tensor

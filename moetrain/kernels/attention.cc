@@ -176,22 +176,23 @@ void Forward(const Dims &d, const float *q, const float *k, const float *v, cons
   const int64_t group = d.q_heads / d.kv_heads;
   const int64_t q_units = d.batch * d.q_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.dim));
-  moetrain::ParallelSplit(q_units, moetrain::PartsFor(q_units, 1), [&](int, int64_t first, int64_t end) {
-    std::vector<float> probs(kBlock * d.seq), qr(d.seq * d.dim), kr(d.seq * d.dim);
-    for (int64_t unit = first; unit < end; ++unit) {
-      const int64_t b = unit / d.q_heads, h = unit % d.q_heads;
-      const int64_t q_offset = b * d.seq * d.q_stride() + h * d.dim;
-      const int64_t kv_offset = b * d.seq * d.kv_stride() + (h / group) * d.dim;
-      const int32_t *pos = positions ? positions + b * d.seq : nullptr;
-      const Visibility vis(documents ? documents + b * d.seq : nullptr, d.seq);
-      rope.Rotate(q + q_offset, d.q_stride(), d.seq, pos, scale, qr.data());
-      rope.Rotate(k + kv_offset, d.kv_stride(), d.seq, pos, 1.0f, kr.data());
-      for (int64_t r0 = 0; r0 < d.seq; r0 += kBlock) {
-        const int64_t r1 = std::min(d.seq, r0 + kBlock), k0 = vis.BlockStart(r0);
-        BlockProbs(d, qr.data(), kr.data(), r0, r1, k0, vis, probs.data());
-        dnnl_sgemm('N', 'N', r1 - r0, d.dim, r1 - k0, 1.0f, probs.data(), r1 - k0, v + kv_offset + k0 * d.kv_stride(),
-                   d.kv_stride(), 0.0f, o + q_offset + r0 * d.q_stride(), d.q_stride());
-      }
+  // One task per (batch, query head); scratch per thread: probs [kBlock, S], qr, kr [S, D].
+  const int64_t scratch = kBlock * d.seq + 2 * d.seq * d.dim;
+  std::vector<float> buffers(moetrain::Slots() * scratch);
+  moetrain::ParallelFor(q_units, [&](int64_t unit, int slot) {
+    float *probs = buffers.data() + slot * scratch, *qr = probs + kBlock * d.seq, *kr = qr + d.seq * d.dim;
+    const int64_t b = unit / d.q_heads, h = unit % d.q_heads;
+    const int64_t q_offset = b * d.seq * d.q_stride() + h * d.dim;
+    const int64_t kv_offset = b * d.seq * d.kv_stride() + (h / group) * d.dim;
+    const int32_t *pos = positions ? positions + b * d.seq : nullptr;
+    const Visibility vis(documents ? documents + b * d.seq : nullptr, d.seq);
+    rope.Rotate(q + q_offset, d.q_stride(), d.seq, pos, scale, qr);
+    rope.Rotate(k + kv_offset, d.kv_stride(), d.seq, pos, 1.0f, kr);
+    for (int64_t r0 = 0; r0 < d.seq; r0 += kBlock) {
+      const int64_t r1 = std::min(d.seq, r0 + kBlock), k0 = vis.BlockStart(r0);
+      BlockProbs(d, qr, kr, r0, r1, k0, vis, probs);
+      dnnl_sgemm('N', 'N', r1 - r0, d.dim, r1 - k0, 1.0f, probs, r1 - k0, v + kv_offset + k0 * d.kv_stride(),
+                 d.kv_stride(), 0.0f, o + q_offset + r0 * d.q_stride(), d.q_stride());
     }
   });
 }
@@ -203,49 +204,50 @@ void Backward(const Dims &d, const float *q, const float *k, const float *v, con
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.dim));
   // A unit is one (batch, kv head): it owns that slice of dk / dv, accumulated over its query heads.
   const int64_t kv_units = d.batch * d.kv_heads;
-  moetrain::ParallelSplit(kv_units, moetrain::PartsFor(kv_units, 1), [&](int, int64_t first, int64_t end) {
-    std::vector<float> probs(kBlock * d.seq), dprobs(kBlock * d.seq);
-    std::vector<float> qr(d.seq * d.dim), kr(d.seq * d.dim), dqr(d.seq * d.dim), dkr(d.seq * d.dim);
-    for (int64_t unit = first; unit < end; ++unit) {
-      const int64_t b = unit / d.kv_heads, kvh = unit % d.kv_heads;
-      const int64_t kv_offset = b * d.seq * d.kv_stride() + kvh * d.dim;
-      const int32_t *pos = positions ? positions + b * d.seq : nullptr;
-      const Visibility vis(documents ? documents + b * d.seq : nullptr, d.seq);
-      rope.Rotate(k + kv_offset, d.kv_stride(), d.seq, pos, 1.0f, kr.data());
-      std::fill(dkr.begin(), dkr.end(), 0.0f);
-      for (int64_t s = 0; s < d.seq; ++s) std::memset(dv + kv_offset + s * d.kv_stride(), 0, d.dim * sizeof(float));
-      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-        const int64_t q_offset = b * d.seq * d.q_stride() + h * d.dim;
-        rope.Rotate(q + q_offset, d.q_stride(), d.seq, pos, scale, qr.data());
-        for (int64_t r0 = 0; r0 < d.seq; r0 += kBlock) {
-          const int64_t r1 = std::min(d.seq, r0 + kBlock), rows = r1 - r0;
-          const int64_t k0 = vis.BlockStart(r0), cols = r1 - k0;
-          const int64_t row_offset = q_offset + r0 * d.q_stride();
-          const float *v_block = v + kv_offset + k0 * d.kv_stride();
-          BlockProbs(d, qr.data(), kr.data(), r0, r1, k0, vis, probs.data());
-          // dP = dO V^T; dS = P * (dP - rowsum(dO * O))
-          dnnl_sgemm('N', 'T', rows, cols, d.dim, 1.0f, dout + row_offset, d.q_stride(), v_block, d.kv_stride(), 0.0f,
-                     dprobs.data(), cols);
-          for (int64_t i = 0; i < rows; ++i) {
-            const float *do_row = dout + row_offset + i * d.q_stride(), *o_row = o + row_offset + i * d.q_stride();
-            float dot = 0.0f;
-            for (int64_t c = 0; c < d.dim; ++c) dot += do_row[c] * o_row[c];
-            float *dp = dprobs.data() + i * cols;
-            const float *p = probs.data() + i * cols;
-            for (int64_t j = 0; j < cols; ++j) dp[j] = p[j] * (dp[j] - dot);
-          }
-          // dQr = dS Kr; dKr += dS^T Qr; dV += P^T dO   (keys [k0, r1))
-          dnnl_sgemm('N', 'N', rows, d.dim, cols, 1.0f, dprobs.data(), cols, kr.data() + k0 * d.dim, d.dim, 0.0f,
-                     dqr.data() + r0 * d.dim, d.dim);
-          dnnl_sgemm('T', 'N', cols, d.dim, rows, 1.0f, dprobs.data(), cols, qr.data() + r0 * d.dim, d.dim, 1.0f,
-                     dkr.data() + k0 * d.dim, d.dim);
-          dnnl_sgemm('T', 'N', cols, d.dim, rows, 1.0f, probs.data(), cols, dout + row_offset, d.q_stride(), 1.0f,
-                     dv + kv_offset + k0 * d.kv_stride(), d.kv_stride());
+  // One task per (batch, kv head); scratch per thread: probs, dprobs [kBlock, S], qr, kr, dqr, dkr [S, D].
+  const int64_t block = kBlock * d.seq, head = d.seq * d.dim, scratch = 2 * block + 4 * head;
+  std::vector<float> buffers(moetrain::Slots() * scratch);
+  moetrain::ParallelFor(kv_units, [&](int64_t unit, int slot) {
+    float *probs = buffers.data() + slot * scratch, *dprobs = probs + block;
+    float *qr = dprobs + block, *kr = qr + head, *dqr = kr + head, *dkr = dqr + head;
+    const int64_t b = unit / d.kv_heads, kvh = unit % d.kv_heads;
+    const int64_t kv_offset = b * d.seq * d.kv_stride() + kvh * d.dim;
+    const int32_t *pos = positions ? positions + b * d.seq : nullptr;
+    const Visibility vis(documents ? documents + b * d.seq : nullptr, d.seq);
+    rope.Rotate(k + kv_offset, d.kv_stride(), d.seq, pos, 1.0f, kr);
+    std::fill(dkr, dkr + head, 0.0f);
+    for (int64_t s = 0; s < d.seq; ++s) std::memset(dv + kv_offset + s * d.kv_stride(), 0, d.dim * sizeof(float));
+    for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+      const int64_t q_offset = b * d.seq * d.q_stride() + h * d.dim;
+      rope.Rotate(q + q_offset, d.q_stride(), d.seq, pos, scale, qr);
+      for (int64_t r0 = 0; r0 < d.seq; r0 += kBlock) {
+        const int64_t r1 = std::min(d.seq, r0 + kBlock), rows = r1 - r0;
+        const int64_t k0 = vis.BlockStart(r0), cols = r1 - k0;
+        const int64_t row_offset = q_offset + r0 * d.q_stride();
+        const float *v_block = v + kv_offset + k0 * d.kv_stride();
+        BlockProbs(d, qr, kr, r0, r1, k0, vis, probs);
+        // dP = dO V^T; dS = P * (dP - rowsum(dO * O))
+        dnnl_sgemm('N', 'T', rows, cols, d.dim, 1.0f, dout + row_offset, d.q_stride(), v_block, d.kv_stride(), 0.0f,
+                   dprobs, cols);
+        for (int64_t i = 0; i < rows; ++i) {
+          const float *do_row = dout + row_offset + i * d.q_stride(), *o_row = o + row_offset + i * d.q_stride();
+          float dot = 0.0f;
+          for (int64_t c = 0; c < d.dim; ++c) dot += do_row[c] * o_row[c];
+          float *dp = dprobs + i * cols;
+          const float *p = probs + i * cols;
+          for (int64_t j = 0; j < cols; ++j) dp[j] = p[j] * (dp[j] - dot);
         }
-        rope.RotateBack(dqr.data(), d.seq, pos, scale, dq + q_offset, d.q_stride());
+        // dQr = dS Kr; dKr += dS^T Qr; dV += P^T dO   (keys [k0, r1))
+        dnnl_sgemm('N', 'N', rows, d.dim, cols, 1.0f, dprobs, cols, kr + k0 * d.dim, d.dim, 0.0f,
+                   dqr + r0 * d.dim, d.dim);
+        dnnl_sgemm('T', 'N', cols, d.dim, rows, 1.0f, dprobs, cols, qr + r0 * d.dim, d.dim, 1.0f,
+                   dkr + k0 * d.dim, d.dim);
+        dnnl_sgemm('T', 'N', cols, d.dim, rows, 1.0f, probs, cols, dout + row_offset, d.q_stride(), 1.0f,
+                   dv + kv_offset + k0 * d.kv_stride(), d.kv_stride());
       }
-      rope.RotateBack(dkr.data(), d.seq, pos, 1.0f, dk + kv_offset, d.kv_stride());
+      rope.RotateBack(dqr, d.seq, pos, scale, dq + q_offset, d.q_stride());
     }
+    rope.RotateBack(dkr, d.seq, pos, 1.0f, dk + kv_offset, d.kv_stride());
   });
 }
 

@@ -15,8 +15,8 @@
 //   GroupedMatmulTN  x [N, K], g [N, F], row_expert [N], w [E, K, F] -> y [E, K, F]
 //                    y[e] = sum over rows n of expert e of x_n^T g_n (w: only its shape is read)
 //
-// Work is split over MOETRAIN_KERNEL_THREADS threads (default: the hardware threads): by rows for
-// NN/NT, by output columns for TN, so threads never write the same element.
+// Work is split into tasks for the kernel thread pool (common.h): row blocks for NN/NT, (expert,
+// output-column block) pairs for TN, so no two tasks write the same element.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -52,7 +52,8 @@ bool ForEachRun(const int32_t *row_expert, int64_t begin, int64_t end, int64_t n
   return true;
 }
 
-// Shared by NN and NT: y[rows] = a[rows] @ op(w[e]) with rows split over threads.
+// Shared by NN and NT: y[rows] = a[rows] @ op(w[e]), rows in tasks of a few hundred (any expert runs
+// inside a task are separate GEMMs; a row's result does not depend on the task it falls in).
 int RowGrouped(void **params, int64_t **shapes, bool transpose_w) {
   const float *a = static_cast<const float *>(params[0]);
   const float *w = static_cast<const float *>(params[1]);
@@ -62,23 +63,30 @@ int RowGrouped(void **params, int64_t **shapes, bool transpose_w) {
   const int64_t num_experts = shapes[1][0], k = shapes[1][1], f = shapes[1][2];
   const int64_t y_cols = transpose_w ? k : f;
   if (a_cols != (transpose_w ? f : k) || shapes[2][0] != rows) return 1;
-  const int parts = moetrain::PartsFor(rows, 32);
+  const int64_t tasks = moetrain::TasksFor(rows, 128);
   // NN reads w[e] row by row, f floats apart: where that stride is a multiple of 1 KB the rows
   // collide in the cache's sets and oneDNN's sgemm runs ~20 % slower (gate|up, f = 2F = 1024:
-  // 93 vs 115 GFLOP/s a core), so the expert's matrix is first copied with rows 16 floats longer.
+  // 93 vs 115 GFLOP/s a core), so the expert's matrix is first copied with rows 16 floats longer
+  // (once per thread and expert: consecutive tasks of one thread mostly share the expert).
   const int64_t padded_ld = !transpose_w && f % 256 == 0 ? f + 16 : 0;
-  std::vector<char> ok(parts, 1);
-  moetrain::ParallelSplit(parts, parts, [&](int p, int64_t, int64_t) {
-    const int64_t begin = rows * p / parts, end = rows * (p + 1) / parts;
-    std::vector<float> padded(padded_ld ? k * padded_ld : 0);
-    ok[p] = ForEachRun(
+  const int slots = moetrain::Slots();
+  std::vector<float> padded(padded_ld ? slots * k * padded_ld : 0);
+  std::vector<int64_t> padded_expert(slots, -1);
+  std::vector<char> ok(tasks, 1);
+  moetrain::ParallelFor(tasks, [&](int64_t task, int slot) {
+    const int64_t begin = rows * task / tasks, end = rows * (task + 1) / tasks;
+    ok[task] = ForEachRun(
         row_expert, begin, end, num_experts,
         [&](int64_t r0, int64_t r1, int64_t e) {
           const float *we = w + e * k * f;
           int64_t ldw = f;
           if (padded_ld && r1 - r0 >= 128) {   // fewer rows: the copy costs about what it saves
-            for (int64_t i = 0; i < k; ++i) std::memcpy(padded.data() + i * padded_ld, we + i * f, f * sizeof(float));
-            we = padded.data();
+            float *copy = padded.data() + slot * k * padded_ld;
+            if (padded_expert[slot] != e) {
+              for (int64_t i = 0; i < k; ++i) std::memcpy(copy + i * padded_ld, we + i * f, f * sizeof(float));
+              padded_expert[slot] = e;
+            }
+            we = copy;
             ldw = padded_ld;
           }
           dnnl_sgemm('N', transpose_w ? 'T' : 'N', r1 - r0, y_cols, a_cols, 1.0f, a + r0 * a_cols, a_cols, we, ldw,
@@ -132,21 +140,24 @@ extern "C" int GroupedMatmulTN(int nparam, void **params, int *ndims, int64_t **
   const int64_t rows = shapes[0][0], k = shapes[0][1], f = shapes[1][1];
   const int64_t num_experts = shapes[4][0];
   if (shapes[1][0] != rows || shapes[2][0] != rows || shapes[4][1] != k || shapes[4][2] != f) return 1;
-  // Columns in multiples of 16 floats (one AVX-512 register) per thread.
-  const int parts = moetrain::PartsFor(f, 16);
-  std::vector<char> ok(parts, 1);
-  moetrain::ParallelSplit(parts, parts, [&](int p, int64_t, int64_t) {
-    const int64_t c0 = (f / 16) * p / parts * 16, c1 = p + 1 == parts ? f : (f / 16) * (p + 1) / parts * 16;
-    for (int64_t e = 0; e < num_experts; ++e)
-      for (int64_t i = 0; i < k; ++i) std::memset(y + (e * k + i) * f + c0, 0, (c1 - c0) * sizeof(float));
-    // beta = 1: an expert may own several runs when rows are not sorted.
-    ok[p] = ForEachRun(
-        row_expert, 0, rows, num_experts,
-        [&](int64_t r0, int64_t r1, int64_t e) {
-          dnnl_sgemm('T', 'N', k, c1 - c0, r1 - r0, 1.0f, x + r0 * k, k, g + r0 * f + c0, f, 1.0f,
-                     y + e * k * f + c0, f);
-        },
-        [](int64_t, int64_t) {});
+  // The runs of rows of each expert (an expert may own several when rows are not sorted).
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> runs(num_experts);
+  if (!ForEachRun(
+          row_expert, 0, rows, num_experts, [&](int64_t r0, int64_t r1, int64_t e) { runs[e].push_back({r0, r1}); },
+          [](int64_t, int64_t) {}))
+    return 2;
+  // A task is one expert's block of output columns (multiples of 16 floats, one AVX-512 register):
+  // y[e][:, c0:c1] = sum over the expert's runs, in row order.
+  const int64_t column_blocks = std::max<int64_t>(1, std::min<int64_t>(f / 16, 2));
+  moetrain::ParallelFor(num_experts * column_blocks, [&](int64_t task, int) {
+    const int64_t e = task / column_blocks, b = task % column_blocks;
+    const int64_t c0 = (f / 16) * b / column_blocks * 16;
+    const int64_t c1 = b + 1 == column_blocks ? f : (f / 16) * (b + 1) / column_blocks * 16;
+    float *ye = y + e * k * f;
+    for (int64_t i = 0; i < k; ++i) std::memset(ye + i * f + c0, 0, (c1 - c0) * sizeof(float));
+    for (const auto &run : runs[e])
+      dnnl_sgemm('T', 'N', k, c1 - c0, run.second - run.first, 1.0f, x + run.first * k, k, g + run.first * f + c0, f,
+                 1.0f, ye + c0, f);
   });
-  return std::all_of(ok.begin(), ok.end(), [](char v) { return v; }) ? 0 : 2;
+  return 0;
 }

@@ -39,7 +39,7 @@ bool ReadDims(int64_t tokens, int64_t hidden, int64_t rows, int64_t rows_hidden,
 // fn(t) for every token, tokens split over the threads.
 template <typename Fn>
 void ForTokens(int64_t tokens, Fn fn) {
-  moetrain::ParallelSplit(tokens, moetrain::PartsFor(tokens, 64), [&](int, int64_t begin, int64_t end) {
+  moetrain::ParallelSplit(tokens, moetrain::TasksFor(tokens, 64), [&](int, int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) fn(t);
   });
 }

@@ -18,7 +18,7 @@
 
 namespace {
 
-int Parts(int64_t rows) { return moetrain::PartsFor(rows, 64); }
+int Parts(int64_t rows) { return moetrain::TasksFor(rows, 128); }
 
 inline float InverseRms(const float *x, int64_t h, float eps) {
   float sum = 0.0f;
@@ -94,7 +94,7 @@ extern "C" int RMSNormBackwardWeight(int nparam, void **params, int *ndims, int6
   const float *dy = static_cast<const float *>(params[2]);
   float *dw = static_cast<float *>(params[3]);
   const int parts = Parts(rows);
-  std::vector<float> partial(parts * h, 0.0f);   // one row of sums per thread, added in a fixed order
+  std::vector<float> partial(parts * h, 0.0f);   // one row of sums per part, added in a fixed order
   moetrain::ParallelSplit(rows, parts, [&](int p, int64_t begin, int64_t end) {
     float *acc = partial.data() + p * h;
     for (int64_t r = begin; r < end; ++r) {

@@ -41,7 +41,7 @@ extern "C" int SwiGLUForward(int nparam, void **params, int *ndims, int64_t **sh
   const float *gu = static_cast<const float *>(params[0]);
   float *h = static_cast<float *>(params[1]);
   const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = moetrain::Rows(ndims[0], shapes[0]);
-  moetrain::ParallelSplit(rows, moetrain::PartsFor(rows, 16), [=](int, int64_t begin, int64_t end) {
+  moetrain::ParallelSplit(rows, moetrain::TasksFor(rows, 64), [=](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *gate = gu + r * 2 * f, *up = gate + f;
       float *out = h + r * f;
@@ -59,7 +59,7 @@ extern "C" int SwiGLUBackward(int nparam, void **params, int *ndims, int64_t **s
   float *dgu = static_cast<float *>(params[2]);
   const int64_t f = shapes[0][ndims[0] - 1] / 2, rows = moetrain::Rows(ndims[0], shapes[0]);
   if (shapes[1][ndims[1] - 1] != f || moetrain::Rows(ndims[1], shapes[1]) != rows) return 1;
-  moetrain::ParallelSplit(rows, moetrain::PartsFor(rows, 16), [=](int, int64_t begin, int64_t end) {
+  moetrain::ParallelSplit(rows, moetrain::TasksFor(rows, 64), [=](int, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *gate = gu + r * 2 * f, *up = gate + f, *grad = dh + r * f;
       float *dgate = dgu + r * 2 * f, *dup = dgate + f;
