@@ -1,5 +1,5 @@
 """The fused CPU kernels (moetrain/kernels) against numpy (float64), forward and backward, in PyNative
-and under ms.jit: grouped GEMM, SwiGLU, RMSNorm, LM head + cross-entropy, attention with RoPE, the
+and under ms.jit: grouped GEMM, the linear layer's product, SwiGLU, RMSNorm, LM head + cross-entropy, attention with RoPE, the
 router, the MoE token permutation, AdamW and the squared norm; each fused layer against its plain-ops path; the kernels'
 thread pool (every task once, concurrent callers, fork, the same bits every call); and the fallback to plain ops when
 the kernel library cannot be built."""
@@ -167,6 +167,64 @@ def test_moe_layer_permutation_kernels_equal_plain_path(ms, kernel_ops, jit):
 
 
 @MODES
+@pytest.mark.parametrize("rows, k, f", [(3, 5, 4), (700, 24, 40)], ids=["one-block", "partial-blocks"])
+def test_linear_matmul_matches_numpy(ms, kernel_ops, jit, rows, k, f):
+    """x @ w^T and both gradients; 700 rows and 40 outputs split into row blocks of dx and dw with a
+    partial last block (linear.cc)."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((f, k)).astype(np.float32)
+    upstream = rng.standard_normal((rows, f)).astype(np.float32)
+    op = kernel_ops.LinearMatmul()
+
+    def loss(x_, w_):
+        return (op(x_, w_) * ms.Tensor(upstream)).sum()
+
+    _, (dx, dw) = grad_fn(ms, loss, (0, 1), jit)(ms.Tensor(x), ms.Tensor(w))
+    x64, w64, up64 = x.astype(np.float64), w.astype(np.float64), upstream.astype(np.float64)
+    np.testing.assert_allclose(op(ms.Tensor(x), ms.Tensor(w)).asnumpy(), x64 @ w64.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx.asnumpy(), up64 @ w64, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(dw.asnumpy(), up64.T @ x64, rtol=1e-5, atol=1e-4)
+
+
+@MODES
+def test_swiglu_mlp_fused_equals_plain_path(ms, kernel_ops, jit):
+    """SwiGLUMLP with the kernels (gate and up as one product over their stacked weights, the fused
+    SwiGLU, the linear kernel) equals the plain ops (`ops.MatMul` per projection, `silu * up`): value
+    and the gradients of the input and every weight."""
+    from mindspore import ops
+
+    from moetrain.layers import SwiGLUMLP
+
+    ms.set_seed(0)
+    mlp = SwiGLUMLP(16, 24)
+    assert mlp.swiglu is not None
+    x = ms.Tensor(np.random.default_rng(6).standard_normal((2, 33, 16)).astype(np.float32))
+    params = mlp.trainable_params()
+
+    def loss(x_):
+        return (mlp(x_) ** 2).sum()
+
+    def run():
+        f = ms.value_and_grad(loss, 0, params)
+        value, (dx, dparams) = (ms.jit(f) if jit else f)(x)
+        return [value.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dparams]
+
+    fused = run()
+    layers = (mlp.w_gate, mlp.w_up, mlp.w_down)
+    kernel_products, swiglu = [layer.matmul for layer in layers], mlp.swiglu
+    for layer in layers:
+        layer.matmul = ops.MatMul(transpose_b=True)
+    mlp.swiglu = None
+    plain = run()
+    for layer, matmul in zip(layers, kernel_products):
+        layer.matmul = matmul
+    mlp.swiglu = swiglu
+    for name, a, b in zip(["loss", "dx"] + [p.name for p in params], fused, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@MODES
 def test_fused_swiglu_matches_numpy(ms, kernel_ops, jit):
     rng = np.random.default_rng(1)
     gate_up = (4 * rng.standard_normal((3, 7, 2 * 9))).astype(np.float32)
@@ -243,9 +301,10 @@ def lm_head_case(rows, hidden, vocab, seed=0):
     return h, w, labels
 
 
-# 600 rows over 2 threads at V=5003: chunks of 209 rows, so 300 rows a thread end in a partial chunk;
+# 1900 rows at V=5003: chunks of 209 rows in gradient groups of 836 (lm_head_loss.cc), so three groups,
+# the last of 228 rows ending in a partial chunk, and dw in vocabulary blocks of 640, the last partial;
 # 5003 is no multiple of the SIMD width; one row (batch 1, a single token).
-LM_HEAD_SHAPES = pytest.mark.parametrize("rows,hidden,vocab", [(600, 16, 5003), (1, 8, 37), (33, 24, 16)],
+LM_HEAD_SHAPES = pytest.mark.parametrize("rows,hidden,vocab", [(1900, 16, 5003), (1, 8, 37), (33, 24, 16)],
                                          ids=["partial-chunks", "one-row", "tiny-vocab"])
 
 

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # source -> extra compiler flags. The elementwise kernels need -ffast-math for vectorised expf and
 # are built for this CPU (-march=native; the CPU model is part of the cache key).
 ELEMENTWISE_FLAGS = ("-march=native", "-ffast-math")
-SOURCES = {"grouped_gemm.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
+SOURCES = {"grouped_gemm.cc": (), "linear.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
            "attention.cc": ELEMENTWISE_FLAGS, "lm_head_loss.cc": ELEMENTWISE_FLAGS, "router.cc": ELEMENTWISE_FLAGS,
            "adamw.cc": ELEMENTWISE_FLAGS, "permute.cc": ELEMENTWISE_FLAGS, "pool.cc": ()}
 HEADERS = ("common.h",)

@@ -14,8 +14,11 @@
 //                             ds, dt of s and t (m is a shift that no loss depends on): recomputes z per
 //                             chunk, dz = ds exp(z - m) + dt onehot(label).
 //
-// Threads split the rows; each thread accumulates its own dw (thread 0 into the output), summed at
-// the end in a fixed order, so results do not depend on scheduling.
+// The gradients go through the rows in groups of a few hundred: the group's row chunks (tasks of the
+// thread pool, common.h) write their dz = dloss/dz into one [group, V] buffer and their dh, then the
+// vocabulary blocks of dw take dw[block] (+)= dz[:, block]^T h[group] (tasks again). Every element is
+// summed in a fixed order (groups in row order, the loss per row in row order), so results do not
+// depend on which thread ran what, and dw is read and written once per group, not once per chunk.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,13 +36,17 @@ namespace {
 
 // Logits per chunk: 4 MB (128 rows at V = 8192; 64 to 512 rows measured within 10 % of each other).
 constexpr int64_t kChunkFloats = 1 << 20;
+// The dz buffer of a gradient group: 16 MB (4 chunks of 128 rows at V = 8192).
+constexpr int64_t kGroupFloats = 1 << 22;
 
 struct Problem {
   const float *h, *w;
   const int32_t *labels;
   int64_t rows, hidden, vocab;
-  // At least 64 rows: dw is read and written once per chunk, so fewer rows make that traffic dominate.
+  // At least 64 rows: the GEMMs of fewer rows run well below their peak.
   int64_t ChunkRows() const { return std::max<int64_t>(64, kChunkFloats / vocab); }
+  // Rows of a gradient group: its dz buffer holds about kGroupFloats, at least one chunk.
+  int64_t GroupRows() const { return ChunkRows() * std::max<int64_t>(1, kGroupFloats / (ChunkRows() * vocab)); }
 };
 
 bool ReadProblem(int *ndims, int64_t **shapes, const char **dtypes, void **params, Problem *p) {
@@ -72,58 +79,56 @@ inline float ExpInPlace(float *z, int64_t v, float m) {
   return s;
 }
 
-// dh[r0 : r0 + c] = dz w; dw_acc += dz^T h[r0 : r0 + c]
-void ChunkGradients(const Problem &p, int64_t r0, int64_t c, const float *dz, float *dh, float *dw_acc) {
-  dnnl_sgemm('N', 'N', c, p.hidden, p.vocab, 1.0f, dz, p.vocab, p.w, p.hidden, 0.0f, dh + r0 * p.hidden, p.hidden);
-  dnnl_sgemm('T', 'N', p.vocab, p.hidden, c, 1.0f, dz, p.vocab, p.h + r0 * p.hidden, p.hidden, 1.0f, dw_acc,
-             p.hidden);
-}
-
-// Runs chunk_fn(part, r0, c, z, dw_acc) over the row chunks of every thread's share of the rows, with
-// per-thread logits scratch and dw accumulators, then sums the accumulators into dw.
-template <typename ChunkFn>
-void ForEachChunkWithDw(const Problem &p, float *dw, int parts, ChunkFn chunk_fn) {
-  const int64_t chunk = p.ChunkRows(), dw_size = p.vocab * p.hidden;
-  std::vector<float> extra_dw(static_cast<size_t>(parts - 1) * dw_size);
-  moetrain::ParallelSplit(p.rows, parts, [&](int part, int64_t begin, int64_t end) {
-    float *acc = part == 0 ? dw : extra_dw.data() + (part - 1) * dw_size;
-    std::memset(acc, 0, dw_size * sizeof(float));
-    std::vector<float> z(std::min(chunk, std::max<int64_t>(end - begin, 1)) * p.vocab);
-    for (int64_t r0 = begin; r0 < end; r0 += chunk) chunk_fn(part, r0, std::min(chunk, end - r0), z.data(), acc);
-  });
-  if (parts > 1)
-    moetrain::ParallelSplit(dw_size, moetrain::PartsFor(dw_size, 1 << 16), [&](int, int64_t begin, int64_t end) {
-      for (int part = 1; part < parts; ++part) {
-        const float *src = extra_dw.data() + (part - 1) * dw_size;
-        for (int64_t i = begin; i < end; ++i) dw[i] += src[i];
-      }
+// dh and dw for the rows, group by group (file comment): fill_dz(r0, c, z) turns the logits of rows
+// [r0, r0 + c) in z into dloss/dz.
+template <typename FillDz>
+void HeadGradients(const Problem &p, float *dh, float *dw, FillDz fill_dz) {
+  const int64_t chunk = p.ChunkRows(), group = p.GroupRows();
+  if (p.rows == 0) {
+    std::memset(dw, 0, p.vocab * p.hidden * sizeof(float));
+    return;
+  }
+  std::vector<float> dz(std::min(group, p.rows) * p.vocab);
+  // Vocabulary blocks of dw: a multiple of 64 rows, about four per thread.
+  const int64_t block = std::max<int64_t>(64, (p.vocab / (4 * moetrain::NumThreads()) + 63) / 64 * 64);
+  const int64_t blocks = (p.vocab + block - 1) / block;
+  for (int64_t g0 = 0; g0 < p.rows; g0 += group) {
+    const int64_t rows = std::min(group, p.rows - g0);
+    moetrain::ParallelFor((rows + chunk - 1) / chunk, [&](int64_t task, int) {
+      const int64_t r0 = g0 + task * chunk, c = std::min(chunk, g0 + rows - r0);
+      float *z = dz.data() + (r0 - g0) * p.vocab;
+      Logits(p, r0, c, z);
+      fill_dz(r0, c, z);
+      dnnl_sgemm('N', 'N', c, p.hidden, p.vocab, 1.0f, z, p.vocab, p.w, p.hidden, 0.0f, dh + r0 * p.hidden, p.hidden);
     });
+    moetrain::ParallelFor(blocks, [&](int64_t b, int) {
+      const int64_t v0 = b * block, v1 = std::min(p.vocab, v0 + block);
+      dnnl_sgemm('T', 'N', v1 - v0, p.hidden, rows, 1.0f, dz.data() + v0, p.vocab, p.h + g0 * p.hidden, p.hidden,
+                 g0 == 0 ? 0.0f : 1.0f, dw + v0 * p.hidden, p.hidden);
+    });
+  }
 }
-
-int Parts(const Problem &p) { return moetrain::PartsFor(p.rows, 16); }
 
 int LogitStats(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, bool strict) {
   Problem p;
   if (nparam != 6 || !ReadProblem(ndims, shapes, dtypes, params, &p)) return 1;
   float *m_out = static_cast<float *>(params[3]), *s_out = static_cast<float *>(params[4]);
   float *t_out = static_cast<float *>(params[5]);
-  const int parts = Parts(p);
-  std::vector<char> ok(parts, 1);
-  const int64_t chunk = p.ChunkRows();
-  moetrain::ParallelSplit(p.rows, parts, [&](int part, int64_t begin, int64_t end) {
-    std::vector<float> z(std::min(chunk, std::max<int64_t>(end - begin, 1)) * p.vocab);
-    for (int64_t r0 = begin; r0 < end; r0 += chunk) {
-      const int64_t c = std::min(chunk, end - r0);
-      Logits(p, r0, c, z.data());
-      for (int64_t i = 0; i < c; ++i) {
-        float *zi = z.data() + i * p.vocab;
-        const int64_t r = r0 + i, label = p.labels[r];
-        const bool inside = label >= 0 && label < p.vocab;
-        if (strict && !inside) ok[part] = 0;
-        t_out[r] = inside ? zi[label] : 0.0f;
-        m_out[r] = RowMax(zi, p.vocab);
-        s_out[r] = ExpInPlace(zi, p.vocab, m_out[r]);
-      }
+  const int64_t chunk = p.ChunkRows(), chunks = (p.rows + chunk - 1) / chunk;
+  std::vector<char> ok(chunks, 1);
+  std::vector<float> scratch(moetrain::Slots() * std::min(chunk, std::max<int64_t>(p.rows, 1)) * p.vocab);
+  moetrain::ParallelFor(chunks, [&](int64_t task, int slot) {
+    const int64_t r0 = task * chunk, c = std::min(chunk, p.rows - r0);
+    float *z = scratch.data() + slot * std::min(chunk, p.rows) * p.vocab;
+    Logits(p, r0, c, z);
+    for (int64_t i = 0; i < c; ++i) {
+      float *zi = z + i * p.vocab;
+      const int64_t r = r0 + i, label = p.labels[r];
+      const bool inside = label >= 0 && label < p.vocab;
+      if (strict && !inside) ok[task] = 0;
+      t_out[r] = inside ? zi[label] : 0.0f;
+      m_out[r] = RowMax(zi, p.vocab);
+      s_out[r] = ExpInPlace(zi, p.vocab, m_out[r]);
     }
   });
   return std::all_of(ok.begin(), ok.end(), [](char v) { return v; }) ? 0 : 2;
@@ -164,33 +169,30 @@ extern "C" int LMHeadLossGrad(int nparam, void **params, int *ndims, int64_t **s
   if (nparam != 6 || !ReadProblem(ndims, shapes, dtypes, params, &p) || p.rows == 0) return 1;
   float *loss = static_cast<float *>(params[3]), *dh = static_cast<float *>(params[4]);
   float *dw = static_cast<float *>(params[5]);
-  const int parts = Parts(p);
-  std::vector<double> part_loss(parts, 0.0);
-  std::vector<char> ok(parts, 1);
+  std::vector<double> row_loss(p.rows, 0.0);
+  std::vector<char> bad(p.rows, 0);
   const float inv_rows = 1.0f / static_cast<float>(p.rows);
-  ForEachChunkWithDw(p, dw, parts, [&](int part, int64_t r0, int64_t c, float *z, float *dw_acc) {
-    Logits(p, r0, c, z);
+  HeadGradients(p, dh, dw, [&](int64_t r0, int64_t c, float *z) {
     for (int64_t i = 0; i < c; ++i) {
       float *zi = z + i * p.vocab;
       const int64_t label = p.labels[r0 + i];
       if (label < 0 || label >= p.vocab) {
-        ok[part] = 0;
+        bad[r0 + i] = 1;
         std::memset(zi, 0, p.vocab * sizeof(float));
         continue;
       }
       const float target = zi[label], m = RowMax(zi, p.vocab);
       const float s = ExpInPlace(zi, p.vocab, m);
-      part_loss[part] += std::log(static_cast<double>(s)) + m - target;
+      row_loss[r0 + i] = std::log(static_cast<double>(s)) + m - target;
       const float scale = inv_rows / s;
       for (int64_t j = 0; j < p.vocab; ++j) zi[j] *= scale;
       zi[label] -= inv_rows;
     }
-    ChunkGradients(p, r0, c, z, dh, dw_acc);
   });
   double total = 0.0;
-  for (double v : part_loss) total += v;
+  for (double v : row_loss) total += v;
   *loss = static_cast<float>(total / static_cast<double>(p.rows));
-  return std::all_of(ok.begin(), ok.end(), [](char v) { return v; }) ? 0 : 2;
+  return std::any_of(bad.begin(), bad.end(), [](char v) { return v; }) ? 2 : 0;
 }
 
 extern "C" int LMHeadLogitStats(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
@@ -212,8 +214,7 @@ extern "C" int LMHeadLogitStatsBackward(int nparam, void **params, int *ndims, i
   const float *m = static_cast<const float *>(params[3]), *ds = static_cast<const float *>(params[4]);
   const float *dt = static_cast<const float *>(params[5]);
   float *dh = static_cast<float *>(params[6]), *dw = static_cast<float *>(params[7]);
-  ForEachChunkWithDw(p, dw, Parts(p), [&](int, int64_t r0, int64_t c, float *z, float *dw_acc) {
-    Logits(p, r0, c, z);
+  HeadGradients(p, dh, dw, [&](int64_t r0, int64_t c, float *z) {
     for (int64_t i = 0; i < c; ++i) {
       float *zi = z + i * p.vocab;
       const int64_t r = r0 + i, label = p.labels[r];
@@ -221,7 +222,6 @@ extern "C" int LMHeadLogitStatsBackward(int nparam, void **params, int *ndims, i
       for (int64_t j = 0; j < p.vocab; ++j) zi[j] = scale * std::exp(zi[j] - shift);
       if (label >= 0 && label < p.vocab) zi[label] += dt[r];
     }
-    ChunkGradients(p, r0, c, z, dh, dw_acc);
   });
   return 0;
 }

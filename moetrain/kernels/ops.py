@@ -54,6 +54,24 @@ class GroupedMatmul(nn.Cell):
         return self.matmul_nn(x, w, row_expert)
 
 
+class LinearMatmul(nn.Cell):
+    """`construct(x [N, K], weight [F, K]) -> x @ weight^T` `[N, F]`, fp32 (a linear layer in the HF
+    weight layout): row blocks on the kernels' thread pool; the backward computes `dx` and `dweight`
+    in one call, their blocks as tasks of one pool run."""
+
+    def __init__(self):
+        super().__init__()
+        backward = _custom("LinearBackward", (F32, F32, F32), output_dtypes=(F32, F32))
+
+        def bprop(x, weight, out, dout):
+            return backward(x, weight, dout)
+
+        self.forward = _custom("LinearForward", (F32, F32), bprop)
+
+    def construct(self, x, weight):
+        return self.forward(x, weight)
+
+
 class FusedSwiGLU(nn.Cell):
     """`construct(gate_up [..., 2F]) -> silu(gate_up[..., :F]) * gate_up[..., F:]`, one pass each way."""
 

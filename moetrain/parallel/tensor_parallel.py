@@ -164,6 +164,10 @@ class ColumnParallelLinear(Linear):
             return comm.gather_from_region(y, self.tp_group, -1)
         return y
 
+    @property
+    def plain(self) -> bool:
+        return self.entry == "none" and not self.gather_output
+
 
 class RowParallelLinear(Linear):
     """`Linear` with the input features split over tp: weight `[out, in/n]`, input `[..., in/n]`.
@@ -184,6 +188,10 @@ class RowParallelLinear(Linear):
         if not self.input_is_parallel:
             x = comm.scatter_to_region(x, self.tp_group, -1)
         return exit_region(Linear.construct(self, x), self.tp_group, self.exit)
+
+    @property
+    def plain(self) -> bool:
+        return False
 
 
 class VocabParallelEmbedding(Embedding):
