@@ -1,5 +1,5 @@
 """The fused CPU kernels (moetrain/kernels) against numpy (float64), forward and backward, in PyNative
-and under ms.jit: grouped GEMM, the linear layer's product, SwiGLU, RMSNorm, LM head + cross-entropy, attention with RoPE, the
+and under ms.jit: grouped GEMM (one weight and the gate|up pair), the linear layer's product, SwiGLU, RMSNorm, LM head + cross-entropy, attention with RoPE, the
 router, the MoE token permutation, AdamW and the squared norm; each fused layer against its plain-ops path; the kernels'
 thread pool (every task once, concurrent callers, fork, the same bits every call); and the fallback to plain ops when
 the kernel library cannot be built."""
@@ -67,6 +67,47 @@ def test_grouped_matmul_matches_numpy(ms, kernel_ops, jit, rows, k, f, experts, 
     np.testing.assert_allclose(dx.asnumpy(), dx_ref, rtol=1e-5, atol=atol)
     np.testing.assert_allclose(dw.asnumpy(), dw_ref, rtol=1e-5, atol=atol)
     assert not dw.asnumpy()[experts - 1].any()
+
+
+@MODES
+@pytest.mark.parametrize("rows, k, fa, fb, experts", [(70, 12, 20, 9, 5), (700, 16, 256, 256, 4)],
+                         ids=["small-with-padding", "padded-copy"])
+def test_grouped_matmul_pair_matches_numpy(ms, kernel_ops, jit, rows, k, fa, fb, experts):
+    """[x @ wa[e] | x @ wb[e]] and the gradients of x, wa and wb (the experts' gate and up weights read
+    in place); padding rows (id E) give zero output and gradients, an expert without rows a zero
+    weight gradient; 256 columns with runs of at least 128 rows take the padded weight copies."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    wa = rng.standard_normal((experts, k, fa)).astype(np.float32)
+    wb = rng.standard_normal((experts, k, fb)).astype(np.float32)
+    if experts == 4:
+        row_expert = np.repeat(np.arange(4, dtype=np.int32), [400, 200, 60, 40])   # the last 40 rows: padding
+        row_expert[row_expert == 3] = experts                                       # experts 3 owns none
+    else:
+        row_expert = np.sort(rng.integers(0, experts + 1, rows)).astype(np.int32)
+        row_expert[row_expert == 2] = 1                                             # expert 2 owns none
+        row_expert[:10] = rng.integers(0, 2, 10)                                    # an unsorted head
+    upstream = rng.standard_normal((rows, fa + fb)).astype(np.float32)
+    op = kernel_ops.GroupedMatmulPair()
+
+    def loss(x_, wa_, wb_):
+        return (op(x_, wa_, wb_, ms.Tensor(row_expert)) * ms.Tensor(upstream)).sum()
+
+    _, (dx, dwa, dwb) = grad_fn(ms, loss, (0, 1, 2), jit)(ms.Tensor(x), ms.Tensor(wa), ms.Tensor(wb))
+    w64 = np.concatenate([wa, wb], -1).astype(np.float64)
+    x64, up64 = x.astype(np.float64), upstream.astype(np.float64)
+    real = row_expert < experts
+    expert = np.minimum(row_expert, experts - 1)
+    y_ref = np.where(real[:, None], np.einsum("nk,nkf->nf", x64, w64[expert]), 0)
+    dx_ref = np.where(real[:, None], np.einsum("nf,nkf->nk", up64, w64[expert]), 0)
+    dw_ref = np.stack([x64[row_expert == e].T @ up64[row_expert == e] for e in range(experts)])
+    atol = 1e-5 * max(1.0, max(k, fa + fb) / 20)
+    np.testing.assert_allclose(op(ms.Tensor(x), ms.Tensor(wa), ms.Tensor(wb), ms.Tensor(row_expert)).asnumpy(), y_ref,
+                               rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(dx.asnumpy(), dx_ref, rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(dwa.asnumpy(), dw_ref[..., :fa], rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(dwb.asnumpy(), dw_ref[..., fa:], rtol=1e-5, atol=atol)
+    assert not dwa.asnumpy()[2 if experts == 5 else 3].any()
 
 
 def test_grouped_matmul_kernel_skips_padding_rows(ms, kernel_ops):
@@ -893,7 +934,7 @@ def test_kernel_pool_works_in_a_forked_child(kernel_ops):
 @MODES
 def test_kernels_give_the_same_bits_every_call(ms, kernel_ops, jit):
     """Tasks go to whichever thread is free, so the split of work differs from call to call; no result
-    may: the attention and grouped-GEMM gradients, the RMSNorm weight gradient (partial sums per task)
+    may: the attention and grouped-GEMM (gate|up pair) gradients, the RMSNorm weight gradient (partial sums per task)
     and the LM head (per-thread dW accumulators) are bitwise equal over repeated calls."""
     from moetrain.layers import RotaryEmbedding
 
@@ -901,15 +942,15 @@ def test_kernels_give_the_same_bits_every_call(ms, kernel_ops, jit):
     tensor = lambda *shape: ms.Tensor(rng.standard_normal(shape).astype(np.float32))   # noqa: E731
     q, k, v, up = tensor(2, 130, 4, 16), tensor(2, 130, 2, 16), tensor(2, 130, 2, 16), tensor(2, 130, 4, 16)
     cos, sin = RotaryEmbedding(16, 130).tables(130)
-    attention, gmm, norm = kernel_ops.FusedCausalAttention(), kernel_ops.GroupedMatmul(), kernel_ops.FusedRMSNorm()
-    x, w, rows_up = tensor(900, 32), tensor(5, 32, 256), tensor(900, 256)
+    attention, gmm, norm = kernel_ops.FusedCausalAttention(), kernel_ops.GroupedMatmulPair(), kernel_ops.FusedRMSNorm()
+    x, w, rows_up = tensor(900, 32), tensor(5, 32, 256), tensor(900, 512)
     row_expert = ms.Tensor(np.sort(rng.integers(0, 5, 900)).astype(np.int32))
     h, head, labels = tensor(300, 32), tensor(500, 32), ms.Tensor(rng.integers(0, 500, 300).astype(np.int32))
     nx, nw, eps = tensor(1000, 64), tensor(64), ms.Tensor(np.array([1e-5], np.float32))
     head_loss = kernel_ops.FusedLMHeadCrossEntropy()
 
     def loss(q_, k_, v_, x_, w_, h_, head_, nx_, nw_):
-        return ((attention(q_, k_, v_, cos, sin) * up).sum() + (gmm(x_, w_, row_expert) * rows_up).sum()
+        return ((attention(q_, k_, v_, cos, sin) * up).sum() + (gmm(x_, w_, w_ * 2, row_expert) * rows_up).sum()
                 + head_loss(h_, head_, labels) + (norm(nx_, nw_, eps) * nx).sum())
 
     step = grad_fn(ms, loss, tuple(range(9)), jit)

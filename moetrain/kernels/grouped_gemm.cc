@@ -1,7 +1,7 @@
 // Grouped matrix products for MoE experts on CPU: row n of the token matrix is multiplied by
 // the weight matrix of expert row_expert[n]. Every maximal run of rows with the same expert is one
 // dnnl_sgemm call (oneDNN ships with MindSpore), so sorted rows (the dropless dispatcher's layout)
-// cost one GEMM per expert per thread: no padding rows and no per-block weight copies. A row whose
+// cost one GEMM per expert per task: no padding rows and no per-block weight copies. A row whose
 // expert id is E (one past the last expert) is padding: it is skipped (no GEMM) and its NN/NT
 // output row is zero, so a static buffer longer than the real rows costs no arithmetic.
 //
@@ -15,8 +15,15 @@
 //   GroupedMatmulTN  x [N, K], g [N, F], row_expert [N], w [E, K, F] -> y [E, K, F]
 //                    y[e] = sum over rows n of expert e of x_n^T g_n (w: only its shape is read)
 //
-// Work is split into tasks for the kernel thread pool (common.h): row blocks for NN/NT, (expert,
-// output-column block) pairs for TN, so no two tasks write the same element.
+// The Pair variants take two weights of one K, [E, K, Fa] and [E, K, Fb], as if concatenated along
+// F (the experts' gate and up projections) without the copy the concatenation would make:
+//
+//   GroupedMatmulPairNN  x [N, K], wa, wb, row_expert -> y [N, Fa + Fb] = [x_n @ wa[e_n] | x_n @ wb[e_n]]
+//   GroupedMatmulPairNT  g [N, Fa + Fb], wa, wb, row_expert -> y [N, K] = g_n[:Fa] wa[e_n]^T + g_n[Fa:] wb[e_n]^T
+//   GroupedMatmulPairTN  x [N, K], g [N, Fa + Fb], row_expert, wa, wb -> ya [E, K, Fa], yb [E, K, Fb]
+//
+// Work is split into tasks for the kernel thread pool (common.h): row blocks for NN/NT, (weight,
+// expert, output-column block) triples for TN, so no two tasks write the same element.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -52,49 +59,145 @@ bool ForEachRun(const int32_t *row_expert, int64_t begin, int64_t end, int64_t n
   return true;
 }
 
-// Shared by NN and NT: y[rows] = a[rows] @ op(w[e]), rows in tasks of a few hundred (any expert runs
-// inside a task are separate GEMMs; a row's result does not depend on the task it falls in).
-int RowGrouped(void **params, int64_t **shapes, bool transpose_w) {
-  const float *a = static_cast<const float *>(params[0]);
-  const float *w = static_cast<const float *>(params[1]);
-  const int32_t *row_expert = static_cast<const int32_t *>(params[2]);
-  float *y = static_cast<float *>(params[3]);
-  const int64_t rows = shapes[0][0], a_cols = shapes[0][1];
-  const int64_t num_experts = shapes[1][0], k = shapes[1][1], f = shapes[1][2];
-  const int64_t y_cols = transpose_w ? k : f;
-  if (a_cols != (transpose_w ? f : k) || shapes[2][0] != rows) return 1;
+// One weight of a grouped product: [E, k, f] floats; `column` is where its f columns start in the
+// concatenated [.., F total] operand (y for NN, the gradient for NT and TN).
+struct Weight {
+  const float *data;
+  int64_t k, f, column;
+};
+
+// The weights of inputs [first, first + count) (all [E, K, F_i] with one E and K), laid side by side.
+bool ReadWeights(int64_t **shapes, int *ndims, const char **dtypes, void **params, int first, int count,
+                 std::vector<Weight> *weights, int64_t *num_experts, int64_t *total_f) {
+  *total_f = 0;
+  for (int i = first; i < first + count; ++i) {
+    if (ndims[i] != 3 || !IsType(dtypes[i], "float32")) return false;
+    if (i > first && (shapes[i][0] != shapes[first][0] || shapes[i][1] != shapes[first][1])) return false;
+    weights->push_back({static_cast<const float *>(params[i]), shapes[i][1], shapes[i][2], *total_f});
+    *total_f += shapes[i][2];
+  }
+  *num_experts = shapes[first][0];
+  return true;
+}
+
+// NN: y [N, F] = [a @ w_0[e] | a @ w_1[e] | ...] (a [N, K]); NT: y [N, K] = sum_i a[:, cols_i] @ w_i[e]^T
+// (a [N, F]). Rows in tasks of a few hundred (any expert runs inside a task are separate GEMMs; a
+// row's result does not depend on the task it falls in).
+bool RowGrouped(const float *a, const std::vector<Weight> &weights, const int32_t *row_expert, float *y,
+                int64_t rows, int64_t num_experts, int64_t total_f, bool transpose_w) {
+  const int64_t k = weights[0].k, a_cols = transpose_w ? total_f : k, y_cols = transpose_w ? k : total_f;
   const int64_t tasks = moetrain::TasksFor(rows, 128);
   // NN reads w[e] row by row, f floats apart: where that stride is a multiple of 1 KB the rows
   // collide in the cache's sets and oneDNN's sgemm runs ~20 % slower (gate|up, f = 2F = 1024:
   // 93 vs 115 GFLOP/s a core), so the expert's matrix is first copied with rows 16 floats longer
-  // (once per thread and expert: consecutive tasks of one thread mostly share the expert).
-  const int64_t padded_ld = !transpose_w && f % 256 == 0 ? f + 16 : 0;
+  // (once per thread, weight and expert: consecutive tasks of one thread mostly share the expert).
   const int slots = moetrain::Slots();
-  std::vector<float> padded(padded_ld ? slots * k * padded_ld : 0);
-  std::vector<int64_t> padded_expert(slots, -1);
+  std::vector<int64_t> padded_ld(weights.size(), 0);
+  int64_t padded_floats = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (!transpose_w && weights[i].f % 256 == 0) padded_ld[i] = weights[i].f + 16;
+    padded_floats += k * padded_ld[i];
+  }
+  std::vector<float> padded(slots * padded_floats);
+  std::vector<int64_t> padded_expert(slots * weights.size(), -1);
   std::vector<char> ok(tasks, 1);
   moetrain::ParallelFor(tasks, [&](int64_t task, int slot) {
     const int64_t begin = rows * task / tasks, end = rows * (task + 1) / tasks;
     ok[task] = ForEachRun(
         row_expert, begin, end, num_experts,
         [&](int64_t r0, int64_t r1, int64_t e) {
-          const float *we = w + e * k * f;
-          int64_t ldw = f;
-          if (padded_ld && r1 - r0 >= 128) {   // fewer rows: the copy costs about what it saves
-            float *copy = padded.data() + slot * k * padded_ld;
-            if (padded_expert[slot] != e) {
-              for (int64_t i = 0; i < k; ++i) std::memcpy(copy + i * padded_ld, we + i * f, f * sizeof(float));
-              padded_expert[slot] = e;
+          float *copy = padded.data() + slot * padded_floats;
+          for (size_t i = 0; i < weights.size(); ++i) {
+            const Weight &w = weights[i];
+            const float *we = w.data + e * w.k * w.f;
+            int64_t ldw = w.f;
+            if (padded_ld[i] && r1 - r0 >= 128) {   // fewer rows: the copy costs about what it saves
+              if (padded_expert[slot * weights.size() + i] != e) {
+                for (int64_t j = 0; j < k; ++j) std::memcpy(copy + j * padded_ld[i], we + j * w.f, w.f * sizeof(float));
+                padded_expert[slot * weights.size() + i] = e;
+              }
+              we = copy;
+              ldw = padded_ld[i];
             }
-            we = copy;
-            ldw = padded_ld;
+            copy += k * padded_ld[i];
+            if (transpose_w)
+              dnnl_sgemm('N', 'T', r1 - r0, k, w.f, 1.0f, a + r0 * a_cols + w.column, a_cols, we, ldw,
+                         i == 0 ? 0.0f : 1.0f, y + r0 * y_cols, y_cols);
+            else
+              dnnl_sgemm('N', 'N', r1 - r0, w.f, k, 1.0f, a + r0 * a_cols, a_cols, we, ldw, 0.0f,
+                         y + r0 * y_cols + w.column, y_cols);
           }
-          dnnl_sgemm('N', transpose_w ? 'T' : 'N', r1 - r0, y_cols, a_cols, 1.0f, a + r0 * a_cols, a_cols, we, ldw,
-                     0.0f, y + r0 * y_cols, y_cols);
         },
         [&](int64_t r0, int64_t r1) { std::memset(y + r0 * y_cols, 0, (r1 - r0) * y_cols * sizeof(float)); });
   });
-  return std::all_of(ok.begin(), ok.end(), [](char v) { return v; }) ? 0 : 2;
+  return std::all_of(ok.begin(), ok.end(), [](char v) { return v; });
+}
+
+// TN: y_i [E, K, F_i] = sum over the rows of expert e of x^T g[:, cols_i] (x [N, K], g [N, F]).
+bool ColumnGrouped(const float *x, const float *g, const int32_t *row_expert, const std::vector<Weight> &weights,
+                   const std::vector<float *> &outputs, int64_t rows, int64_t num_experts, int64_t total_f) {
+  const int64_t k = weights[0].k;
+  // The runs of rows of each expert (an expert may own several when rows are not sorted).
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> runs(num_experts);
+  if (!ForEachRun(
+          row_expert, 0, rows, num_experts, [&](int64_t r0, int64_t r1, int64_t e) { runs[e].push_back({r0, r1}); },
+          [](int64_t, int64_t) {}))
+    return false;
+  // A task is one weight's expert and block of output columns (multiples of 16 floats, one AVX-512
+  // register): y_i[e][:, c0:c1] = sum over the expert's runs, in row order.
+  std::vector<int64_t> blocks(weights.size()), first_task(weights.size() + 1, 0);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    blocks[i] = std::max<int64_t>(1, std::min<int64_t>(weights[i].f / 16, 2));
+    first_task[i + 1] = first_task[i] + num_experts * blocks[i];
+  }
+  moetrain::ParallelFor(first_task.back(), [&](int64_t task, int) {
+    const size_t i = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    const Weight &w = weights[i];
+    const int64_t local = task - first_task[i], e = local / blocks[i], b = local % blocks[i];
+    const int64_t c0 = (w.f / 16) * b / blocks[i] * 16;
+    const int64_t c1 = b + 1 == blocks[i] ? w.f : (w.f / 16) * (b + 1) / blocks[i] * 16;
+    float *ye = outputs[i] + e * k * w.f;
+    for (int64_t j = 0; j < k; ++j) std::memset(ye + j * w.f + c0, 0, (c1 - c0) * sizeof(float));
+    for (const auto &run : runs[e])
+      dnnl_sgemm('T', 'N', k, c1 - c0, run.second - run.first, 1.0f, x + run.first * k, k,
+                 g + run.first * total_f + w.column + c0, total_f, 1.0f, ye + c0, w.f);
+  });
+  return true;
+}
+
+// The checks and the call shared by the NN / NT kernels: inputs a, `count` weights, row_expert; one output.
+int RowKernel(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int count,
+              bool transpose_w) {
+  if (nparam != count + 3 || ndims[0] != 2 || ndims[count + 1] != 1 || !IsType(dtypes[0], "float32") ||
+      !IsType(dtypes[count + 1], "int32"))
+    return 1;
+  std::vector<Weight> weights;
+  int64_t num_experts, total_f;
+  if (!ReadWeights(shapes, ndims, dtypes, params, 1, count, &weights, &num_experts, &total_f)) return 1;
+  const int64_t rows = shapes[0][0];
+  if (shapes[0][1] != (transpose_w ? total_f : weights[0].k) || shapes[count + 1][0] != rows) return 1;
+  return RowGrouped(static_cast<const float *>(params[0]), weights, static_cast<const int32_t *>(params[count + 1]),
+                    static_cast<float *>(params[count + 2]), rows, num_experts, total_f, transpose_w)
+             ? 0
+             : 2;
+}
+
+// The TN kernels: inputs x, g, row_expert, then `count` weights (only their shapes are read); `count` outputs.
+int ColumnKernel(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int count) {
+  if (nparam != 3 + 2 * count || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || !IsType(dtypes[0], "float32") ||
+      !IsType(dtypes[1], "float32") || !IsType(dtypes[2], "int32"))
+    return 1;
+  std::vector<Weight> weights;
+  int64_t num_experts, total_f;
+  if (!ReadWeights(shapes, ndims, dtypes, params, 3, count, &weights, &num_experts, &total_f)) return 1;
+  const int64_t rows = shapes[0][0];
+  if (shapes[0][1] != weights[0].k || shapes[1][0] != rows || shapes[1][1] != total_f || shapes[2][0] != rows) return 1;
+  std::vector<float *> outputs;
+  for (int i = 0; i < count; ++i) outputs.push_back(static_cast<float *>(params[3 + count + i]));
+  return ColumnGrouped(static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
+                       static_cast<const int32_t *>(params[2]), weights, outputs, rows, num_experts, total_f)
+             ? 0
+             : 2;
 }
 
 }  // namespace
@@ -108,56 +211,45 @@ extern "C" std::vector<int64_t> GroupedMatmulNTInferShape(int *ndims, int64_t **
 extern "C" std::vector<int64_t> GroupedMatmulTNInferShape(int *ndims, int64_t **shapes, void *extra) {
   return {shapes[3][0], shapes[3][1], shapes[3][2]};
 }
+extern "C" std::vector<int64_t> GroupedMatmulPairNNInferShape(int *ndims, int64_t **shapes, void *extra) {
+  return {shapes[0][0], shapes[1][2] + shapes[2][2]};
+}
+extern "C" std::vector<int64_t> GroupedMatmulPairNTInferShape(int *ndims, int64_t **shapes, void *extra) {
+  return {shapes[0][0], shapes[1][1]};
+}
+extern "C" std::vector<std::vector<int64_t>> GroupedMatmulPairTNInferShape(int *ndims, int64_t **shapes, void *extra) {
+  return {{shapes[3][0], shapes[3][1], shapes[3][2]}, {shapes[4][0], shapes[4][1], shapes[4][2]}};
+}
 extern "C" int GroupedMatmulNNInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
 extern "C" int GroupedMatmulNTInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
 extern "C" int GroupedMatmulTNInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+extern "C" int GroupedMatmulPairNNInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+extern "C" int GroupedMatmulPairNTInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
+extern "C" std::vector<int> GroupedMatmulPairTNInferType(std::vector<int> type_ids, void *extra) {
+  return {type_ids[0], type_ids[0]};
+}
 
 extern "C" int GroupedMatmulNN(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                void *stream, void *extra) {
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1 || !IsType(dtypes[0], "float32") ||
-      !IsType(dtypes[1], "float32") || !IsType(dtypes[2], "int32"))
-    return 1;
-  return RowGrouped(params, shapes, false);
+  return RowKernel(nparam, params, ndims, shapes, dtypes, 1, false);
 }
-
 extern "C" int GroupedMatmulNT(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                void *stream, void *extra) {
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1 || !IsType(dtypes[0], "float32") ||
-      !IsType(dtypes[1], "float32") || !IsType(dtypes[2], "int32"))
-    return 1;
-  return RowGrouped(params, shapes, true);
+  return RowKernel(nparam, params, ndims, shapes, dtypes, 1, true);
 }
-
 extern "C" int GroupedMatmulTN(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                void *stream, void *extra) {
-  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || ndims[4] != 3 ||
-      !IsType(dtypes[0], "float32") || !IsType(dtypes[1], "float32") || !IsType(dtypes[2], "int32"))
-    return 1;
-  const float *x = static_cast<const float *>(params[0]);
-  const float *g = static_cast<const float *>(params[1]);
-  const int32_t *row_expert = static_cast<const int32_t *>(params[2]);
-  float *y = static_cast<float *>(params[4]);
-  const int64_t rows = shapes[0][0], k = shapes[0][1], f = shapes[1][1];
-  const int64_t num_experts = shapes[4][0];
-  if (shapes[1][0] != rows || shapes[2][0] != rows || shapes[4][1] != k || shapes[4][2] != f) return 1;
-  // The runs of rows of each expert (an expert may own several when rows are not sorted).
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> runs(num_experts);
-  if (!ForEachRun(
-          row_expert, 0, rows, num_experts, [&](int64_t r0, int64_t r1, int64_t e) { runs[e].push_back({r0, r1}); },
-          [](int64_t, int64_t) {}))
-    return 2;
-  // A task is one expert's block of output columns (multiples of 16 floats, one AVX-512 register):
-  // y[e][:, c0:c1] = sum over the expert's runs, in row order.
-  const int64_t column_blocks = std::max<int64_t>(1, std::min<int64_t>(f / 16, 2));
-  moetrain::ParallelFor(num_experts * column_blocks, [&](int64_t task, int) {
-    const int64_t e = task / column_blocks, b = task % column_blocks;
-    const int64_t c0 = (f / 16) * b / column_blocks * 16;
-    const int64_t c1 = b + 1 == column_blocks ? f : (f / 16) * (b + 1) / column_blocks * 16;
-    float *ye = y + e * k * f;
-    for (int64_t i = 0; i < k; ++i) std::memset(ye + i * f + c0, 0, (c1 - c0) * sizeof(float));
-    for (const auto &run : runs[e])
-      dnnl_sgemm('T', 'N', k, c1 - c0, run.second - run.first, 1.0f, x + run.first * k, k, g + run.first * f + c0, f,
-                 1.0f, ye + c0, f);
-  });
-  return 0;
+  return ColumnKernel(nparam, params, ndims, shapes, dtypes, 1);
+}
+extern "C" int GroupedMatmulPairNN(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                   void *stream, void *extra) {
+  return RowKernel(nparam, params, ndims, shapes, dtypes, 2, false);
+}
+extern "C" int GroupedMatmulPairNT(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                   void *stream, void *extra) {
+  return RowKernel(nparam, params, ndims, shapes, dtypes, 2, true);
+}
+extern "C" int GroupedMatmulPairTN(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                   void *stream, void *extra) {
+  return ColumnKernel(nparam, params, ndims, shapes, dtypes, 2);
 }

@@ -54,6 +54,27 @@ class GroupedMatmul(nn.Cell):
         return self.matmul_nn(x, w, row_expert)
 
 
+class GroupedMatmulPair(nn.Cell):
+    """`construct(x [N, K], w_a [E, K, Fa], w_b [E, K, Fb], row_expert [N] int32) -> [N, Fa + Fb]`:
+    `GroupedMatmul` of `x` with `w_a` and `w_b` concatenated along the last axis (the experts' gate
+    and up projections), without making that concatenation (a copy of both weights each call and a
+    split of their gradient). Gradients flow to `x`, `w_a` and `w_b`."""
+
+    def __init__(self):
+        super().__init__()
+        matmul_nt = _custom("GroupedMatmulPairNT", (F32, F32, F32, I32))
+        matmul_tn = _custom("GroupedMatmulPairTN", (F32, F32, I32, F32, F32), output_dtypes=(F32, F32))
+
+        def bprop(x, w_a, w_b, row_expert, out, dout):
+            dw_a, dw_b = matmul_tn(x, dout, row_expert, w_a, w_b)
+            return matmul_nt(dout, w_a, w_b, row_expert), dw_a, dw_b, ops.zeros_like(row_expert)
+
+        self.matmul_nn = _custom("GroupedMatmulPairNN", (F32, F32, F32, I32), bprop)
+
+    def construct(self, x, w_a, w_b, row_expert):
+        return self.matmul_nn(x, w_a, w_b, row_expert)
+
+
 class LinearMatmul(nn.Cell):
     """`construct(x [N, K], weight [F, K]) -> x @ weight^T` `[N, F]`, fp32 (a linear layer in the HF
     weight layout): row blocks on the kernels' thread pool; the backward computes `dx` and `dweight`

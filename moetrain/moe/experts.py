@@ -52,11 +52,12 @@ class GroupedExperts(nn.Cell):
         for weight in (self.w_gate, self.w_up, self.w_down):   # expert parallel reduces them over edp
             mark_role(weight, expert=True)
         self.bmm = ops.BatchMatMul()
-        self.grouped_matmul = self.swiglu = None
+        self.grouped_matmul = self.grouped_matmul_pair = self.swiglu = None
         if self.compute == "kernel":
-            from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, shared
+            from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, GroupedMatmulPair, shared
 
             self.grouped_matmul, self.swiglu = shared(GroupedMatmul), shared(FusedSwiGLU)
+            self.grouped_matmul_pair = shared(GroupedMatmulPair)
 
     @property
     def layout(self) -> str:
@@ -102,15 +103,15 @@ class GroupedExperts(nn.Cell):
 
     def _kernel_rows(self, x, row_expert):
         """`x [N, H]`, row n computed by expert `row_expert[n]` (L: padding) -> `[N, H]` in the
-        compute dtype. Gate and up projections are one GEMM over the concatenated `[E, H, 2F]`
-        weights, followed by the fused SwiGLU kernel."""
-        w_gate_up = ops.concat((self.w_gate, self.w_up), axis=2)
-        w_down = self.w_down
+        compute dtype. Gate and up projections are one op writing `[N, 2F]` (the two weights read
+        in place, not concatenated), followed by the fused SwiGLU kernel."""
+        w_gate, w_up, w_down = self.w_gate, self.w_up, self.w_down
         x = x.astype(self.compute_dtype).astype(ms.float32)
         if self.compute_dtype != ms.float32:  # round the operands as a compute-dtype matmul would
-            w_gate_up = w_gate_up.astype(self.compute_dtype).astype(ms.float32)
+            w_gate = w_gate.astype(self.compute_dtype).astype(ms.float32)
+            w_up = w_up.astype(self.compute_dtype).astype(ms.float32)
             w_down = w_down.astype(self.compute_dtype).astype(ms.float32)
         row_expert = row_expert.astype(ms.int32)
-        hidden = self.swiglu(self.grouped_matmul(x, w_gate_up, row_expert))
+        hidden = self.swiglu(self.grouped_matmul_pair(x, w_gate, w_up, row_expert))
         hidden = hidden.astype(self.compute_dtype).astype(ms.float32)
         return self.grouped_matmul(hidden, w_down, row_expert).astype(self.compute_dtype)
