@@ -28,11 +28,16 @@ How each category is measured (independently of the planner's formulas):
                     between micro-batches (ZeRO-2: this rank's rows)
   optimizer         nbytes of the optimizer's state Parameters (moments; ZeRO: the fp32 master rows)
   activations       the step's peak of MindSpore's memory pool above its level before the step,
-                    less the gradient buffers held at the end (the CPU profiler's
+                    less the gradient buffers held at that peak (the CPU profiler's
                     `cpu_ms_memory_record`, every pool allocation and free; the pool holds every
                     tensor a kernel creates, not Parameters, which live in host memory). It is
                     everything transient in a step: saved activations, backward temporaries, the
-                    per-parameter gradients before they are packed, workspaces.
+                    per-parameter gradients before they are packed, workspaces. The buffers are
+                    held at the peak when earlier micro-batches' gradients accumulate in them
+                    through a later one's forward and backward; with one micro-batch they are
+                    packed as the step's last act, after the peak (measured: moe_tiny's peak is
+                    at the start of the backward, with every layer's saved activations), so
+                    nothing is subtracted.
   dispatch_buffers  nbytes of the token-row buffers of one MoE layer, measured in PyNative on this
                     rank's first MoE layer with the step's micro-batch shape: the rows its experts
                     read and write plus what the expert-parallel exchanges send and receive,
@@ -320,7 +325,8 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
             grads, _ = parallel.runner.train_step(batches, ms.Tensor(1.0, ms.float32))
         detail["step_s"] = time.perf_counter() - started
         measured["gradients"] = nbytes(grads)
-        measured["activations"] = step_pool.peak_above_start - measured["gradients"]
+        held = measured["gradients"] if layout.num_micro_batches > 1 else 0   # at the peak: see the docstring
+        measured["activations"] = step_pool.peak_above_start - held
         with PoolRecorder() as optimizer_pool:
             parallel.opt_step(grads, 1e-4, 1, 1.0 / (layout.num_micro_batches * layout.dp))
         detail["optimizer_step_transient"] = optimizer_pool.peak_above_start

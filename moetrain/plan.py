@@ -364,8 +364,8 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     micro-batch, without recompute. Korthikanti et al. (2022) term by term, for this model: fp32
     residual and norms, no dropout, GQA, SwiGLU, MoE. Terms outside the tensor-parallel region
     are split by tp only under sequence parallelism. `fused`: the CPU kernels run
-    (`moetrain.kernels`, fp32 compute): the attention kernel keeps no probabilities and the
-    grouped experts keep gate|up and the SwiGLU output (3 F a row, not 4)."""
+    (`moetrain.kernels`, fp32 compute): the attention kernel keeps no probabilities, and the
+    grouped experts and the dense SwiGLU MLP keep gate|up and the SwiGLU output (3 F a row, not 4)."""
     h, d, t = arch.hidden, dtype_bytes, layout.tp
     outside = t if layout.sequence_parallel else 1
     # attention: norm input (fp32) + QKV input; Q, K, V and the output O
@@ -373,8 +373,8 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
                  + d * tokens * (arch.head_dim * (arch.heads + arch.kv_heads) + arch.v_dim * (arch.heads + arch.kv_heads)) / t
                  + d * tokens * (arch.q_lora_rank + arch.kv_lora_rank + arch.rope_dim))
     probs = 0.0 if fused else d * arch.heads * seq_length * tokens / t   # softmax output, a x S x S per sequence
-    if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up
-        ffn = (FP32 + d) * tokens * h / outside + 4 * d * tokens * arch.ffn / t
+    if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up (fused: gate|up, the product)
+        ffn = (FP32 + d) * tokens * h / outside + (3 if fused else 4) * d * tokens * arch.ffn / t
     else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router is
         # whole on every tp rank; folded, a tp rank dispatches 1/token_slices of the tokens to experts
         # split over etp, into buffers sized from its dp rank's counts (moetrain/moe/capacity.py)

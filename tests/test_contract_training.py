@@ -139,8 +139,10 @@ def test_tp2_pp2_native_path_reproduces_one_process(one_process, four_ranks, tar
         assert info["step_bytes_sent"] == 4 * 16 * 64 * 4, info["rank"]
     if target == "Ascend":
         # recorded: the host-driven calls (the stages' compute is jitted): PairLink's Send/Receive, one
-        # per micro-batch and step (3 x 4) plus the first stage's evaluation batch, and the metric
-        # all-reduces over the pp group; the ledger books all of it under "pp"
+        # per micro-batch and step (3 x 4) plus the first stage's evaluation batch, the metric
+        # all-reduces over the pp group, and the optimizer step's (its fused path runs in PyNative,
+        # data_parallel.OptimizerStep): the sequence-parallel norm weights' gradients summed over tp
+        # and the squared gradient norm over the world; the ledger books each under its group
         for info in ranks:
             calls, booked = info["primitive_calls"], info["ledger"]["native"]
             sends = [c for c in calls if c["prim"] == "Send"]
@@ -148,8 +150,10 @@ def test_tp2_pp2_native_path_reproduces_one_process(one_process, four_ranks, tar
             first = info["pp_rank"] == 0
             assert (len(sends), len(receives)) == ((13, 12) if first else (12, 13)), info["rank"]
             assert all(c["tensors"][0]["shape"] == [1, 16, 64] for c in sends), info["rank"]
-            assert set(booked) == {"pp"}, booked
-            assert booked["pp"] == pytest.approx(sum(native_bytes(c) for c in calls), abs=1), (info["rank"], booked)
+            assert set(booked) == {"pp", "tp", "world"}, booked
+            assert booked["world"] == pytest.approx(3 * 2 * (4 - 1) / 4 * 4), booked   # a [1] fp32 all-reduce a step
+            assert sum(booked.values()) == pytest.approx(sum(native_bytes(c) for c in calls), abs=1), (info["rank"],
+                                                                                                       booked)
 
 
 @pytest.mark.distributed
