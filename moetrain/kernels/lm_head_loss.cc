@@ -14,11 +14,13 @@
 //                             ds, dt of s and t (m is a shift that no loss depends on): recomputes z per
 //                             chunk, dz = ds exp(z - m) + dt onehot(label).
 //
-// The gradients go through the rows in groups of a few hundred: the group's row chunks (tasks of the
-// thread pool, common.h) write their dz = dloss/dz into one [group, V] buffer and their dh, then the
-// vocabulary blocks of dw take dw[block] (+)= dz[:, block]^T h[group] (tasks again). Every element is
-// summed in a fixed order (groups in row order, the loss per row in row order), so results do not
-// depend on which thread ran what, and dw is read and written once per group, not once per chunk.
+// The gradients go through the rows in groups of a few hundred, each in three sets of tasks on the
+// thread pool (common.h): by vocabulary block, the group's logits z[:, block] = h w[block]^T into one
+// [group, V] buffer; by row chunk, z -> dz = dloss/dz (whole rows: the softmax); by vocabulary block
+// again, dw[block] (+)= dz[:, block]^T h and the block's share of dh, dz[:, block] w[block], which are
+// then added in block order. Every element is summed in a fixed order (groups in row order, blocks
+// in vocabulary order, the loss per row in row order), so results do not depend on which thread ran
+// what; a block of w is read twice per group and dw once.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -88,23 +90,40 @@ void HeadGradients(const Problem &p, float *dh, float *dw, FillDz fill_dz) {
     std::memset(dw, 0, p.vocab * p.hidden * sizeof(float));
     return;
   }
-  std::vector<float> dz(std::min(group, p.rows) * p.vocab);
-  // Vocabulary blocks of dw: a multiple of 64 rows, about four per thread.
+  const int64_t group_rows = std::min(group, p.rows);
+  // Vocabulary blocks: a multiple of 64 rows of w, about four per thread. Each product below reads a
+  // block of w once per group (row chunks each reading the whole of w streamed it ~4x more often).
   const int64_t block = std::max<int64_t>(64, (p.vocab / (4 * moetrain::NumThreads()) + 63) / 64 * 64);
   const int64_t blocks = (p.vocab + block - 1) / block;
+  std::vector<float> dz(group_rows * p.vocab), dh_part(blocks * group_rows * p.hidden);
   for (int64_t g0 = 0; g0 < p.rows; g0 += group) {
     const int64_t rows = std::min(group, p.rows - g0);
-    moetrain::ParallelFor((rows + chunk - 1) / chunk, [&](int64_t task, int) {
+    const float *hg = p.h + g0 * p.hidden;
+    moetrain::ParallelFor(blocks, [&](int64_t b, int) {   // z[:, block] = h[group] w[block]^T
+      const int64_t v0 = b * block, v1 = std::min(p.vocab, v0 + block);
+      dnnl_sgemm('N', 'T', rows, v1 - v0, p.hidden, 1.0f, hg, p.hidden, p.w + v0 * p.hidden, p.hidden, 0.0f,
+                 dz.data() + v0, p.vocab);
+    });
+    moetrain::ParallelFor((rows + chunk - 1) / chunk, [&](int64_t task, int) {   // whole rows: z -> dz
       const int64_t r0 = g0 + task * chunk, c = std::min(chunk, g0 + rows - r0);
-      float *z = dz.data() + (r0 - g0) * p.vocab;
-      Logits(p, r0, c, z);
-      fill_dz(r0, c, z);
-      dnnl_sgemm('N', 'N', c, p.hidden, p.vocab, 1.0f, z, p.vocab, p.w, p.hidden, 0.0f, dh + r0 * p.hidden, p.hidden);
+      fill_dz(r0, c, dz.data() + (r0 - g0) * p.vocab);
     });
     moetrain::ParallelFor(blocks, [&](int64_t b, int) {
+      // dw[block] (+)= dz[:, block]^T h[group]; this block's share of dh: dz[:, block] w[block]
       const int64_t v0 = b * block, v1 = std::min(p.vocab, v0 + block);
-      dnnl_sgemm('T', 'N', v1 - v0, p.hidden, rows, 1.0f, dz.data() + v0, p.vocab, p.h + g0 * p.hidden, p.hidden,
+      dnnl_sgemm('T', 'N', v1 - v0, p.hidden, rows, 1.0f, dz.data() + v0, p.vocab, hg, p.hidden,
                  g0 == 0 ? 0.0f : 1.0f, dw + v0 * p.hidden, p.hidden);
+      dnnl_sgemm('N', 'N', rows, p.hidden, v1 - v0, 1.0f, dz.data() + v0, p.vocab, p.w + v0 * p.hidden, p.hidden,
+                 0.0f, dh_part.data() + b * group_rows * p.hidden, p.hidden);
+    });
+    moetrain::ParallelFor((rows + chunk - 1) / chunk, [&](int64_t task, int) {   // dh = the blocks' shares, in order
+      const int64_t r0 = task * chunk, r1 = std::min(rows, r0 + chunk);
+      float *out = dh + (g0 + r0) * p.hidden;
+      std::memcpy(out, dh_part.data() + r0 * p.hidden, (r1 - r0) * p.hidden * sizeof(float));
+      for (int64_t b = 1; b < blocks; ++b) {
+        const float *part = dh_part.data() + (b * group_rows + r0) * p.hidden;
+        for (int64_t i = 0; i < (r1 - r0) * p.hidden; ++i) out[i] += part[i];
+      }
     });
   }
 }
