@@ -27,6 +27,10 @@ SOURCES = {"grouped_gemm.cc": (), "linear.cc": (), "swiglu.cc": ELEMENTWISE_FLAG
            "attention.cc": ELEMENTWISE_FLAGS, "lm_head_loss.cc": ELEMENTWISE_FLAGS, "router.cc": ELEMENTWISE_FLAGS,
            "adamw.cc": ELEMENTWISE_FLAGS, "permute.cc": ELEMENTWISE_FLAGS, "pool.cc": ()}
 HEADERS = ("common.h",)
+# -z nodelete: the library stays mapped until the process ends, whoever dlcloses it (MindSpore does
+# when a custom op's kernel is destroyed): its thread pool's workers (common.h) sleep inside its code
+# for the life of the process.
+LINK_FLAGS = ("-Wl,-z,nodelete",)
 
 
 class KernelBuildError(RuntimeError):
@@ -57,7 +61,7 @@ def library_path() -> str:
     include_dir = os.path.join(os.path.dirname(lib_dir), "include")   # type_id.h: MindSpore's dtype ids
     if not os.path.isfile(os.path.join(lib_dir, "libdnnl.so.3")):
         raise KernelBuildError(f"libdnnl.so.3 not found in {lib_dir} (this MindSpore build has no oneDNN)")
-    digest = hashlib.sha256(f"{mindspore.__version__} {compiler} {_cpu_model()} {SOURCES}".encode())
+    digest = hashlib.sha256(f"{mindspore.__version__} {compiler} {_cpu_model()} {SOURCES} {LINK_FLAGS}".encode())
     for name in (*SOURCES, *HEADERS):
         with open(os.path.join(HERE, name), "rb") as fh:
             digest.update(fh.read())
@@ -73,7 +77,7 @@ def library_path() -> str:
             _run([compiler, "-O3", "-std=c++17", "-fPIC", "-pthread", *flags, f"-I{include_dir}", "-c",
                   os.path.join(HERE, name), "-o", objects[-1]])
         library = os.path.join(build_dir, "kernels.so")
-        _run([compiler, "-shared", "-pthread", "-o", library, *objects, f"-L{lib_dir}", "-l:libdnnl.so.3",
+        _run([compiler, "-shared", "-pthread", *LINK_FLAGS, "-o", library, *objects, f"-L{lib_dir}", "-l:libdnnl.so.3",
               f"-Wl,-rpath,{lib_dir}"])
         os.replace(library, target)
     return target
