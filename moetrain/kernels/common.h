@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -38,7 +37,7 @@ inline void CpuRelax() {
 // core (another process, the MindSpore runtime's own threads) takes fewer tasks instead of holding the
 // others up, and no thread is created per call. Which thread runs a task never changes a result: a
 // task writes only its own outputs (partial sums are kept per task and added in task order), and
-// per-thread scratch is indexed by `slot`. Waiting threads spin briefly, then sleep.
+// per-thread scratch is indexed by `slot`. Waiting threads spin a few microseconds, then sleep.
 class Pool {
  public:
   using Invoke = void (*)(void *context, int64_t task, int slot);
@@ -95,16 +94,17 @@ class Pool {
     for (auto &w : workers_) w.detach();
   }
 
-  // Spins for up to ~50 us (the gap between two kernels of a step is often shorter); false if `ready`
-  // never became true.
+  // Spins a few microseconds (64 pauses); false if `ready` did not become true. A 50 us spin made no
+  // measurable difference to one process's step (paired ratios 0.977 and 1.013, both libraries
+  // alternating), and a spinning worker takes the core from whatever else is runnable: MindSpore's
+  // threads, other ranks on the same host.
   template <typename Ready>
   static bool SpinUntil(Ready ready) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-    for (int i = 0;; ++i) {
+    for (int i = 0; i < 64; ++i) {
       if (ready()) return true;
       CpuRelax();
-      if ((i & 63) == 63 && std::chrono::steady_clock::now() > deadline) return ready();
     }
+    return ready();
   }
 
   // True on a thread running a task of this pool (a nested call then runs inline).
