@@ -143,3 +143,23 @@ def test_bench_prints_one_sane_json_line(ms):
     assert result["model_gflops_per_s"] == pytest.approx(flops / 1e9, rel=2e-2, abs=0.01)
     assert result["mfu"] == pytest.approx(flops / (result["peak_gflops"] * 1e9), rel=2e-2, abs=2e-4)
     assert np.isfinite(result["loss_first"]) and result["drop_rate"] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# tools/bench_ranks.py (one host, several ranks; its runs are a benchmark, not a test)
+# ----------------------------------------------------------------------------------------------
+
+def test_bench_ranks_reads_the_steps_after_warm_up(tmp_path):
+    from tools.bench_ranks import median_tokens_per_s
+
+    records = [{"step": 1, "tokens_per_s": 1.0}, {"step": 2, "tokens_per_s": 2.0}, {"step": 3, "tokens_per_s": 30.0},
+               {"step": 3, "eval_loss": 5.0},          # an eval record: no tokens_per_s
+               {"step": 4, "tokens_per_s": 10.0}, {"step": 5, "tokens_per_s": 20.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert median_tokens_per_s(str(tmp_path), skip=2) == 20.0        # steps 3, 4, 5: 30, 10, 20
+    assert median_tokens_per_s(str(tmp_path), skip=0) == 10.0        # 1, 2, 30, 10, 20
+    with pytest.raises(SystemExit, match="no tokens_per_s after step 5"):
+        median_tokens_per_s(str(tmp_path), skip=5)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_ranks.py"), "--steps", "3", "--skip", "5"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "--steps (3) must exceed --skip (5)" in proc.stderr
