@@ -23,9 +23,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # source -> extra compiler flags. The elementwise kernels need -ffast-math for vectorised expf and
 # are built for this CPU (-march=native; the CPU model is part of the cache key).
 ELEMENTWISE_FLAGS = ("-march=native", "-ffast-math")
+# The optimizer's passes are built without -ffast-math: its vectorised sqrt and division would be
+# approximations (rsqrt + a Newton step) in the SIMD body and exact in the scalar tail, so an
+# element's update would depend on where a task or a ZeRO shard boundary falls.
+EXACT_FLAGS = ("-march=native", "-fno-math-errno")
 SOURCES = {"grouped_gemm.cc": (), "linear.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
            "attention.cc": ELEMENTWISE_FLAGS, "lm_head_loss.cc": ELEMENTWISE_FLAGS, "router.cc": ELEMENTWISE_FLAGS,
-           "adamw.cc": ELEMENTWISE_FLAGS, "permute.cc": ELEMENTWISE_FLAGS, "pool.cc": ()}
+           "adamw.cc": EXACT_FLAGS, "permute.cc": ELEMENTWISE_FLAGS, "pool.cc": ()}
 HEADERS = ("common.h",)
 # -z nodelete: the library stays mapped until the process ends, whoever dlcloses it (MindSpore does
 # when a custom op's kernel is destroyed): its thread pool's workers (common.h) sleep inside its code
