@@ -819,6 +819,36 @@ def test_fused_adamw_updates_in_place_like_torch(ms, kernel_ops, jit, decoupled,
         np.testing.assert_allclose(concat(exp_avg_sqs), v, rtol=1e-5, atol=1e-7)
 
 
+def test_fused_adamw_update_does_not_depend_on_where_the_buffer_is_cut(ms, kernel_ops):
+    """The same elements updated as one tensor and as tensors cut at odd places (ZeRO shards and the
+    pool's tasks cut the flat buffer elsewhere than one process does): the same bits. A SIMD body with
+    approximate sqrt / division (-ffast-math's rsqrt + Newton step) beside an exact scalar tail fails
+    this."""
+    from mindspore import Parameter
+
+    rng = np.random.default_rng(21)
+    n = 150_001
+    p0, g = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    m0 = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    v0 = rng.random(n).astype(np.float32) * 1e-3
+    results = []
+    for cuts in ([0, n], [0, 7, 1_001, 65_539, n], [0, 3, 5, 16, 77_777, n]):
+        pieces = list(zip(cuts, cuts[1:]))
+        make = lambda name, a: tuple(Parameter(ms.Tensor(a[lo:hi].copy()), name=f"{name}{i}")
+                                     for i, (lo, hi) in enumerate(pieces))
+        params, exp_avgs, exp_avg_sqs = make("p", p0), make("m", m0), make("v", v0)
+        op = kernel_ops.FusedAdamW(0.9, 0.95, 1e-8, True, tensors=len(pieces))
+        for step in (1, 2):
+            op(params, exp_avgs, exp_avg_sqs, ms.Tensor(g), ms.Tensor([1e-2], ms.float32),
+               ms.Tensor([float(step)], ms.float32), ms.Tensor([0.7], ms.float32), ms.Tensor(np.array([n], np.int64)),
+               ms.Tensor(np.array([0.1], np.float32)))
+        results.append([np.concatenate([t.asnumpy() for t in group]) for group in (params, exp_avgs, exp_avg_sqs)])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(results[0][0], p0)
+
+
 @MODES
 def test_sum_of_squares_matches_numpy(ms, kernel_ops, jit):
     rng = np.random.default_rng(9)
