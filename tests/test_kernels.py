@@ -27,6 +27,17 @@ def grad_fn(ms, fn, argnums, jit):
     return ms.jit(f) if jit else f
 
 
+def layer_loss_and_grads(ms, layer, x, jit):
+    """[loss, dx, d(each trainable parameter)] of sum(layer(x)^2) as numpy arrays, taken now (a test
+    may swap a layer's kernels for plain ops between two calls)."""
+    def loss(x_):
+        return (layer(x_) ** 2).sum()
+
+    f = ms.value_and_grad(loss, 0, layer.trainable_params())
+    value, (dx, dparams) = (ms.jit(f) if jit else f)(x)
+    return [value.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dparams]
+
+
 # ----------------------------------------------------------------------------------------------
 # Grouped GEMM, SwiGLU, RMSNorm
 # ----------------------------------------------------------------------------------------------
@@ -242,15 +253,7 @@ def test_swiglu_mlp_fused_equals_plain_path(ms, kernel_ops, jit):
     assert mlp.swiglu is not None
     x = ms.Tensor(np.random.default_rng(6).standard_normal((2, 33, 16)).astype(np.float32))
     params = mlp.trainable_params()
-
-    def loss(x_):
-        return (mlp(x_) ** 2).sum()
-
-    def run():
-        f = ms.value_and_grad(loss, 0, params)
-        value, (dx, dparams) = (ms.jit(f) if jit else f)(x)
-        return [value.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dparams]
-
+    run = lambda: layer_loss_and_grads(ms, mlp, x, jit)
     fused = run()
     layers = (mlp.w_gate, mlp.w_up, mlp.w_down)
     kernel_products, swiglu = [layer.matmul for layer in layers], mlp.swiglu
@@ -511,15 +514,7 @@ def test_attention_layer_fused_equals_plain(ms, kernel_ops, jit):
     assert layer.fused
     x = ms.Tensor(np.random.default_rng(5).standard_normal((2, 33, 16)).astype(np.float32))
     params = layer.trainable_params()
-
-    def loss(x_):
-        return (layer(x_) ** 2).sum()
-
-    def run():
-        f = ms.value_and_grad(loss, 0, params)
-        value, (dx, dparams) = (ms.jit(f) if jit else f)(x)
-        return [value.asnumpy(), dx.asnumpy()] + [g.asnumpy() for g in dparams]
-
+    run = lambda: layer_loss_and_grads(ms, layer, x, jit)
     fused = run()
     core, layer.core, layer.fused = layer.core, CausalAttentionCore(), False
     plain = run()
