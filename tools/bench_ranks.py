@@ -23,10 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def median_tokens_per_s(output_dir: str, skip: int) -> float:
+    from moetrain.logger import read_metrics
+
     path = os.path.join(output_dir, "metrics.jsonl")
-    with open(path) as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
-    rates = [r["tokens_per_s"] for r in records if r.get("step", 0) > skip and "tokens_per_s" in r]
+    rates = [r["tokens_per_s"] for r in read_metrics(path) if r.get("step", 0) > skip and "tokens_per_s" in r]
     if not rates:
         raise SystemExit(f"bench_ranks: no tokens_per_s after step {skip} in {path}")
     return statistics.median(rates)
@@ -59,13 +59,13 @@ def main() -> None:
             "--set", f"train.eval_interval={args.steps + 1}", "--set", f"checkpoint.save_steps={args.steps + 1}"]
     for override in args.set:
         sets += ["--set", override]
+    env = dict(os.environ)
+    ranks_env = dict(env, MOETRAIN_KERNEL_THREADS="1", OMP_NUM_THREADS="1")
     rounds = []
     for r in range(1, args.rounds + 1):
         one_dir, ranks_dir = os.path.join(work, f"one_{r}"), os.path.join(work, f"ranks_{r}")
-        env = dict(os.environ)
         run([sys.executable, "-m", "moetrain.cli", "train", args.config, *sets,
              "--set", f"train.output_dir={one_dir}"], env, one_dir + ".log")
-        ranks_env = dict(env, MOETRAIN_KERNEL_THREADS="1", OMP_NUM_THREADS="1")
         run(["bash", "run_scripts/run_distributed.sh", "--nproc", str(args.nproc), args.config, *sets,
              "--set", f"train.output_dir={ranks_dir}", "--set", f"parallel.data_parallel={args.nproc}"],
             ranks_env, ranks_dir + ".log")
