@@ -112,17 +112,27 @@ def test_profile_steps_validated(tmp_path):
 # tools/bench.py
 # ----------------------------------------------------------------------------------------------
 
-def test_bench_prints_one_sane_json_line(ms):
+def test_bench_prints_one_sane_json_line(ms, tmp_path):
     from moetrain.config import model_config_from_dict
     from tools.bench import model_section, parse_args
+    from tools.turns import Referee
 
     argv = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "32", "--experts", "4",
             "--topk", "2", "--vocab", "128", "--seq", "32", "--batch", "2", "--steps", "3", "--warmup", "1",
             "--peak-matmul-size", "512"]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench.py"), *argv], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    # run as tools/bench_vs_peer.py runs it: its 4 steps in turns with a (stand-in) peer's 4
+    (tmp_path / "fake_peer.py").write_text(FAKE_PEER)
+    referee, outs = Referee(), [open(tmp_path / f"{i}.{kind}", "w+") for i in (0, 1) for kind in ("out", "err")]
+    bench = referee.start([sys.executable, os.path.join(ROOT, "tools", "bench.py"), *argv],
+                          stdout=outs[0], stderr=outs[1], cwd=ROOT)
+    peer = referee.start([sys.executable, os.path.join(ROOT, "tools", "peer_turns.py"), str(tmp_path / "fake_peer.py"),
+                          "--steps", "3", "--warmup", "1"], stdout=outs[2], stderr=outs[3], cwd=ROOT)
+    waiting_cpu = referee.alternate(4, block=2)
+    for f in outs:
+        f.close()
+    assert bench.wait(timeout=600) == 0 and peer.wait(timeout=60) == 0, (tmp_path / "0.err").read_text()[-3000:]
+    assert len(json.loads((tmp_path / "1.out").read_text())["spans"]) == 4 and min(waiting_cpu) >= 0
+    lines = (tmp_path / "0.out").read_text().strip().splitlines()
     assert len(lines) == 1, proc.stdout
     result = json.loads(lines[0])
     assert result["config"]["model"] == "moe_gpt" and result["config"]["experts"] == 4
@@ -130,6 +140,7 @@ def test_bench_prints_one_sane_json_line(ms):
         assert result[key] > 0, key
     assert 0 < result["mfu"] <= 1
     assert result["step_ms_min"] <= result["step_ms_median"] <= result["step_ms_max"]
+    assert len(result["step_ms_all"]) == 3 and result["step_ms_median"] in result["step_ms_all"]
     # compilation reported apart from the step: the first step is the compile plus about one step
     assert result["first_step_s"] >= result["compile_s"] > 0      # equal when the step rounds to 0.00 s
     assert result["compile_s"] == pytest.approx(result["first_step_s"] - result["step_ms_median"] / 1e3, abs=0.011)
@@ -163,3 +174,90 @@ def test_bench_ranks_reads_the_steps_after_warm_up(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_ranks.py"), "--steps", "3", "--skip", "5"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "--steps (3) must exceed --skip (5)" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# tools/turns.py: two benchmark processes taking their steps in turns (tools/bench_vs_peer.py)
+# ----------------------------------------------------------------------------------------------
+
+# A stand-in for ../shared/peer-bench/hf_moe_bench.py with its timing loop (the one tools/peer_turns.py
+# wraps): it busy-works each step and prints the clock's readings around every step.
+FAKE_PEER = '''
+import argparse, json, time
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--extra-clock-read", action="store_true")
+    return p.parse_args(argv)
+
+def main(argv=None):
+    args = parse_args(argv)
+    spans = []
+    t_all = time.perf_counter()
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        while time.perf_counter_ns() - int(t0 * 1e9) < 30e6:
+            pass
+        if args.extra_clock_read:
+            time.perf_counter()
+        spans.append([t0, time.perf_counter()])
+    wall = time.perf_counter() - t_all
+    print(json.dumps({"side": "peer", "spans": spans, "wall": wall}))
+'''
+
+# This project's side, as tools/bench.py takes its turns.
+OWN_SIDE = '''
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from tools.turns import Turns
+turns, spans = Turns.from_env(), []
+for i in range(int(sys.argv[2])):
+    turns.wait()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.02:
+        pass
+    spans.append([t0, time.perf_counter()])
+    turns.done()
+turns.wait()
+print(json.dumps({"side": "own", "spans": spans}))
+'''
+
+
+def test_turns_run_one_step_at_a_time_and_wrap_the_peer_clock_unchanged(tmp_path):
+    from tools.bench_vs_peer import run_in_turns
+
+    (tmp_path / "fake_peer.py").write_text(FAKE_PEER)
+    (tmp_path / "own_side.py").write_text(OWN_SIDE)
+    peer = [sys.executable, os.path.join(ROOT, "tools", "peer_turns.py"), str(tmp_path / "fake_peer.py"),
+            "--steps", "4", "--warmup", "1"]
+    own = [sys.executable, str(tmp_path / "own_side.py"), ROOT, "5"]
+    for (first, second), block in (((own, peer), 1), ((peer, own), 2)):
+        results = run_in_turns([first, second], steps=5, block=block)
+        assert [r["side"] for r in results] == (["own", "peer"] if first is own else ["peer", "own"])
+        spans = sorted((start, end, r["side"]) for r in results for start, end in r["spans"])
+        assert len(spans) == 10
+        # turns of `block` steps (the last one shorter), the first side first, no step overlapping the next
+        turns = [results[0]["side"]] * block + [results[1]["side"]] * block
+        expected = turns * 2 + [results[0]["side"], results[1]["side"]] if block == 2 else turns * 5
+        assert [side for _, _, side in spans] == expected
+        assert all(end <= nxt_start for (_, end, _), (nxt_start, _, _) in zip(spans, spans[1:]))
+        peer_result = results[[r["side"] for r in results].index("peer")]
+        assert all(end - start >= 0.03 for start, end in peer_result["spans"])   # its own steps, not the waits
+        assert peer_result["wall"] >= 0.03 * 5 + 0.02 * 4        # its whole loop included the other's turns
+        assert all(r["cpu_s_while_waiting"] >= 0 for r in results)
+
+    # a script whose timing loop reads the clock differently is refused, not measured wrongly
+    with pytest.raises((RuntimeError, SystemExit)):
+        run_in_turns([own, peer + ["--extra-clock-read"]], steps=5)
+
+
+def test_bench_vs_peer_compares_steps_that_follow_a_step_of_the_same_side():
+    from tools.bench_vs_peer import TURN, paired_ratio, warm_steps_ms
+
+    assert TURN == 4
+    # warm-up 4 = one turn, so timed steps 0, 4, 8, 12 start turns; warm-up 2: timed steps 2, 6 do
+    assert warm_steps_ms({"step_ms_all": list(range(16))}, 4) == [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15]
+    assert warm_steps_ms({"step_ms_all": list(range(8))}, 2) == [0, 1, 3, 4, 5, 7]
+    assert paired_ratio([100.0, 200.0, 400.0], [150.0, 200.0, 1000.0]) == 1.5

@@ -27,7 +27,9 @@ graph compiles in the first) are not timed. Printed fields:
                     dropless MoE layout is exact (no padding), without them padded blocks
   loadavg           1-minute load average before and after the timed steps (other processes
                     share the cores: compare figures taken at similar load)
-Everything else goes to stderr, so stdout is exactly the JSON line.
+  step_ms_all       every timed step's wall time
+Everything else goes to stderr, so stdout is exactly the JSON line. Under `tools/turns.Referee`
+(`MOETRAIN_BENCH_TURNS` set; tools/bench_vs_peer.py) each step waits for its turn first.
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from tools.turns import Turns  # noqa: E402
 
 PEAK_MATMUL_SIZE = 2048
 
@@ -200,14 +204,22 @@ def run(args) -> dict:
             load_before = loadavg()
             times, cpu_times, records = [], [], []
             first_step_s = None
+            turns = Turns.from_env()     # steps in turns with another benchmark (tools/bench_vs_peer.py)
             for step in range(args.warmup + args.steps):
+                if turns:
+                    turns.wait()
                 start, cpu_start = time.perf_counter(), time.process_time()
                 records.append(trainer.train_step())
+                end, cpu_end = time.perf_counter(), time.process_time()
+                if turns:
+                    turns.done()
                 if step == 0:
-                    first_step_s = time.perf_counter() - start
+                    first_step_s = end - start
                 if step >= args.warmup:
-                    times.append(time.perf_counter() - start)
-                    cpu_times.append(time.process_time() - cpu_start)
+                    times.append(end - start)
+                    cpu_times.append(cpu_end - cpu_start)
+            if turns:
+                turns.wait()
             load_after = loadavg()
             profile = profile_op_types(trainer, args.profile_steps, args.profile) if args.profile else None
             trainer.logger.close()
@@ -221,6 +233,7 @@ def run(args) -> dict:
         "step_ms_median": round(step_s * 1e3, 1),
         "step_ms_min": round(min(times) * 1e3, 1),
         "step_ms_max": round(max(times) * 1e3, 1),
+        "step_ms_all": [round(t * 1e3, 1) for t in times],
         "cpu_ms_median": round(statistics.median(cpu_times) * 1e3, 1),
         "compile_s": round(first_step_s - step_s, 2),
         "first_step_s": round(first_step_s, 2),
