@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools.turns import Turns  # noqa: E402
+from tools.turns import NoTurns, Turns  # noqa: E402
 
 PEAK_MATMUL_SIZE = 2048
 
@@ -204,22 +204,19 @@ def run(args) -> dict:
             load_before = loadavg()
             times, cpu_times, records = [], [], []
             first_step_s = None
-            turns = Turns.from_env()     # steps in turns with another benchmark (tools/bench_vs_peer.py)
+            turns = Turns.from_env() or NoTurns()   # in turns with another benchmark (tools/bench_vs_peer.py)
             for step in range(args.warmup + args.steps):
-                if turns:
-                    turns.wait()
+                turns.wait()
                 start, cpu_start = time.perf_counter(), time.process_time()
                 records.append(trainer.train_step())
                 end, cpu_end = time.perf_counter(), time.process_time()
-                if turns:
-                    turns.done()
+                turns.done()
                 if step == 0:
                     first_step_s = end - start
                 if step >= args.warmup:
                     times.append(end - start)
                     cpu_times.append(cpu_end - cpu_start)
-            if turns:
-                turns.wait()
+            turns.wait()
             load_after = loadavg()
             profile = profile_op_types(trainer, args.profile_steps, args.profile) if args.profile else None
             trainer.logger.close()

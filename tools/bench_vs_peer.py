@@ -16,8 +16,8 @@ figure is the median of the other three steps of its four timed turns (12 steps;
 before them). The side that goes first alternates by round. `--interleave processes` runs the four
 processes one after the other instead, 3 warm-up and 10 timed steps each (the method of the figures
 before 2026-11-26). Prints per round the tokens/s (2048 tokens over the median compared step) and
-peak RSS of both and their ratios, then the median ratio over rounds. The peer's environment: `bash ../shared/peer-bench/setup.sh` (PyTorch is not a dependency of
-this project). Needs an idle machine: anything else running distorts both sides.
+peak RSS of both and their ratios, then the median ratio over rounds. The peer's environment:
+`bash ../shared/peer-bench/setup.sh` (PyTorch is not a dependency of this project). Needs an idle machine: anything else running distorts both sides.
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ if ROOT not in sys.path:
 
 from tools.turns import Referee  # noqa: E402
 
+BATCH, SEQ = 8, 256
 DIMENSIONS = ["--hidden", "256", "--layers", "4", "--heads", "8", "--ffn", "512", "--experts", "8", "--topk", "2",
-              "--vocab", "8192", "--seq", "256", "--batch", "8"]
+              "--vocab", "8192", "--seq", str(SEQ), "--batch", str(BATCH)]
 PROCESS_STEPS = ["--steps", "10", "--warmup", "3"]        # --interleave processes: each run alone
 TURN = 4                                                   # --interleave steps: steps a turn, the first re-warms
 TURNS_WARMUP, TURNS_STEPS = TURN, 4 * TURN                 # one warm-up turn, then four timed turns
@@ -74,11 +75,11 @@ def run_in_turns(commands, steps, block=1):
                 print(f"--- {' '.join(command)}\n{err.read()[-3000:]}", file=sys.stderr)
             raise
         results = []
-        for command, proc, (out, err) in zip(commands, procs, files):
+        for command, proc, (out, err), cpu in zip(commands, procs, files, waiting_cpu):
             out.seek(0)
             err.seek(0)
-            results.append(parse_json(command, proc.returncode, out.read(), err.read()))
-            results[-1]["cpu_s_while_waiting"] = round(waiting_cpu[len(results) - 1], 2)
+            results.append(dict(parse_json(command, proc.returncode, out.read(), err.read()),
+                                cpu_s_while_waiting=round(cpu, 2)))
             out.close()
             err.close()
         return results
@@ -92,7 +93,8 @@ def warm_steps_ms(result, warmup):
 
 
 def paired_ratio(mine_ms, theirs_ms):
-    """Median over step pairs (the i-th compared step of each side, same turn) of peer ms / moetrain ms."""
+    """Median over step pairs (the i-th compared step of each side: in turns, the same turn pair) of
+    peer ms / moetrain ms."""
     return statistics.median(p / m for m, p in zip(mine_ms, theirs_ms))
 
 
@@ -117,7 +119,6 @@ def main(argv=None) -> int:
         steps, peer = PROCESS_STEPS, [args.peer_python, args.peer_script]
     ours = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), *DIMENSIONS, *steps]
     peer += [*DIMENSIONS, *steps, "--threads", str(args.threads)]
-    tokens_per_step = int(DIMENSIONS[DIMENSIONS.index("--batch") + 1]) * int(DIMENSIONS[DIMENSIONS.index("--seq") + 1])
     rounds = []
     for r in range(args.rounds):
         row = {}
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
                 mine, theirs = run_json(ours + flag), run_json(peer + flag)
                 mine_ms, theirs_ms = mine["step_ms_all"], theirs["step_ms_all"]
             for result, ms in ((mine, mine_ms), (theirs, theirs_ms)):   # both sides: the same statistic
-                result["tokens_per_s"] = tokens_per_step / (statistics.median(ms) / 1e3)
+                result["tokens_per_s"] = BATCH * SEQ / (statistics.median(ms) / 1e3)
             row[kind] = {"moetrain_tokens_per_s": mine["tokens_per_s"], "peer_tokens_per_s": theirs["tokens_per_s"],
                          "speed_ratio": mine["tokens_per_s"] / theirs["tokens_per_s"],
                          "paired_step_ratio": paired_ratio(mine_ms, theirs_ms), "peer_first": peer_first,

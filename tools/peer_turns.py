@@ -46,11 +46,6 @@ class TurnClock:
         return getattr(real_time, name)
 
 
-def steps_of(argv: list[str], parse_args) -> int:
-    args = parse_args(argv)
-    return args.warmup + args.steps
-
-
 def main() -> int:
     script, argv = sys.argv[1], sys.argv[2:]
     turns = Turns.from_env()
@@ -62,7 +57,8 @@ def main() -> int:
     if getattr(peer, "time", None) is not real_time:
         raise SystemExit(f"{script}: expected it to `import time` at module level (the clock this wraps)")
     clock = peer.time = TurnClock(turns)
-    steps = steps_of(argv, peer.parse_args)
+    peer_args = peer.parse_args(argv)
+    steps = peer_args.warmup + peer_args.steps
     sys.argv = [script, *argv]
     peer.main(argv)
     if clock.calls != 2 * steps + 2:    # the pattern above, or the turns were not the steps

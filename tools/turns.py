@@ -11,12 +11,13 @@ in the peer's.
 The side (a benchmark process) gets two inherited pipe ends in `MOETRAIN_BENCH_TURNS` ("read,write")
 and calls `wait()` before each timed step, `done()` after it, and `wait()` once more after its last
 step (so that its teardown does not overlap the other's last step). The referee (`Referee`) starts
-each side and lets one step run at a time.
+each side and lets one side run at a time.
 """
 from __future__ import annotations
 
 import os
 import subprocess
+from typing import NamedTuple
 
 ENV = "MOETRAIN_BENCH_TURNS"
 READY, GO, DONE = b"r", b"g", b"d"
@@ -26,8 +27,7 @@ class Turns:
     """A side's end: `wait()` blocks until the referee gives it the turn, `done()` hands it back."""
 
     def __init__(self, spec: str):
-        read_fd, write_fd = (int(x) for x in spec.split(","))
-        self._read, self._write = read_fd, write_fd
+        self._read, self._write = (int(fd) for fd in spec.split(","))
 
     @classmethod
     def from_env(cls) -> "Turns | None":
@@ -43,8 +43,24 @@ class Turns:
         os.write(self._write, DONE)
 
 
+class NoTurns:
+    """A process not run by a referee: its steps need no turn."""
+
+    def wait(self) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+class Side(NamedTuple):
+    proc: subprocess.Popen
+    to_side: int        # the referee writes GO here
+    from_side: int      # and reads READY and DONE here
+
+
 class Referee:
-    """Starts benchmark processes and lets them take `steps` turns each, one process at a time."""
+    """Starts benchmark processes and lets them take their steps in turns, one process at a time."""
 
     def __init__(self):
         self.sides = []
@@ -57,15 +73,15 @@ class Referee:
         proc = subprocess.Popen(command, env=env, pass_fds=(to_side_r, from_side_w), **popen)
         os.close(to_side_r)
         os.close(from_side_w)
-        side = (proc, to_side_w, from_side_r)
+        side = Side(proc, to_side_w, from_side_r)
         self.sides.append(side)
         self._expect(side, READY)
         return proc
 
-    def _expect(self, side, want: bytes) -> None:
-        got = os.read(side[2], 1)
+    def _expect(self, side: Side, want: bytes) -> None:
+        got = os.read(side.from_side, 1)
         if got != want:
-            proc = side[0]
+            proc = side.proc
             raise RuntimeError(f"benchmark turns: {proc.args[1] if len(proc.args) > 1 else proc.args} sent {got!r} "
                                f"instead of {want!r} (exited with {proc.poll()}?)")
 
@@ -78,19 +94,19 @@ class Referee:
         waiting_cpu = [0.0] * len(self.sides)
         for first in range(0, steps, block):
             for i, side in enumerate(self.sides):
-                before = [cpu_seconds(s[0].pid) for s in self.sides]
+                before = [cpu_seconds(s.proc.pid) for s in self.sides]
                 for _ in range(min(block, steps - first)):
-                    os.write(side[1], GO)
+                    os.write(side.to_side, GO)
                     self._expect(side, DONE)
                     self._expect(side, READY)     # the side is back at wait(): its bookkeeping is done too
                 for j, s in enumerate(self.sides):
                     if j != i:
-                        waiting_cpu[j] += cpu_seconds(s[0].pid) - before[j]
+                        waiting_cpu[j] += cpu_seconds(s.proc.pid) - before[j]
         for side in self.sides:
-            os.write(side[1], GO)
+            os.write(side.to_side, GO)
         for side in self.sides:
-            os.close(side[1])
-            os.close(side[2])
+            os.close(side.to_side)
+            os.close(side.from_side)
         self.sides = []
         return waiting_cpu
 
