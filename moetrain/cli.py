@@ -76,7 +76,8 @@ def _delegate(module: str, function: str):
 def main(argv=None) -> int:
     from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
     from moetrain.config import ConfigError
-    from moetrain.faults import EXIT_HALTED, EXIT_SAVE_FAILED, TrainingHalted
+    from moetrain.faults import EXIT_HALTED, EXIT_INVARIANT, EXIT_SAVE_FAILED, TrainingHalted
+    from moetrain.moe.accounting import DispatchInvariantError
 
     args, rest = build_parser().parse_known_args(argv)
     if rest and args.command == "train":
@@ -84,6 +85,9 @@ def main(argv=None) -> int:
     args.rest = rest
     try:
         return args.func(args)
+    except DispatchInvariantError as exc:
+        print(f"moetrain: {exc}", file=sys.stderr)
+        return EXIT_INVARIANT
     except TrainingHalted as exc:
         print(f"moetrain: training halted: {exc}", file=sys.stderr)
         return EXIT_HALTED

@@ -116,7 +116,7 @@ class TrainConfig:
     jit: bool = True                   # compile the step with ms.jit; false: PyNative, for debugging
     eval_interval: int = 0             # steps between evaluations; 0: only at the end
     eval_batch_size: int = 0           # 0: micro_batch_size
-    eval_max_batches: int = 0          # 0: the whole evaluation set
+    eval_max_batches: int = 0          # evaluate the first N x global_batch_size samples (any layout); 0: all
     # numerical faults in runs without a loss scaler (docs/faults.md): a non-finite loss or gradient,
     # or a loss above loss_spike_factor x its running mean (0: no spike test), is skipped, rolled back
     # to the last checkpoint (skipping the batches since), or stops the run; past nonfinite_limit
@@ -504,7 +504,7 @@ _RANGES = [
     ("train.stop_after", lambda v: v >= 0, ">= 0 (0: run to the end)"),
     ("train.eval_interval", lambda v: v >= 0, ">= 0 (0: evaluate only at the end)"),
     ("train.eval_batch_size", lambda v: v >= 0, ">= 0 (0: train.micro_batch_size)"),
-    ("train.eval_max_batches", lambda v: v >= 0, ">= 0 (0: the whole evaluation set)"),
+    ("train.eval_max_batches", lambda v: v >= 0, ">= 0 (global batches of samples; 0: the whole evaluation set)"),
     ("train.nonfinite_limit", lambda v: v >= 0, ">= 0"),
     ("train.loss_spike_factor", lambda v: v == 0 or v > 1, "0 (off) or > 1, e.g. 3"),
     ("data.seq_length", lambda v: v >= 0, ">= 0 (0: model.seq_length)"),

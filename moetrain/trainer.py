@@ -33,10 +33,11 @@ from moetrain.data import build_datasets, build_sampler, fetch
 from moetrain.data.blend import evaluate_sources
 from moetrain.devices import get_device
 from moetrain.dist.topology import cpu_ops_on_calling_thread, init_parallel, launched_world_size
-from moetrain.faults import TrainerFaults
+from moetrain.faults import TrainerFaults, world_sum
 from moetrain.layout import LayoutError, check_config_layout
 from moetrain.logger import MetricsLogger, print_rank0
 from moetrain.modeling import summed_stats
+from moetrain.moe import accounting
 from moetrain.optim import lr_at
 from moetrain.parallel.data_parallel import reduce_host_values
 from moetrain.parallel.parallelize import parallelize
@@ -249,6 +250,7 @@ class Trainer:
         scale = ms.Tensor(self.scaler.scale, ms.float32)
         start = time.perf_counter()
         grads, values = self.runner.train_step(list(self._micro_batches(step)), scale)
+        self._check_dispatch(values, f"step {step + 1}")     # before the optimizer applies a wrong step
         inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp)
         record = self._reduce_over_dp(values)
         if self.faults.guard.rejects_loss(record["loss"]):   # a spike or non-finite loss: no update (all ranks agree)
@@ -301,6 +303,18 @@ class Trainer:
                   "MOETRAIN_DISABLE_KERNELS=1 (plain ops instead of the fused CPU kernels), or a smaller "
                   "model.num_layers.")
 
+    def _check_dispatch(self, values: Dict, where: str, over_world: bool = True) -> None:
+        """Stops the run when MoE dispatch lost rows (`moetrain.moe.accounting`): one host all-reduce
+        of every layer's (dispatched, computed, dropped) rows (`over_world`: every rank calls this;
+        else this rank's dispatch stayed on this rank). Takes the terms out of `values`."""
+        rows = values.pop(accounting.KEY, None)
+        if rows is None:
+            return
+        p, capacities = self.pctx, self.runner.capacity_state()
+        accounting.check_dispatch_rows(world_sum(rows, p) if over_world else rows, where,
+                                       f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp}",
+                                       capacities and capacities.get("capacities"))
+
     def _reduce_over_dp(self, values) -> Dict:
         """Sum (counts) or average this rank's step values over the data-parallel ranks."""
         if self.pctx.dp > 1:
@@ -323,24 +337,28 @@ class Trainer:
         self.model.set_train(False)
         batch_size = self.cfg.train.eval_batch_size or self.micro_batch_size
         n = len(dataset)
+        if self.cfg.train.eval_max_batches:   # counted in global batches: the same samples on every layout
+            n = min(n, self.cfg.train.eval_max_batches * self.cfg.train.global_batch_size)
         starts = list(range(0, n, batch_size))
-        if self.cfg.train.eval_max_batches:
-            starts = starts[:self.cfg.train.eval_max_batches]
         lockstep = self.parallel.forward_communicates_over_dp   # ep / global aux loss: every dp rank runs each forward
-        if lockstep:
-            starts = [s for s in starts if s + batch_size <= n]   # equal batch shapes on all dp ranks
-        if not starts:
-            raise ValueError(f"evaluation: the eval set ({n} samples) holds no {'full ' if lockstep else ''}batch of "
-                             f"train.eval_batch_size={batch_size}; lower train.eval_batch_size or give a larger eval set")
+        # in lockstep every forward's collectives must match: a partial last batch is run by every dp
+        # rank (equal shapes) and counted by the first, so every layout evaluates the same samples
+        tail = starts.pop() if lockstep and n % batch_size else None
+        if n == 0:
+            raise ValueError("evaluation: the eval set holds no sample; give a larger eval set or set train.eval_interval=0")
         mine = starts[self.pctx.dp_rank::self.pctx.dp]          # evaluation shared among dp ranks
-        # in lockstep a rank out of batches runs the first one again, uncounted, so every forward's collectives match
+        # in lockstep a rank out of batches runs the first one again, uncounted
         rounds = -(-len(starts) // self.pctx.dp) if lockstep else len(mine)
+        batches = [(mine[i], True) if i < len(mine) else (starts[0], False) for i in range(rounds)]
+        if tail is not None:
+            batches.append((tail, self.pctx.dp_rank == 0))
         loss_sum = correct = count = 0.0
-        for i in range(rounds):
-            counted = i < len(mine)
-            start = mine[i] if counted else starts[0]
+        dispatch = {}
+        for start, counted in batches:
             indices = np.arange(start, min(n, start + batch_size))
             loss, stats = self.runner.evaluate(fetch(dataset, indices))
+            if accounting.KEY in stats:    # uncounted repeats are dispatched too: checked alike
+                dispatch[accounting.KEY] = dispatch.get(accounting.KEY, 0) + np.asarray(stats[accounting.KEY], np.float64)
             if not counted:
                 continue
             loss_sum += float(loss) * len(indices)
@@ -348,6 +366,7 @@ class Trainer:
             if "correct" in stats:
                 correct += float(stats["correct"])
         self.model.set_train(True)
+        self._check_dispatch(dispatch, f"evaluation at step {self.step}", over_world=lockstep)
         totals = {"loss_sum": loss_sum, "correct": correct, "count": count}
         if self.pctx.dp > 1:
             totals = reduce_host_values(totals, self.pctx, summed=tuple(totals))

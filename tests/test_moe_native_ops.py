@@ -372,9 +372,10 @@ def test_capacity_bound_leaves_every_buffer_at_its_bound(ms, monkeypatch):
         adaptive_steps(None, pctx, lambda fn: fn, step)
 
 
-def test_controller_sizes_each_layer_from_its_own_row_of_the_loads(ms):
-    """Two MoE layers, a world of two ep groups: each layer follows its row of `expert_load`, and
-    a capacity is the largest need over the groups."""
+def test_controller_gives_every_layer_the_largest_need_of_any_layer(ms):
+    """Two MoE layers, a world of two ep groups: the layers share one compiled block graph, so they
+    share one capacity set, sized from the largest need over layers and groups (issue 30: per-layer
+    capacities ran every layer with the first layer's and lost rows)."""
     from moetrain.moe.capacity import CapacityController, sized
 
     first, second = alltoall_dispatcher(), alltoall_dispatcher()
@@ -382,9 +383,12 @@ def test_controller_sizes_each_layer_from_its_own_row_of_the_loads(ms):
     loads = np.full((8, 2, 8), 25.0)                          # [world, layers, E]
     loads[5, 1] = [0, 0, 0, 0, 0, 0, 100, 100]                # layer 1, rank 5 -> its group's rank 3 only
     controller.update(loads)
-    assert first.pair_capacity == (sized(50),) * 4 and first.expert_capacity == sized(100)
-    assert second.pair_capacity == (sized(50),) * 3 + (200,)          # all 200 rows: the bound T min(k, L)
-    assert second.expert_capacity == sized(175)
+    for dispatcher in (first, second):
+        assert dispatcher.pair_capacity == (sized(50),) * 3 + (200,)     # all 200 rows: the bound T min(k, L)
+        assert dispatcher.expert_capacity == sized(175)
+    second.pair_capacity = (sized(50),) * 4                   # a layer that strays from the shared set
+    with pytest.raises(RuntimeError, match="MoE layer 1 holds capacities"):
+        controller.key()
 
 
 def test_restored_controller_continues_exactly_and_refuses_another_layout(ms):
@@ -409,3 +413,42 @@ def test_restored_controller_continues_exactly_and_refuses_another_layout(ms):
     other = alltoall_dispatcher()
     assert not CapacityController([other], [[0, 1], [2, 3]]).load_state(state)
     assert other.pair_capacity == () and not CapacityController([other], [[0, 1, 2, 3]]).load_state({})
+
+
+def test_reused_blocks_run_with_the_first_blocks_python_constants(ms):
+    """Why the controller ties every layer's capacities (issue 30): blocks built with
+    `reused_block` share one compiled graph, so a Python int read in `construct` (as a dispatcher
+    reads its capacities) is the first block's in every block, whatever the others hold."""
+    from mindspore import nn, ops
+
+    from moetrain.modeling import reused_block
+
+    class Block(nn.Cell):
+        @reused_block
+        def __init__(self, width):
+            super().__init__()
+            self.width = width
+            self.capacity = 3
+
+        def construct(self, x):
+            return x + ops.zeros((self.capacity,), ms.float32).sum() + self.capacity
+
+    class Stack(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.CellList([Block(4) for _ in range(3)])
+
+        def construct(self, x):
+            return tuple(block(x) for block in self.blocks)
+
+    model = Stack()
+    model.blocks[1].capacity = 7                              # set after construction, as the controller does
+    model.blocks[2].capacity = 11
+    zero = ms.Tensor(np.zeros(2, np.float32))
+
+    @ms.jit
+    def run(x):
+        return model(x)
+
+    outputs = [float(y.asnumpy()[0]) for y in run(zero)]
+    assert outputs == [3.0, 3.0, 3.0]                         # every block: the first block's constant

@@ -67,97 +67,164 @@ def sized(needed: int) -> int:
     return bucket(math.ceil(needed + SPREAD * math.sqrt(needed)))
 
 
+class DroplessSizing:
+    """The host-side sizing rules of a dropless dispatcher's static buffers (pure numpy, shared by the
+    dispatchers and by tests that simulate them). Needs `num_experts`, `top_k`, `capacity_factor`,
+    `layout` ("rows" / "capacity"), `n` (ep group size, 1 without expert parallelism) and
+    `sizes_pairs` (True for the bucketed all-to-all, whose per-destination runs are padded).
+
+    pair_capacity    per destination j, the rows every source sends j
+    expert_capacity  rows per local expert in the capacity layout `[L, C_e, H]`
+
+    `loads [n, E]` are the assignments per expert of each rank of one ep group, in group order."""
+    n = 1
+    sizes_pairs = False
+
+    def capacity_fields(self) -> Tuple[str, ...]:
+        if self.capacity_factor > 0:                 # fixed GShard capacities: nothing to size
+            return ()
+        return (("pair_capacity",) if self.sizes_pairs else ()) + (
+            ("expert_capacity",) if self.layout == "capacity" else ())
+
+    def needed_capacity(self, loads: np.ndarray) -> Dict[str, object]:
+        """Rows each buffer needs for the routing `loads`."""
+        needs = self.needed_capacities(np.asarray(loads)[None])
+        return {"pair_capacity": tuple(int(c) for c in needs["pair_capacity"]),
+                "expert_capacity": int(needs["expert_capacity"])}
+
+    def needed_capacities(self, loads: np.ndarray) -> Dict[str, np.ndarray]:
+        """The largest need over calls, `loads [calls, n, E]` (e.g. every layer of every ep group)."""
+        loads = np.asarray(loads).reshape(-1, self.n, self.num_experts)
+        pairs = loads.reshape(loads.shape[0], self.n, self.n, -1).sum(-1)      # [call, source, destination]
+        return {"pair_capacity": np.maximum(1, pairs.max((0, 1))).astype(np.int64),
+                "expert_capacity": np.int64(loads.sum(1).max())}            # the most any expert receives
+
+    def capacity_bound(self, loads: np.ndarray) -> Dict[str, object]:
+        """The capacities past which no routing can overflow (T from `loads`: every rank routes T k;
+        a token picks k distinct experts, so a pair carries at most `T min(k, L)` rows). `loads`:
+        `[n, E]`, or `[calls, n, E]` for the largest bound over calls."""
+        num_tokens = int(np.asarray(loads).reshape(-1, self.num_experts).sum(-1).max()) // self.top_k
+        return {"expert_capacity": self.n * num_tokens,
+                "pair_capacity": (num_tokens * min(self.top_k, self.num_experts // self.n),) * self.n}
+
+
 class CapacityController:
     """Host-side sizing of the capacities of `dispatchers` (one per MoE layer, in the order of the
     rows of the `expert_load` stat) for a world whose ep groups are `ep_groups` (lists of ranks).
-    A capacity is an int, or a tuple of ints sized element by element (e.g. one per destination)."""
+    A capacity is an int, or a tuple of ints sized element by element (e.g. one per destination).
+
+    Every layer gets the SAME capacities: the largest need of any layer. The blocks of a model are
+    compiled once and the graph reused for every layer (`moetrain.modeling.reused_block`), and the
+    capacities are Python ints baked into that graph: per-layer capacities would run every layer
+    with the first layer's, and lose rows wherever a later layer needs more (issue 30). One set
+    also bounds the graphs a run compiles independently of its depth."""
 
     def __init__(self, dispatchers: Sequence, ep_groups: Sequence[Sequence[int]]):
         self.dispatchers = list(dispatchers)
         self.ep_groups = [list(g) for g in ep_groups]
-        self.history: List[Dict[str, List[np.ndarray]]] = [{f: [] for f in d.capacity_fields()}
-                                                            for d in self.dispatchers]
+        shapes = {(d.num_experts, d.top_k, tuple(d.capacity_fields()), getattr(d, "n", 1)) for d in self.dispatchers}
+        if len(shapes) != 1:
+            raise ValueError(f"CapacityController: the MoE layers' dispatchers differ in (experts, top_k, capacity "
+                             f"fields, ep size): {sorted(shapes)}; one capacity set serves them all")
+        self.fields: Tuple[str, ...] = tuple(self.dispatchers[0].capacity_fields())
+        self.history: Dict[str, List[np.ndarray]] = {f: [] for f in self.fields}
         self.changes: List[str] = []
+
+    def _set(self, field: str, value) -> None:
+        for dispatcher in self.dispatchers:
+            setattr(dispatcher, field, value)
+
+    def capacity(self, field: str):
+        return getattr(self.dispatchers[0], field)
 
     def prime(self, num_tokens: int, prior: float = PRIOR) -> None:
         """Capacities for calls of `num_tokens` tokens a rank before any counts are seen: `prior`
         times the even share (every expert `T k / E` rows from every rank), sized, at most the bound."""
-        group = len(self.ep_groups[0])
-        for dispatcher in self.dispatchers:
-            even = np.full((group, dispatcher.num_experts), num_tokens * dispatcher.top_k / dispatcher.num_experts)
-            needs, bounds = dispatcher.needed_capacity(even), dispatcher.capacity_bound(even)
-            for field in dispatcher.capacity_fields():
-                if not getattr(dispatcher, field):
-                    value = np.minimum(_sized(np.ceil(prior * np.asarray(needs[field]))), bounds[field])
-                    setattr(dispatcher, field, tuple(int(v) for v in value) if value.ndim else int(value))
+        group, dispatcher = len(self.ep_groups[0]), self.dispatchers[0]
+        even = np.full((group, dispatcher.num_experts), num_tokens * dispatcher.top_k / dispatcher.num_experts)
+        needs, bounds = dispatcher.needed_capacity(even), dispatcher.capacity_bound(even)
+        for field in self.fields:
+            if not self.capacity(field):
+                value = np.minimum(_sized(np.ceil(prior * np.asarray(needs[field]))), bounds[field])
+                self._set(field, _capacity(value))
 
     def state(self) -> Dict:
         """What a checkpoint keeps so that a resumed run sizes its buffers exactly as the run that saved
         it would have (a buffer's size changes the order of sums in the expert GEMMs: last bits)."""
-        return {"ep_groups": self.ep_groups,
-                "capacities": [{f: _plain(getattr(d, f)) for f in d.capacity_fields()} for d in self.dispatchers],
-                "history": [{f: [_plain(n) for n in needs] for f, needs in fields.items()}
-                            for fields in self.history]}
+        return {"ep_groups": self.ep_groups, "layers": len(self.dispatchers), "tied": True,
+                "capacities": {f: _plain(self.capacity(f)) for f in self.fields},
+                "history": {f: [_plain(n) for n in needs] for f, needs in self.history.items()}}
 
     def load_state(self, state: Dict) -> bool:
         """Restores `state()` when it was saved on the same ep groups and MoE layers (capacities are
-        per destination rank: another layout starts from the prior). True when restored."""
-        fields = [list(d.capacity_fields()) for d in self.dispatchers]
-        if (not state or state.get("ep_groups") != self.ep_groups
-                or [sorted(c) for c in state.get("capacities", [])] != [sorted(f) for f in fields]):
+        per destination rank: another layout starts from the prior). True when restored. States of
+        per-layer capacities (before issue 30) are not restored: they may hold the undersized sets."""
+        if (not state or not state.get("tied") or state.get("ep_groups") != self.ep_groups
+                or state.get("layers") != len(self.dispatchers)
+                or sorted(state.get("capacities", {})) != sorted(self.fields)):
             return False
-        for dispatcher, capacities in zip(self.dispatchers, state["capacities"]):
-            for field, value in capacities.items():
-                setattr(dispatcher, field, tuple(value) if isinstance(value, list) else value)
-        self.history = [{f: [np.asarray(n, np.int64) for n in needs] for f, needs in layer.items()}
-                        for layer in state["history"]]
+        for field, value in state["capacities"].items():
+            self._set(field, tuple(value) if isinstance(value, list) else value)
+        self.history = {f: [np.asarray(n, np.int64) for n in needs] for f, needs in state["history"].items()}
         return True
 
     def key(self) -> Tuple:
-        return tuple(getattr(d, f) for d in self.dispatchers for f in d.capacity_fields())
+        """The capacity set in force; checks that every layer holds it (the graph is shared)."""
+        key = tuple(self.capacity(f) for f in self.fields)
+        for layer, dispatcher in enumerate(self.dispatchers):
+            own = tuple(getattr(dispatcher, f) for f in self.fields)
+            if own != key:
+                raise RuntimeError(f"CapacityController: MoE layer {layer} holds capacities {own}, layer 0 {key}: "
+                                   f"the layers share one compiled graph, so they must share capacities")
+        return key
 
-    def needed(self, loads: np.ndarray) -> List[Dict[str, np.ndarray]]:
-        """Rows each buffer needed, per layer: the maximum over ep groups. `loads [world, layers, E]`."""
+    def needed(self, loads: np.ndarray) -> Dict[str, np.ndarray]:
+        """Rows each buffer needed: the maximum over layers and ep groups. `loads [world, layers, E]`."""
         if loads.ndim != 3 or loads.shape[1] != len(self.dispatchers):
             raise ValueError(f"expert_load of every rank must be [world, {len(self.dispatchers)} MoE layers, E], "
                              f"got {loads.shape}")
-        out = []
-        for layer, dispatcher in enumerate(self.dispatchers):
-            per_group = [dispatcher.needed_capacity(loads[group, layer]) for group in self.ep_groups]
-            out.append({f: np.max([np.asarray(n[f], np.int64) for n in per_group], axis=0)
-                        for f in dispatcher.capacity_fields()})
-        return out
+        needs = self.dispatchers[0].needed_capacities(self._per_call(loads))
+        return {f: needs[f] for f in self.fields}
 
-    def bounds(self, loads: np.ndarray) -> List[Dict[str, np.ndarray]]:
-        """Per layer, the capacities past which nothing can overflow."""
-        return [{f: np.asarray(b[f], np.int64) for f in d.capacity_fields()}
-                for d, b in ((d, d.capacity_bound(loads[:, layer])) for layer, d in enumerate(self.dispatchers))]
+    def bounds(self, loads: np.ndarray) -> Dict[str, np.ndarray]:
+        """The capacities past which nothing can overflow (every layer routes the same tokens)."""
+        bound = self.dispatchers[0].capacity_bound(self._per_call(loads))
+        return {f: np.asarray(bound[f], np.int64) for f in self.fields}
+
+    def _per_call(self, loads: np.ndarray) -> np.ndarray:
+        """`[world, layers, E]` -> `[groups * layers, ep, E]`: each ep group's loads of each layer."""
+        grouped = loads[np.asarray(self.ep_groups)]                  # [groups, ep, layers, E]
+        return grouped.transpose(0, 2, 1, 3).reshape(-1, grouped.shape[1], grouped.shape[3])
 
     def update(self, loads: np.ndarray) -> bool:
         """Checks the last call against its counts and resizes. True when a buffer overflowed, i.e.
         the call must be run again (with the grown capacities now set)."""
         overflow = False
-        for layer, (dispatcher, needs, bounds) in enumerate(zip(self.dispatchers, self.needed(loads),
-                                                                self.bounds(loads))):
-            for field, need in needs.items():
-                history = self.history[layer][field]
-                history.append(need)
-                del history[:-WINDOW]
-                current = getattr(dispatcher, field)
-                now = np.broadcast_to(np.asarray(current or 0, np.int64), need.shape)
-                recent = np.max(history, axis=0)
-                grow = (now > 0) & (need > now)
-                new = np.where(now == 0, _sized(need), now)                  # ran at the bound: size it
-                new = np.where(grow, np.maximum(_sized(need), _bucketed(GROWTH * now)), new)
-                new = np.where((now > 0) & ~grow & (_sized(recent) < SHRINK * now), _sized(recent), new)
-                new = np.minimum(new, bounds[field])                         # past the bound nothing overflows
-                if (new != now).any():
-                    value = tuple(int(v) for v in new) if need.ndim else int(new)
-                    why = "overflow" if grow.any() else ("sized" if (now == 0).all() else "shrink")
-                    self.changes.append(f"layer {layer} {field} {current or 'bound'} -> {value} ({why})")
-                    setattr(dispatcher, field, value)
-                overflow |= bool(grow.any())
+        needs, bounds = self.needed(loads), self.bounds(loads)
+        for field, need in needs.items():
+            history = self.history[field]
+            history.append(need)
+            del history[:-WINDOW]
+            current = self.capacity(field)
+            now = np.broadcast_to(np.asarray(current or 0, np.int64), need.shape)
+            recent = np.max(history, axis=0)
+            grow = (now > 0) & (need > now)
+            new = np.where(now == 0, _sized(need), now)                  # ran at the bound: size it
+            new = np.where(grow, np.maximum(_sized(need), _bucketed(GROWTH * now)), new)
+            new = np.where((now > 0) & ~grow & (_sized(recent) < SHRINK * now), _sized(recent), new)
+            new = np.minimum(new, bounds[field])                         # past the bound nothing overflows
+            if (new != now).any():
+                value = _capacity(new)
+                why = "overflow" if grow.any() else ("sized" if (now == 0).all() else "shrink")
+                self.changes.append(f"{field} {current or 'bound'} -> {value} ({why})")
+                self._set(field, value)
+            overflow |= bool(grow.any())
         return overflow
+
+
+def _capacity(value: np.ndarray):
+    """A capacity as the dispatchers hold it: an int, or a tuple of ints."""
+    return tuple(int(v) for v in value) if np.ndim(value) else int(value)
 
 
 def _plain(value):
@@ -165,8 +232,17 @@ def _plain(value):
     return np.asarray(value, np.int64).tolist()
 
 
-_sized = np.vectorize(lambda need: sized(int(need)), otypes=[np.int64])
-_bucketed = np.vectorize(lambda rows: bucket(math.ceil(rows)), otypes=[np.int64])
+def _bucketed(rows) -> np.ndarray:
+    """`bucket` element-wise (rows rounded up first)."""
+    rows = np.maximum(1, np.ceil(np.asarray(rows, np.float64))).astype(np.int64)
+    step = 2 ** np.maximum(0, np.frexp(rows.astype(np.float64))[1] - 4)    # frexp's exponent: bit_length
+    return np.where(rows <= 16, rows, -(-rows // step) * step)
+
+
+def _sized(need) -> np.ndarray:
+    """`sized` element-wise."""
+    need = np.asarray(need, np.float64)
+    return _bucketed(np.ceil(need + SPREAD * np.sqrt(need)))
 
 
 class AdaptiveStep:

@@ -10,17 +10,17 @@ Interface shared by every dispatcher (the expert-parallel ones in `moe/ep_dispat
 ("row_expert" `[N]` int32 with L for padding, "group_sizes" `[L]`), or a capacity buffer
 `[L, C, H]` (group l = local expert l), whichever `GroupedExperts.layout` asks for. `state` also
 carries "tokens_per_expert" `[E]` fp32 (assignments per expert before dropping), "dropped" (fp32,
-assignments dropped for lack of capacity) and "expert_rows" (fp32, rows the expert GEMMs compute).
+assignments dropped for lack of capacity), "expert_rows" (fp32, rows the expert GEMMs compute,
+padding included) and "computed_rows" (fp32, the assignments among them: padding excluded). Summed
+over an expert-parallel group, computed + dropped equals the rows dispatched into it
+(`moetrain.moe.accounting` checks this every step).
 """
 from __future__ import annotations
-
-from typing import Dict, Tuple  # noqa: F401
-
-import numpy as np
 
 import mindspore as ms
 from mindspore import nn, ops
 
+from moetrain.moe.capacity import DroplessSizing
 from moetrain.moe.native_ops import MoEOps
 from moetrain.moe.permutation import (assignment_rows, capacity_layout, capacity_rows, expert_capacity,
                                       group_of_rows, permute, sort_by_expert, unpermute)
@@ -40,13 +40,18 @@ def expert_counts(topk_idx, num_experts: int):
     return one_hot.sum(0)
 
 
+def kept_rows(counts, capacity: int):
+    """fp32 assignments that fit a buffer of `capacity` rows per group, `counts [G]` per group."""
+    return ops.minimum(counts.astype(ms.int32), capacity).astype(ms.float32).sum()
+
+
 def rows_layout(group_sizes, num_rows: int):
     """The experts' inputs of a rows layout besides the rows: row ids (for the kernel; L for the
     rows after the groups) and the rows they compute (fp32)."""
     return group_of_rows(group_sizes, num_rows), group_sizes.astype(ms.float32).sum()
 
 
-class SortDispatcher(nn.Cell):
+class SortDispatcher(nn.Cell, DroplessSizing):
     """Single-device dispatcher (all experts local).
 
     * dropless, rows layout (grouped GEMM kernel on CPU, grouped matmul on Ascend): the `T k`
@@ -67,17 +72,6 @@ class SortDispatcher(nn.Cell):
         self.ops = MoEOps()
         self.expert_capacity = 0
 
-    # ---- capacities (moetrain.moe.capacity) ---------------------------------------------------
-    def capacity_fields(self) -> Tuple[str, ...]:
-        return ("expert_capacity",) if self.capacity_factor == 0 and self.layout == "capacity" else ()
-
-    def needed_capacity(self, loads: np.ndarray) -> Dict[str, int]:
-        return {"expert_capacity": int(loads.max())}
-
-    def capacity_bound(self, loads: np.ndarray) -> Dict[str, int]:
-        """The capacities past which no routing can overflow (T, from `loads`: every rank routes T k)."""
-        return {"expert_capacity": int(loads.sum(-1).max()) // self.top_k}
-
     # ---- dispatch / combine ---------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weight):
         num_tokens, hidden = x.shape
@@ -90,7 +84,7 @@ class SortDispatcher(nn.Cell):
             state["slot"] = slot
             state["group_sizes"] = counts
             state["row_expert"] = row_expert
-            state["expert_rows"] = expert_rows
+            state["expert_rows"] = state["computed_rows"] = expert_rows
             return sorted_rows, state
         if self.capacity_factor > 0:
             capacity = expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor)
@@ -101,6 +95,7 @@ class SortDispatcher(nn.Cell):
             capacity = min(self.expert_capacity or num_tokens, num_tokens)
             order, slot_row = capacity_layout(topk_idx.reshape(-1), self.num_experts, capacity)
         expert_input = permute(x, order, slot_row, self.top_k, self.num_experts * capacity)
+        state["computed_rows"] = kept_rows(counts, capacity)
         state["assignment_row"] = assignment_rows(order, slot_row)
         state["expert_rows"] = ops.full((), self.num_experts * capacity, dtype=ms.float32)
         return expert_input.reshape(self.num_experts, capacity, hidden), state

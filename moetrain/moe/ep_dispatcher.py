@@ -36,15 +36,14 @@ exact splits).
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
-
-import numpy as np
+from typing import Tuple
 
 import mindspore as ms
 from mindspore import nn, ops
 
 from moetrain.env import env_choice
-from moetrain.moe.dispatcher import check_layout, expert_counts, rows_layout
+from moetrain.moe.capacity import DroplessSizing
+from moetrain.moe.dispatcher import check_layout, expert_counts, kept_rows, rows_layout
 from moetrain.moe.native_ops import MoEOps
 from moetrain.moe.permutation import (assignment_rows, capacity_layout, capacity_rows, expert_capacity,
                                       permute, sort_by_expert, unpermute)
@@ -69,7 +68,7 @@ def _rows_or_zero(rows, index):
     return ops.gather(ops.concat([rows, zero], 0), index, 0)
 
 
-class _EPDispatcher(nn.Cell):
+class _EPDispatcher(nn.Cell, DroplessSizing):
     """What both expert-parallel dispatchers share: the group, the capacities, and the receiver's
     local layout of the rows routed to this rank's experts."""
 
@@ -84,20 +83,6 @@ class _EPDispatcher(nn.Cell):
         self.ops = MoEOps()
         self.expert_capacity = 0    # rows per local expert in the capacity layout (0: the bound)
 
-    def capacity_fields(self) -> Tuple[str, ...]:
-        return ("expert_capacity",) if self.capacity_factor == 0 and self.layout == "capacity" else ()
-
-    def needed_capacity(self, loads: np.ndarray) -> Dict[str, int]:
-        """Rows each buffer needs for the routing `loads [ep, E]` (assignments per expert of every
-        rank of one ep group): here the most any expert receives."""
-        return {"expert_capacity": int(loads.sum(0).max())}
-
-    def capacity_bound(self, loads: np.ndarray) -> Dict[str, object]:
-        """The capacities past which no routing can overflow (T, from `loads`: every rank routes T k)."""
-        num_tokens = int(loads.sum(-1).max()) // self.top_k
-        return {"expert_capacity": self.n * num_tokens,
-                "pair_capacity": (num_tokens * min(self.top_k, self.num_local),) * self.n}
-
     def _to_local(self, rows, ids, bound: int, state):
         """Candidate rows `rows [M, H]`, `ids [M, k]` local expert of each assignment (L: not for
         this rank) -> (the experts' input, `state`): rows layout (exactly the assignments for this
@@ -111,9 +96,10 @@ class _EPDispatcher(nn.Cell):
             state["local_slot"] = slot
             state["group_sizes"] = sizes
             state["row_expert"] = row_expert
-            state["expert_rows"] = expert_rows
+            state["expert_rows"] = state["computed_rows"] = expert_rows
             return sorted_rows, state
         capacity = min(self.expert_capacity or bound, bound)
+        state["computed_rows"] = kept_rows(ops.split(expert_counts(ids, num_local + 1), [num_local, 1])[0], capacity)
         order, slot_row = capacity_layout(ids.reshape(-1), num_local, capacity)
         state["local_row"] = assignment_rows(order, slot_row)
         state["expert_rows"] = ops.full((), num_local * capacity, dtype=ms.float32)
@@ -149,16 +135,8 @@ class AllToAllDispatcher(_EPDispatcher):
             raise ValueError("AllToAllDispatcher: exact splits need the rows layout (grouped matmul experts); "
                              f"this one computes a {self.layout} layout")
         self.splits = splits
+        self.sizes_pairs = splits == "bucketed"      # exact splits size nothing on the host
         self.pair_capacity: Tuple[int, ...] = ()
-
-    def capacity_fields(self) -> Tuple[str, ...]:
-        if self.capacity_factor > 0 or self.splits == "exact":     # fixed sizes, or no static sizes at all
-            return ()
-        return ("pair_capacity",) + super().capacity_fields()
-
-    def needed_capacity(self, loads: np.ndarray) -> Dict[str, object]:
-        pairs = loads.reshape(self.n, self.n, self.num_local).sum(-1)      # [source, destination]
-        return {"pair_capacity": tuple(max(1, int(c)) for c in pairs.max(0)), **super().needed_capacity(loads)}
 
     def _pair_capacities(self, num_tokens: int) -> Tuple[int, ...]:
         """Rows each destination gets from every source, at most the bound and at least 1 (static)."""
@@ -266,10 +244,12 @@ class AllToAllDispatcher(_EPDispatcher):
         num_tokens, hidden = x.shape
         n, num_local = self.n, self.num_local
         capacity = expert_capacity(num_tokens, self.top_k, self.num_experts, self.capacity_factor)
-        order, slot_expert, slot_rank, _ = sort_by_expert(topk_idx.reshape(-1), self.num_experts)
+        order, slot_expert, slot_rank, counts = sort_by_expert(topk_idx.reshape(-1), self.num_experts)
         slot_row, dropped = capacity_rows(slot_expert, slot_rank, capacity, self.num_experts)
         state["dropped"] = dropped
         send = permute(x, order, slot_row, self.top_k, self.num_experts * capacity)
+        # the exchange has a fixed size, so every kept row arrives: counted on the sender
+        state["computed_rows"] = kept_rows(counts, capacity)
         recv = comm.all_to_all(send.reshape(n, num_local * capacity, hidden), self.group)   # [source, L C, H]
         expert_input = recv.reshape(n, num_local, capacity, hidden).transpose(1, 0, 2, 3)
         state["send_row"] = assignment_rows(order, slot_row)
@@ -331,6 +311,7 @@ class AllGatherDispatcher(_EPDispatcher):
             slot_row = ops.where(mine, local_expert * group_rows + source * capacity + slot,
                                  ops.full_like(slot, groups * group_rows))
             state["local_row"] = slot_row                     # slot i holds assignment i
+            state["computed_rows"] = mine.astype(ms.float32).sum()
             state["expert_rows"] = ops.full((), groups * group_rows, dtype=ms.float32)
             expert_input = permute(all_tokens, ops.arange(slot.shape[0], dtype=ms.int32), slot_row, top_k,
                                    groups * group_rows)

@@ -36,7 +36,8 @@ class MoELayer(nn.Cell):
     `weighted_aux(stats)`), "expert_load" `[E]` (assignments per expert, before dropping),
     "dropped" (assignments dropped by capacity), "routed" (`T * top_k`) and "expert_rows" (rows the
     expert GEMMs of this rank computed: `routed` on the rows layout, the whole buffer on a capacity
-    layout, the rows received from the ep group with expert parallelism).
+    layout, the rows received from the ep group with expert parallelism) and "dispatch_rows" `[3]`
+    (this rank's rows dispatched, computed by its experts, dropped: the dispatch invariant's terms).
 
     Parameters: `router.weight [E, H]`, `experts.w_gate/w_up [E, H, F]`, `experts.w_down [E, F, H]`,
     `shared_experts.{w_gate,w_up,w_down}.weight` (HF `[out, in]` layout) when
@@ -74,7 +75,8 @@ class MoELayer(nn.Cell):
         micro-batches and ranks, counts add up, and each MoE layer has its own `expert_load` row."""
         return {"aux_loss": StatSpec(MEAN), "seq_aux_loss": StatSpec(MEAN), "z_loss": StatSpec(MEAN),
                 "dropped": StatSpec(SUM), "routed": StatSpec(SUM), "expert_rows": StatSpec(SUM),
-                "expert_load": StatSpec(SUM, per_layer=True, row=(self.num_experts,))}
+                "expert_load": StatSpec(SUM, per_layer=True, row=(self.num_experts,)),
+                "dispatch_rows": StatSpec(SUM, per_layer=True, row=(3,))}
 
     def set_aux_loss_scope(self, scope: str, group=None) -> None:
         """Tokens the Switch `aux_loss` balances: this call's ("micro_batch"), each sequence's
@@ -119,9 +121,15 @@ class MoELayer(nn.Cell):
             if tokens.shape[0] % self.token_group.size:
                 raise ValueError(f"MoELayer: {tokens.shape[0]} tokens cannot be cut into {self.token_group.size} "
                                  f"equal slices (model_parallel / expert_tensor_parallel) for dispatch")
+            dispatched = tokens.shape[0] // self.token_group.size * self.top_k
             expert_input, state = self.dispatcher.dispatch(*self._token_slice(tokens, topk_idx, topk_weight))
         else:
+            dispatched = tokens.shape[0] * self.top_k
             expert_input, state = self.dispatcher.dispatch(tokens, topk_idx, topk_weight)
+        # this rank's rows: dispatched, computed by its experts, dropped (moetrain.moe.accounting)
+        dispatch_rows = ops.stop_gradient(ops.stack([ops.full((), dispatched, dtype=ms.float32),
+                                                     state["computed_rows"].astype(ms.float32),
+                                                     state["dropped"].astype(ms.float32)]))
         shared = None
         if self.shared_experts is not None:   # while the dispatch is in flight (module docstring)
             shared = self.shared_experts(tokens)
@@ -142,6 +150,7 @@ class MoELayer(nn.Cell):
         if shared is not None:
             y = y + shared
         stats = self._routing_stats(x, topk_idx, probs, logits, state)
+        stats["dispatch_rows"] = dispatch_rows
         if self.aux_loss_scope == "global":   # its all-reduce before the next layer's collectives
             y = ops.depend(y, stats["aux_loss"])
         return y.astype(x.dtype).reshape(x.shape), stats

@@ -1,0 +1,40 @@
+"""The dispatch invariant: every row routed to an expert is computed once or counted as dropped.
+
+Each MoE layer reports, per rank, `dispatch_rows = [dispatched, computed, dropped]`: the assignment
+rows this rank sent into dispatch, the real rows (padding excluded) its experts computed, and the
+rows it dropped for lack of capacity. Within an expert-parallel group every dispatched row lands on
+exactly one rank, so summed over the world `dispatched == computed + dropped` for every layer, in
+every layout (ranks that repeat a stage's values, as pipeline ranks do after their stats are
+all-reduced, repeat both sides). Dropless mode drops nothing, so there computed equals routed.
+
+The trainer checks this after every step, before the optimizer applies it, and after evaluation:
+the terms are statistics of the step already, and the check is one small host all-reduce.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+KEY = "dispatch_rows"
+
+
+class DispatchInvariantError(RuntimeError):
+    """MoE dispatch lost (or invented) rows: the outputs of the step are wrong."""
+
+
+def check_dispatch_rows(rows: np.ndarray, where: str, layout: str, capacities: Optional[object]) -> None:
+    """Raises DispatchInvariantError unless `rows [layers, 3]` (dispatched, computed, dropped, summed
+    over the world) balance for every layer. `where` ("step 12", "evaluation at step 12"), `layout`
+    and `capacities` (the dispatch buffers' sizes in force, None for the static bound) go into the
+    message."""
+    rows = np.asarray(rows, np.float64).reshape(-1, 3)
+    for layer, (dispatched, computed, dropped) in enumerate(rows):
+        if dispatched != computed + dropped:
+            lost = dispatched - computed - dropped
+            raise DispatchInvariantError(
+                f"dispatch invariant broken at {where}: MoE layer {layer} dispatched {dispatched:.0f} rows, its experts "
+                f"computed {computed:.0f} and dropped {dropped:.0f} ({lost:+.0f} rows unaccounted; summed over the "
+                f"ranks of layout {layout}); dispatch capacities in force: "
+                f"{'the static bound' if capacities is None else capacities}. The step's outputs are wrong, so it "
+                f"was not applied. This is a moetrain bug: please report this message")
