@@ -283,7 +283,7 @@ class Trainer:
         try:
             record = self.train_step()
         except (RuntimeError, TypeError, ValueError) as exc:
-            if not self.cfg.train.jit:
+            if not self.cfg.train.jit or isinstance(exc, accounting.DispatchInvariantError):
                 raise
             raise CompileError(self._compile_failure(exc)) from exc
         self.step_compiled = True
@@ -313,7 +313,7 @@ class Trainer:
         p, capacities = self.pctx, self.runner.capacity_state()
         accounting.check_dispatch_rows(world_sum(rows, p) if over_world else rows, where,
                                        f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp}",
-                                       capacities and capacities.get("capacities"))
+                                       capacities and (capacities.get("in_force") or capacities.get("capacities")))
 
     def _reduce_over_dp(self, values) -> Dict:
         """Sum (counts) or average this rank's step values over the data-parallel ranks."""

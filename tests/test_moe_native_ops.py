@@ -307,7 +307,7 @@ def test_adaptive_step_keeps_a_bounded_number_of_graphs(ms):
 
     class Keys:                                               # a controller whose capacity set we choose
         def __init__(self):
-            self.now, self.changes, self.dispatchers = (0,), [], [None]
+            self.now, self.changes, self.dispatchers, self.fields = (0,), [], [None], ("capacity",)
 
         def key(self):
             return self.now

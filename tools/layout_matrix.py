@@ -15,6 +15,9 @@ one process:
   - expert loads exact for the first EXACT_LOAD_STEPS steps; after that at most LOAD_SLACK
     assignments apart per layer (sum of |difference| over its experts): another summation order can
     flip a near-tied routing decision, which moves one assignment (2 counts of 1).
+With `--resume-at N` each run also saves at step N; its checkpoints past N are then deleted and the
+run resumed from step N (`--resume`, the documented recovery): steps N+1.. must again reproduce one
+process (the dispatch capacities and their sizing window come back from the checkpoint).
 Writes OUT/results.json and, with --table, a markdown table of the results.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -105,19 +109,30 @@ def compare(reference, run) -> Dict:
             "load_apart_after_exact": load_late, "failures": failures}
 
 
-def train(config: str, out: str, overrides: List[str], nproc: int, env: Dict[str, str], log: str) -> float:
-    sets = [a for o in overrides for a in ("--set", o)]
+def train(config: str, out: str, overrides: List[str], nproc: int, env: Dict[str, str], log: str,
+          resume: bool = False) -> float:
+    sets = [a for o in overrides for a in ("--set", o)] + ["--resume" if resume else "--overwrite"]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "moetrain.cli", "train", config, *sets, "--overwrite"]
+        cmd = [sys.executable, "-m", "moetrain.cli", "train", config, *sets]
     else:
-        cmd = ["bash", os.path.join(ROOT, "run_scripts", "run_distributed.sh"), "--nproc", str(nproc), config,
-               *sets, "--overwrite"]
+        cmd = ["bash", os.path.join(ROOT, "run_scripts", "run_distributed.sh"), "--nproc", str(nproc), config, *sets]
     start = time.perf_counter()
     with open(log, "w") as fh:
         code = subprocess.call(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **env})
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {code}; see {log}")
     return time.perf_counter() - start
+
+
+def resume_from(run_dir: str, step: int, rerun) -> None:
+    """Deletes the run's checkpoints past `step`, then `rerun()` (the same command with --resume)."""
+    root = os.path.join(run_dir, "checkpoints")
+    later = [name for name in os.listdir(root) if name.startswith("step_") and int(name[5:]) > step]
+    if not os.path.isdir(os.path.join(root, f"step_{step:08d}")):
+        raise RuntimeError(f"{root} holds no checkpoint of step {step} to resume from")
+    for name in later:
+        shutil.rmtree(os.path.join(root, name))
+    rerun()
 
 
 def capacity_events(log: str) -> Dict[str, int]:
@@ -140,7 +155,7 @@ def table(results: List[Dict], steps: int) -> str:
         c = r.get("capacity_events", {})
         resizes = f"{c.get('overflow', 0)}/{c.get('shrink', 0)}, {c.get('reruns', 0)}" if c else "-"
         ok = "pass" if not r["failures"] else "FAIL: " + "; ".join(r["failures"][:2])
-        rows.append(f"| {r['layout']} | {r['ranks']} | {r['capacity']} | {r['optimizer']} | {r['steps']} | "
+        rows.append(f"| {r['layout']}{' (resumed at step %d)' % r['resumed'] if r.get('resumed') else ''} | {r['ranks']} | {r['capacity']} | {r['optimizer']} | {r['steps']} | "
                     f"{r['loss_rel']:.1e} | {r['grad_norm_rel']:.1e} | {r['eval_rel']:.1e} | "
                     f"{r['load_apart_after_exact']} | {resizes} | {ok} |")
     return "\n".join(rows)
@@ -155,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer", default="adamw,sgd")
     ap.add_argument("--out", default="runs/layout_matrix")
     ap.add_argument("--table", default="")
+    ap.add_argument("--resume-at", type=int, default=0, metavar="N",
+                    help="also save at step N, then resume each run from it and check the steps after N")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     layouts = [name for name in args.layouts.split(",") if name]
@@ -167,6 +184,8 @@ def main(argv=None) -> int:
     results = []
     for optimizer in args.optimizer.split(","):
         base = COMMON + [f"train.steps={args.steps}"] + OPTIMIZERS[optimizer] + args.sets
+        if args.resume_at:
+            base.append(f"checkpoint.save_steps={args.resume_at}")
         ref_dir = os.path.join(out, f"one_process_{optimizer}")
         seconds = train(config, ref_dir, base + [f"train.output_dir={ref_dir}"], 1, {}, ref_dir + ".log")
         print(f"one process, {optimizer}: {seconds:.0f} s", flush=True)
@@ -176,10 +195,18 @@ def main(argv=None) -> int:
             for capacity in args.capacity.split(","):
                 name = f"{layout}_{capacity}_{optimizer}"
                 run_dir = os.path.join(out, name)
+                run_overrides = base + overrides + [f"train.output_dir={run_dir}"]
+                env = {"MOETRAIN_MOE_CAPACITY": capacity}
                 try:
-                    seconds = train(config, run_dir, base + overrides + [f"train.output_dir={run_dir}"], nproc,
-                                    {"MOETRAIN_MOE_CAPACITY": capacity}, run_dir + ".log")
+                    seconds = train(config, run_dir, run_overrides, nproc, env, run_dir + ".log")
                     result = compare(reference, records(run_dir))
+                    if args.resume_at:
+                        resume_from(run_dir, args.resume_at, lambda: train(
+                            config, run_dir, run_overrides, nproc, env, run_dir + ".resume.log", resume=True))
+                        resumed = compare(reference, records(run_dir))
+                        result["failures"] += [f"after resuming at step {args.resume_at}: {f}"
+                                               for f in resumed["failures"]]
+                        result["resumed"] = args.resume_at
                 except (RuntimeError, OSError) as exc:
                     seconds, result = 0.0, {"steps": 0, "loss_rel": float("nan"), "grad_norm_rel": float("nan"),
                                             "eval_rel": float("nan"), "load_apart_after_exact": -1,

@@ -129,6 +129,7 @@ class CapacityController:
         self.fields: Tuple[str, ...] = tuple(self.dispatchers[0].capacity_fields())
         self.history: Dict[str, List[np.ndarray]] = {f: [] for f in self.fields}
         self.changes: List[str] = []
+        self.in_force: Dict[str, object] = {}     # the capacities the last call ran with
 
     def _set(self, field: str, value) -> None:
         for dispatcher in self.dispatchers:
@@ -153,6 +154,7 @@ class CapacityController:
         it would have (a buffer's size changes the order of sums in the expert GEMMs: last bits)."""
         return {"ep_groups": self.ep_groups, "layers": len(self.dispatchers), "tied": True,
                 "capacities": {f: _plain(self.capacity(f)) for f in self.fields},
+                "in_force": {f: _plain(v) for f, v in self.in_force.items()},
                 "history": {f: [_plain(n) for n in needs] for f, needs in self.history.items()}}
 
     def load_state(self, state: Dict) -> bool:
@@ -272,6 +274,7 @@ class AdaptiveStep:
                 if len(self.compiled) > self.max_graphs:
                     self.compiled.popitem(last=False)
             self.compiled.move_to_end(key)
+            self.controller.in_force = dict(zip(self.controller.fields, key))
             out = self.compiled[key](*args)
             self.calls += 1
             keys, values = out[1], out[2]

@@ -4,6 +4,10 @@ process and write every step's record (loss, expert loads, drops, ...) of this r
     python tests/workers/ep_train_worker.py OUT_DIR CONFIG RUN [RUN ...]
     RUN = name:key=value,key=value,...      (overrides of CONFIG for that run)
 
+The override `+undersize` is a test-only hook: from the second call on, the dispatch buffers are
+set to half of what the routing needs and overflows are not re-run, so rows are lost; the run must
+stop with the dispatch invariant's error, which this worker records as the run's last record.
+
 (or `train_runs` from another worker of the same job: tests/workers/ep_layer_worker.py)
 Under msrun (one job, several runs: MindSpore starts its communication once per process) or
 alone (one process). Writes OUT_DIR/rank_<r>.json = {run name: [step records]}; a record holds
@@ -30,6 +34,7 @@ def train_runs(out_dir, config, runs, contexts=None):
     from moetrain import trainer as trainer_module
     from moetrain.config import load_config
     from moetrain.dist import comm, topology
+    from moetrain.moe.accounting import DispatchInvariantError
 
     # Runs after the first reuse the device setting and the communicators of an earlier run with
     # the same layout: after init() MindSpore refuses set_device again and a group name twice.
@@ -51,14 +56,22 @@ def train_runs(out_dir, config, runs, contexts=None):
     results, rank = {}, 0
     for run in runs:
         name, _, overrides = run.partition(":")
-        cfg = load_config(config, [o for o in overrides.split(",") if o]
+        overrides = [o for o in overrides.split(",") if o]
+        undersize = "+undersize" in overrides
+        cfg = load_config(config, [o for o in overrides if o != "+undersize"]
                           + [f"train.output_dir={os.path.join(out_dir, name)}"])
         trainer = trainer_module.Trainer(cfg)
         rank = trainer.rank
+        if undersize:
+            undersize_capacities(trainer.runner._grad_step.controller)
         records = []
         while trainer.step < trainer.total_steps:
-            with comm.CommLedger() as ledger:
-                record = trainer.train_step()
+            try:
+                with comm.CommLedger() as ledger:
+                    record = trainer.train_step()
+            except DispatchInvariantError as exc:
+                records.append({"error": type(exc).__name__, "message": str(exc), "steps_applied": trainer.step})
+                break
             record = {k: (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) for k, v in record.items()}
             record["bytes"] = {"native": ledger.bytes_by_group(backward=True),
                                "emulated": ledger.bytes_by_group(backward=True, emulated=True)}
@@ -70,9 +83,21 @@ def train_runs(out_dir, config, runs, contexts=None):
             records.append(record)
         trainer.logger.close()
         results[name] = records
-        print(f"rank {rank}: {name} done, {records[-1]['step_time_s']:.2f} s last step", flush=True)
+        print(f"rank {rank}: {name} done, {records[-1].get('step_time_s', 0):.2f} s last step", flush=True)
         with open(os.path.join(out_dir, f"rank_{rank}.json"), "w") as fh:   # after every run: partial results survive
             json.dump(results, fh)
+
+
+def undersize_capacities(controller) -> None:
+    """The `+undersize` hook: every update sets each capacity to half the need and reports no overflow."""
+    from moetrain.moe.capacity import _capacity
+
+    def update(loads):
+        for field, need in controller.needed(loads).items():
+            controller._set(field, _capacity(np.maximum(1, need // 2)))
+        return False
+
+    controller.update = update
 
 
 if __name__ == "__main__":
