@@ -250,9 +250,11 @@ class Trainer:
         scale = ms.Tensor(self.scaler.scale, ms.float32)
         start = time.perf_counter()
         grads, values = self.runner.train_step(list(self._micro_batches(step)), scale)
-        self._check_dispatch(values, f"step {step + 1}")     # before the optimizer applies a wrong step
+        dispatch = self._check_dispatch(values, f"step {step + 1}")   # before the optimizer applies a wrong step
         inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp)
         record = self._reduce_over_dp(values)
+        if dispatch is not None:   # the rows one copy of the model computed, whatever the layout
+            record["expert_rows"] = accounting.expert_rows_per_copy(dispatch, record["routed"])
         if self.faults.guard.rejects_loss(record["loss"]):   # a spike or non-finite loss: no update (all ranks agree)
             grad_norm, finite = float("nan"), False
         else:
@@ -303,17 +305,18 @@ class Trainer:
                   "MOETRAIN_DISABLE_KERNELS=1 (plain ops instead of the fused CPU kernels), or a smaller "
                   "model.num_layers.")
 
-    def _check_dispatch(self, values: Dict, where: str, over_world: bool = True) -> None:
+    def _check_dispatch(self, values: Dict, where: str, over_world: bool = True) -> Optional[np.ndarray]:
         """Stops the run when MoE dispatch lost rows (`moetrain.moe.accounting`): one host all-reduce
-        of every layer's (dispatched, computed, dropped) rows (`over_world`: every rank calls this;
-        else this rank's dispatch stayed on this rank). Takes the terms out of `values`."""
+        of every layer's dispatch rows (`over_world`: every rank calls this; else this rank's dispatch
+        stayed on this rank). Takes the terms out of `values`; returns their sums (None: no MoE)."""
         rows = values.pop(accounting.KEY, None)
         if rows is None:
-            return
+            return None
         p, capacities = self.pctx, self.runner.capacity_state()
-        accounting.check_dispatch_rows(world_sum(rows, p) if over_world else rows, where,
-                                       f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp}",
+        total = world_sum(rows, p).reshape(np.shape(rows)) if over_world else np.asarray(rows, np.float64)
+        accounting.check_dispatch_rows(total, where, f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp}",
                                        capacities and (capacities.get("in_force") or capacities.get("capacities")))
+        return total
 
     def _reduce_over_dp(self, values) -> Dict:
         """Sum (counts) or average this rank's step values over the data-parallel ranks."""

@@ -9,19 +9,26 @@ import sys
 import numpy as np
 import pytest
 
-from moetrain.moe.accounting import DispatchInvariantError, check_dispatch_rows
+from moetrain.moe.accounting import DispatchInvariantError, check_dispatch_rows, expert_rows_per_copy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_balanced_rows_pass_and_a_lost_row_names_the_layer():
-    check_dispatch_rows(np.array([[512, 512, 0], [512, 500, 12]]), "step 3", "dp=1", None)   # capacity drops
+    check_dispatch_rows(np.array([[512, 512, 0, 512], [512, 500, 12, 512]]), "step 3", "dp=1", None)   # capacity drops
     with pytest.raises(DispatchInvariantError, match=r"at step 3: MoE layer 1 dispatched 512 rows, its experts "
                                                      r"computed 511 and dropped 0 \(\+1 rows unaccounted"):
-        check_dispatch_rows(np.array([[512, 512, 0], [512, 511, 0]]), "step 3", "dp=1", {"expert_capacity": 7})
+        check_dispatch_rows(np.array([[512, 512, 0, 512], [512, 511, 0, 512]]), "step 3", "dp=1", {"expert_capacity": 7})
     with pytest.raises(DispatchInvariantError, match=r"computed 513 .*-1 rows unaccounted.*capacities in force: "
                                                      r"the static bound"):
-        check_dispatch_rows(np.array([[512, 513, 0]]), "step 3", "dp=1", None)
+        check_dispatch_rows(np.array([[512, 513, 0, 513]]), "step 3", "dp=1", None)
+
+
+def test_expert_rows_count_each_row_once_whatever_the_copies():
+    # two copies of every row (e.g. expert-tensor-parallel peers), 1,024 routed
+    rows = np.array([[1024, 1024, 0, 1024], [1024, 1024, 0, 1024]])
+    assert expert_rows_per_copy(rows, 1024) == 1024
+    assert expert_rows_per_copy(np.array([[512, 512, 0, 640]]), 512) == 640     # a padded GEMM layout
 
 
 HOOKED_RUN = """

@@ -125,7 +125,8 @@ def test_stats_and_loss_composition(ms):
                           "expert_rows", "dispatch_rows"}
     assert stats["expert_load"].shape == (2, 4)
     # per MoE layer: dispatched = computed (every routed row, padding excluded), nothing dropped
-    np.testing.assert_array_equal(stats["dispatch_rows"], [[ids.size * 2, ids.size * 2, 0]] * 2)
+    np.testing.assert_array_equal(stats["dispatch_rows"][:, :3], [[ids.size * 2, ids.size * 2, 0]] * 2)
+    assert stats["dispatch_rows"][:, 3].sum() == stats["expert_rows"]          # the GEMM rows, padding included
     assert stats["routed"] == 2 * ids.size * 2 and stats["dropped"] == 0        # 2 layers, top-2, dropless
     rows_layout = model.moe_modules()[0].experts.layout == "rows"              # capacity layout: E x T rows a layer
     assert stats["expert_rows"] == (stats["routed"] if rows_layout else 2 * 4 * ids.size)

@@ -36,8 +36,9 @@ class MoELayer(nn.Cell):
     `weighted_aux(stats)`), "expert_load" `[E]` (assignments per expert, before dropping),
     "dropped" (assignments dropped by capacity), "routed" (`T * top_k`) and "expert_rows" (rows the
     expert GEMMs of this rank computed: `routed` on the rows layout, the whole buffer on a capacity
-    layout, the rows received from the ep group with expert parallelism) and "dispatch_rows" `[3]`
-    (this rank's rows dispatched, computed by its experts, dropped: the dispatch invariant's terms).
+    layout, the rows received from the ep group with expert parallelism) and "dispatch_rows" `[4]`
+    (this rank's rows dispatched, computed by its experts, dropped, and its expert GEMM rows: the
+    dispatch invariant's terms, `moetrain.moe.accounting`).
 
     Parameters: `router.weight [E, H]`, `experts.w_gate/w_up [E, H, F]`, `experts.w_down [E, F, H]`,
     `shared_experts.{w_gate,w_up,w_down}.weight` (HF `[out, in]` layout) when
@@ -76,7 +77,7 @@ class MoELayer(nn.Cell):
         return {"aux_loss": StatSpec(MEAN), "seq_aux_loss": StatSpec(MEAN), "z_loss": StatSpec(MEAN),
                 "dropped": StatSpec(SUM), "routed": StatSpec(SUM), "expert_rows": StatSpec(SUM),
                 "expert_load": StatSpec(SUM, per_layer=True, row=(self.num_experts,)),
-                "dispatch_rows": StatSpec(SUM, per_layer=True, row=(3,))}
+                "dispatch_rows": StatSpec(SUM, per_layer=True, row=(4,))}
 
     def set_aux_loss_scope(self, scope: str, group=None) -> None:
         """Tokens the Switch `aux_loss` balances: this call's ("micro_batch"), each sequence's
@@ -129,7 +130,8 @@ class MoELayer(nn.Cell):
         # this rank's rows: dispatched, computed by its experts, dropped (moetrain.moe.accounting)
         dispatch_rows = ops.stop_gradient(ops.stack([ops.full((), dispatched, dtype=ms.float32),
                                                      state["computed_rows"].astype(ms.float32),
-                                                     state["dropped"].astype(ms.float32)]))
+                                                     state["dropped"].astype(ms.float32),
+                                                     state["expert_rows"].astype(ms.float32)]))
         shared = None
         if self.shared_experts is not None:   # while the dispatch is in flight (module docstring)
             shared = self.shared_experts(tokens)
