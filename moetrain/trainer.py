@@ -32,8 +32,9 @@ from moetrain.config import Config, _validate, dump_config
 from moetrain.data import build_datasets, build_sampler, fetch
 from moetrain.data.blend import evaluate_sources
 from moetrain.devices import get_device
+from moetrain.dist import comm
 from moetrain.dist.topology import cpu_ops_on_calling_thread, init_parallel, launched_world_size
-from moetrain.faults import TrainerFaults, world_sum
+from moetrain.faults import TrainerFaults
 from moetrain.layout import LayoutError, check_config_layout
 from moetrain.logger import MetricsLogger, print_rank0
 from moetrain.modeling import summed_stats
@@ -312,10 +313,13 @@ class Trainer:
         rows = values.pop(accounting.KEY, None)
         if rows is None:
             return None
-        p, capacities = self.pctx, self.runner.capacity_state()
-        total = world_sum(rows, p).reshape(np.shape(rows)) if over_world else np.asarray(rows, np.float64)
+        p, capacities = self.pctx, self.runner.capacities_in_force()
+        total = np.asarray(rows, np.float64)
+        if over_world and p.world_size > 1:   # through comm: booked in its ledger like every collective
+            flat = ms.Tensor(total.reshape(-1).astype(np.float32))
+            total = comm.all_reduce(flat, p.group("world")).asnumpy().astype(np.float64).reshape(total.shape)
         accounting.check_dispatch_rows(total, where, f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp}",
-                                       capacities and (capacities.get("in_force") or capacities.get("capacities")))
+                                       capacities)
         return total
 
     def _reduce_over_dp(self, values) -> Dict:

@@ -61,7 +61,8 @@ class DynamicLoopDispatcher(SortDispatcher):
         sorted_tokens = ops.gather(x, order // self.top_k, 0)
         state = {"order": order, "tokens_per_expert": tokens_per_expert, "topk_weight": topk_weight,
                  "dropped": ops.zeros((), ms.float32),
-                 "expert_rows": ops.full((), x.shape[0] * self.top_k, dtype=ms.float32)}
+                 "expert_rows": ops.full((), x.shape[0] * self.top_k, dtype=ms.float32),
+                 "computed_rows": ops.full((), x.shape[0] * self.top_k, dtype=ms.float32)}
         return sorted_tokens, state
 
     def combine(self, sorted_tokens, state):

@@ -154,7 +154,6 @@ class CapacityController:
         it would have (a buffer's size changes the order of sums in the expert GEMMs: last bits)."""
         return {"ep_groups": self.ep_groups, "layers": len(self.dispatchers), "tied": True,
                 "capacities": {f: _plain(self.capacity(f)) for f in self.fields},
-                "in_force": {f: _plain(v) for f, v in self.in_force.items()},
                 "history": {f: [_plain(n) for n in needs] for f, needs in self.history.items()}}
 
     def load_state(self, state: Dict) -> bool:

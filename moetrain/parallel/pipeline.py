@@ -610,6 +610,10 @@ class Pipeline:
         """None: the stages' MoE dispatchers keep the bound (`moetrain.moe.capacity.adaptive_steps`)."""
         return None
 
+    def capacities_in_force(self):
+        """None: the stages' dispatchers keep the bound."""
+        return None
+
     def load_capacity_state(self, state) -> None:
         """Nothing to restore (see `capacity_state`)."""
 

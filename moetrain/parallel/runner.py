@@ -8,6 +8,7 @@ without a pipeline (`moetrain.parallel.pipeline.Pipeline` is the other runner).
     loss, stats = runner.evaluate(batch)                one evaluation batch
     runner.update_expert_bias(expert_load)              aux-loss-free balancing from the global load
     runner.capacity_state() / load_capacity_state(s)    the MoE dispatch capacities a checkpoint keeps
+    runner.capacities_in_force()                        those the last call ran with (None: unmanaged)
 
 Jitted functions return tuples, never dicts: a dict output becomes Python-executed graph nodes whose
 side effects make MindSpore 2.10's compile time exponential in depth (docs/performance.md).
@@ -90,6 +91,11 @@ class MicroBatchRunner:
         """The MoE dispatch capacities and their sizing history (None when nothing sizes them)."""
         controller = getattr(self._grad_step, "controller", None)
         return None if controller is None else controller.state()
+
+    def capacities_in_force(self):
+        """The capacities the last call ran with (None when nothing sizes them)."""
+        controller = getattr(self._grad_step, "controller", None)
+        return None if controller is None else {f: np.asarray(v).tolist() for f, v in controller.in_force.items()}
 
     def load_capacity_state(self, state) -> None:
         controller = getattr(self._grad_step, "controller", None)
