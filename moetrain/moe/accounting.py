@@ -2,8 +2,8 @@
 
 Each MoE layer reports, per rank, `dispatch_rows = [dispatched, computed, dropped, gemm_rows]`: the
 assignment rows this rank sent into dispatch, the real rows (padding excluded) its experts computed,
-the rows it dropped for lack of capacity, and the rows its expert GEMMs ran (padding included). Within an expert-parallel group every dispatched row lands on
-exactly one rank, so summed over the world `dispatched == computed + dropped` for every layer, in
+the rows it dropped for lack of capacity, and the rows its expert GEMMs ran (padding included).
+Within an expert-parallel group every dispatched row lands on exactly one rank, so summed over the world `dispatched == computed + dropped` for every layer, in
 every layout (ranks that repeat a stage's values, as pipeline ranks do after their stats are
 all-reduced, repeat both sides). Dropless mode drops nothing, so there computed equals routed.
 
@@ -29,8 +29,8 @@ class DispatchInvariantError(RuntimeError):
 
 
 def check_dispatch_rows(rows: np.ndarray, where: str, layout: str, capacities: Optional[object]) -> None:
-    """Raises DispatchInvariantError unless `rows [layers, 3]` (dispatched, computed, dropped, summed
-    over the world) balance for every layer. `where` ("step 12", "evaluation at step 12"), `layout`
+    """Raises DispatchInvariantError unless `rows [layers, 4]` (dispatched, computed, dropped, GEMM
+    rows; summed over the world) balance for every layer: dispatched == computed + dropped. `where` ("step 12", "evaluation at step 12"), `layout`
     and `capacities` (the dispatch buffers' sizes in force, None for the static bound) go into the
     message."""
     rows = np.asarray(rows, np.float64).reshape(-1, 4)

@@ -127,7 +127,7 @@ class MoELayer(nn.Cell):
         else:
             dispatched = tokens.shape[0] * self.top_k
             expert_input, state = self.dispatcher.dispatch(tokens, topk_idx, topk_weight)
-        # this rank's rows: dispatched, computed by its experts, dropped (moetrain.moe.accounting)
+        # this rank's rows: dispatched, computed by its experts, dropped, GEMM rows (moetrain.moe.accounting)
         dispatch_rows = ops.stop_gradient(ops.stack([ops.full((), dispatched, dtype=ms.float32),
                                                      state["computed_rows"].astype(ms.float32),
                                                      state["dropped"].astype(ms.float32),
