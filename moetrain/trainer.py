@@ -215,7 +215,7 @@ class Trainer:
             self.load(resume_path)
         elif cfg.checkpoint.load_path:   # new run from saved weights: step 0, fresh optimizer and schedule
             load_initial_weights(cfg.checkpoint.load_path, self._checkpoint_tensors(), cfg.to_dict()["model"],
-                                 holds_whole_model=self.pctx.pp == 1)
+                                 holds_whole_model=self.pctx.pp == 1, log=lambda line: print_rank0(self.rank, line))
         self.is_logger = self.rank == 0
         if self.is_logger:
             dump_config(cfg, os.path.join(self.out, "resolved_config.yaml"))

@@ -103,6 +103,33 @@ def test_import_reproduces_transformers_logits(ms, tmp_path, name, layout):
         np.testing.assert_allclose(mtp_logits.asnumpy(), golden(name, "mtp_logits.npy"), rtol=0, atol=TOLERANCE)
 
 
+def test_deepseek_v3_as_transformers_saves_it(ms, tmp_path, capsys):
+    """transformers' DeepseekV3ForCausalLM holds no MTP layer, so `save_pretrained` writes none of its
+    tensors while config.json keeps `num_nextn_predict_layers: 1`: import without it (one line says
+    so) and reproduce transformers' logits; `init_missing_mtp` adds fresh MTP layers instead."""
+    from moetrain.checkpoint.hf import hf_import
+    from moetrain.checkpoint.model_dir import load_model, load_model_dir
+
+    saved = os.path.join(GOLDEN, "deepseek_v3_saved")
+    config = golden("deepseek_v3_saved", "config.json")
+    assert config["num_nextn_predict_layers"] == 1
+    assert not any(k.startswith(f"model.layers.{config['num_hidden_layers']}.") for k in golden("deepseek_v3_saved", "model.safetensors"))
+    model_section = hf_import(saved, str(tmp_path / "model"))
+    assert model_section["mtp_depth"] == 0
+    assert "num_nextn_predict_layers=1 but the checkpoint holds 0 MTP layer(s)" in capsys.readouterr().out
+    ids = golden("deepseek_v3_saved", "input_ids.npy")
+    expected = golden("deepseek_v3_saved", "logits.npy")
+    model, _ = load_model(str(tmp_path / "model"))
+    np.testing.assert_allclose(model.logits(ms.Tensor(ids)).asnumpy(), expected, rtol=1e-5, atol=1e-5)
+
+    model_section = hf_import(saved, str(tmp_path / "with_mtp"), init_missing_mtp=True)
+    assert model_section["mtp_depth"] == 1 and "initialised fresh" in capsys.readouterr().out
+    _, state = load_model_dir(str(tmp_path / "with_mtp"))
+    assert state["mtp.0.eh_proj.weight"].std() > 0
+    model, _ = load_model(str(tmp_path / "with_mtp"))
+    np.testing.assert_allclose(model.logits(ms.Tensor(ids)).asnumpy(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_imported_deepseek_config():
     from moetrain.checkpoint.hf import hf_config_to_model_dict
 

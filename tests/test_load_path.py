@@ -15,12 +15,12 @@ KJV_VOCAB = 2048
 TINY_MIXTRAL = dict(MIXTRAL_CONFIG, vocab_size=KJV_VOCAB, max_position_embeddings=32)
 
 
-def run_config(model_section, out_dir, load_path, steps=2):
+def run_config(model_section, out_dir, load_path, steps=2, seq_length=32):
     from moetrain.config import config_from_dict
 
     return config_from_dict({
         "model": model_section,
-        "data": {"type": "lm", "path": os.path.join(ROOT, "data/kjv_tiny/kjv_tiny_train"), "seq_length": 32},
+        "data": {"type": "lm", "path": os.path.join(ROOT, "data/kjv_tiny/kjv_tiny_train"), "seq_length": seq_length},
         "optimizer": {"name": "adamw", "lr": 1e-3},
         "train": {"steps": steps, "global_batch_size": 4, "output_dir": str(out_dir), "seed": 7},
         "checkpoint": {"load_path": str(load_path), "save_at_end": True},
@@ -46,12 +46,15 @@ def imported_mixtral(tmp_path_factory):
     return import_tiny_mixtral(tmp_path_factory.mktemp("mixtral"))
 
 
-def loaded_model_loss(model_dir, batch):
+def loaded_model_loss(model_dir, batch, **model_changes):
+    """The loss of the model saved in `model_dir` (with `model_changes` to its `model:` section) on `batch`."""
     import mindspore as ms
 
-    from moetrain.checkpoint.model_dir import load_model
+    from moetrain.checkpoint.model_dir import build_model_from_dict, load_model_dir, load_model_state
 
-    model, _ = load_model(str(model_dir))
+    config, state = load_model_dir(str(model_dir))
+    model = build_model_from_dict(dict(config["model"], **model_changes))
+    load_model_state(model, state, strict=True)
     loss, _ = model(*(ms.Tensor(b) for b in batch))
     return float(loss)
 
@@ -89,6 +92,31 @@ def test_load_path_from_a_training_checkpoint(imported_mixtral, tmp_path):
     assert moments and all(float(np.abs(p.asnumpy()).max()) == 0.0 for p in moments)
     batch = next(again._micro_batches(0))
     assert again.train_step()["loss"] == pytest.approx(loaded_model_loss(checkpoint, batch), rel=1e-5)
+
+
+def test_load_path_at_another_sequence_length(tmp_path, capsys):
+    """A model imported with 131072 positions (a published Mixtral's max_position_embeddings) fine-tunes
+    at 64 with another RoPE theta: positions hold no weights, so the weights load unchanged (each
+    difference logged) and the first loss is the imported model's on that batch at those settings."""
+    from pathlib import Path
+
+    from moetrain.checkpoint.hf import hf_import
+    from moetrain.trainer import Trainer
+
+    long = dict(TINY_MIXTRAL, max_position_embeddings=131072)
+    write_hf_checkpoint(Path(tmp_path) / "hf", long, random_hf_weights(long, seed=11, scale=0.2))
+    section = hf_import(str(tmp_path / "hf"), str(tmp_path / "model"))
+    assert section["seq_length"] == 131072
+    short = dict(section, seq_length=64, rope_theta=5e5)
+    trainer = Trainer(run_config(short, tmp_path / "run", tmp_path / "model", seq_length=64))
+    log = capsys.readouterr().out
+    assert "model.seq_length (saved 131072, config 64)" in log and "model.rope_theta (saved 1000.0, config 500000.0)" in log
+    batch = next(trainer._micro_batches(0))
+    assert batch[0].shape[-1] == 64
+    reference = loaded_model_loss(tmp_path / "model", batch, seq_length=64, rope_theta=5e5)
+    assert trainer.train_step()["loss"] == pytest.approx(reference, rel=1e-5)
+    # the theta change reaches the model: the loss at the saved theta is another number
+    assert abs(loaded_model_loss(tmp_path / "model", batch) - reference) > 1e-4
 
 
 def test_load_path_refuses_another_model(imported_mixtral, tmp_path):

@@ -9,7 +9,9 @@ its multi-token-prediction layer at `model.layers.{num_hidden_layers}` in the pu
 `fused_names.json` (name -> shape of every tensor as the transformers model holds it in memory:
 the fused expert layout); `input_ids.npy` and `logits.npy` (float32, eager attention); for MTP
 `labels.npy` and `mtp_logits.npy` (depth 1, computed by transformers' `MtpModel` loaded from the
-checkpoint). Weights are random with a larger spread than the default init so that the logits
+checkpoint); for Mixtral, Qwen3-MoE and `deepseek_v3_saved` (a DeepSeek-V3 exactly as
+`save_pretrained` writes it: no MTP tensors although config.json keeps `num_nextn_predict_layers: 1`)
+`generate_ids.npy`, transformers' greedy `generate` of 32 tokens after 8 prompt tokens. Weights are random with a larger spread than the default init so that the logits
 depend visibly on every tensor, and DeepSeek's correction bias is non-zero. `fp8_block/` holds
 one FP8 block-quantized weight written by torch (`float8_e4m3fn`) with its `weight_scale_inv` and
 the dequantized values torch computes. moetrain's tests read these files without torch.
@@ -28,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 SEED = 0
 BATCH, SEQ = 2, 12
+PROMPT, GENERATE_NEW = 8, 32    # generate_ids.npy: 8 prompt tokens, then 32 greedy ones
 
 
 def randomize(model: torch.nn.Module, generator: torch.Generator, scale: float = 0.35) -> None:
@@ -42,6 +45,23 @@ def randomize(model: torch.nn.Module, generator: torch.Generator, scale: float =
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+
+
+def write_generation(out: str, model, tokens: np.ndarray) -> None:
+    """generate_ids.npy: `generate(do_sample=False)` of GENERATE_NEW tokens after the first PROMPT
+    tokens of each row, with no EOS stop (so every row has the same length), checked against a
+    greedy loop of full forwards."""
+    prompt = torch.tensor(tokens[:, :PROMPT])
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,  # id 0 is no padding
+                             max_new_tokens=GENERATE_NEW)
+        greedy = prompt
+        for _ in range(GENERATE_NEW):
+            greedy = torch.cat([greedy, model(greedy).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert ids.shape == (BATCH, PROMPT + GENERATE_NEW) and torch.equal(ids, greedy), "generate != greedy full forwards"
+    np.save(os.path.join(out, "generate_ids.npy"), ids.numpy().astype(np.int32))
 
 
 def write_common(out: str, model, tokens: np.ndarray) -> None:
@@ -66,11 +86,13 @@ def build(cls, config, generator):
     return model
 
 
-def make_saved(out, generator, tokens, model_cls, config) -> None:
+def make_saved(out, generator, tokens, model_cls, config, generate: bool = False) -> None:
     """A random model of `model_cls` saved as transformers saves it, with its golden outputs."""
     model = build(model_cls, config, generator)
     model.save_pretrained(out)
     write_common(out, model, tokens)
+    if generate:
+        write_generation(out, model, tokens)
 
 
 LLAMA = dict(vocab_size=64, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -113,7 +135,7 @@ def make_deepseek_v3(out, generator, tokens, variant: str):
                   num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
                   norm_topk_prob=True, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                   max_position_embeddings=32, rms_norm_eps=1e-6)
-    if variant == "mtp":      # DeepSeek-V3 proper: low-rank query, MTP depth 1
+    if variant in ("mtp", "saved"):      # DeepSeek-V3 proper: low-rank query, MTP depth 1
         cfg = transformers.DeepseekV3Config(**common, q_lora_rank=24, num_mtp_layers=1, tie_word_embeddings=False,
                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     else:                     # plain query projection, YaRN (attention factor and softmax mscale != 1), tied head
@@ -124,6 +146,8 @@ def make_deepseek_v3(out, generator, tokens, variant: str):
     model = build(transformers.DeepseekV3ForCausalLM, cfg, generator)
     model.save_pretrained(out)
     write_common(out, model, tokens)
+    if variant == "saved":    # what save_pretrained writes: no MTP tensors, num_nextn_predict_layers still 1
+        write_generation(out, model, tokens)
     if variant != "mtp":
         return
     from transformers.modeling_layers import MtpModel
@@ -181,11 +205,12 @@ def main() -> None:
     torch.manual_seed(SEED)
     makers = {"llama": lambda o, g, t: make_saved(o, g, t, transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA)),
               "mixtral": lambda o, g, t: make_saved(o, g, t, transformers.MixtralForCausalLM,
-                                                    transformers.MixtralConfig(**MIXTRAL)),
+                                                    transformers.MixtralConfig(**MIXTRAL), generate=True),
               "qwen3_moe": lambda o, g, t: make_saved(o, g, t, transformers.Qwen3MoeForCausalLM,
-                                                      transformers.Qwen3MoeConfig(**QWEN3_MOE)),
+                                                      transformers.Qwen3MoeConfig(**QWEN3_MOE), generate=True),
               "deepseek_v3": lambda o, g, t: make_deepseek_v3(o, g, t, "mtp"),
-              "deepseek_v3_yarn": lambda o, g, t: make_deepseek_v3(o, g, t, "yarn")}
+              "deepseek_v3_yarn": lambda o, g, t: make_deepseek_v3(o, g, t, "yarn"),
+              "deepseek_v3_saved": lambda o, g, t: make_deepseek_v3(o, g, t, "saved")}
     for index, (name, make) in enumerate(makers.items()):
         generator = torch.Generator().manual_seed(SEED + index)
         tokens = np.random.default_rng(SEED + index).integers(0, 64, (BATCH, SEQ + 1))

@@ -394,6 +394,8 @@ def tensor_maps(model: Dict[str, Any], fused_layers=lambda hf_prefix: False) -> 
 def hf_to_state(hf: Dict[str, np.ndarray], model: Dict[str, Any]) -> Dict[str, np.ndarray]:
     """HF tensors -> moetrain state for the `model:` section `model` (from hf_config_to_model_dict)."""
     maps, copies = tensor_maps(model, lambda prefix: prefix + "mlp.experts.gate_up_proj" in hf)
+    if model["tie_embeddings"]:   # some writers keep the tied head's copy; it must equal the embedding
+        copies["lm_head.weight"] = "embed.weight"
     used, state = set(), {}
     for m in maps:
         absent = [n for n in m.theirs if n not in hf]
@@ -407,7 +409,7 @@ def hf_to_state(hf: Dict[str, np.ndarray], model: Dict[str, Any]) -> Dict[str, n
         if name in hf:   # published checkpoints carry these copies; they must equal the shared tensor
             if hf[name].shape != state[ours].shape or not np.array_equal(hf[name], state[ours]):
                 raise ValueError(f"the HF checkpoint's {name!r} differs from the main model's {ours} counterpart; "
-                                 f"moetrain shares the embedding and LM head with the MTP layers")
+                                 f"moetrain shares it ({'tie_word_embeddings' if name == 'lm_head.weight' else 'the MTP layers use the main embedding and LM head'})")
             used.add(name)
     unused = sorted(n for n in set(hf) - used if not n.endswith(_IGNORED_SUFFIXES))
     if unused:
@@ -432,9 +434,31 @@ def state_to_hf(state: Dict[str, np.ndarray], model: Dict[str, Any], layout: str
 # ----------------------------------------------------------------------------------------------
 # Entry points
 # ----------------------------------------------------------------------------------------------
-def hf_import(hf_dir: str, out_dir: str, check: bool = True) -> Dict[str, Any]:
+def mtp_layers_present(hf: Dict[str, np.ndarray], model: Dict[str, Any]) -> int:
+    """How many of the MTP layers `model` describes the checkpoint holds (`model.layers.{L + k}.eh_proj`)."""
+    depth = 0
+    while depth < model.get("mtp_depth", 0) and f"model.layers.{model['num_layers'] + depth}.eh_proj.weight" in hf:
+        depth += 1
+    return depth
+
+
+def _fresh_mtp_layers(model: Dict[str, Any], first: int) -> Dict[str, np.ndarray]:
+    """Freshly initialised tensors of MTP layers `first..mtp_depth-1` (the model's own init)."""
+    from moetrain.checkpoint.model_dir import build_model_from_dict
+
+    fresh = build_model_from_dict(model)
+    wanted = tuple(f"mtp.{k}." for k in range(first, model["mtp_depth"]))
+    return {p.name: p.asnumpy() for p in fresh.get_parameters() if p.name.startswith(wanted)}
+
+
+def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_mtp: bool = False,
+              log: Callable[[str], None] = print) -> Dict[str, Any]:
     """HF checkpoint directory -> moetrain model directory; returns the `model:` section.
 
+    DeepSeek-V3's MTP depth is what the checkpoint holds: transformers' model has no MTP layer, so
+    `save_pretrained` writes none while its config.json keeps `num_nextn_predict_layers`. Missing
+    MTP layers are left out (depth = the layers present), or with `init_missing_mtp` initialised
+    fresh for training; either way one line says so.
     With `check`, the model is built and the weights loaded strictly (names and shapes)."""
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
@@ -442,7 +466,22 @@ def hf_import(hf_dir: str, out_dir: str, check: bool = True) -> Dict[str, Any]:
     with open(config_path) as fh:
         hf_config = json.load(fh)
     model = hf_config_to_model_dict(hf_config)
-    state = hf_to_state(load_hf_weights(hf_dir, hf_config.get("quantization_config")), model)
+    hf = load_hf_weights(hf_dir, hf_config.get("quantization_config"))
+    promised, present = model.get("mtp_depth", 0), mtp_layers_present(hf, model)
+    if present < promised:
+        model["mtp_depth"] = present
+    state = hf_to_state(hf, model)
+    if present < promised:
+        missing = f"{promised - present} of its {promised}"
+        if init_missing_mtp:
+            model["mtp_depth"] = promised
+            state.update(_fresh_mtp_layers(model, present))
+            log(f"moetrain convert hf-import: config.json has num_nextn_predict_layers={promised} but the checkpoint "
+                f"holds {present} MTP layer(s); {missing} MTP layer(s) initialised fresh (--init-missing-mtp)")
+        else:
+            log(f"moetrain convert hf-import: config.json has num_nextn_predict_layers={promised} but the checkpoint "
+                f"holds {present} MTP layer(s) (transformers' save_pretrained writes none); imported with "
+                f"mtp_depth {present} (--init-missing-mtp initialises {missing} fresh instead)")
     if check:
         from moetrain.checkpoint.model_dir import build_model_from_dict, load_model_state
 
@@ -481,10 +520,13 @@ def main_import(argv=None) -> int:
                                  description="Hugging Face Llama/Mistral/Mixtral/DeepSeek-V3/Qwen3-MoE checkpoint -> moetrain model directory")
     ap.add_argument("hf_dir", help="folder with config.json and *.safetensors")
     ap.add_argument("out_dir", help="model directory to write (config.yaml + model.safetensors)")
+    ap.add_argument("--init-missing-mtp", action="store_true",
+                    help="DeepSeek-V3: MTP layers config.json promises but the checkpoint lacks (transformers' "
+                         "save_pretrained writes none) are initialised fresh instead of left out")
 
     def go(args):
         args = ap.parse_args(args)
-        model = hf_import(args.hf_dir, args.out_dir)
+        model = hf_import(args.hf_dir, args.out_dir, init_missing_mtp=args.init_missing_mtp)
         print(f"wrote {args.out_dir}: model {model['name']}, {model['num_layers']} layers")
 
     return _run(go, argv)

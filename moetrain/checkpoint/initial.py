@@ -9,11 +9,14 @@ loss scale and the data position start fresh. ZeRO fp32 masters follow the loade
 
 The saved `model:` section must describe the same architecture as the run's. Keys that only
 shape training (initialisation, loss coefficients, balancing rate, capacity, compute dtype) may
-differ; any other difference is an error naming every mismatching key.
+differ silently; keys that set positions (`seq_length`, `rope_theta`, YaRN scaling) may differ and
+each difference is logged (fine-tuning at another length, context extension: no weight depends on
+them); any other difference changes a tensor's shape or meaning and is an error naming every
+mismatching key.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from moetrain.checkpoint.manager import CheckpointError
 
@@ -22,6 +25,11 @@ TRAINING_ONLY_KEYS = frozenset({
     "compute_dtype", "init_std", "scale_output_init", "mtp_loss_weight",
     "moe.aux_loss_coeff", "moe.seq_aux_loss_coeff", "moe.z_loss_coeff", "moe.bias_update_rate",
     "moe.capacity_factor",
+})
+# `model:` keys a fine-tune may change, logged: positions and RoPE hold no weights.
+POSITION_KEYS = frozenset({
+    "seq_length", "rope_theta", "yarn_factor", "yarn_original_max_positions", "yarn_beta_fast",
+    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
 })
 
 
@@ -35,8 +43,9 @@ def _flatten(section: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def model_config_mismatches(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
-    """`model.<key> (saved X, config Y)` for every architecture key on which the two `model:` sections differ.
+def model_config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> Tuple[List[str], List[str]]:
+    """`(mismatches, position_changes)`: `model.<key> (saved X, config Y)` for every architecture key
+    on which the two `model:` sections differ, and for every position key (allowed, to be logged).
 
     A key the saved section lacks is compared with the run's dataclass default, which is what the
     saved model was built with."""
@@ -45,8 +54,12 @@ def model_config_mismatches(saved: Dict[str, Any], current: Dict[str, Any]) -> L
     saved_full = _flatten(_asdict(build_config_from_dict(saved)))
     current_flat = _flatten(current)
     keys = sorted((set(saved_full) | set(current_flat)) - TRAINING_ONLY_KEYS)
-    return [f"model.{k} (saved {saved_full.get(k)!r}, config {current_flat.get(k)!r})"
-            for k in keys if saved_full.get(k) != current_flat.get(k)]
+    differ = [k for k in keys if saved_full.get(k) != current_flat.get(k)]
+
+    def say(k):
+        return f"model.{k} (saved {saved_full.get(k)!r}, config {current_flat.get(k)!r})"
+
+    return ([say(k) for k in differ if k not in POSITION_KEYS], [say(k) for k in differ if k in POSITION_KEYS])
 
 
 def _asdict(cfg) -> Dict[str, Any]:
@@ -55,7 +68,8 @@ def _asdict(cfg) -> Dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def load_initial_weights(path: str, tensors: Sequence, model_section: Dict[str, Any], holds_whole_model: bool) -> int:
+def load_initial_weights(path: str, tensors: Sequence, model_section: Dict[str, Any], holds_whole_model: bool,
+                         log: Callable[[str], None] = print) -> int:
     """Load the model weights of `path` into this rank's `tensors` (`distributed.local_tensors`), resliced
     to their layout; optimizer moments are left fresh. Returns the number of model tensors loaded."""
     from moetrain.checkpoint.distributed import MASTER_PREFIX, CheckpointReader, load_into
@@ -64,10 +78,12 @@ def load_initial_weights(path: str, tensors: Sequence, model_section: Dict[str, 
     saved = (reader.metadata.get("config") or {}).get("model")
     if not isinstance(saved, dict) or "name" not in saved:
         raise CheckpointError(f"checkpoint.load_path {path}: its config has no `model:` section to check against")
-    mismatches = model_config_mismatches(saved, model_section)
+    mismatches, positions = model_config_differences(saved, model_section)
     if mismatches:
         raise CheckpointError(f"checkpoint.load_path {path} holds another model than this config describes; "
                               f"mismatching keys: " + "; ".join(mismatches))
+    for change in positions:   # no weight depends on these: fine-tune at another length, extend the context
+        log(f"moetrain: checkpoint.load_path: positions differ from the saved model's, weights load unchanged: {change}")
     wanted = [t for t in tensors if t.part == "model" or t.key.startswith(MASTER_PREFIX)]
     load_into(reader, wanted, holds_whole_model)
     reader.close()
