@@ -335,7 +335,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def evaluate(self) -> Dict:
-        """`eval_loss` (and `eval_accuracy`); for a blended eval set also `eval_loss/<source>`."""
+        """`eval_loss` (the next-token loss, without auxiliary losses; and `eval_accuracy`); for a
+        blended eval set also `eval_loss/<source>`."""
         if self.eval_set is None:
             return {}
         return {"step": self.step, **evaluate_sources(self.eval_set, self._evaluate_dataset)}
@@ -368,7 +369,8 @@ class Trainer:
                 dispatch[accounting.KEY] = dispatch.get(accounting.KEY, 0) + np.asarray(stats[accounting.KEY], np.float64)
             if not counted:
                 continue
-            loss_sum += float(loss) * len(indices)
+            # the next-token loss: an MoE model's auxiliary losses (and MTP's) are not part of eval_loss
+            loss_sum += float(stats.get("lm_loss", loss)) * len(indices)
             count += len(indices)
             if "correct" in stats:
                 correct += float(stats["correct"])

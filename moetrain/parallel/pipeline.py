@@ -411,8 +411,8 @@ class PipelineExecutor:
     def forward_only(self, batch, activation_shape):
         """Generator: one evaluation batch through this stage's chunks in virtual-stage order (each
         exchange links virtual stages u and u + 1 only: no deadlock); returns `{"loss": this stage's
-        part of the loss}`."""
-        loss, x = 0.0, None
+        part of the loss, "lm_loss": the next-token loss (the last stage; 0 elsewhere)}`."""
+        loss, lm_loss, x = 0.0, 0.0, None
         for chunk, passes in sorted(zip(self.chunks, self.passes), key=lambda pair: pair[0].vstage):
             u = chunk.vstage
             if chunk.is_first:
@@ -422,10 +422,12 @@ class PipelineExecutor:
                                    None, activation_shape)
             x, stats = passes.forward(x, batch[1] if chunk.is_last else None, *batch[2:])
             loss = loss + float(stats["loss"].asnumpy())
+            if chunk.is_last and "lm_loss" in stats:
+                lm_loss = float(stats["lm_loss"].asnumpy())
             if not chunk.is_last and not self._is_mine(Msg(ACTIVATION, u + 1, 0)):
                 yield Exchange(stage_of(self.kind, self.num_stages, u + 1)[0], Msg(ACTIVATION, u + 1, 0), None, x,
                                activation_shape)
-        return {"loss": loss}
+        return {"loss": loss, "lm_loss": lm_loss}
 
 
 def _split_grads(grads, first: bool):
@@ -599,12 +601,13 @@ class Pipeline:
 
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self, batch):
-        """The model's loss on one batch (every stage gets it)."""
+        """The model's loss on one batch and `{"lm_loss"}` (every stage gets both)."""
         batch = as_tensors(batch)
         shape = self.activation_shape(int(batch[0].shape[0]))
         stats = run_with_links(self.executor.forward_only(batch, shape), self.links)
-        part = np.array([stats["loss"]], np.float32)
-        return float(comm.all_reduce(ms.Tensor(part), self.pctx.group("pp")).asnumpy()[0]), {}
+        part = np.array([stats["loss"], stats["lm_loss"]], np.float32)
+        loss, lm_loss = comm.all_reduce(ms.Tensor(part), self.pctx.group("pp")).asnumpy()
+        return float(loss), {"lm_loss": np.float32(lm_loss)}
 
     def capacity_state(self):
         """None: the stages' MoE dispatchers keep the bound (`moetrain.moe.capacity.adaptive_steps`)."""
