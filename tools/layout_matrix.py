@@ -39,13 +39,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # micro-batches of 4 samples, with the config's own per-micro-batch aux loss (the 'global' scope would
 # balance over dp ranks' micro-batches, which one process does not group alike)
 MICRO_BATCHES = ["train.micro_batch_size=4", "parallel.moe_aux_loss_scope=micro_batch"]
-REFERENCE_OF = {"pp2_dp2_ep2": MICRO_BATCHES}   # layout -> the overrides it shares with its reference
+# issue 30's tp2.dp2.ep2.etp2 command ran micro-batches of 2: 4 per dp rank, with the same pairs of
+# samples as one process's micro-batches of 2 (dp ranks take contiguous halves of the global batch)
+MICRO_BATCHES_OF_2 = ["train.micro_batch_size=2", "parallel.moe_aux_loss_scope=micro_batch"]
+REFERENCE_OF = {"pp2_dp2_ep2": MICRO_BATCHES,   # layout -> the overrides it shares with its reference
+                "tp2_dp2_ep2_etp2_mb2": MICRO_BATCHES_OF_2}
 LAYOUTS = {   # name -> (ranks, overrides)
     "dp4_ep4": (4, ["parallel.data_parallel=4", "parallel.expert_parallel=4"]),
     "dp4_ep2": (4, ["parallel.data_parallel=4", "parallel.expert_parallel=2"]),
     "dp2_ep2_zero2": (2, ["parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.optimizer_shard=2"]),
     "tp2_dp2_ep2_etp2": (4, ["parallel.model_parallel=2", "parallel.data_parallel=2", "parallel.expert_parallel=2",
                              "parallel.expert_tensor_parallel=2"]),
+    "tp2_dp2_ep2_etp2_mb2": (4, ["parallel.model_parallel=2", "parallel.data_parallel=2", "parallel.expert_parallel=2",
+                                 "parallel.expert_tensor_parallel=2"] + MICRO_BATCHES_OF_2),
     "tp2_dp2_ep4_sp": (4, ["parallel.model_parallel=2", "parallel.data_parallel=2", "parallel.expert_parallel=4",
                            "parallel.use_seq_parallel=true"]),
     "pp2_dp2_ep2": (4, ["parallel.pipeline_stage=2", "parallel.data_parallel=2", "parallel.expert_parallel=2",
