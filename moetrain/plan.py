@@ -93,10 +93,6 @@ class Arch:
         return cls(**arch)
 
     @property
-    def attention_width(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
     def v_dim(self) -> int:
         return self.value_dim or self.head_dim
 

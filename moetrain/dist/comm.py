@@ -121,12 +121,6 @@ def _book(kind: str, native: float, emulated: float, backward: bool) -> None:
     _TOTALS[row, col + 1] += emulated
 
 
-def byte_counters() -> Dict[str, Dict[str, int]]:
-    """Cumulative bytes per group kind and column since the process started (PyNative execution)."""
-    return {kind: {col: int(_TOTALS[i, j]) for j, col in enumerate(COUNTER_COLUMNS)}
-            for i, kind in enumerate(COUNTER_KINDS)}
-
-
 class CommLedger:
     """Bytes this rank sends in the comm ops EXECUTED in PyNative inside the block, per group kind.
 

@@ -89,10 +89,6 @@ def communicator_name(ranks: Sequence[int]) -> str:
     return f"moe_h{hashlib.sha1(joined.encode()).hexdigest()[:20]}_n{len(ranks)}"
 
 
-def global_rank_of(dp_rank: int, tp_rank: int, pp_rank: int, dp: int, tp: int) -> int:
-    return tp_rank + tp * (dp_rank + dp * pp_rank)
-
-
 @dataclass(frozen=True, eq=False)   # hashed by identity: `groups` is a dict
 class ParallelContext:
     """This rank's coordinates and groups. Build with `ParallelContext.build` or `init_parallel`."""

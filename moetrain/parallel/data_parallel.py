@@ -359,10 +359,6 @@ class OptimizerStep:
     def optimizer_state_bytes(self) -> int:
         return sum(int(np.prod(p.shape)) * p.itemsize for p in self.optimizer.state_parameters())
 
-    def gradient_shapes(self, row_only: bool) -> List[Tuple[int, ...]]:
-        """Shapes of the buffers `flatten` returns (ZeRO-2: this rank's rows)."""
-        return [(b.row,) if row_only else (b.rows * b.row,) for b in self.buffers]
-
     def checkpoint_pieces(self):
         """`(key, param, buffer, index, flat_range, state)` of every optimizer tensor this rank
         holds, per parameter, with layout-independent keys: `<state prefix>.<parameter name>` for
