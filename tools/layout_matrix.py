@@ -43,6 +43,7 @@ MICRO_BATCHES = ["train.micro_batch_size=4", "parallel.moe_aux_loss_scope=micro_
 # samples as one process's micro-batches of 2 (dp ranks take contiguous halves of the global batch)
 MICRO_BATCHES_OF_2 = ["train.micro_batch_size=2", "parallel.moe_aux_loss_scope=micro_batch"]
 REFERENCE_OF = {"pp2_dp2_ep2": MICRO_BATCHES,   # layout -> the overrides it shares with its reference
+                "dp2_ep2_mb4": MICRO_BATCHES,
                 "tp2_dp2_ep2_etp2_mb2": MICRO_BATCHES_OF_2}
 LAYOUTS = {   # name -> (ranks, overrides)
     "dp4_ep4": (4, ["parallel.data_parallel=4", "parallel.expert_parallel=4"]),
@@ -56,6 +57,8 @@ LAYOUTS = {   # name -> (ranks, overrides)
                            "parallel.use_seq_parallel=true"]),
     "pp2_dp2_ep2": (4, ["parallel.pipeline_stage=2", "parallel.data_parallel=2", "parallel.expert_parallel=2",
                         "parallel.pipeline_schedule=1f1b"] + MICRO_BATCHES),
+    # the pipeline's control: the same dp ranks and micro-batches of 4 without the pipeline
+    "dp2_ep2_mb4": (2, ["parallel.data_parallel=2", "parallel.expert_parallel=2"] + MICRO_BATCHES),
 }
 OPTIMIZERS = {
     "adamw": [],
