@@ -256,6 +256,21 @@ def load_config(path: str, overrides: Sequence[str] = ()) -> Config:
         raise _blame_override(exc, path, overrides) from None
 
 
+def output_dir_of(path: str, overrides: Sequence[str] = ()) -> Optional[str]:
+    """`train.output_dir` as `load_config(path, overrides)` will give it, read without validating the
+    config (nor importing the model registry, hence MindSpore); None when the files do not say (the
+    default) or cannot be read (load_config then says why)."""
+    try:
+        raw = _read_yaml(path)
+        for item in overrides:
+            _apply_override(raw, item, path)
+    except (ConfigError, OSError, ValueError, AttributeError, TypeError):
+        return None
+    train = raw.get("train")
+    value = train.get("output_dir", TrainConfig.output_dir) if isinstance(train, dict) else TrainConfig.output_dir
+    return value if isinstance(value, str) and value else None
+
+
 def _blame_override(exc: ConfigError, path: str, overrides: Sequence[str]) -> ConfigError:
     """An error about a key that a `--set` gave names that `--set`, not the file."""
     import re
@@ -535,8 +550,10 @@ def _check_ranges(cfg: Config, need) -> None:
              f"model's position tables are built for: lower data.seq_length or raise model.seq_length")
 
 
-def dump_config(cfg: Config, path: str) -> None:
-    tmp = f"{path}.tmp"
+def dump_config(cfg: Config, path: str, rank: int = 0) -> None:
+    from moetrain.fileio import temp_path
+
+    tmp = temp_path(path, rank)       # pid and rank in the name: two writers never share a temporary file
     with open(tmp, "w") as fh:
         yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
     os.replace(tmp, path)

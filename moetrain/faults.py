@@ -25,11 +25,13 @@ import numpy as np
 
 # Exit codes (sysexits.h numbers where one fits). The launcher does not relaunch after these.
 EXIT_BAD_INPUT = 2          # refused before work: config, data, output directory, checkpoint choice
-EXIT_SAVE_FAILED = 74       # EX_IOERR: a checkpoint could not be written (checkpoint.on_save_error: stop)
+EXIT_CANNOT_RUN = 3         # cannot run here: no such device (the launch scripts' pre-flight), or the step did not compile
+EXIT_SAVE_FAILED = 74       # EX_IOERR: a checkpoint could not be written (on_save_error: stop; or the final one)
 EXIT_PREEMPTED = 75         # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after saving; rerun with --resume
 EXIT_HALTED = 76            # numerical faults: train.on_nonfinite=stop, or past train.nonfinite_limit
 EXIT_INVARIANT = 77         # an invariant of the run broke (e.g. MoE dispatch lost rows): a moetrain bug, not resumable
-NO_RESTART_CODES = frozenset({0, EXIT_BAD_INPUT, EXIT_SAVE_FAILED, EXIT_PREEMPTED, EXIT_HALTED, EXIT_INVARIANT})
+NO_RESTART_CODES = frozenset({0, EXIT_BAD_INPUT, EXIT_CANNOT_RUN, EXIT_SAVE_FAILED, EXIT_PREEMPTED, EXIT_HALTED,
+                              EXIT_INVARIANT})
 
 SPIKE_WINDOW = 100          # accepted losses in the running mean of the spike test
 SPIKE_MIN_STEPS = 10        # accepted steps before a spike can be declared

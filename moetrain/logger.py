@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from moetrain.fileio import temp_path
+
 
 def _jsonable(value):
     if isinstance(value, np.ndarray):
@@ -150,7 +152,7 @@ def read_metrics(path: str) -> List[Dict[str, Any]]:
 def truncate_metrics(path: str, step: int, keep_events: bool = False) -> None:
     """Keep the records of steps <= `step` (and, with `keep_events`, every `event` record), atomically."""
     kept = [r for r in read_metrics(path) if r.get("step", 0) <= step or (keep_events and "event" in r)]
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temp_path(path)
     with open(tmp, "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in kept)
         fh.flush()

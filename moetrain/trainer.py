@@ -26,7 +26,7 @@ from mindspore.profiler import ProfilerActivity
 
 from moetrain.checkpoint import distributed
 from moetrain.checkpoint.initial import load_initial_weights
-from moetrain.checkpoint.manager import CheckpointError
+from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
 from moetrain.checkpoint.run_dir import last_good_checkpoint, start_run
 from moetrain.config import Config, _validate, dump_config
 from moetrain.data import build_datasets, build_sampler, fetch
@@ -182,15 +182,48 @@ class Trainer:
         self.rank = self.pctx.rank
         self.out = t.output_dir
         self.ckpt_root = os.path.join(self.out, "checkpoints")
-        # refuses a used output dir without --resume/--overwrite, picks the checkpoint, run identity
+        # locks the output dir (refused if another live run holds it), refuses a used one without
+        # --resume/--overwrite, picks the checkpoint and the run identity; writes nothing else yet
         self.run = start_run(self.out, resume, overwrite, self.pctx)
         resume_path = self.run.resume_path
-        os.makedirs(self.ckpt_root, exist_ok=True)
-        os.makedirs(os.path.join(self.out, "logs"), exist_ok=True)
         # MindSpore writes a failed compile's analysis (rank_N/om/analyze_fail.ir) under MS_OM_PATH,
         # by default the working directory: keep it with the run instead
         os.environ.setdefault("MS_OM_PATH", os.path.join(os.path.abspath(self.out), "logs", "compile"))
+        self.faults = None
+        try:
+            self._build(cfg, resume_path)
+        except BaseException:       # refused: the folder is left as it was (an --overwrite'n run stays in place)
+            if self.faults is not None:
+                self.faults.close()
+            self.run.release()
+            raise
+        # everything is validated: now move an overwritten run aside, write run.json, checkpoints/, logs/
+        self.run.commit(self.pctx)
+        self.is_logger = self.rank == 0
+        if self.is_logger:
+            dump_config(cfg, os.path.join(self.out, "resolved_config.yaml"), self.rank)
+            if self.layout_search is not None:   # parallel.mode: auto: what was chosen, what was rejected and why
+                with open(os.path.join(self.out, "layout_search.txt"), "w") as fh:
+                    fh.write(str(self.layout_search) + "\n")
+                print_rank0(self.rank, f"moetrain: parallel.mode=auto chose {self.layout_search.chosen.layout.describe()} "
+                            f"(candidates and reasons: {self.out}/layout_search.txt)")
+        self.logger = MetricsLogger(self.out, self.total_steps, self.is_logger, cfg.logging.tensorboard,
+                                    cfg.logging.progress_bar, cfg.logging.log_interval, self.step)
+        self.mfu_terms = mfu_terms(cfg, self.tokens_per_sample, self.pctx.world_size)
+        self.profiler_window = ProfilerWindow(cfg.logging.profile_steps, self.out, t.device)
+        print_rank0(self.rank, f"moetrain: model {cfg.model.name} with "
+                    f"{sum(int(np.prod(p.shape)) for p in self.model.trainable_params()):,} parameters; "
+                    f"{self.total_steps} steps of {t.global_batch_size} samples "
+                    f"({self.n_micro} micro-batch(es) of {self.micro_batch_size} per rank, "
+                    f"dp={self.pctx.dp}); output in {self.out}"
+                    + (f"; resumed from {resume_path} at step {self.step}" if resume_path else "")
+                    + (f"; weights from {cfg.checkpoint.load_path}" if cfg.checkpoint.load_path and not resume_path
+                       else ""))
 
+    def _build(self, cfg: Config, resume_path: Optional[str]) -> None:
+        """Data, model, optimizer and the weights to start from: everything that can refuse the run
+        before it writes into its output directory."""
+        t = cfg.train
         self.train_set, self.eval_set = build_datasets(cfg)
         self.sampler = build_sampler(cfg, self.train_set)
         self.faults = TrainerFaults(cfg, self.pctx, lambda: last_good_checkpoint(self.out, self.run.run_id))
@@ -216,26 +249,14 @@ class Trainer:
         elif cfg.checkpoint.load_path:   # new run from saved weights: step 0, fresh optimizer and schedule
             load_initial_weights(cfg.checkpoint.load_path, self._checkpoint_tensors(), cfg.to_dict()["model"],
                                  holds_whole_model=self.pctx.pp == 1, log=lambda line: print_rank0(self.rank, line))
-        self.is_logger = self.rank == 0
-        if self.is_logger:
-            dump_config(cfg, os.path.join(self.out, "resolved_config.yaml"))
-            if self.layout_search is not None:   # parallel.mode: auto: what was chosen, what was rejected and why
-                with open(os.path.join(self.out, "layout_search.txt"), "w") as fh:
-                    fh.write(str(self.layout_search) + "\n")
-                print_rank0(self.rank, f"moetrain: parallel.mode=auto chose {self.layout_search.chosen.layout.describe()} "
-                            f"(candidates and reasons: {self.out}/layout_search.txt)")
-        self.logger = MetricsLogger(self.out, self.total_steps, self.is_logger, cfg.logging.tensorboard,
-                                    cfg.logging.progress_bar, cfg.logging.log_interval, self.step)
-        self.mfu_terms = mfu_terms(cfg, self.tokens_per_sample, self.pctx.world_size)
-        self.profiler_window = ProfilerWindow(cfg.logging.profile_steps, self.out, t.device)
-        print_rank0(self.rank, f"moetrain: model {cfg.model.name} with "
-                    f"{sum(int(np.prod(p.shape)) for p in self.model.trainable_params()):,} parameters; "
-                    f"{self.total_steps} steps of {t.global_batch_size} samples "
-                    f"({self.n_micro} micro-batch(es) of {self.micro_batch_size} per rank, "
-                    f"dp={self.pctx.dp}); output in {self.out}"
-                    + (f"; resumed from {resume_path} at step {self.step}" if resume_path else "")
-                    + (f"; weights from {cfg.checkpoint.load_path}" if cfg.checkpoint.load_path and not resume_path
-                       else ""))
+        if resume_path and self.step >= self.total_steps:
+            more = (f"train.steps above {self.step} (e.g. --set train.steps={self.step + max(1, self.total_steps)})"
+                    if t.steps else f"train.epochs (now {t.epochs}: {self.total_steps} steps)")
+            raise CheckpointError(
+                f"--resume {resume_path}: the checkpoint is at step {self.step} and the run ends at step "
+                f"{self.total_steps} ({'train.steps' if t.steps else 'train.epochs'}): there is nothing to train. To "
+                f"train on, raise {more}; to use the model as it is, read the checkpoint (moetrain eval, forward, "
+                f"convert consolidate)")
 
     # ------------------------------------------------------------------------------------------
     def _micro_batches(self, step: int):
@@ -388,9 +409,11 @@ class Trainer:
     def _checkpoint_tensors(self):
         return distributed.local_tensors(self.model, self.opt_step, self.pctx)
 
-    def save(self) -> str:
+    def save(self, final: bool = False) -> Optional[str]:
         """Every rank writes the shards it alone holds; rank 0 adds metadata.json and publishes the
-        folder (see `moetrain.checkpoint.distributed`). Returns the checkpoint's path."""
+        folder (see `moetrain.checkpoint.distributed`). Returns the checkpoint's path (None: it failed
+        under `checkpoint.on_save_error: continue`). `final`: written synchronously and a failure raises
+        CheckpointSaveError whatever on_save_error says (the run's last checkpoint, `_save_final`)."""
         if getattr(self, "_checkpointer", None) is None:
             self._checkpointer = distributed.ShardedCheckpointer(self.ckpt_root, self.pctx, self.cfg.checkpoint.keep_max,
                                                                  self.cfg.checkpoint.async_save,
@@ -403,10 +426,38 @@ class Trainer:
                               "global_batch_size": t.global_batch_size,
                               "consumed_samples": (self.step + self.sampler.offset) * t.global_batch_size,
                               "epoch": self.sampler.epoch_of(self.step), **self.faults.state(),
+                              # the guard rejected this step: a rollback never returns to this checkpoint
+                              "step_finite": self.faults.guard.last is None,
                               "moe_capacities": self.runner.capacity_state()},
             "config": self.cfg.to_dict()}
+        self._save_attempted = self.step
         return self._checkpointer.save(self.step, self._checkpoint_tensors(), metadata,
-                                       os.path.join(self.out, "resolved_config.yaml"))
+                                       os.path.join(self.out, "resolved_config.yaml"), final=final)
+
+    def _save_final(self) -> None:
+        """The run's last checkpoint (at its end, or on SIGTERM). Under `checkpoint.on_save_error:
+        continue` a failed save is retried once; a run that cannot save it fails with
+        CheckpointSaveError (exit 74) instead of ending as if it had."""
+        self.wait_for_checkpoint()
+        if self._saved_step() == self.step:
+            return
+        if getattr(self, "_save_attempted", None) != self.step:    # (a failed save of this step is the first try)
+            self.save()
+            self.wait_for_checkpoint()
+            if self._saved_step() == self.step:
+                return
+        print_rank0(self.rank, f"moetrain: the final checkpoint (step {self.step}) could not be written; trying "
+                               f"once more (a run does not end without its last checkpoint)")
+        try:
+            self.save(final=True)
+        except CheckpointSaveError as exc:
+            raise CheckpointSaveError(f"the run's final checkpoint (step {self.step}) could not be written, even on a "
+                                      f"second try: {exc}. The run ends with exit code 74; free space (or fix the "
+                                      f"error) and resume from the last complete checkpoint") from exc
+
+    def _saved_step(self) -> Optional[int]:
+        checkpointer = getattr(self, "_checkpointer", None)
+        return checkpointer.saved_step if checkpointer is not None else None
 
     def wait_for_checkpoint(self) -> None:
         """Finish a pending asynchronous save (`checkpoint.async_save`) and raise its error, if any."""
@@ -439,6 +490,8 @@ class Trainer:
             self.scaler.load(state["loss_scale"])
         self.faults.load_state(state)
         self.runner.load_capacity_state(state.get("moe_capacities"))   # exact continuation of the MoE dispatch
+        if getattr(self, "_checkpointer", None) is not None:   # a rollback: this step's state is the one on disk
+            self._checkpointer.saved_step = self.step
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> Dict:
@@ -461,22 +514,23 @@ class Trainer:
                 if eval_interval and self.step % eval_interval == 0 and self.step < end:
                     last_eval = self.evaluate()
                     self.logger.log(last_eval)
-                saved = bool(save_steps and self.step % save_steps == 0 and self.save())
+                if save_steps and self.step % save_steps == 0:
+                    self.save()
                 if self.step < end and self.faults.stop_requested(self.step):   # SIGTERM/SIGINT on any rank
-                    if not saved:
-                        self.save()
-                    self.wait_for_checkpoint()
+                    self._save_final()      # unless this step was just saved
                     self.profiler_window.close()
                     self.logger.close()
                     return {"train": last, "eval": last_eval, "preempted": True}
+            self.faults.close()
+            self.profiler_window.close()   # a window past the last step ends here
+            if self.eval_set is not None:
+                last_eval = self.evaluate()
+                self.logger.log(last_eval)
+            if cfg.checkpoint.save_at_end or (save_steps and self.step % save_steps == 0):
+                self._save_final()      # retried once under on_save_error=continue; a run never ends without it
+            self.wait_for_checkpoint()   # an asynchronous save is published before fit returns
+            self.logger.close()
+            return {"train": last, "eval": last_eval}
         finally:
             self.faults.close()
-        self.profiler_window.close()   # a window past the last step ends here
-        if self.eval_set is not None:
-            last_eval = self.evaluate()
-            self.logger.log(last_eval)
-        if cfg.checkpoint.save_at_end and not (save_steps and self.step % save_steps == 0):
-            self.save()
-        self.wait_for_checkpoint()   # an asynchronous save is published before fit returns
-        self.logger.close()
-        return {"train": last, "eval": last_eval}
+            self.run.release()          # the output directory is free for the next run

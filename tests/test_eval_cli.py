@@ -51,12 +51,12 @@ def test_eval_prints_loss_and_perplexity(imported_mixtral, capsys):
     assert float(last.split()[-1]) == pytest.approx(math.exp(expected), rel=1e-3)
 
 
-def test_eval_of_a_blend_reports_each_source(imported_mixtral):
+def test_eval_of_a_blend_reports_each_source(imported_mixtral, tmp_path):
     from moetrain.evaluate import evaluate, parse_data, report
 
     model_dir, _ = imported_mixtral
     record = evaluate(str(model_dir), parse_data(f"{{bible: [0.25, {EVAL}], more: [0.75, {TRAIN}]}}"),
-                      seq_length=32, batch_size=4, max_batches=2)
+                      seq_length=32, batch_size=4, max_batches=2, overrides=[f"data.cache_dir={tmp_path}"])
     # eval_max_batches counts global batches (here 4 samples): 8 samples of each source
     assert record["eval_loss/bible"] == pytest.approx(direct_loss(model_dir, EVAL, 32, 8), rel=1e-5)
     assert record["eval_loss/more"] == pytest.approx(direct_loss(model_dir, TRAIN, 32, 8), rel=1e-5)

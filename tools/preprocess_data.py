@@ -12,14 +12,17 @@ writes data/corpus_train.{bin,idx.npy,json} and data/corpus_eval.* (or data/corp
 a document is one non-blank line (--document-boundary line) or a block of lines between blank
 lines (blank_line; its lines are joined with a space). Every document is followed by the
 tokenizer's EOS. Eval documents are a seeded random choice of round(fraction * documents); both
-splits keep the input order. The output does not depend on --workers.
+splits keep the input order. The output does not depend on --workers. Existing output shards are
+not replaced unless --overwrite, and never written into a training checkpoint or run folder.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from moetrain.data.lm import shard_files
 from moetrain.data.preprocess import FORMATS, peak_rss_mb, preprocess, split_names
+from moetrain.fileio import check_output_files
 
 
 def main(argv=None) -> dict:
@@ -42,8 +45,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="status line on stderr: MB done, MB/s, documents, tokens, ETA (default on)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace output shards that already exist (a run may be reading them: only when none is)")
     args = parser.parse_args(argv)
     try:
+        outputs = [f for name in split_names(args.output_prefix, args.eval_fraction).values() for f in shard_files(name)]
+        check_output_files(outputs, args.overwrite, "preprocess_data.py")
         metas = preprocess(args.input, args.tokenizer, args.output_prefix, args.eval_fraction, args.append_eos,
                            args.document_boundary, args.split_seed, args.json_key, args.input_format, args.workers,
                            args.eos_token, args.progress)

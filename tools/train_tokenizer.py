@@ -6,6 +6,7 @@ writes data/tok.model (what config key data.tokenizer points at) and data/tok.vo
 Ids: unk=0, bos=1, eos=2, pad=3, then --special-tokens in order, then learned pieces.
 The model file records the --input and --model-prefix strings, so regenerate it with the same
 command from the same directory to get the same sha256 (shards store it to detect mismatches).
+An existing PREFIX.model is not replaced unless --overwrite.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 import time
 
 from moetrain.data.tokenizer import Tokenizer, train_tokenizer
+from moetrain.fileio import check_output_files
 
 
 def main(argv=None) -> Tokenizer:
@@ -27,9 +29,13 @@ def main(argv=None) -> Tokenizer:
     parser.add_argument("--byte-fallback", action="store_true",
                         help="encode characters unseen in training as UTF-8 bytes instead of unk (+256 pieces)")
     parser.add_argument("--character-coverage", type=float, default=1.0)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing PREFIX.model / PREFIX.vocab (shards encoded with it will no longer match)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
+        check_output_files([args.model_prefix + ".model", args.model_prefix + ".vocab"], args.overwrite,
+                           "train_tokenizer.py")
         model_path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, args.model_type,
                                      args.special_tokens, args.byte_fallback, args.character_coverage)
     except (ValueError, FileNotFoundError) as exc:      # bad input: the message, not a traceback

@@ -302,7 +302,9 @@ class ShardedCheckpointer:
     A failed write (disk full, I/O error) on any rank fails the save on every rank (they agree
     through an all-reduce where a plain save would barrier): the temporary folder is removed, the
     previous checkpoints stay as they were, and the error names the path. `on_save_error`: "stop"
-    raises CheckpointSaveError; "continue" warns and training goes on (the next save tries again)."""
+    raises CheckpointSaveError; "continue" warns and training goes on (the next save tries again; the
+    trainer retries the run's final checkpoint and fails the run without it). `saved_step` is the step
+    of the last checkpoint known to be published (an asynchronous one once `wait` has confirmed it)."""
 
     def __init__(self, root: str, pctx, keep_max: int, async_save: bool = False, on_save_error: str = "stop"):
         self.root, self.pctx, self.keep_max, self.async_save = root, pctx, keep_max, async_save
@@ -310,15 +312,22 @@ class ShardedCheckpointer:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._pending: Optional[Tuple[int, CheckpointWriter, Optional[str]]] = None   # async: step, writer, run
+        self.saved_step: Optional[int] = None
 
     def save(self, step: int, tensors: Sequence[LocalTensor], metadata: Dict[str, Any],
-             config_file: str) -> Optional[str]:
-        """Write checkpoint `step`; returns its path (None when it failed under on_save_error=continue)."""
+             config_file: str, final: bool = False) -> Optional[str]:
+        """Write checkpoint `step`; returns its path (None when it failed under on_save_error=continue).
+        `final`: synchronously, and a failure raises whatever on_save_error says."""
         self.wait()
+        asynchronous, self.async_save = self.async_save, self.async_save and not final
         try:
             return self._save(step, tensors, metadata, config_file)
         except CheckpointSaveError as exc:
+            if final:
+                raise
             return self._failed(exc)
+        finally:
+            self.async_save = asynchronous
 
     def wait(self) -> None:
         """Finish the pending asynchronous save; a failure is handled as in `save`."""
@@ -386,6 +395,7 @@ class ShardedCheckpointer:
             error = self._attempt(writer, step, lambda: (finish_checkpoint(writer, world, metadata, config_file),
                                                          prune_checkpoints(self.root, self.keep_max, run_id, step)))
         self._agree(error, step, writer, run_id)
+        self.saved_step = step
         return final
 
     def _background(self, writer, items, whole, metadata, config_file) -> None:
@@ -431,6 +441,7 @@ class ShardedCheckpointer:
             wrapped = CheckpointSaveError(f"the asynchronous save of {writer.tmp} failed: {error!r}")
             error = wrapped.with_traceback(error.__traceback__)
         self._agree(error, step, writer, run_id)
+        self.saved_step = step
 
 
 # ------------------------------------------------------------------------------------------------

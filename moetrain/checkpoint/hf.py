@@ -37,6 +37,7 @@ import numpy as np
 
 from moetrain.checkpoint.hf_io import load_hf_weights, read_safetensors  # noqa: F401  (re-exported)
 from moetrain.checkpoint.model_dir import build_config_from_dict, load_model_dir, save_model_dir
+from moetrain.fileio import check_output_folder, hf_weight_files, temp_path
 
 LAYOUTS = ("per_expert", "fused")
 
@@ -52,10 +53,31 @@ DEEPSEEK_SEQ_AUX_LOSS = 1e-4
 
 
 def _write_atomic_json(path: str, obj) -> None:
-    with open(path + ".tmp", "w") as fh:
+    tmp = temp_path(path)
+    with open(tmp, "w") as fh:
         json.dump(obj, fh, indent=2, sort_keys=True)
         fh.write("\n")
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
+
+
+def _not_the_source(src: str, out_dir: str, what: str) -> None:
+    if os.path.realpath(src) == os.path.realpath(out_dir):
+        raise ValueError(f"moetrain convert {what}: the output folder {out_dir!r} is the input folder; choose a new one")
+
+
+def read_hf_config(hf_dir: str) -> Dict[str, Any]:
+    """config.json of an HF checkpoint folder; a missing or broken file is a ValueError naming it."""
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{hf_dir!r} is not a Hugging Face checkpoint: config.json is missing")
+    try:
+        with open(config_path, encoding="utf-8") as fh:
+            hf_config = json.load(fh)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_path} is not valid JSON ({exc}); re-download or fix it") from None
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{config_path} holds a {type(hf_config).__name__}, not a JSON object of config keys")
+    return hf_config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,20 +474,25 @@ def _fresh_mtp_layers(model: Dict[str, Any], first: int) -> Dict[str, np.ndarray
 
 
 def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_mtp: bool = False,
-              log: Callable[[str], None] = print) -> Dict[str, Any]:
+              log: Callable[[str], None] = print, overwrite: bool = False) -> Dict[str, Any]:
     """HF checkpoint directory -> moetrain model directory; returns the `model:` section.
 
     DeepSeek-V3's MTP depth is what the checkpoint holds: transformers' model has no MTP layer, so
     `save_pretrained` writes none while its config.json keeps `num_nextn_predict_layers`. Missing
     MTP layers are left out (depth = the layers present), or with `init_missing_mtp` initialised
     fresh for training; either way one line says so.
-    With `check`, the model is built and the weights loaded strictly (names and shapes)."""
-    config_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{hf_dir!r} is not a Hugging Face checkpoint: config.json is missing")
-    with open(config_path) as fh:
-        hf_config = json.load(fh)
-    model = hf_config_to_model_dict(hf_config)
+    With `check`, the model is built and the weights loaded strictly (names and shapes).
+    `out_dir` must be new or empty (with `overwrite`, a folder of files to replace), never a training
+    checkpoint or run folder (`moetrain.fileio.check_output_folder`)."""
+    _not_the_source(hf_dir, out_dir, "hf-import")
+    check_output_folder(out_dir, overwrite, "moetrain convert hf-import")
+    hf_config = read_hf_config(hf_dir)
+    try:
+        model = hf_config_to_model_dict(hf_config)
+    except KeyError as exc:
+        raise ValueError(f"{os.path.join(hf_dir, 'config.json')}: the key {exc.args[0]!r} is missing "
+                         f"(model_type {hf_config.get('model_type')!r} needs it); the file is incomplete or not a "
+                         f"transformers config") from None
     hf = load_hf_weights(hf_dir, hf_config.get("quantization_config"))
     promised, present = model.get("mtp_depth", 0), mtp_layers_present(hf, model)
     if present < promised:
@@ -490,19 +517,32 @@ def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_mtp: b
     return model
 
 
-def hf_export(model_dir: str, out_dir: str, layout: str = "per_expert") -> Dict[str, Any]:
-    """moetrain model directory (or training checkpoint) -> HF config.json + model.safetensors."""
+def hf_export(model_dir: str, out_dir: str, layout: str = "per_expert", overwrite: bool = False) -> Dict[str, Any]:
+    """moetrain model directory (or training checkpoint) -> HF config.json + model.safetensors.
+
+    `out_dir` must be new or empty; with `overwrite` its config.json is replaced and every HF weight
+    file already there (other *.safetensors, model.safetensors.index.json) removed, so a reader that
+    follows an old shard index never loads the old weights. Never a training checkpoint or run folder."""
     from safetensors.numpy import save_file
 
+    _not_the_source(model_dir, out_dir, "hf-export")
+    check_output_folder(out_dir, overwrite, "moetrain convert hf-export")
     config_dict, state = load_model_dir(model_dir)
     model = dataclasses.asdict(build_config_from_dict(config_dict["model"]))
     hf_config = model_dict_to_hf_config(model)
     tensors = state_to_hf(state, model, layout)
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "model.safetensors")
-    save_file(tensors, weights + ".tmp", metadata={"format": "pt"})   # transformers requires "pt"
-    os.replace(weights + ".tmp", weights)
+    stale = [p for p in hf_weight_files(out_dir) if os.path.abspath(p) != os.path.abspath(weights)]
+    tmp = temp_path(weights)
+    save_file(tensors, tmp, metadata={"format": "pt"})   # transformers requires "pt"
+    for path in stale:     # an earlier export's shards and index: readers would follow them
+        os.remove(path)
+    os.replace(tmp, weights)
     _write_atomic_json(os.path.join(out_dir, "config.json"), hf_config)
+    if stale:
+        print(f"moetrain convert hf-export: --overwrite: removed the earlier weight files of {out_dir}: "
+              f"{', '.join(os.path.basename(p) for p in stale)}")
     return hf_config
 
 
@@ -511,6 +551,9 @@ def _run(fn, argv) -> int:
         fn(argv)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         print(f"moetrain convert: error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, MemoryError) as exc:
+        print(f"moetrain convert: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -523,10 +566,13 @@ def main_import(argv=None) -> int:
     ap.add_argument("--init-missing-mtp", action="store_true",
                     help="DeepSeek-V3: MTP layers config.json promises but the checkpoint lacks (transformers' "
                          "save_pretrained writes none) are initialised fresh instead of left out")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into an OUT_DIR that already holds files, replacing config.yaml and model.safetensors "
+                         "(never a training checkpoint or run folder)")
 
     def go(args):
         args = ap.parse_args(args)
-        model = hf_import(args.hf_dir, args.out_dir, init_missing_mtp=args.init_missing_mtp)
+        model = hf_import(args.hf_dir, args.out_dir, init_missing_mtp=args.init_missing_mtp, overwrite=args.overwrite)
         print(f"wrote {args.out_dir}: model {model['name']}, {model['num_layers']} layers")
 
     return _run(go, argv)
@@ -539,10 +585,14 @@ def main_export(argv=None) -> int:
     ap.add_argument("out_dir", help="folder to write config.json and model.safetensors to")
     ap.add_argument("--layout", choices=LAYOUTS, default="per_expert",
                     help="routed-expert tensors: per_expert (published checkpoints, the default) or fused (transformers 5 in memory)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into an out_dir that already holds files: config.json and model.safetensors are "
+                         "replaced and other HF weight files there (shards, index) removed; never a training "
+                         "checkpoint or run folder")
 
     def go(args):
         args = ap.parse_args(args)
-        hf_config = hf_export(args.ckpt_dir, args.out_dir, args.layout)
+        hf_config = hf_export(args.ckpt_dir, args.out_dir, args.layout, overwrite=args.overwrite)
         print(f"wrote {args.out_dir}: {hf_config['architectures'][0]} ({args.layout} layout)")
 
     return _run(go, argv)

@@ -11,7 +11,7 @@ import glob
 import json
 import os
 import struct
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -33,12 +33,46 @@ def _e4m3_table() -> np.ndarray:
 E4M3_TO_FP32 = _e4m3_table()
 
 
+MAX_HEADER_BYTES = 100 << 20      # the safetensors format's own limit on the JSON header
+
+
+def read_header(path: str) -> Tuple[Dict, int]:
+    """(the JSON header, its length in bytes) of a .safetensors file. A file that is not one (too
+    short, a header length past the file or the format's 100 MB limit, a header that is not a JSON
+    object of tensors) is a ValueError naming the file, read without allocating the claimed length."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file ({size} bytes: shorter than its 8-byte header length)")
+        header_len = struct.unpack("<Q", head)[0]
+        if header_len > min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"{path}: not a safetensors file, or truncated: its header length says {header_len} "
+                             f"bytes, the file has {size - 8} after it (limit {MAX_HEADER_BYTES})")
+        raw = fh.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a safetensors file: its header is not UTF-8 JSON ({exc})") from None
+    bad = [n for n, info in (header.items() if isinstance(header, dict) else [])
+           if n != "__metadata__" and not (isinstance(info, dict) and {"dtype", "shape", "data_offsets"} <= set(info))]
+    if not isinstance(header, dict) or bad:
+        raise ValueError(f"{path}: not a safetensors file: its header is not a map of tensors with dtype, shape "
+                         f"and data_offsets" + (f" (e.g. {bad[0]!r})" if bad else ""))
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        if not 0 <= start <= end <= size - 8 - header_len:
+            raise ValueError(f"{path}: tensor {name!r} lies at bytes {start}..{end} of the data, but the file holds "
+                             f"{size - 8 - header_len}: the file is truncated or damaged")
+    return header, header_len
+
+
 def read_safetensors(path: str, keep_fp8: bool = False) -> Dict[str, np.ndarray]:
     """All tensors of a .safetensors file as fp32 arrays (FP8 ones as their raw uint8 bytes with
     `keep_fp8`, for `dequantize_fp8_blocks`; decoded without block scales otherwise)."""
-    with open(path, "rb") as fh:
-        header_len = struct.unpack("<Q", fh.read(8))[0]
-        header = json.loads(fh.read(header_len))
+    header, header_len = read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
     tensors = {}
     for name, info in header.items():
@@ -56,7 +90,11 @@ def read_safetensors(path: str, keep_fp8: bool = False) -> Dict[str, np.ndarray]
         else:
             raise ValueError(f"{path}: tensor {name!r} has dtype {dtype}; hf-import reads F32, F16, BF16, F64 and "
                              f"block-quantized {FP8_DTYPE} weights")
-        tensors[name] = array.reshape(info["shape"])
+        try:
+            tensors[name] = array.reshape(info["shape"])
+        except (ValueError, TypeError):
+            raise ValueError(f"{path}: tensor {name!r} holds {array.size} values, not its shape {info['shape']} "
+                             f"(the file is damaged)") from None
     return tensors
 
 
@@ -64,8 +102,12 @@ def checkpoint_files(hf_dir: str) -> Sequence[str]:
     """The safetensors files of a checkpoint: those the index lists, or every *.safetensors."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as fh:
-            files = sorted(set(json.load(fh)["weight_map"].values()))
+        try:
+            with open(index) as fh:
+                files = sorted(set(json.load(fh)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is damaged: expected a JSON object with a weight_map of tensor -> file "
+                             f"({type(exc).__name__}: {exc})") from None
         missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
         if missing:
             raise FileNotFoundError(f"{index} lists shards that are not there: {missing}")
@@ -110,8 +152,7 @@ def load_hf_weights(hf_dir: str, quantization: Optional[dict] = None) -> Dict[st
     `quantization` (the config.json `quantization_config`: `quant_method: fp8`, `weight_block_size`)."""
     weights, fp8_names = {}, []
     for path in checkpoint_files(hf_dir):
-        with open(path, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        header, _ = read_header(path)
         fp8_names += [n for n, info in header.items() if n != "__metadata__" and info["dtype"] == FP8_DTYPE]
         weights.update(read_safetensors(path, keep_fp8=True))
     if not fp8_names and not quantization:

@@ -27,6 +27,7 @@ from typing import Any, Dict, Tuple
 import numpy as np
 
 from moetrain.checkpoint.model_dir import build_config_from_dict, load_model_dir, save_model_dir
+from moetrain.fileio import check_output_folder
 
 
 def upcycled_model_section(dense: Dict[str, Any], num_experts: int, top_k: int, granularity: int) -> Dict[str, Any]:
@@ -98,10 +99,13 @@ def main(argv=None) -> int:
     ap.add_argument("--granularity", type=int, default=1,
                     help="split every copy's FFN into G experts: E x G experts of width F / G, top-k K x G")
     ap.add_argument("--seed", type=int, default=0, help="seed of the router rows")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into an out_dir that already holds files (never a training checkpoint or run folder)")
     args = ap.parse_args(argv)
     try:
-        if os.path.exists(os.path.join(args.out_dir, "model.safetensors")):
-            raise ValueError(f"{args.out_dir} already holds a model; choose a new folder")
+        if os.path.realpath(args.out_dir) == os.path.realpath(args.dense_dir):
+            raise ValueError(f"the output folder {args.out_dir!r} is the input folder; choose a new one")
+        check_output_folder(args.out_dir, args.overwrite, "moetrain convert upcycle")
         model = upcycle(args.dense_dir, args.out_dir, args.num_experts, args.top_k, args.granularity, args.seed)[0]
     except (ValueError, FileNotFoundError) as exc:
         print(f"moetrain convert upcycle: error: {exc}", file=sys.stderr)

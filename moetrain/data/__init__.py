@@ -39,7 +39,33 @@ def build_datasets(cfg):
     vocab = getattr(cfg.model, "vocab_size", None)
     train = build_lm_data(data.path, "data.path", seq, vocab, data)
     evaluation = build_lm_data(data.eval_path, "data.eval_path", seq, vocab, data) if data.eval_path else None
+    if evaluation is not None:
+        check_same_vocabulary(train, evaluation)
     return train, evaluation
+
+
+def _shard_vocabularies(dataset):
+    """(prefix, tokenizer name, tokenizer sha256, vocab size) of every token shard under `dataset`."""
+    parts = getattr(dataset, "datasets", None) or [dataset]
+    return [(d.shard.prefix, d.shard.meta.get("tokenizer"), d.shard.meta.get("tokenizer_sha256"), d.shard.vocab_size)
+            for d in parts if hasattr(d, "shard")]
+
+
+def check_same_vocabulary(train, evaluation) -> None:
+    """data.path and data.eval_path must be token ids of one tokenizer, as their shards record it
+    (sha256 of the tokenizer file, else the vocabulary size): otherwise the eval loss is computed on
+    another vocabulary's ids. Checked whether or not data.tokenizer names the tokenizer."""
+    train_vocab, eval_vocab = _shard_vocabularies(train), _shard_vocabularies(evaluation)
+    if not train_vocab or not eval_vocab:
+        return
+    _, t_name, t_sha, t_size = train_vocab[0]
+    for prefix, name, sha, size in eval_vocab:
+        if (sha and t_sha and sha != t_sha) or size != t_size:
+            raise DataError(
+                f"data.eval_path {prefix!r} was encoded with another tokenizer than data.path {train_vocab[0][0]!r}: "
+                f"{name!r} (sha256 {sha}, {size} tokens) vs {t_name!r} (sha256 {t_sha}, {t_size} tokens); the eval "
+                f"loss would be computed on another vocabulary's ids. Re-encode the eval text with the training data's "
+                f"tokenizer (tools/preprocess_data.py --tokenizer {t_name}) or point data.eval_path at shards made with it")
 
 
 def build_lm_data(path, key: str, seq_length: int, vocab_size, data):

@@ -17,9 +17,10 @@ perm_(seed, i, j // N_i)[j % N_i] of a per-epoch permutation.
 The result, one flat int64 index per sample of the run into the sources laid end to end, is
 built once and cached as an .npy file beside the first source's shards (or `data.cache_dir`, or
 `<train.output_dir>/data_cache` when that folder is read-only), named by a checksum of
-everything it depends on; a training rank memory-maps it. Step s's global batch is
-index[s*B:(s+1)*B], a pure function of (inputs, seed, s): the same for any parallel layout, and
-a resumed run needs only the step.
+everything it depends on, with the sha256 of the array itself in its .json record (checked at every
+open: a cache changed after it was built is rebuilt with a warning); a training rank memory-maps
+it. Step s's global batch is index[s*B:(s+1)*B], a pure function of (inputs, seed, s): the same for
+any parallel layout, and a resumed run needs only the step.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -36,6 +38,7 @@ import numpy as np
 
 from moetrain.data import DataError
 from moetrain.data.sampler import BatchSampler
+from moetrain.fileio import sha256_of, temp_path
 
 INDEX_VERSION = 1
 BUILD_CHUNK = 1 << 22      # samples written per block while building an index
@@ -242,6 +245,12 @@ def index_checksum(inputs: dict) -> str:
 def cache_folder(dataset: BlendedDataset, cache_dir: str = "", fallback: str = "") -> str:
     """`cache_dir` if set; else the first source's folder if writable; else `fallback`."""
     if cache_dir:
+        probe = cache_dir
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if probe and not os.path.isdir(probe):
+            raise DataError(f"data.cache_dir {cache_dir!r} cannot hold the blend index cache: {probe!r} is a file; "
+                            f"set data.cache_dir to a folder (or to '' for the folder of the first source's shards)")
         return cache_dir
     beside = os.path.dirname(os.path.abspath(dataset.datasets[0].shard.prefix))
     if os.access(beside, os.W_OK):
@@ -252,11 +261,28 @@ def cache_folder(dataset: BlendedDataset, cache_dir: str = "", fallback: str = "
     return fallback
 
 
+def _cached_index_problem(path: str, record: dict, checksum: str, num_samples: int) -> Optional[str]:
+    """Why the cached index at `path` (described by `record`) cannot be used; None if it can. Its
+    contents are checked against the sha256 and size recorded when it was built."""
+    if record.get("checksum") != checksum:
+        return "it was built from other inputs"
+    index = np.load(path, mmap_mode="r")
+    if index.shape != (num_samples,) or index.dtype != np.int64:
+        return f"it holds {index.dtype} {index.shape}, not int64 ({num_samples},)"
+    saved = record.get("index_sha256")
+    if saved is None:
+        return "its record has no checksum of the array (written by an older moetrain)"
+    if os.path.getsize(path) != record.get("index_bytes") or sha256_of(path) != saved:
+        return "its contents do not match the sha256 recorded when it was built (the file was changed or damaged)"
+    return None
+
+
 def load_or_build_index(dataset: BlendedDataset, seed: int, shuffle: bool, num_samples: int,
                         folder: str) -> Tuple[np.ndarray, str, bool]:
     """(memory-mapped index, its path, whether it was built now). A cached index is used when its
-    recorded checksum matches the inputs; otherwise it is built and written atomically (ranks that
-    build at once write identical files; the last rename wins)."""
+    record's checksum matches the inputs and the array's sha256 (recorded beside it at build) matches
+    its contents; a damaged one is rebuilt with a warning. Built indices are written atomically
+    (ranks that build at once write identical files; the last rename wins)."""
     inputs = index_inputs(dataset, seed, shuffle, num_samples)
     checksum = index_checksum(inputs)
     path = os.path.join(folder, f"blend-{checksum[:16]}.npy")
@@ -264,24 +290,31 @@ def load_or_build_index(dataset: BlendedDataset, seed: int, shuffle: bool, num_s
     if os.path.isfile(record_path) and os.path.isfile(path):
         try:
             with open(record_path) as f:
-                recorded = json.load(f).get("checksum")
-            index = np.load(path, mmap_mode="r")
-            if recorded == checksum and index.shape == (num_samples,) and index.dtype == np.int64:
-                return index, path, False
-        except (ValueError, OSError):
-            pass                                    # unreadable: rebuild below
-    os.makedirs(folder, exist_ok=True)
+                record = json.load(f)
+            problem = _cached_index_problem(path, record if isinstance(record, dict) else {}, checksum, num_samples)
+        except (ValueError, OSError) as exc:
+            problem = f"it is unreadable ({exc})"
+        if problem is None:
+            return np.load(path, mmap_mode="r"), path, False
+        warnings.warn(f"the blend index cache {path} cannot be used: {problem}; rebuilding it")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create the blend index cache folder {folder!r} ({exc}); set data.cache_dir to "
+                        f"a writable folder") from None
     start = time.perf_counter()
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temp_path(path)
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(num_samples,))
     write_blend_index(out, dataset.sizes, dataset.raw_weights, seed, shuffle)
     out.flush()
     del out
+    record = dict(checksum=checksum, build_seconds=round(time.perf_counter() - start, 3),
+                  index_sha256=sha256_of(tmp), index_bytes=os.path.getsize(tmp), inputs=inputs)
     os.replace(tmp, path)
-    record = dict(checksum=checksum, build_seconds=round(time.perf_counter() - start, 3), inputs=inputs)
-    with open(f"{record_path}.{os.getpid()}.tmp", "w") as f:
+    record_tmp = temp_path(record_path)
+    with open(record_tmp, "w") as f:
         json.dump(record, f, indent=1)
-    os.replace(f"{record_path}.{os.getpid()}.tmp", record_path)   # written last: it marks the index complete
+    os.replace(record_tmp, record_path)   # written last: it marks the index complete
     return np.load(path, mmap_mode="r"), path, True
 
 

@@ -24,6 +24,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from moetrain.data.lm import TokenShardWriter, open_token_shard, shard_files, token_dtype
+from moetrain.fileio import temp_path
 from moetrain.data.tokenizer import check_text_file, load_tokenizer
 
 FORMATS = ("text", "jsonl", "parquet")
@@ -293,7 +294,7 @@ def preprocess(inputs: Sequence[str], tokenizer_path: str, output_prefix: str, e
     units = [u for i, (p, fmt) in enumerate(zip(files, formats)) for u in make_units(i, p, fmt, document_boundary, unit_bytes)]
 
     names = split_names(output_prefix, eval_fraction)
-    whole = names.get("all", output_prefix + "_all.tmp")
+    whole = names.get("all", temp_path(output_prefix + "_all"))   # the unsplit shard, removed below
     writer = TokenShardWriter(whole, tokenizer.vocab_size)
     meter = Progress(sum(u.size for u in units), progress)
     docs_per_file = np.zeros(len(files), dtype=np.int64)

@@ -1,0 +1,600 @@
+"""Red-team file (issue 37): bad inputs and faults that once got through, each with the command that
+showed it and the class it must now fall in. It grows with each fix: add the case to CASES and its
+test below (`test_every_case_has_its_test` keeps the two in step).
+
+Classes: "refused clearly" (a non-zero exit or an exception with one message saying what, where and
+how to fix it, nothing written), "handled" (the run goes on, or ends, as docs/faults.md says).
+Trainer cases use the tiny MNIST MLP (tests/conftest.py); the race starts real `moetrain train`
+processes."""
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from moetrain.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MNIST = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
+GPT_TINY = os.path.join(ROOT, "configs", "gpt_tiny.yaml")
+KJV = os.path.join(ROOT, "data", "kjv_tiny")
+ENV = {**os.environ, "GLOG_v": "3",
+       "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+
+# (case, command that showed it, expected class, test)
+CASES = [
+    ("two runs into one train.output_dir", "moetrain train moe_tiny.yaml --set train.output_dir=runs/twin & (1.5 s later) "
+     "the same with another seed", "refused clearly: the second names the holder (pid, host, since)",
+     "test_ten_staggered_starts_into_one_folder_one_trains_and_the_others_are_refused_naming_the_holder"),
+    ("a lock left by a killed run", "kill -9 a run, then the same command with --resume",
+     "handled: taken over with a warning", "test_a_stale_lock_is_taken_over_and_a_live_or_remote_one_refused"),
+    ("a distributed run's folder", "run_distributed.sh --nproc 2 ... into a folder another run holds",
+     "refused clearly on every rank; rank 0 locks, every rank sees its lock",
+     "test_in_a_job_rank_0_locks_the_folder_and_every_rank_sees_it"),
+    ("--overwrite with a config that fails later", "moetrain train ... --overwrite --set checkpoint.load_path=<other model>",
+     "refused clearly: the old run stays in place; a refused run leaves nothing behind",
+     "test_overwrite_validates_everything_before_moving_the_old_run_aside"),
+    ("temporary files of two writers", "two runs writing resolved_config.yaml at once",
+     "handled: temporary names carry pid and rank", "test_temporary_files_carry_pid_and_rank"),
+    ("hf-import into a training checkpoint", "moetrain convert hf-import HF runs/x/checkpoints/step_00000002",
+     "refused clearly, even with --overwrite", "test_hf_import_never_replaces_a_checkpoint_or_an_unasked_folder"),
+    ("hf-export over an earlier (sharded) export", "moetrain convert hf-export MODEL HF_SHARDED_DIR",
+     "refused clearly without --overwrite; with it, no stale shard index is left",
+     "test_hf_export_refuses_a_used_folder_and_overwrite_leaves_no_stale_shards"),
+    ("upcycle, consolidate, reshard into a used or checkpoint folder", "moetrain convert upcycle DENSE CKPT_DIR ...",
+     "refused clearly", "test_other_model_writers_refuse_used_and_checkpoint_folders"),
+    ("preprocess / train_tokenizer over existing outputs",
+     "tools/preprocess_data.py --output-prefix EXISTING; tools/train_tokenizer.py --model-prefix EXISTING",
+     "refused clearly without --overwrite", "test_preprocess_and_tokenizer_training_refuse_existing_outputs"),
+    ("blend index cache overwritten with zeros", "dd of zeros over blend-*.npy, then train",
+     "handled: the checksum fails, the cache is rebuilt with a warning",
+     "test_a_damaged_blend_index_cache_is_rebuilt_with_a_warning"),
+    ("data.cache_dir is a file", "--set data.cache_dir=some_file", "refused clearly",
+     "test_a_damaged_blend_index_cache_is_rebuilt_with_a_warning"),
+    ("eval data of another tokenizer", "--set data.eval_path=<shards of another tokenizer> --set data.tokenizer=''",
+     "refused clearly", "test_eval_data_of_another_tokenizer_is_refused_without_data_tokenizer"),
+    ("final save fails under on_save_error: continue", "full disk at the last step",
+     "handled: retried once, then exit 74", "test_the_final_checkpoint_is_retried_and_its_failure_fails_the_run"),
+    ("--resume past train.steps", "moetrain train ... --resume (checkpoint at step 4) --set train.steps=2",
+     "refused clearly (exit 2), nothing written", "test_resume_of_a_finished_run_trains_nothing_and_says_so"),
+    ("rollback target saved right after a rejected step", "train.on_nonfinite=skip + a later stop",
+     "handled: the newest checkpoint whose step was finite is named",
+     "test_the_last_good_checkpoint_is_the_newest_whose_step_was_finite"),
+    ("exit codes without a row in docs/faults.md", "run_8p.sh on a machine without Ascend (exit 3)",
+     "handled: every code is in the table", "test_every_exit_code_is_in_the_faults_table"),
+    ("hf-import of a damaged safetensors or config.json", "safetensors with a garbage header length; "
+     "config.json without num_hidden_layers; config.json that is not JSON",
+     "refused clearly: one line naming the file (and key)", "test_hf_import_of_damaged_files_names_the_file"),
+]
+
+
+def test_every_case_has_its_test():
+    names = {name for name in globals() if name.startswith("test_")}
+    assert [case for *case, test in CASES if test not in names] == []
+
+
+def sets_args(sets):
+    return [a for s in sets for a in ("--set", s)]
+
+
+def make_trainer(sets, resume=None, overwrite=False, config=MNIST):
+    from moetrain.trainer import Trainer
+
+    return Trainer(load_config(config, sets), resume=resume, overwrite=overwrite)
+
+
+def losses(run):
+    with open(os.path.join(run, "metrics.jsonl")) as fh:
+        return [r["loss"] for r in map(json.loads, fh) if "loss" in r]
+
+
+def steps_of(run):
+    from moetrain.checkpoint.manager import list_checkpoints
+
+    return [s for s, _ in list_checkpoints(os.path.join(run, "checkpoints"))]
+
+
+def sha(path):
+    from moetrain.fileio import sha256_of
+
+    return sha256_of(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. A run owns its folder
+# ---------------------------------------------------------------------------------------------
+def test_ten_staggered_starts_into_one_folder_one_trains_and_the_others_are_refused_naming_the_holder(
+        tiny_mnist, tmp_path):
+    """Ten `moetrain train` processes into one output dir, started 0 to 5 s apart: exactly one
+    trains; each of the others exits 2 naming the holder's pid, host and start time, writing
+    nothing. The holder, stopped by SIGTERM, saves, exits 75 and releases the folder."""
+    run = tmp_path / "twin"
+    base = [f"data.path={tiny_mnist}", f"train.output_dir={run}", "model.hidden_size=16", "train.epochs=0",
+            "train.steps=200000", "train.global_batch_size=32", "train.eval_batch_size=32",
+            "checkpoint.save_steps=0", "logging.tensorboard=false", "logging.progress_bar=false"]
+    procs, start = [], time.time()
+    try:
+        _race(procs, start, base, run, tmp_path)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def _race(procs, start, base, run, tmp_path):
+    from moetrain.checkpoint.run_dir import LOCK_FILE
+
+    for i in range(10):
+        time.sleep(max(0.0, start + i * 5 / 9 - time.time()))        # 0, 0.56, ..., 5 s
+        cmd = [sys.executable, "-m", "moetrain.cli", "train", MNIST, *sets_args(base + [f"train.seed={i}"])]
+        procs.append(subprocess.Popen(cmd, env=ENV, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outputs = {}
+    deadline = time.time() + 90        # the refused ones exit within a second or two of their start
+    while time.time() < deadline and len(outputs) < 9:
+        for i, proc in enumerate(procs):
+            if i not in outputs and proc.poll() is not None:
+                outputs[i] = proc.communicate()
+        time.sleep(0.2)
+    running = [i for i, p in enumerate(procs) if p.poll() is None]
+    assert len(running) == 1, f"still running: {running}; exit codes: " + str({i: p.returncode for i, p in enumerate(procs)})
+    winner = running[0]
+    holder = json.loads((run / LOCK_FILE).read_text())
+    assert holder["pid"] == procs[winner].pid and holder["host"] == socket.gethostname()
+    for i, (out, err) in outputs.items():
+        assert procs[i].returncode == 2, (i, err[-2000:])
+        assert "Traceback" not in err and f"is in use by another run: process {procs[winner].pid} on host " \
+            f"{socket.gethostname()} (rank 0 of its run, started {holder['since']}" in err, (i, err[-2000:])
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and losses(run)):
+        time.sleep(0.1)
+    procs[winner].send_signal(signal.SIGTERM)
+    out, err = procs[winner].communicate(timeout=120)
+    from moetrain.faults import EXIT_PREEMPTED
+
+    assert procs[winner].returncode == EXIT_PREEMPTED, err[-3000:]
+    assert not (run / LOCK_FILE).exists()                                    # released at the end
+    # everything in the folder is the winner's
+    import yaml
+
+    assert yaml.safe_load((run / "resolved_config.yaml").read_text())["train"]["seed"] == winner
+    (step,) = steps_of(str(run))
+    ckpt = run / "checkpoints" / f"step_{step:08d}"
+    assert yaml.safe_load((ckpt / "config.yaml").read_text())["train"]["seed"] == winner
+    run_id = json.loads((run / "run.json").read_text())["run_id"]
+    assert json.loads((ckpt / "manifest.json").read_text())["run_id"] == run_id
+    assert [n for n in os.listdir(run) if "tmp" in n] == []
+
+
+def test_a_stale_lock_is_taken_over_and_a_live_or_remote_one_refused(tmp_path, capsys):
+    from moetrain.checkpoint.run_dir import (LOCK_FILE, OutputDirError, RunLockError, acquire_run_lock,
+                                             check_lock_visible, read_lock)
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = {"pid": int(dead.stdout), "host": socket.gethostname(), "since": "2026-01-01T00:00:00", "token": "old"}
+    (folder / LOCK_FILE).write_text(json.dumps(stale))
+    lock = acquire_run_lock(str(folder))                        # the dead process's lock: taken over
+    assert f"taking over the stale lock {folder / LOCK_FILE} of process {stale['pid']}" in capsys.readouterr().err
+    assert read_lock(str(folder / LOCK_FILE))["pid"] == os.getpid()
+    lock.release()
+    assert not (folder / LOCK_FILE).exists()
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        held = {"pid": live.pid, "host": socket.gethostname(), "since": "2026-01-02T03:04:05", "token": "live"}
+        (folder / LOCK_FILE).write_text(json.dumps(held))
+        with pytest.raises(RunLockError, match=rf"in use by another run: process {live.pid} on host "
+                                               rf"{re.escape(socket.gethostname())} .*started 2026-01-02T03:04:05"):
+            acquire_run_lock(str(folder))
+    finally:
+        live.kill()
+        live.wait()
+    remote = {"pid": 1, "host": "another-node-7", "since": "2026-01-02T03:04:05", "token": "remote"}
+    (folder / LOCK_FILE).write_text(json.dumps(remote))
+    with pytest.raises(RunLockError, match=rf"process 1 on host another-node-7 .*another host.*delete "
+                                           rf"{re.escape(str(folder / LOCK_FILE))}"):
+        acquire_run_lock(str(folder))
+    assert read_lock(str(folder / LOCK_FILE))["token"] == "remote"     # untouched
+    # another rank of a job must see rank 0's own lock (its token) in the shared folder
+    check_lock_visible(str(folder), "remote", 1, timeout=1)
+    with pytest.raises(OutputDirError, match=r"rank 1 on .* does not see rank 0's lock .*it holds process 1 on host "
+                                             r"another-node-7.*one folder every rank shares"):
+        check_lock_visible(str(folder), "rank-0-token", 1, timeout=0.3)
+
+
+@pytest.mark.distributed
+def test_in_a_job_rank_0_locks_the_folder_and_every_rank_sees_it(tmp_path):
+    """Two ranks under the launcher (tests/workers/run_lock_worker.py): a folder another live process
+    holds is refused on every rank (rank 0 naming the holder); a free one is locked by rank 0, every
+    rank sees that lock before run.json is written at commit, and release removes it."""
+    from distributed import run_workers
+
+    from moetrain.checkpoint.run_dir import LOCK_FILE
+
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / LOCK_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": "pytest",
+                                              "since": "2026-01-01T00:00:00"}))
+    run = run_workers("tests/workers/run_lock_worker.py", 2, [str(held)], timeout=150, job_dir=str(tmp_path / "job"),
+                      env={"PYTHONPATH": ENV["PYTHONPATH"]})
+    results = {r["rank"]: r for r in run.json_results()}
+    assert sorted(results) == [0, 1], run.report()
+    assert f"is in use by another run: process {os.getpid()} on host" in results[0]["held_error"]
+    assert "rank(s) [0] refused train.output_dir" in results[1]["held_error"]
+    assert not (held / "run.json").exists() and json.loads((held / LOCK_FILE).read_text())["token"] == "pytest"
+    for rank in (0, 1):
+        assert results[rank]["lock_seen"]["pid"] == results[0]["pid"], results
+        assert not results[rank]["run_json_before_commit"] and results[rank]["run_json"] == results[0]["run_id"]
+    assert results[0]["run_id"] == results[1]["run_id"] and not results[0]["lock_after_release"]
+
+
+def test_overwrite_validates_everything_before_moving_the_old_run_aside(mnist_overrides, tmp_path):
+    from moetrain.checkpoint.manager import CheckpointError
+
+    small = tmp_path / "small"
+    make_trainer(mnist_overrides + [f"train.output_dir={small}", "train.steps=1", "model.hidden_size=16"]).fit()
+    weights = str(small / "checkpoints" / "step_00000001")
+    run = tmp_path / "run"
+    sets = mnist_overrides + [f"train.output_dir={run}", "train.steps=2"]
+    make_trainer(sets).fit()
+    before = sorted(os.listdir(run))
+    old_metrics = (run / "metrics.jsonl").read_text()
+    # --overwrite, but the weights to start from are of another model: refused before anything moves
+    with pytest.raises(CheckpointError, match=r"mismatching keys: model\.hidden_size"):
+        make_trainer(sets + [f"checkpoint.load_path={weights}"], overwrite=True)
+    assert sorted(os.listdir(run)) == before and (run / "metrics.jsonl").read_text() == old_metrics
+    assert not [n for n in os.listdir(run) if n.startswith("overwritten-")]
+    # a refused new run leaves nothing behind: no checkpoints/, logs/, run.json, not even the folder
+    fresh = tmp_path / "fresh"
+    with pytest.raises(CheckpointError, match=r"mismatching keys"):
+        make_trainer(mnist_overrides + [f"train.output_dir={fresh}", f"checkpoint.load_path={weights}"])
+    assert not fresh.exists()
+    from moetrain import cli                  # also when `moetrain train` refuses the config itself
+
+    assert cli.main(["train", MNIST, *sets_args(mnist_overrides + [f"train.output_dir={fresh}", "train.stepz=3"])]) == 2
+    assert not fresh.exists()
+    # the same --overwrite with a sound config then moves the old run aside as documented
+    make_trainer(sets + ["train.steps=1"], overwrite=True).fit()
+    assert len([n for n in os.listdir(run) if n.startswith("overwritten-")]) == 1 and len(losses(str(run))) == 1
+
+
+def test_temporary_files_carry_pid_and_rank(tmp_path, monkeypatch):
+    from moetrain import config as config_module
+    from moetrain.checkpoint.run_dir import write_run_file
+    from moetrain.fileio import temp_path
+
+    assert temp_path("a/b.yaml", 3) == f"a/b.yaml.tmp-{os.getpid()}-r3"
+    monkeypatch.setenv("RANK_ID", "5")
+    assert temp_path("x") == f"x.tmp-{os.getpid()}-r5"
+    renamed = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (renamed.append(os.path.basename(src)), real(src, dst)))
+    config_module.dump_config(load_config(MNIST), str(tmp_path / "resolved_config.yaml"), rank=2)
+    write_run_file(str(tmp_path), "abc")
+    assert renamed == [f"resolved_config.yaml.tmp-{os.getpid()}-r2", f"run.json.tmp-{os.getpid()}-r5"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Writers never replace what they did not create
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    from test_hf_convert import LLAMA_CONFIG, random_hf_weights, write_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    write_hf_checkpoint(root / "hf", LLAMA_CONFIG, random_hf_weights(LLAMA_CONFIG, seed=3))
+    return root / "hf"
+
+
+def fake_checkpoint(folder):
+    """A training checkpoint folder as the trainer leaves it (only what the writers look at)."""
+    folder.mkdir(parents=True)
+    for name in ("metadata.json", "manifest.json", "config.yaml", "model.safetensors"):
+        (folder / name).write_text(f"the run's own {name}")
+    return {name: sha(folder / name) for name in os.listdir(folder)}
+
+
+def test_hf_import_never_replaces_a_checkpoint_or_an_unasked_folder(hf_llama, tmp_path, capsys):
+    from moetrain.checkpoint.hf import main_import
+
+    ckpt = tmp_path / "runs" / "x" / "checkpoints" / "step_00000002"
+    saved = fake_checkpoint(ckpt)
+    for extra in ([], ["--overwrite"]):
+        assert main_import([str(hf_llama), str(ckpt), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"the output '{ckpt}' is a training checkpoint (it holds metadata.json)" in err
+    assert {name: sha(ckpt / name) for name in os.listdir(ckpt)} == saved        # untouched
+    run_dir = tmp_path / "runs" / "x"
+    assert main_import([str(hf_llama), str(run_dir), "--overwrite"]) == 2
+    assert "a training run's output directory" in capsys.readouterr().err
+
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    assert main_import([str(hf_llama), str(used)]) == 2
+    assert "is not empty (notes.txt); choose a new folder, or pass --overwrite" in capsys.readouterr().err
+    assert sorted(os.listdir(used)) == ["notes.txt"]
+    assert main_import([str(hf_llama), str(used), "--overwrite"]) == 0
+    assert sorted(os.listdir(used)) == ["config.yaml", "model.safetensors", "notes.txt"]
+    assert main_import([str(hf_llama), str(used)]) == 2                         # an earlier import: asked again
+    assert main_import([str(hf_llama), str(tmp_path / "new")]) == 0             # a new folder needs nothing
+
+
+def test_hf_export_refuses_a_used_folder_and_overwrite_leaves_no_stale_shards(hf_llama, tmp_path, capsys):
+    from moetrain.checkpoint.hf import hf_import, main_export
+    from test_hf_convert import LLAMA_CONFIG, random_hf_weights, write_hf_checkpoint
+
+    model = tmp_path / "model"
+    hf_import(str(hf_llama), str(model))
+    sharded = tmp_path / "sharded"
+    write_hf_checkpoint(sharded, LLAMA_CONFIG, random_hf_weights(LLAMA_CONFIG, seed=9), shards=2)
+    (sharded / "tokenizer.json").write_text("{}")
+    before = {n: sha(sharded / n) for n in os.listdir(sharded)}
+    assert main_export([str(model), str(sharded)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert {n: sha(sharded / n) for n in os.listdir(sharded)} == before
+    assert main_export([str(model), str(sharded), "--overwrite"]) == 0
+    assert sorted(os.listdir(sharded)) == ["config.json", "model.safetensors", "tokenizer.json"]  # no old index
+    assert main_export([str(model), str(sharded)]) == 2                         # an earlier export: asked again
+    ckpt = tmp_path / "checkpoints" / "step_00000004"
+    saved = fake_checkpoint(ckpt)
+    assert main_export([str(model), str(ckpt), "--overwrite"]) == 2
+    assert "is a training checkpoint" in capsys.readouterr().err
+    assert {name: sha(ckpt / name) for name in os.listdir(ckpt)} == saved
+
+
+def test_other_model_writers_refuse_used_and_checkpoint_folders(hf_llama, tmp_path, capsys):
+    from moetrain import cli
+    from moetrain.checkpoint import upcycle
+    from moetrain.checkpoint.hf import hf_import
+
+    dense = tmp_path / "dense"
+    hf_import(str(hf_llama), str(dense))
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    args = ["--num-experts", "2", "--top-k", "1"]
+    assert upcycle.main([str(dense), str(used), *args]) == 2
+    assert "is not empty (notes.txt)" in capsys.readouterr().err
+    ckpt = tmp_path / "checkpoints" / "step_00000001"
+    saved = fake_checkpoint(ckpt)
+    assert upcycle.main([str(dense), str(ckpt), *args, "--overwrite"]) == 2
+    assert "is a training checkpoint" in capsys.readouterr().err
+    assert upcycle.main([str(dense), str(used), *args, "--overwrite"]) == 0
+    assert {name: sha(ckpt / name) for name in os.listdir(ckpt)} == saved
+    # consolidate and reshard write only new folders
+    for command in (["consolidate", str(ckpt), str(used)], ["reshard", str(ckpt), str(ckpt), "--to-layout", "dp=2"]):
+        assert cli.main(["convert", *command]) == 2
+        assert "exists; choose a new output folder" in capsys.readouterr().err
+    assert {name: sha(ckpt / name) for name in os.listdir(ckpt)} == saved
+
+
+def _tool(name, *args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", f"{name}.py"), *args], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_preprocess_and_tokenizer_training_refuse_existing_outputs(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(open(os.path.join(KJV, "kjv_tiny.txt"), encoding="utf-8").readlines()[:300]))
+    prefix = tmp_path / "tok"
+    tokenizer = ["--input", str(text), "--model-prefix", str(prefix), "--vocab-size", "300"]
+    assert _tool("train_tokenizer", *tokenizer).returncode == 0
+    first = sha(str(prefix) + ".model")
+    again = _tool("train_tokenizer", *tokenizer)
+    assert again.returncode == 2 and "tok.model" in again.stderr and "--overwrite" in again.stderr
+    assert "Traceback" not in again.stderr and sha(str(prefix) + ".model") == first
+    assert _tool("train_tokenizer", *tokenizer, "--overwrite").returncode == 0
+
+    shards = tmp_path / "shards"
+    encode = ["--input", str(text), "--tokenizer", str(prefix) + ".model", "--output-prefix", str(shards),
+              "--eval-fraction", "0.1", "--no-progress"]
+    assert _tool("preprocess_data", *encode).returncode == 0
+    made = {n: sha(tmp_path / n) for n in os.listdir(tmp_path) if n.startswith("shards_")}
+    assert len(made) == 6
+    again = _tool("preprocess_data", *encode)
+    assert again.returncode == 2 and "shards_train.bin" in again.stderr and "--overwrite" in again.stderr
+    assert {n: sha(tmp_path / n) for n in made} == made
+    assert _tool("preprocess_data", *encode, "--overwrite").returncode == 0
+    ckpt = tmp_path / "checkpoints" / "step_00000001"
+    fake_checkpoint(ckpt)
+    into = _tool("preprocess_data", *encode[:4], "--output-prefix", str(ckpt / "data"), "--overwrite")
+    assert into.returncode == 2 and "is a training checkpoint" in into.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Caches verify their contents
+# ---------------------------------------------------------------------------------------------
+def test_a_damaged_blend_index_cache_is_rebuilt_with_a_warning(tmp_path):
+    from moetrain.config import load_config as load
+    from moetrain.data import DataError, build_sampler
+    from moetrain.data.blend import BlendedBatchSampler, build_blended_lm_dataset, parse_blend
+
+    spec = [0.7, os.path.join(KJV, "kjv_tiny_train"), 0.3, os.path.join(KJV, "kjv_tiny_eval")]
+    dataset = build_blended_lm_dataset(parse_blend(spec), 64, 2048)
+    first = BlendedBatchSampler(dataset, 8, 20, seed=1, cache_dir=str(tmp_path / "cache"))
+    good = np.array(first.index)
+    assert first.built and good.any()
+    header = os.path.getsize(first.index_path) - good.nbytes
+    with open(first.index_path, "r+b") as fh:             # zeros over the array, the same size
+        fh.seek(header)
+        fh.write(np.zeros_like(good).tobytes())
+    with pytest.warns(UserWarning, match=r"blend index cache .*blend-.*\.npy cannot be used: its contents do not "
+                                         r"match the sha256 .*rebuilding it"):
+        again = BlendedBatchSampler(dataset, 8, 20, seed=1, cache_dir=str(tmp_path / "cache"))
+    assert again.built and np.array_equal(again.index, good)
+    reused = BlendedBatchSampler(dataset, 8, 20, seed=1, cache_dir=str(tmp_path / "cache"))
+    assert not reused.built and np.array_equal(reused.index, good)
+    # data.cache_dir naming a file: one clear error
+    (tmp_path / "a_file").write_text("x")
+    cfg = load(GPT_TINY, [f"data.path={spec}", f"data.cache_dir={tmp_path / 'a_file' / 'cache'}", "train.steps=4"])
+    from moetrain.data import build_datasets
+
+    with pytest.raises(DataError, match=r"data.cache_dir .*a_file.* is a file; set data.cache_dir to a folder"):
+        build_sampler(cfg, build_datasets(cfg)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Train and eval data are checked against each other
+# ---------------------------------------------------------------------------------------------
+def test_eval_data_of_another_tokenizer_is_refused_without_data_tokenizer(tmp_path):
+    from moetrain.data import DataError, build_datasets
+    from moetrain.data.preprocess import preprocess
+    from moetrain.data.tokenizer import train_tokenizer
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(open(os.path.join(KJV, "kjv_tiny.txt"), encoding="utf-8").readlines()[:400]))
+    other = train_tokenizer([str(text)], str(tmp_path / "other"), 300)
+    preprocess([str(text)], other, str(tmp_path / "other_eval"))
+    cfg = load_config(GPT_TINY, [f"data.eval_path={tmp_path / 'other_eval'}", "data.tokenizer=''"])
+    with pytest.raises(DataError, match=r"data.eval_path .*other_eval' was encoded with another tokenizer than "
+                                        r"data.path .*kjv_tiny_train'.*300 tokens\) vs .*kjv_tiny.model.*2048 tokens"):
+        build_datasets(cfg)
+    # the same tokenizer's shards pass, with or without data.tokenizer
+    for tokenizer in ("''", os.path.join(KJV, "kjv_tiny.model")):
+        train, evaluation = build_datasets(load_config(GPT_TINY, [f"data.tokenizer={tokenizer}"]))
+        assert len(train) and len(evaluation)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Exit status tells the truth
+# ---------------------------------------------------------------------------------------------
+def _fail_saves(monkeypatch, step, times):
+    """The next `times` saves of checkpoint `step` fail as on a full disk."""
+    from moetrain.checkpoint.manager import CheckpointWriter
+
+    real, left = CheckpointWriter.tensors, [times]
+
+    def tensors(self, filename, arrays):
+        if self.name == f"step_{step:08d}" and left[0] > 0:
+            left[0] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, filename, arrays)
+
+    monkeypatch.setattr(CheckpointWriter, "tensors", tensors)
+
+
+def test_the_final_checkpoint_is_retried_and_its_failure_fails_the_run(mnist_overrides, tmp_path, monkeypatch,
+                                                                        capsys):
+    from moetrain import cli
+    from moetrain.checkpoint.manager import CheckpointSaveError
+    from moetrain.faults import EXIT_SAVE_FAILED
+
+    base = mnist_overrides + ["train.steps=3", "checkpoint.save_steps=1", "checkpoint.keep_max=5",
+                              "checkpoint.on_save_error=continue"]
+    run = tmp_path / "transient"
+    _fail_saves(monkeypatch, 3, 1)             # the disk fills once: the retry writes it
+    make_trainer(base + [f"train.output_dir={run}"]).fit()
+    assert steps_of(str(run)) == [1, 2, 3]
+    assert "trying once more" in capsys.readouterr().out
+    run = tmp_path / "full"
+    _fail_saves(monkeypatch, 3, 2)
+    with pytest.raises(CheckpointSaveError, match=r"final checkpoint \(step 3\) could not be written, even on a "
+                                                  r"second try: .*No space left on device.*step_00000002 is intact"):
+        make_trainer(base + [f"train.output_dir={run}"]).fit()
+    assert steps_of(str(run)) == [1, 2]
+    run = tmp_path / "cli"
+    _fail_saves(monkeypatch, 3, 2)
+    assert cli.main(["train", MNIST, *sets_args(base + [f"train.output_dir={run}"])]) == EXIT_SAVE_FAILED
+    assert "final checkpoint (step 3) could not be written" in capsys.readouterr().err
+
+
+def test_resume_of_a_finished_run_trains_nothing_and_says_so(mnist_overrides, tmp_path, capsys):
+    from moetrain import cli
+
+    run = tmp_path / "run"
+    sets = mnist_overrides + [f"train.output_dir={run}", "train.steps=4", "checkpoint.save_steps=2"]
+    make_trainer(sets).fit()
+    before = {n: sha(run / n) for n in ("run.json", "metrics.jsonl", "resolved_config.yaml")}
+    code = cli.main(["train", MNIST, *sets_args(sets + ["train.steps=2"]), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(r"checkpoint error: --resume .*step_00000004: the checkpoint is at step 4 and the run ends at "
+                     r"step 2 \(train.steps\): there is nothing to train. To train on, raise train.steps above 4", err)
+    assert {n: sha(run / n) for n in before} == before        # nothing was written
+    assert cli.main(["train", MNIST, *sets_args(sets + ["train.steps=4"]), "--resume"]) == 2   # equal: nothing either
+    assert cli.main(["train", MNIST, *sets_args(sets + ["train.steps=5"]), "--resume"]) == 0
+    assert len(losses(str(run))) == 5
+
+
+def test_the_last_good_checkpoint_is_the_newest_whose_step_was_finite(mnist_overrides, tmp_path):
+    from moetrain.checkpoint.run_dir import last_good_checkpoint, read_run_id
+    from moetrain.faults import TrainingHalted
+
+    run = tmp_path / "run"
+    sets = mnist_overrides + [f"train.output_dir={run}", "train.steps=6", "checkpoint.save_steps=1",
+                              "checkpoint.keep_max=6", "train.on_nonfinite=skip", "train.nonfinite_limit=1"]
+    trainer = make_trainer(sets)
+    real = trainer.faults.guard.diagnose
+
+    def diagnose(loss, grad_norm=None, finite=True):          # steps 2 and 3 are faults
+        return "injected fault" if trainer.step + 1 in (2, 3) else real(loss, grad_norm, finite)
+
+    trainer.faults.guard.diagnose = diagnose
+    with pytest.raises(TrainingHalted) as info:
+        trainer.fit()
+    good = str(run / "checkpoints" / "step_00000001")
+    assert steps_of(str(run)) == [1, 2]              # step 2 was saved right after its rejected update
+    assert f"The last good checkpoint is {good};" in str(info.value), str(info.value)
+    assert last_good_checkpoint(str(run), read_run_id(str(run))) == good
+    meta = json.loads((run / "checkpoints" / "step_00000002" / "metadata.json").read_text())
+    assert meta["trainer_state"]["step_finite"] is False
+
+
+def test_every_exit_code_is_in_the_faults_table():
+    """Every code the trainer (moetrain.faults, cli) and the launcher (launch.py, run_scripts) return
+    has a row in docs/faults.md's table."""
+    from moetrain import faults
+
+    table = open(os.path.join(ROOT, "docs", "faults.md"), encoding="utf-8").read().split("## Exit codes")[1]
+    table = table.split("\n## ")[0]
+    rows = set(re.findall(r"^\| (\d+)", table, re.M))
+    used = {str(v) for k, v in vars(faults).items() if k.startswith("EXIT_")}
+    for path in ("moetrain/cli.py", "moetrain/dist/launch.py", "run_scripts/run_distributed.sh",
+                 "run_scripts/run_8p.sh", "run_scripts/run_multinode.sh"):
+        text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+        used |= set(re.findall(r"\breturn (\d+)\b", text)) | set(re.findall(r"\bexit (\d+)\b", text))
+        used |= set(re.findall(r"sys\.exit\((\d+)\)", text))
+    assert sorted(used - rows, key=int) == []
+    assert {"1", "128"} <= rows          # an unexpected error or msrun's own failure; killed by a signal (128 + N)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Damaged inputs: one line naming the file
+# ---------------------------------------------------------------------------------------------
+def test_hf_import_of_damaged_files_names_the_file(hf_llama, tmp_path, capsys):
+    from moetrain.checkpoint.hf import main_import
+
+    def broken(name, config=None, weights=None):
+        folder = tmp_path / name
+        shutil.copytree(hf_llama, folder)
+        if config is not None:
+            (folder / "config.json").write_text(config)
+        if weights is not None:
+            (folder / "model.safetensors").write_bytes(weights)
+        assert main_import([str(folder), str(tmp_path / f"{name}_out")]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "MemoryError" not in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / f"{name}_out").exists()
+        return err, folder
+
+    err, folder = broken("huge", weights=np.array([2 ** 62], "<u8").tobytes() + b"\xff" * 64)
+    assert f"{folder / 'model.safetensors'}: not a safetensors file, or truncated: its header length says" in err
+    err, folder = broken("binary", weights=np.array([16], "<u8").tobytes() + b"\xff\xfe" * 8 + b"\0" * 32)
+    assert f"{folder / 'model.safetensors'}: not a safetensors file: its header is not UTF-8 JSON" in err
+    config = json.loads((hf_llama / "config.json").read_text())
+    del config["num_hidden_layers"]
+    err, folder = broken("no_layers", config=json.dumps(config))
+    assert f"{folder / 'config.json'}: the key 'num_hidden_layers' is missing" in err
+    err, folder = broken("not_json", config='{"model_type": "llama",')
+    assert f"{folder / 'config.json'} is not valid JSON" in err
