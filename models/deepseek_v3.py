@@ -155,6 +155,34 @@ class MultiHeadLatentAttention(CausalAttention):
         k = ops.cat((k_nope, ops.broadcast_to(k_rot, k_nope.shape[:-1] + (self.rope_dim,))), -1)
         return self.wo(self.attend(q, k, v, self.scale, context=context))   # RoPE already on the decoupled part
 
+    def decode(self, x, step, past=None):
+        """Incremental decoding (PyNative, `moetrain.kv_cache`): `(out [B, S, H], (latent, k_rot))`.
+
+        The cache is what DeepSeek-V3 caches: per token the normed compressed latent `[B, T,
+        kv_lora_rank]` (fp32, as `kv_norm` returns it) and the rotary key, RoPE (interleaved, YaRN)
+        applied at its position, `[B, T, qk_rope_head_dim]`, one head shared by all heads; at attention
+        time the latents are expanded through `wkv_b` into every head's key part and value, as
+        `construct` does for the whole sequence."""
+        batch, seq_len = x.shape[0], x.shape[1]
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora else self.wq(x)
+        q_nope, q_rot = ops.split(q.reshape(batch, seq_len, -1, self.head_dim), [self.nope_dim, self.rope_dim], -1)
+        latent, k_rot = ops.split(self.wkv_a(x), [self.latent_dim, self.rope_dim], -1)
+        latent = self.kv_norm(latent)
+        k_rot = self.rope.decode(k_rot.reshape(batch, seq_len, 1, self.rope_dim), step).reshape(
+            batch, seq_len, self.rope_dim)
+        if past is not None:
+            latent, k_rot = ops.cat((past[0], latent), 1), ops.cat((past[1], k_rot), 1)
+        total = latent.shape[1]
+        kv = self.wkv_b(latent).reshape(batch, total, -1, self.nope_dim + self.value_dim)
+        k_nope, v = ops.split(kv, [self.nope_dim, self.value_dim], -1)
+        k_rot_heads = k_rot.reshape(batch, total, 1, self.rope_dim)
+        if k_rot_heads.dtype != k_nope.dtype:
+            k_rot_heads = k_rot_heads.astype(k_nope.dtype)
+        k = ops.cat((k_nope, ops.broadcast_to(k_rot_heads, k_nope.shape[:-1] + (self.rope_dim,))), -1)
+        q = ops.cat((q_nope, self.rope.decode(q_rot, step)), -1)
+        out = self.attend_cached(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), self.scale, step)
+        return self.wo(out), (latent, k_rot)
+
 
 class MTPLayer(nn.Cell):
     """One multi-token-prediction depth: `construct(h [B, n, H], emb [B, n, H], context=None) -> (normed h,

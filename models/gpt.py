@@ -22,7 +22,8 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
-                             RMSNorm, SwiGLUMLP, compute_dtype_of)
+                             RMSNorm, SwiGLUMLP, compute_dtype_of, fp32)
+from moetrain.kv_cache import KVCache
 from moetrain.modeling import MEAN, StatSpec, attention_context, merge_stats, reused_block, run_blocks, split_specs
 from moetrain.registry import register_model
 
@@ -98,6 +99,13 @@ class TransformerBlock(nn.Cell):
     def construct(self, x, context=None):
         h = x + self.attention(self.attention_norm(x), context).astype(ms.float32)
         return h + self.mlp(self.ffn_norm(h)).astype(ms.float32)
+
+    def decode(self, x, step, past=None):
+        """Incremental decoding (PyNative, `moetrain.kv_cache`): `(x, present)` for the new tokens
+        `x [B, S, H]`; `past` / `present`: this layer's attention cache before / after."""
+        attended, present = self.attention.decode(self.attention_norm(x), step, past)
+        h = x + fp32(attended)
+        return h + fp32(self.mlp(self.ffn_norm(h))), present
 
 
 @register_model("gpt", config=GPTConfig)
@@ -192,6 +200,25 @@ class GPT(nn.Cell):
     # ---- the whole model ------------------------------------------------------------------------
     def logits(self, input_ids, document_ids=None, position_ids=None):
         h, _, _ = self.run_layers(self.embed_tokens(input_ids), attention_context(document_ids, position_ids))
+        return self.output_logits(h)
+
+    # ---- incremental decoding (PyNative; moetrain/generate.py) ---------------------------------------
+    def new_cache(self, batch: int, pad=None) -> KVCache:
+        """An empty decoding cache for `batch` rows; `pad[b]`: left-padding columns of row b."""
+        return KVCache(len(self.layers), batch, self.max_positions, pad)
+
+    def decode(self, input_ids, cache: KVCache, last_only: bool = False):
+        """The next `S` columns of every row, `input_ids` int `[B, S]`, against what `cache` holds
+        (which then holds them too): fp32 logits `[B, S, V]` (`last_only`: `[B, 1, V]`). The blocks'
+        `decode` methods, plain Python beside their `construct`: the training graphs are untouched. A
+        prefill of the whole prompt then one call per token gives `logits(ids)` (tests/test_generate.py)."""
+        step = cache.begin(input_ids.shape[1])
+        h = self.embed(input_ids)
+        for i, block in enumerate(self.layers):
+            h, cache.layers[i] = block.decode(h, step, cache.layers[i])
+        cache.commit(input_ids.shape[1])
+        if last_only:
+            h = h[:, -1:]
         return self.output_logits(h)
 
     def construct(self, input_ids, labels, document_ids=None, position_ids=None):

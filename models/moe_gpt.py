@@ -24,7 +24,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from models.gpt import GPT, GPTConfig, TransformerBlock, build_attention
-from moetrain.layers import RMSNorm, compute_dtype_of
+from moetrain.layers import RMSNorm, compute_dtype_of, fp32
 from moetrain.moe.config import MoEConfig
 from moetrain.modeling import reused_block
 from moetrain.moe.layer import MoELayer, update_expert_bias
@@ -85,6 +85,13 @@ class MoEBlock(nn.Cell):
         h = x + self.attention(self.attention_norm(x), context).astype(ms.float32)
         y, stats = self.moe(self.ffn_norm(h))
         return h + y.astype(ms.float32), stats
+
+    def decode(self, x, step, past=None):
+        """Incremental decoding (PyNative, `moetrain.kv_cache`): `(x, present)`; the MoE layer routes
+        as in training (`MoELayer.decode`), without stats."""
+        attended, present = self.attention.decode(self.attention_norm(x), step, past)
+        h = x + fp32(attended)
+        return h + fp32(self.moe.decode(self.ffn_norm(h))), present
 
 
 @register_model("moe_gpt", config=MoEGPTConfig)

@@ -1,4 +1,4 @@
-"""`moetrain` command line: train, plan, convert (hf-import, hf-export, consolidate, upcycle), forward."""
+"""`moetrain` command line: train, plan, convert (hf-import, hf-export, consolidate, upcycle), forward, generate, eval."""
 from __future__ import annotations
 
 import argparse
@@ -9,12 +9,20 @@ os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (set GL
 
 
 def _train(args) -> int:
-    from moetrain.config import load_config
+    from moetrain.checkpoint.run_dir import claim_output_dir, release_claim
+    from moetrain.config import load_config, output_dir_of
     from moetrain.faults import EXIT_PREEMPTED
-    from moetrain.trainer import Trainer
 
-    cfg = load_config(args.config, args.set)
-    trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+    # one process: lock the output folder before the slow set-up (MindSpore's import), docs/faults.md
+    claim = claim_output_dir(output_dir_of(args.config, args.set))
+    try:
+        cfg = load_config(args.config, args.set)
+        from moetrain.trainer import Trainer
+
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+    except BaseException:
+        release_claim(claim)      # refused before the run took the folder over: leave it as it was
+        raise
     result = trainer.fit()
     if result.get("preempted"):
         if trainer.rank == 0:
@@ -47,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     forward = sub.add_parser("forward", help="fp32 logits of a batch of token ids from a model directory",
                              add_help=False)
     forward.set_defaults(func=_delegate("moetrain.forward", "main"))
+    sub.add_parser("generate", help="text generation with a KV cache from a checkpoint or model directory "
+                                    "(--prompt TEXT | --input ids.npy)",
+                   add_help=False).set_defaults(func=_delegate("moetrain.generate", "main"))
+    sub.add_parser("eval", help="loss and perplexity of a checkpoint or model directory on token shards or a blend",
+                   add_help=False).set_defaults(func=_delegate("moetrain.evaluate", "main"))
     sub.add_parser("plan", help="parameters, FLOPs, memory and communication of a config's layout; --search",
                    add_help=False).set_defaults(func=_delegate("moetrain.plan", "main"))
     convert = sub.add_parser("convert", help="checkpoint interchange: hf-import, hf-export, upcycle, reshard, consolidate")
@@ -76,7 +89,7 @@ def _delegate(module: str, function: str):
 def main(argv=None) -> int:
     from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
     from moetrain.config import ConfigError
-    from moetrain.faults import EXIT_HALTED, EXIT_INVARIANT, EXIT_SAVE_FAILED, TrainingHalted
+    from moetrain.faults import EXIT_CANNOT_RUN, EXIT_HALTED, EXIT_INVARIANT, EXIT_SAVE_FAILED, TrainingHalted
     from moetrain.moe.accounting import DispatchInvariantError
 
     args, rest = build_parser().parse_known_args(argv)
@@ -107,7 +120,7 @@ def main(argv=None) -> int:
         if not isinstance(exc, CompileError):
             raise
         print(f"moetrain: compile error: {exc}", file=sys.stderr)
-        return 3
+        return EXIT_CANNOT_RUN
 
 
 if __name__ == "__main__":

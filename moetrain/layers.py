@@ -25,6 +25,7 @@ from mindspore.common.initializer import Normal, initializer
 from moetrain import kernels
 
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+_BMM, _BMM_NT = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)   # decoding (PyNative) only
 
 
 def compute_dtype_of(name) -> ms.Type:
@@ -34,6 +35,11 @@ def compute_dtype_of(name) -> ms.Type:
     if name not in COMPUTE_DTYPES:
         raise ValueError(f"compute_dtype {name!r} is not supported; use one of {sorted(COMPUTE_DTYPES)}")
     return COMPUTE_DTYPES[name]
+
+
+def fp32(x):
+    """`x` as fp32, without a cast op when it already is (decoding runs op by op in PyNative)."""
+    return x if x.dtype == ms.float32 else x.astype(ms.float32)
 
 
 def normal_parameter(shape, std: float, name: str) -> Parameter:
@@ -207,6 +213,7 @@ class RotaryEmbedding(nn.Cell):
         self.half = head_dim // 2
         self.max_positions = max_positions
         self.interleaved = interleaved
+        self.table_key = (head_dim, max_positions, float(theta), yarn)   # decoding: rope_rotations
 
     def tables(self, seq_len: int):
         """fp32 `(cos, signed_sin)` `[seq_len, head_dim]` for positions `0..seq_len-1`."""
@@ -222,6 +229,42 @@ class RotaryEmbedding(nn.Cell):
             cos, sin = ops.gather(self.cos, positions, 0), ops.gather(self.signed_sin, positions, 0)
         first, second = ops.split(x, self.half, axis=-1)
         return x * cos.astype(x.dtype) + ops.cat((second, first), axis=-1) * sin.astype(x.dtype)
+
+    def decode(self, x, step):
+        """`construct(x, positions)` for incremental decoding (PyNative, `moetrain.kv_cache`): x `[B, S,
+        heads, head_dim]` at the step's positions `[B, S]`. RoPE is linear in x, so for each token it is
+        one `[head_dim, head_dim]` matrix (cos on the diagonal, the signed sin where rotate_half takes
+        the other half, the de-interleaving folded in): built on the host once per step for every
+        layer (`rope_rotations`), applied as one batched matmul instead of the ~10 ops of `construct`."""
+        rotations = step.shared(("rope", self.table_key, self.interleaved, x.dtype), lambda: Tensor(
+            rope_rotations(self.table_key, self.interleaved, step.positions), x.dtype))
+        tokens = x.shape[0] * x.shape[1]
+        return _BMM(x.reshape(tokens, -1, x.shape[-1]), rotations).reshape(x.shape)
+
+
+@functools.lru_cache(maxsize=8)
+def _host_rope_tables(head_dim: int, max_positions: int, theta: float, yarn=None):
+    return rope_tables(head_dim, max_positions, theta, yarn)
+
+
+def rope_rotations(table_key, interleaved: bool, positions: np.ndarray) -> np.ndarray:
+    """fp32 `[N, d, d]` matrices `R` with `x @ R == RotaryEmbedding(x)` at each of the N = B*S
+    `positions` (`table_key`: `(head_dim, max_positions, theta, yarn)`): `R[j, j] = cos_j` and
+    `R[(j + d/2) % d, j] = signed_sin_j` (`y_j = x_j cos_j + x_{j+-d/2} sin_j`); for interleaved pairs
+    the rows are first permuted by the de-interleaving (`x -> [x0 x2 .. | x1 x3 ..]`)."""
+    cos, signed_sin = _host_rope_tables(*table_key)
+    flat = np.asarray(positions).reshape(-1)
+    dim = cos.shape[-1]
+    cols = np.arange(dim)
+    out = np.zeros((len(flat), dim, dim), np.float32)
+    out[:, cols, cols] = cos[flat]
+    out[:, (cols + dim // 2) % dim, cols] = signed_sin[flat]
+    if interleaved:   # de-interleaved dim j reads source dim 2j (first half) or 2(j - d/2) + 1
+        source = np.concatenate([np.arange(0, dim, 2), np.arange(1, dim, 2)])
+        permuted = np.empty_like(out)
+        permuted[:, source, :] = out
+        out = permuted
+    return out
 
 
 class CausalAttentionCore(nn.Cell):
@@ -337,6 +380,36 @@ class CausalAttention(nn.Cell):
         out = out.reshape(batch, -1, seq_len, value_dim).transpose(0, 2, 1, 3)
         return out.reshape(batch, seq_len, -1)
 
+    def attend_cached(self, q, k, v, scale: float, step):
+        """Incremental decoding (PyNative, `moetrain.kv_cache`): the S new queries against all T keys so
+        far. q `[B, S, n, d]` with RoPE applied, k `[B, n_kv, T, d]` (RoPE applied) and v `[B, n_kv, T,
+        d_v]` (the cache's head-major layout, so no step transposes it), `step` the `DecodeStep` (its
+        mask: causal order and left padding) -> `[B, S, n * d_v]`. The math of `attend`'s plain path:
+        `scale` on q in the compute dtype, scores and softmax in fp32, the query heads of one K/V head
+        as one row block (GQA, query head h reads K/V head h // (n / n_kv))."""
+        batch, seq_len, num_heads, head_dim = q.shape
+        num_kv_heads, value_dim = k.shape[1], v.shape[-1]
+        group = num_heads // num_kv_heads
+        compute_dtype = q.dtype
+        if seq_len == 1:     # [B, 1, n, d] is already [B, n_kv, group, d]
+            q = q.reshape(batch, num_kv_heads, group, head_dim)
+        else:
+            q = q.transpose(0, 2, 1, 3).reshape(batch, num_kv_heads, group * seq_len, head_dim)
+        scores = _BMM_NT(q * scale, k)                                     # [B, n_kv, group * S, T]
+        if scores.dtype != ms.float32:
+            scores = scores.astype(ms.float32)
+        mask = step.group_mask(group)
+        if mask is not None:
+            scores = scores + mask
+        probs = ops.softmax(scores, axis=-1)
+        if probs.dtype != compute_dtype:
+            probs = probs.astype(compute_dtype)
+        out = _BMM(probs, v)                                               # [B, n_kv, group * S, d_v]
+        if seq_len == 1:
+            return out.reshape(batch, 1, num_heads * value_dim)
+        out = out.reshape(batch, num_heads, seq_len, value_dim).transpose(0, 2, 1, 3)
+        return out.reshape(batch, seq_len, -1)
+
 
 class Attention(CausalAttention):
     """Causal grouped-query self-attention with RoPE (Llama); softmax in fp32.
@@ -369,6 +442,24 @@ class Attention(CausalAttention):
     def construct(self, x, context=None):
         q, k, v = self.project(x)
         return self.wo(self.attend(q, k, v, self.scale, self.rope, context))
+
+    def decode(self, x, step, past=None):
+        """Incremental decoding (PyNative; `moetrain.kv_cache`): `x [B, S, H]` the new tokens' normed
+        hidden states, `step` their `DecodeStep`, `past` None or this layer's `(k, v)` so far ->
+        `(out [B, S, H], (k, v))`; the cache is K after RoPE and V, head-major `[B, n_kv, T, head_dim]`."""
+        q, k, v = self.project(x)
+        q, k = self.rope.decode(q, step), self.rope.decode(k, step)
+        k, v = heads_first(k), heads_first(v)
+        if past is not None:
+            k, v = ops.cat((past[0], k), 2), ops.cat((past[1], v), 2)
+        return self.wo(self.attend_cached(q, k, v, self.scale, step)), (k, v)
+
+
+def heads_first(x):
+    """`[B, S, heads, d]` -> `[B, heads, S, d]` (a reshape, no copy, for one token)."""
+    if x.shape[1] == 1:
+        return x.reshape(x.shape[0], x.shape[2], 1, x.shape[3])
+    return x.transpose(0, 2, 1, 3)
 
 
 class SwiGLUMLP(nn.Cell):

@@ -130,6 +130,26 @@ def test_deepseek_v3_as_transformers_saves_it(ms, tmp_path, capsys):
     np.testing.assert_allclose(model.logits(ms.Tensor(ids)).asnumpy(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3_saved"])
+def test_greedy_generate_equals_transformers(ms, tmp_path, name):
+    """32 greedy tokens after 8 prompt tokens, token for token as transformers' `generate(do_sample=False)`
+    (generate_ids.npy), through the KV cache (DeepSeek-V3: the MLA latent cache; cached logits against
+    a full forward's: tests/test_generate.py). The model is built with 64 positions: max_position_embeddings (32)
+    holds no weights, and transformers' RoPE runs past it too."""
+    from moetrain.checkpoint.hf import hf_import
+    from moetrain.checkpoint.model_dir import build_model_from_dict, load_model_dir, load_model_state
+    from moetrain.generate import generate_ids
+
+    expected = golden(name, "generate_ids.npy")
+    hf_import(os.path.join(GOLDEN, name), str(tmp_path / "model"))
+    config, state = load_model_dir(str(tmp_path / "model"))
+    model = build_model_from_dict(dict(config["model"], seq_length=64))
+    load_model_state(model, state, strict=True)
+    prompt = expected[:, :8]
+    ids = generate_ids(model, prompt, max_new_tokens=expected.shape[1] - 8, temperature=0.0)
+    np.testing.assert_array_equal(ids, expected)
+
+
 def test_imported_deepseek_config():
     from moetrain.checkpoint.hf import hf_config_to_model_dict
 

@@ -4,9 +4,10 @@
     <dir>/model.safetensors   every Parameter of the model (trainable or not), keyed by its
                               name from `model.parameters_and_names()`, fp32
 
-Training checkpoints have this form too, so `moetrain forward` and `moetrain convert` read
-either. Files are written under a temporary name and renamed into place; the weights go
-first, so a directory whose config.yaml exists is complete.
+Training checkpoints have this form too, so `moetrain forward`, `generate` and `convert` read
+either; `load_model_dir` also reassembles a checkpoint sharded over ranks (`model-rankNNNNN` files,
+no whole `model.safetensors`) from its `metadata.json`. Files are written under a temporary name
+and renamed into place; the weights go first, so a directory whose config.yaml exists is complete.
 """
 from __future__ import annotations
 
@@ -46,7 +47,12 @@ def save_model_dir(out_dir: str, config_dict: Dict[str, Any], state: Dict[str, n
 
 
 def load_model_dir(model_dir: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
-    """`(config_dict, state)` of a model directory (or a training checkpoint folder)."""
+    """`(config_dict, state)` of a model directory (or a training checkpoint folder, saved on any
+    layout: without a whole `model.safetensors`, every model tensor is reassembled from the ranks'
+    pieces as `metadata.json` places them, checked against the manifest)."""
+    if (not os.path.isfile(os.path.join(model_dir, WEIGHTS_FILE))
+            and os.path.isfile(os.path.join(model_dir, "metadata.json"))):
+        return _load_sharded(model_dir)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not os.path.isfile(os.path.join(model_dir, name)):
             raise FileNotFoundError(f"{model_dir!r} is not a model directory: {name} is missing (expected "
@@ -56,6 +62,20 @@ def load_model_dir(model_dir: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray
         config_dict = yaml.safe_load(fh) or {}
     _model_section(config_dict, os.path.join(model_dir, CONFIG_FILE))
     return config_dict, load_file(os.path.join(model_dir, WEIGHTS_FILE))
+
+
+def _load_sharded(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+    from moetrain.checkpoint.distributed import CheckpointReader
+
+    reader = CheckpointReader(path)
+    keys = reader.keys("model")
+    reader.verify(reader.files_of(keys))
+    config_dict = reader.metadata.get("config") or {}
+    if os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        with open(os.path.join(path, CONFIG_FILE)) as fh:
+            config_dict = yaml.safe_load(fh) or {}
+    _model_section(config_dict, os.path.join(path, CONFIG_FILE))
+    return config_dict, {key: reader.global_tensor(key) for key in keys}
 
 
 def model_state(model) -> Dict[str, np.ndarray]:

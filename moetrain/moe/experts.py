@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
 
 from moetrain.layers import compute_dtype_of, normal_parameter
 from moetrain.moe.native_ops import MoEOps
@@ -73,6 +75,34 @@ class GroupedExperts(nn.Cell):
             return self._gmm_rows(x, group_sizes)
         raise ValueError(f"GroupedExperts: rows input {x.shape} needs compute 'kernel' or 'gmm', this one "
                          f"computes with {self.compute!r} (capacity layout [L, C, H] only)")
+
+    def decode(self, x, topk_idx):
+        """Inference (PyNative; `MoELayer.decode`): the output of every chosen expert for every token,
+        `x [T, H]`, `topk_idx [T, k]` int32 -> `[T, k, H]` in the compute dtype; needs all experts here.
+        Few assignments (a decoding step: T k <= E) gather the chosen experts' weights, one `[H, F]`
+        slice per assignment, and run one broadcast matmul per projection; more (a prefill) run one
+        SwiGLU per expert hit on the rows that chose it (read on the host). No dispatcher, no padding."""
+        num_tokens, top_k = topk_idx.shape
+        w_gate, w_up, w_down = self._weights()
+        x = x.astype(self.compute_dtype) if x.dtype != self.compute_dtype else x
+        if num_tokens * top_k <= self.num_local_experts:
+            chosen = topk_idx.reshape(-1)
+            rows = x.reshape(num_tokens, 1, 1, -1)                                      # [T, 1, 1, H]
+            gate = ops.matmul(rows, ops.gather(w_gate, chosen, 0).reshape(num_tokens, top_k, *w_gate.shape[1:]))
+            up = ops.matmul(rows, ops.gather(w_up, chosen, 0).reshape(num_tokens, top_k, *w_up.shape[1:]))
+            down = ops.gather(w_down, chosen, 0).reshape(num_tokens, top_k, *w_down.shape[1:])
+            return ops.matmul(ops.silu(gate) * up, down).reshape(num_tokens, top_k, -1)  # [T, k, H]
+        flat = topk_idx.asnumpy().reshape(-1)
+        order = np.argsort(flat, kind="stable")                 # assignments grouped by expert
+        outputs = []
+        for expert in np.unique(flat):
+            rows = order[flat[order] == expert] // top_k
+            xe = ops.gather(x, Tensor(rows.astype(np.int32)), 0)
+            hidden = ops.silu(ops.matmul(xe, w_gate[int(expert)])) * ops.matmul(xe, w_up[int(expert)])
+            outputs.append(ops.matmul(hidden, w_down[int(expert)]))
+        rows = ops.cat(outputs, 0) if len(outputs) > 1 else outputs[0]
+        back = Tensor(np.argsort(order).astype(np.int32))       # assignment -> its row of `rows`
+        return ops.gather(rows, back, 0).reshape(num_tokens, top_k, -1)
 
     def _weights(self):
         w_gate, w_up, w_down = self.w_gate, self.w_up, self.w_down

@@ -157,6 +157,26 @@ class MoELayer(nn.Cell):
             y = ops.depend(y, stats["aux_loss"])
         return y.astype(x.dtype).reshape(x.shape), stats
 
+    def decode(self, x):
+        """Inference forward for incremental decoding (PyNative; `moetrain/generate.py`): `x [..., H]`
+        -> `y` shaped like `x`, no stats. Routing is `construct`'s exactly (this layer's `router` with
+        its `expert_bias`: group-limited top-k, sigmoid or softmax, `norm_topk_prob`, `route_scale`);
+        each token's chosen experts are then computed directly (`GroupedExperts.decode`, no
+        dispatcher, so dropless whatever `capacity_factor` says), weighted and summed, and the shared
+        experts added, as `construct` combines them. One whole model in one process (no ep / etp)."""
+        tokens = x.reshape(-1, x.shape[-1])
+        topk_idx, topk_weight, _, _ = self.router(tokens, self.expert_bias)
+        per_choice = self.experts.decode(tokens, topk_idx)                         # [T, k, H]
+        if per_choice.dtype != ms.float32:
+            per_choice = per_choice.astype(ms.float32)
+        y = ops.bmm(topk_weight.reshape(topk_weight.shape[0], 1, -1), per_choice)  # sum_k weight_k out_k
+        y = y.reshape(tokens.shape)
+        if y.dtype != self.experts.compute_dtype:
+            y = y.astype(self.experts.compute_dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(tokens)
+        return (y if y.dtype == x.dtype else y.astype(x.dtype)).reshape(x.shape)
+
     def _routing_stats(self, x, topk_idx, probs, logits, state):
         num_experts, top_k = self.num_experts, self.top_k
         num_tokens = topk_idx.shape[0]
