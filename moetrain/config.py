@@ -71,6 +71,11 @@ class ParallelConfig:
     grad_reduce_dtype: str = choice("float32", "float32", "float16", "bfloat16")
     moe_token_dispatcher: str = choice("alltoall", "alltoall", "allgather")
     moe_aux_loss_scope: str = choice("micro_batch", "micro_batch", "sequence", "global")
+    # dropless dispatch buffers (moetrain/moe/capacity.py): sized from the routing counts, re-run on
+    # overflow (adaptive), or the static bound (one graph, larger buffers); the first adaptive sizes
+    # are this many times the even share
+    moe_capacity: str = choice("adaptive", "adaptive", "bound")
+    moe_capacity_prior: float = 2.0
     data_parallel_inferred: bool = field(default=False, metadata={"internal": True})
 
 
@@ -296,7 +301,7 @@ def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
         raise ConfigError(f"{source}: key 'model.name' is required: name a registered model "
                           f"({', '.join(sorted(registry.registered_models()))})")
     try:
-        entry = registry.get_model(model_raw["name"])
+        registry.get_model(model_raw["name"])   # an unknown name fails here, naming the registered ones
     except KeyError as exc:
         raise ConfigError(f"{source}: key 'model.name': {exc.args[0]}") from None
     cfg = _build(Config, raw, "", source)
@@ -523,6 +528,7 @@ _RANGES = [
     ("train.nonfinite_limit", lambda v: v >= 0, ">= 0"),
     ("train.loss_spike_factor", lambda v: v == 0 or v > 1, "0 (off) or > 1, e.g. 3"),
     ("data.seq_length", lambda v: v >= 0, ">= 0 (0: model.seq_length)"),
+    ("parallel.moe_capacity_prior", lambda v: v > 0, "> 0 (the first dispatch capacities, in multiples of the even share)"),
     ("lr_schedule.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("lr_schedule.decay_steps", lambda v: v >= 0, ">= 0 (0: the whole run)"),
     ("lr_schedule.min_lr", lambda v: v >= 0, ">= 0"),

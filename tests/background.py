@@ -77,3 +77,33 @@ def stop_all() -> None:
             run.proc.wait()
         if run.log_path and os.path.exists(run.log_path):   # its test did not read it
             os.remove(run.log_path)
+
+
+CHILD_ENV = "MOETRAIN_TEST_CHILD"   # set in a child that runs a file's own heavy tests
+
+
+def in_child(module: str) -> bool:
+    """True inside the idle-priority child that runs `module`'s own heavy tests (`heavy_tests_in_child`)."""
+    return os.environ.get(CHILD_ENV) == module
+
+
+def heavy_tests_in_child(module: str, path: str, marker: str, cwd: str, timeout: float) -> None:
+    """Register a child pytest that runs the tests of file `path` marked `marker` (at idle priority,
+    from the session's first test); in that child nothing is registered. The parent skips those
+    tests (`child_only`) and a test of its own reads the child's outcome (`wait_for_background`)."""
+    import sys
+
+    if in_child(module):
+        return
+    env = dict(os.environ, **{CHILD_ENV: module})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
+    run_in_background(module, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, path],
+                      env=env, cwd=cwd, timeout=timeout)
+
+
+def child_only(module: str):
+    """Decorator: the test runs in `module`'s idle-priority child only (see `heavy_tests_in_child`)."""
+    import pytest
+
+    return pytest.mark.skipif(not in_child(module), reason="runs in this file's idle-priority child process "
+                                                           "(tests/background.py); a test here reads its outcome")

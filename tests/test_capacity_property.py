@@ -12,10 +12,19 @@ The simulation follows what the compiled step does (moetrain/moe/ep_dispatcher.p
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
-from moetrain.moe.capacity import CapacityController, DroplessSizing
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from background import child_only, heavy_tests_in_child, wait_for_background  # noqa: E402
+from moetrain.moe.capacity import CapacityController, DroplessSizing  # noqa: E402
+
+# the 1,500 simulated runs (~25 s of one core) go to an idle-priority child beside the suite
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+heavy_tests_in_child(__name__, os.path.abspath(__file__), "background_child", cwd=ROOT, timeout=2400)
 
 
 class SimDispatcher(DroplessSizing):
@@ -89,6 +98,8 @@ CASES = [  # ep, dp, layers, experts, top_k, tokens, layout
 ]
 
 
+@pytest.mark.background_child
+@child_only(__name__)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"ep{c[0]}dp{c[1]}L{c[2]}E{c[3]}k{c[4]}{c[6]}")
 def test_no_row_lost_bounded_reruns_and_capacity_sets(case):
     ep, dp, layers, experts, top_k, tokens, layout = case
@@ -105,3 +116,11 @@ def test_no_row_lost_bounded_reruns_and_capacity_sets(case):
         # capacity sets a run, whatever the depth (per-layer sets would multiply with the layers)
         elements = (ep > 1) * ep + (layout == "capacity")
         assert len(sets) <= 4 + 2 * elements, f"{where}: {len(sets)} capacity sets in {steps} steps"
+
+
+def test_the_property_holds_in_the_background_child():
+    """Reads the outcome of the child that ran the simulations above (every case passed)."""
+    done = wait_for_background(__name__)
+    tail = done.stdout[-4000:]
+    assert done.returncode == 0, tail
+    assert f"{len(CASES)} passed" in tail and "failed" not in tail, tail

@@ -37,7 +37,7 @@ MODEL = [
     "logging.progress_bar=false",
     # dispatch buffers at their bound for the whole run: adaptive sizing (moetrain/moe/capacity.py, tested in
     # test_moe_native_ops and test_expert_parallel) recompiled this depth's dp2·ep2 step three times in 3 steps
-    "MOETRAIN_MOE_CAPACITY=bound",
+    "parallel.moe_capacity=bound",
 ]
 # 2 ranks, in the suite's shared 2-rank msrun job (tests/distributed.py: share_runs); its runs train one
 # after another (expert parallelism is carved out of data parallelism: dp2·ep2 is 2 ranks, each holding

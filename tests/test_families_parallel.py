@@ -38,7 +38,7 @@ KJV = os.path.join(ROOT, "data", "kjv_tiny", "kjv_tiny")
 STEPS, SAVED_AT = 3, 2
 # dispatch buffers at their bound for the whole run: adaptive sizing (moetrain/moe/capacity.py, tested in
 # test_moe_native_ops and test_expert_parallel) recompiles and re-runs micro-batches, costly in 3-step runs
-FIXED_CAPACITIES = "MOETRAIN_MOE_CAPACITY=bound"
+FIXED_CAPACITIES = "parallel.moe_capacity=bound"
 RUN = [
     f"data.path={KJV}_train", "data.eval_path=", f"data.tokenizer={KJV}.model", "model.seq_length=32",
     f"train.steps={STEPS}", "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_interval=0",

@@ -160,7 +160,10 @@ def test_metrics_jsonl_torn_last_line_is_repaired_and_truncation_is_atomic(tmp_p
     with pytest.warns(UserWarning, match=r"line 5 is a torn last line"):
         truncate_metrics(str(path), 3)
     assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3]
-    assert replaced == [(f"{path}.tmp{os.getpid()}", str(path))]     # written aside, then swapped in
+    from moetrain.fileio import temp_path
+
+    assert replaced == [(temp_path(str(path)), str(path))]          # written aside (pid, rank), then swapped in
+    assert str(os.getpid()) in replaced[0][0]
 
     synced = []
     real_fsync = os.fsync

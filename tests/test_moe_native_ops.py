@@ -1,6 +1,8 @@
 """The Ascend MoE ops' CPU contracts against MindSpore's documented examples, the Ascend and GPU code
 paths against the CPU path in one process, mutated contracts that must make those checks fail, and
 the host-side sizing of the dropless dispatch buffers (moetrain.moe.capacity)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -328,8 +330,9 @@ def test_adaptive_step_keeps_a_bounded_number_of_graphs(ms):
     assert len(wraps) == 5 and len(adaptive.compiled) == 3 and (3,) not in adaptive.compiled
 
 
-def test_first_capacities_are_a_multiple_of_the_even_share(ms, monkeypatch):
-    from moetrain.moe.capacity import CapacityController, prior, sized, tokens_per_call
+def test_first_capacities_are_a_multiple_of_the_even_share(ms):
+    from moetrain.config import ConfigError, load_config
+    from moetrain.moe.capacity import CapacityController, sized, tokens_per_call
 
     assert tokens_per_call((ms.Tensor(1.0), ms.Tensor(np.zeros((2, 8), np.int32)))) == 16
     assert tokens_per_call((ms.Tensor(np.zeros((2, 8), np.float32)),)) == 0
@@ -339,13 +342,18 @@ def test_first_capacities_are_a_multiple_of_the_even_share(ms, monkeypatch):
     capped = alltoall_dispatcher()
     CapacityController([capped], [[0, 1, 2, 3]]).prime(100, prior=8.0)
     assert capped.pair_capacity == (200,) * 4 and capped.expert_capacity == 400           # the bounds
-    monkeypatch.setenv("MOETRAIN_MOE_CAPACITY_PRIOR", "0")
-    with pytest.raises(ValueError, match="MOETRAIN_MOE_CAPACITY_PRIOR='0': must be a number > 0"):
-        prior()
+    primed = alltoall_dispatcher()
+    CapacityController([primed], [[0, 1, 2, 3]], prior=8.0).prime(100)                  # the controller's prior
+    assert primed.pair_capacity == (200,) * 4
+    with pytest.raises(ValueError, match="parallel.moe_capacity_prior: must be > 0"):
+        CapacityController([alltoall_dispatcher()], [[0, 1, 2, 3]], prior=0.0)
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "moe_tiny.yaml")
+    with pytest.raises(ConfigError, match=r"parallel.moe_capacity_prior': must be > 0"):
+        load_config(config, ["parallel.moe_capacity_prior=0"])
 
 
 def test_capacity_bound_leaves_every_buffer_at_its_bound(ms, monkeypatch):
-    """`MOETRAIN_MOE_CAPACITY=bound`: the step functions are wrapped plainly (no AdaptiveStep), so the
+    """`parallel.moe_capacity: bound`: the step functions are wrapped plainly (no AdaptiveStep), so the
     dispatchers keep the bound for the whole run; the default manages them; another value is an error."""
     from types import SimpleNamespace
 
@@ -362,14 +370,12 @@ def test_capacity_bound_leaves_every_buffer_at_its_bound(ms, monkeypatch):
 
     (managed,) = adaptive_steps(None, pctx, lambda fn: fn, step)
     assert isinstance(managed, AdaptiveStep)
-    monkeypatch.setenv("MOETRAIN_MOE_CAPACITY", "bound")
-    (plain,) = adaptive_steps(None, pctx, lambda fn: fn, step)
+    (plain,) = adaptive_steps(None, pctx, lambda fn: fn, step, policy="bound")
     assert plain is step
     plain(ms.Tensor(np.zeros((4, 25), np.int32)))
     assert dispatcher.pair_capacity == () and not dispatcher.expert_capacity
-    monkeypatch.setenv("MOETRAIN_MOE_CAPACITY", "fixed")
-    with pytest.raises(ValueError, match="MOETRAIN_MOE_CAPACITY='fixed': use auto, adaptive, bound"):
-        adaptive_steps(None, pctx, lambda fn: fn, step)
+    with pytest.raises(ValueError, match="parallel.moe_capacity: 'fixed' is not one of"):
+        adaptive_steps(None, pctx, lambda fn: fn, step, policy="fixed")
 
 
 def test_controller_gives_every_layer_the_largest_need_of_any_layer(ms):

@@ -7,7 +7,7 @@
 For each optimizer it trains CONFIG (default configs/moe_tiny.yaml, with
 `parallel.moe_aux_loss_scope=global` so that every layout balances the same whole batch) on one
 process, then on each layout with each capacity policy (`adaptive`, the default: dispatch buffers
-sized from the routing counts; `bound`: the static bound, `MOETRAIN_MOE_CAPACITY=bound`), through
+sized from the routing counts; `bound`: the static bound, `parallel.moe_capacity=bound`), through
 the user's commands (`moetrain train`, `run_scripts/run_distributed.sh`). Every step must reproduce
 one process:
   - loss within 1e-5 relative, grad_norm within 1e-4 relative, eval_loss within 1e-5;
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
             for capacity in args.capacity.split(","):
                 name = f"{layout}_{capacity}_{optimizer}"
                 run_dir = os.path.join(out, name)
-                run_overrides = base + overrides + [f"train.output_dir={run_dir}"]
-                env = {"MOETRAIN_MOE_CAPACITY": capacity}
+                run_overrides = base + overrides + [f"train.output_dir={run_dir}", f"parallel.moe_capacity={capacity}"]
+                env = {}
                 try:
                     seconds = train(config, run_dir, run_overrides, nproc, env, run_dir + ".log")
                     result = compare(reference, records(run_dir))

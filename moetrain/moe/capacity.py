@@ -12,12 +12,12 @@ therefore sizes its buffers with Python ints ("capacities", read when the graph 
     SortDispatcher       expert_capacity  (bmm experts only)
 
 Unset (0 / `()`) means the bound (`T min(k, L)` per pair, `ep T` per expert): exact for any routing, and what a
-dispatcher uses when nobody manages it (tests, the pipeline schedule, `MOETRAIN_MOE_CAPACITY=bound`).
+dispatcher uses when nobody manages it (tests, the pipeline schedule, `parallel.moe_capacity: bound`).
 `AdaptiveStep` manages them for the trainer's step and evaluation functions:
 
 1. Run the micro-batch with the current capacities (a graph compiled once per set of capacities;
    graphs are kept, so a set seen before costs nothing). Before any counts are seen they are
-   PRIOR (2, or `MOETRAIN_MOE_CAPACITY_PRIOR`) times the even share, sized, at most the bound.
+   `parallel.moe_capacity_prior` (default PRIOR = 2) times the even share, sized, at most the bound.
 2. Every rank's `expert_load` (assignments per expert, per layer, already a stat of the step) is
    all-gathered over the world on the host: one small collective per micro-batch. From these
    counts every rank computes the same rows each buffer needed (`needed_capacity`).
@@ -35,16 +35,14 @@ per overflow; one host sync and a `[world, layers, E]` all-gather per micro-batc
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections import OrderedDict
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from moetrain.env import env_choice
 
-PRIOR = 2.0          # before any counts: capacities for PRIOR x the even share (MOETRAIN_MOE_CAPACITY_PRIOR)
+PRIOR = 2.0          # before any counts: capacities for PRIOR x the even share (parallel.moe_capacity_prior)
 SPREAD = 2.0         # headroom in standard deviations of a count (~sqrt(count), multinomial routing)
 GROWTH = 1.5         # an overflowing capacity grows at least this much (few recompiles while routing drifts)
 SHRINK = 1 / 1.5     # shrink only to a bucket below SHRINK * current capacity
@@ -119,7 +117,11 @@ class CapacityController:
     with the first layer's, and lose rows wherever a later layer needs more (issue 30). One set
     also bounds the graphs a run compiles independently of its depth."""
 
-    def __init__(self, dispatchers: Sequence, ep_groups: Sequence[Sequence[int]]):
+    def __init__(self, dispatchers: Sequence, ep_groups: Sequence[Sequence[int]], prior: float = PRIOR):
+        if not prior > 0:
+            raise ValueError(f"parallel.moe_capacity_prior: must be > 0 (the first capacities, in multiples "
+                             f"of the even share of rows), got {prior!r}")
+        self.prior = float(prior)
         self.dispatchers = list(dispatchers)
         self.ep_groups = [list(g) for g in ep_groups]
         shapes = {(d.num_experts, d.top_k, tuple(d.capacity_fields()), getattr(d, "n", 1)) for d in self.dispatchers}
@@ -138,9 +140,11 @@ class CapacityController:
     def capacity(self, field: str):
         return getattr(self.dispatchers[0], field)
 
-    def prime(self, num_tokens: int, prior: float = PRIOR) -> None:
+    def prime(self, num_tokens: int, prior: float = 0.0) -> None:
         """Capacities for calls of `num_tokens` tokens a rank before any counts are seen: `prior`
-        times the even share (every expert `T k / E` rows from every rank), sized, at most the bound."""
+        (default: the controller's) times the even share (every expert `T k / E` rows from every
+        rank), sized, at most the bound."""
+        prior = prior or self.prior
         group, dispatcher = len(self.ep_groups[0]), self.dispatchers[0]
         even = np.full((group, dispatcher.num_experts), num_tokens * dispatcher.top_k / dispatcher.num_experts)
         needs, bounds = dispatcher.needed_capacity(even), dispatcher.capacity_bound(even)
@@ -265,7 +269,7 @@ class AdaptiveStep:
         if self.calls == 0 and not any(self.controller.key()):
             tokens = tokens_per_call(args)
             if tokens:
-                self.controller.prime(tokens, prior())
+                self.controller.prime(tokens)
         while True:
             key = self.controller.key()
             if key not in self.compiled:
@@ -301,37 +305,27 @@ def tokens_per_call(args) -> int:
     return 0
 
 
-def prior() -> float:
-    value = os.environ.get("MOETRAIN_MOE_CAPACITY_PRIOR", str(PRIOR))
-    try:
-        parsed = float(value)
-    except ValueError:
-        parsed = -1.0
-    if not parsed > 0:
-        raise ValueError(f"MOETRAIN_MOE_CAPACITY_PRIOR={value!r}: must be a number > 0 (the first capacities, "
-                         f"in multiples of the even share of rows)")
-    return parsed
+POLICIES = ("adaptive", "bound")   # parallel.moe_capacity
 
 
-def adaptive() -> bool:
-    """False when `MOETRAIN_MOE_CAPACITY=bound`: every dispatcher keeps the bound for the whole run (one
-    graph, no re-runs, no host sync; larger buffers), as under the pipeline schedule. For runs too short
-    for sizing to pay off, e.g. tests that compare layouts over a few steps."""
-    return env_choice("MOETRAIN_MOE_CAPACITY", ("adaptive", "bound")) != "bound"
-
-
-def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable) -> Tuple[Callable, ...]:
+def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable, policy: str = "adaptive",
+                   prior: float = PRIOR) -> Tuple[Callable, ...]:
     """`fns` wrapped with `wrap` (e.g. `ms.jit`), as `AdaptiveStep`s sharing one controller when
     `model` has dropless MoE dispatchers with capacities to manage; plainly otherwise. The pipeline
-    schedule (pp > 1) runs its stages itself: its dispatchers keep the bound."""
+    schedule (pp > 1) runs its stages itself: its dispatchers keep the bound. `policy` "bound"
+    (`parallel.moe_capacity: bound`) keeps the bound everywhere: one graph, no re-runs, no host
+    sync, larger buffers (runs too short for sizing to pay off); `prior`: the first capacities in
+    multiples of the even share (`parallel.moe_capacity_prior`)."""
+    if policy not in POLICIES:
+        raise ValueError(f"parallel.moe_capacity: {policy!r} is not one of {POLICIES}")
     from moetrain.parallel.expert_parallel import moe_layers
 
     layers = moe_layers(model)
     dispatchers = [layer.dispatcher for layer in layers]
-    if (pctx.pp > 1 or not adaptive()
+    if (pctx.pp > 1 or policy == "bound"
             or not any(getattr(d, "capacity_fields", lambda: ())() for d in dispatchers)):
         return tuple(wrap(fn) for fn in fns)
-    controller = CapacityController(dispatchers, ep_groups_of(pctx))
+    controller = CapacityController(dispatchers, ep_groups_of(pctx), prior)
     gather = _world_gather(pctx)
     # stderr: stdout carries what a command prints for machines (`moetrain plan --dry-run --json`)
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if pctx.rank == 0 else (lambda line: None)

@@ -52,5 +52,5 @@ def parallelize(model, cfg, pctx, seq_length: int = 0, rebuild=None) -> Parallel
         opt_step = OptimizerStep(pipeline.stage.trainable_params(), *optimizer)
         return ParallelModel(pipeline.stage, opt_step, pipeline.bind(opt_step), specs, over_dp)
     opt_step = OptimizerStep(model.trainable_params(), *optimizer)
-    runner = MicroBatchRunner(model, opt_step, specs, cfg.train.jit, pctx)
+    runner = MicroBatchRunner(model, opt_step, specs, cfg.train.jit, pctx, p.moe_capacity, p.moe_capacity_prior)
     return ParallelModel(model, opt_step, runner, specs, over_dp)

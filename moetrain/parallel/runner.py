@@ -43,9 +43,11 @@ def as_tensors(batch):
 class MicroBatchRunner:
     """Gradient accumulation over micro-batches on the whole (tensor/expert-parallel) model."""
 
-    def __init__(self, model, opt_step, specs: Dict[str, StatSpec], jit: bool, pctx=None):
+    def __init__(self, model, opt_step, specs: Dict[str, StatSpec], jit: bool, pctx=None,
+                 capacity: str = "adaptive", capacity_prior: float = 2.0):
         """`pctx`: the parallel context; with it, dropless MoE dispatch buffers are sized from the
-        routing counts and a micro-batch that overflowed one is run again (`moetrain.moe.capacity`)."""
+        routing counts and a micro-batch that overflowed one is run again (`moetrain.moe.capacity`;
+        `capacity`, `capacity_prior`: `parallel.moe_capacity`, `parallel.moe_capacity_prior`)."""
         self.model, self.specs = model, specs
         self.grad_bytes_held = 0     # bytes of the gradient buffers kept between micro-batches (measured)
 
@@ -71,7 +73,8 @@ class MicroBatchRunner:
         if pctx is None:
             self._grad_step, self._evaluate = wrap(grad_step), wrap(evaluate)
         else:
-            self._grad_step, self._evaluate = adaptive_steps(model, pctx, wrap, grad_step, evaluate)
+            self._grad_step, self._evaluate = adaptive_steps(model, pctx, wrap, grad_step, evaluate,
+                                                             policy=capacity, prior=capacity_prior)
 
     def train_step(self, batches, scale):
         grads, losses, stats = None, [], []
