@@ -17,6 +17,15 @@ def sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
+def file_in_the_way(path: str) -> Optional[str]:
+    """The nearest existing ancestor of folder `path` (or `path` itself) when it is a file, so that
+    the folder cannot be created; None when the folder exists or can be made."""
+    probe = path
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return probe if probe and not os.path.isdir(probe) else None
+
+
 def temp_path(path: str, rank: Optional[int] = None) -> str:
     """A temporary name for writing `path` before renaming it into place: it carries this process's
     pid and its rank (`rank`, else $RANK_ID as msrun sets it, else 0), so two processes, or two ranks

@@ -35,7 +35,7 @@ from typing import Dict, Optional
 
 from moetrain.checkpoint.manager import (METADATA, CheckpointError, checkpoint_run_id, list_checkpoints,
                                          newest_usable, resolve_resume_path, run_id_in, same_run)
-from moetrain.fileio import temp_path
+from moetrain.fileio import file_in_the_way, temp_path
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -465,10 +465,8 @@ def _agree(pctx, error: Optional[BaseException], what: str) -> None:
 
 def _make_dir(out: str) -> bool:
     """Create the output directory; returns whether it did not exist before."""
-    probe = out
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if probe and not os.path.isdir(probe):
+    probe = file_in_the_way(out)
+    if probe:
         raise OutputDirError(f"train.output_dir {out!r} cannot be created: {probe!r} is a file; "
                              f"set train.output_dir to a directory path")
     existed = os.path.isdir(out)

@@ -38,7 +38,7 @@ import numpy as np
 
 from moetrain.data import DataError
 from moetrain.data.sampler import BatchSampler
-from moetrain.fileio import sha256_of, temp_path
+from moetrain.fileio import file_in_the_way, sha256_of, temp_path
 
 INDEX_VERSION = 1
 BUILD_CHUNK = 1 << 22      # samples written per block while building an index
@@ -245,10 +245,8 @@ def index_checksum(inputs: dict) -> str:
 def cache_folder(dataset: BlendedDataset, cache_dir: str = "", fallback: str = "") -> str:
     """`cache_dir` if set; else the first source's folder if writable; else `fallback`."""
     if cache_dir:
-        probe = cache_dir
-        while probe and not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        if probe and not os.path.isdir(probe):
+        probe = file_in_the_way(cache_dir)
+        if probe:
             raise DataError(f"data.cache_dir {cache_dir!r} cannot hold the blend index cache: {probe!r} is a file; "
                             f"set data.cache_dir to a folder (or to '' for the folder of the first source's shards)")
         return cache_dir
