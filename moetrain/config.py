@@ -236,7 +236,8 @@ def _deep_merge(base: Dict, over: Dict) -> Dict:
     return out
 
 
-def _apply_override(raw: Dict, item: str, source: str) -> None:
+def apply_override(raw: Dict, item: str, source: str) -> None:
+    """Apply one `key.path=value` override (value parsed as YAML) to the raw config mapping."""
     if "=" not in item:
         raise ConfigError(f"{source}: override {item!r} must look like key.path=value")
     key, text = item.split("=", 1)
@@ -254,7 +255,7 @@ def load_config(path: str, overrides: Sequence[str] = ()) -> Config:
     """Read `path` (following `base:`), apply `--set key=value` overrides, validate."""
     raw = _read_yaml(path)
     for item in overrides:
-        _apply_override(raw, item, f"{path} (--set)")
+        apply_override(raw, item, f"{path} (--set)")
     try:
         return config_from_dict(raw, source=path)
     except ConfigError as exc:
@@ -268,7 +269,7 @@ def output_dir_of(path: str, overrides: Sequence[str] = ()) -> Optional[str]:
     try:
         raw = _read_yaml(path)
         for item in overrides:
-            _apply_override(raw, item, path)
+            apply_override(raw, item, path)
     except (ConfigError, OSError, ValueError, AttributeError, TypeError):
         return None
     train = raw.get("train")

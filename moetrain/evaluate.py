@@ -56,7 +56,7 @@ def parse_data(text: str):
 def eval_config(path: str, data, seq_length: int, batch_size: int, max_batches: int, out_dir: str,
                 overrides: Sequence[str] = ()):
     """The `Config` of an evaluation-only run of the model at `path` on `data`."""
-    from moetrain.config import _apply_override, config_from_dict
+    from moetrain.config import apply_override, config_from_dict
 
     saved = saved_config(path)
     saved_data = saved.get("data") if isinstance(saved.get("data"), dict) else {}
@@ -73,7 +73,7 @@ def eval_config(path: str, data, seq_length: int, batch_size: int, max_batches: 
         "logging": {"progress_bar": False, "tensorboard": False},
     }
     for item in overrides:
-        _apply_override(raw, item, "--set")
+        apply_override(raw, item, "--set")
     return config_from_dict(raw, source=f"moetrain eval {path}")
 
 
