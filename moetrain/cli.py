@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("eval", help="loss and perplexity of a checkpoint or model directory on token shards or a blend",
                    add_help=False).set_defaults(func=_delegate("moetrain.evaluate", "main"))
     sub.add_parser("plan", help="parameters, FLOPs, memory and communication of a config's layout; --search",
-                   add_help=False).set_defaults(func=_delegate("moetrain.plan", "main"))
+                   add_help=False).set_defaults(func=_delegate("moetrain.planner.cli", "main"))
     convert = sub.add_parser("convert", help="checkpoint interchange: hf-import, hf-export, upcycle, reshard, consolidate")
     conv = convert.add_subparsers(dest="conversion", required=True)
     conv.add_parser("hf-import", help="Llama/Mixtral/DeepSeek-V3/Qwen3-MoE HF_DIR -> moetrain model directory",

@@ -313,7 +313,7 @@ def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
             cfg.parallel.data_parallel = 1
         else:
             infer_data_parallel(cfg, source)
-    _validate(cfg, source)
+    validate(cfg, source)
     return cfg
 
 
@@ -436,7 +436,7 @@ def _build(cls, raw: Dict[str, Any], prefix: str, source: str):
         raise ConfigError(f"{source}: section '{prefix or cls.__name__}': {exc}") from None
 
 
-def _validate(cfg: Config, source: str) -> None:
+def validate(cfg: Config, source: str) -> None:
     def need(ok: bool, key: str, why: str):
         if not ok:
             raise ConfigError(f"{source}: key '{key}': {why}")

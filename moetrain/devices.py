@@ -1,4 +1,4 @@
-"""Device profiles for the planner (`moetrain/plan.py`): memory, peak FLOP/s, link bandwidths.
+"""Device profiles for the planner (`moetrain/planner/`): memory, peak FLOP/s, link bandwidths.
 
 Figures are public data-sheet numbers (sources in docs/plan.md) or, for `cpu`, measured on this
 project's 2-core machines (/work/shared/notes/mindspore-cpu.md). Bandwidths are *effective

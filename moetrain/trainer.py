@@ -24,16 +24,17 @@ import yaml
 import mindspore as ms
 from mindspore.profiler import ProfilerActivity
 
+from moetrain.build import build_model, setup_device
 from moetrain.checkpoint import distributed
 from moetrain.checkpoint.initial import load_initial_weights
 from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
 from moetrain.checkpoint.run_dir import last_good_checkpoint, start_run
-from moetrain.config import Config, _validate, dump_config
+from moetrain.config import Config, dump_config, validate
 from moetrain.data import build_datasets, build_sampler, fetch
 from moetrain.data.blend import evaluate_sources
 from moetrain.devices import get_device
 from moetrain.dist import comm
-from moetrain.dist.topology import cpu_ops_on_calling_thread, init_parallel, launched_world_size
+from moetrain.dist.topology import init_parallel, launched_world_size
 from moetrain.faults import TrainerFaults
 from moetrain.layout import LayoutError, check_config_layout
 from moetrain.logger import MetricsLogger, print_rank0
@@ -42,8 +43,8 @@ from moetrain.moe import accounting
 from moetrain.optim import lr_at
 from moetrain.parallel.data_parallel import reduce_host_values
 from moetrain.parallel.parallelize import parallelize
-from moetrain.plan import Arch, apply_layout, choose_layout, flops_per_token
-from moetrain.registry import get_model
+from moetrain.planner.arch import Arch, apply_layout, flops_per_token
+from moetrain.planner.search import choose_layout
 
 
 class CompileError(RuntimeError):
@@ -80,23 +81,6 @@ class LossScaler:
         self.scale, self.good_steps = state["scale"], state["good_steps"]
 
 
-def setup_device(device: str) -> None:
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    target = {"cpu": "CPU", "ascend": "Ascend", "gpu": "GPU"}[device]
-    try:
-        ms.set_device(target)
-    except RuntimeError:  # the runtime already started (an earlier trainer in this process)
-        if ms.get_context("device_target") != target:
-            raise
-    cpu_ops_on_calling_thread()
-
-
-def build_model(cfg: Config):
-    if hasattr(cfg.model, "compute_dtype"):
-        cfg.model.compute_dtype = cfg.precision.compute_dtype
-    return get_model(cfg.model.name).cls(cfg.model)
-
-
 def _init_parallel(cfg: Config):
     """Check the layout against the world size as launched (one process included), then create the
     process groups."""
@@ -108,7 +92,7 @@ def _init_parallel(cfg: Config):
 
 def mfu_terms(cfg: Config, seq_length: int, world_size: int) -> Optional[Tuple[float, float]]:
     """`(model FLOPs per token, peak FLOP/s of the whole job)` for the `mfu` metric: FLOPs from
-    `moetrain.plan.flops_per_token` (6 x active matmul params + attention), peak from the device
+    `moetrain.planner.flops_per_token` (6 x active matmul params + attention), peak from the device
     profile (`moetrain.devices`; ranks of a shared CPU host share its peak). None when the planner
     does not model this model (e.g. the MNIST MLP) or device."""
     if not seq_length:
@@ -150,7 +134,7 @@ class ProfilerWindow:
 
 
 def resolve_auto_layout(cfg: Config, world_size: Optional[int] = None):
-    """`parallel.mode: auto`: the layout `moetrain.plan.choose_layout` picks for the launched world
+    """`parallel.mode: auto`: the layout `moetrain.planner.choose_layout` picks for the launched world
     size (dp/tp/pp/ep, ZeRO level, recompute, micro-batches), applied to a copy of `cfg` and
     validated again. Returns `(cfg, search)`; `search` is None for `mode: manual`."""
     if cfg.parallel.mode != "auto":
@@ -164,11 +148,11 @@ def resolve_auto_layout(cfg: Config, world_size: Optional[int] = None):
         if cfg.train.global_batch_size % (world * max(1, cfg.train.micro_batch_size)):
             chosen.train.micro_batch_size = 0   # the user's micro-batch does not divide: one per rank and step
         print(f"moetrain: parallel.mode=auto: {exc}; running data parallel over {world} rank(s)", flush=True)
-        _validate(chosen, f"{cfg.source} (parallel.mode=auto: data_parallel={world})")
+        validate(chosen, f"{cfg.source} (parallel.mode=auto: data_parallel={world})")
         return chosen, None
     _, search = choose_layout(cfg, world)
     chosen = apply_layout(cfg, search.chosen.layout)
-    _validate(chosen, f"{cfg.source} (parallel.mode=auto chose {search.chosen.layout.describe()})")
+    validate(chosen, f"{cfg.source} (parallel.mode=auto chose {search.chosen.layout.describe()})")
     return chosen, search
 
 

@@ -67,7 +67,7 @@ config_value() {  # KEY FALLBACK: the resolved config value, or FALLBACK if moet
 if [[ -z "${MOETRAIN_DEVICE:-}" && -z "${MOETRAIN_ENTRY:-}" ]]; then
   python - "$CONFIG" ${SETS[@]+"${SETS[@]}"} <<'PY' || exit 3
 import sys
-from moetrain.plan import explain_cannot_run_here, load_plan_config
+from moetrain.planner.cli import explain_cannot_run_here, load_plan_config
 overrides = [a for a in sys.argv[2:] if a != "--set"]
 try:
     message = explain_cannot_run_here(load_plan_config(sys.argv[1], overrides))

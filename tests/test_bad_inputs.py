@@ -70,7 +70,7 @@ def test_data_parallel_is_inferred_from_the_launched_world_size(monkeypatch, cap
 
 
 def test_plan_never_suggests_a_data_parallel_the_batch_cannot_use(capsys):
-    from moetrain.plan import main as plan
+    from moetrain.planner import main as plan
 
     assert plan([GPT_TINY, "--world", "3"]) == 2
     err = capsys.readouterr().err

@@ -153,7 +153,7 @@ import numpy as np
 import mindspore as ms
 sys.path.insert(0, {root!r})
 from moetrain.config import load_config
-from moetrain.trainer import build_model, setup_device
+from moetrain.build import build_model, setup_device
 
 setup_device("cpu")
 cfg = load_config({config!r}, ["model.num_layers=3", "model.first_k_dense=1", "model.tie_embeddings=true",

@@ -27,7 +27,7 @@ DATA_PARALLEL = ["--set", "parallel.data_parallel=2", "--set", "parallel.optimiz
 
 def run_plan(*args):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "moetrain.plan", TINY, *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "moetrain.planner", TINY, *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)
 
 
@@ -35,7 +35,7 @@ def local_numels(dp: int, ep: int, layers: int = 2):
     """`(name, elements on one rank, ZeRO group size, trainable)` of every Parameter of moe_tiny
     with `layers` layers, from a model built here: routed-expert weights split over ep, the rest whole."""
     from moetrain.config import load_config
-    from moetrain.trainer import build_model
+    from moetrain.build import build_model
 
     cfg = load_config(TINY, [f"model.num_layers={layers}"])
     out = []
@@ -103,7 +103,7 @@ def test_plan_within_bounds_of_measurement(dry_ep, dry_dp):
 def plan_in_process(capsys, monkeypatch, *args):
     """(exit status, stderr) of `moetrain plan TINY ARGS` run in this process: for arguments refused before
     any model is built, where a fresh interpreter would cost seconds of imports for nothing."""
-    from moetrain.plan import main
+    from moetrain.planner import main
 
     monkeypatch.chdir(ROOT)
     capsys.readouterr()

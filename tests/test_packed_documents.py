@@ -38,7 +38,7 @@ def ms():
 
 
 def build(ms, family, *extra):
-    from moetrain.trainer import build_model
+    from moetrain.build import build_model
 
     config, overrides = FAMILIES[family]
     cfg = load_config(os.path.join(ROOT, "configs", config), overrides + ["model.init_std=0.2", *extra])

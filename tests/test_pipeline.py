@@ -184,7 +184,7 @@ def _tiny_moe_model(tied: bool):
     """A fresh whole model from seed 7, and its config (call again for another identical copy)."""
     import mindspore as ms
 
-    from moetrain.trainer import build_model
+    from moetrain.build import build_model
 
     cfg = load_config(MOE_CFG, TINY + TINY_MOE + ["model.vocab_size=256", f"model.tie_embeddings={str(tied).lower()}"])
     ms.set_seed(7)
@@ -284,7 +284,7 @@ def test_expert_bias_update_reaches_already_compiled_graphs():
     from mindspore import Tensor
 
     from moetrain.parallel.pipeline import PipelineExecutor, build_stages
-    from moetrain.trainer import build_model
+    from moetrain.build import build_model
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
@@ -408,7 +408,7 @@ def test_plan_reports_the_schedule_bubble_and_inputs_in_flight():
     `schedule_bubble`), the inputs each stage holds (counted from the lists), stage 0 holding the
     head with ZB-V, and a step time that follows the bubble."""
     from moetrain.parallel.schedules import build_schedule, peak_in_flight, schedule_bubble
-    from moetrain.plan import format_plan, load_plan_config, pipeline_bubble, plan
+    from moetrain.planner import format_plan, load_plan_config, pipeline_bubble, plan
 
     base = ["parallel.pipeline_stage=4", "parallel.data_parallel=1", "parallel.expert_parallel=1",
             "train.global_batch_size=16", "train.micro_batch_size=1"]

@@ -233,12 +233,12 @@ def test_dry_run_builds_a_chunked_stage():
     i.e. layers 1 and 2 of 4 and no embedding or head; its measured weights equal the bytes of
     those layers' Parameters in a model built here, and the planned static bytes agree."""
     from moetrain.config import load_config
-    from moetrain.trainer import build_model
+    from moetrain.build import build_model
 
     sets = ["parallel.pipeline_stage=2", "parallel.pipeline_schedule=zero_bubble_v", "model.num_layers=4",
             "data.seq_length=32", "train.micro_batch_size=1", f"train.global_batch_size={MICRO}"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-m", "moetrain.plan", os.path.join(ROOT, CONFIG), "--dry-run", "--rank",
+    result = subprocess.run([sys.executable, "-m", "moetrain.planner", os.path.join(ROOT, CONFIG), "--dry-run", "--rank",
                              "1", "--json", *(arg for s in sets for arg in ("--set", s))],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -261,7 +261,7 @@ def test_planned_pipeline_traffic_counts_every_chunk_crossing(pp, kind, interlea
     from moetrain.devices import get_device
     from moetrain.layout import Layout
     from moetrain.parallel.schedules import build_schedule
-    from moetrain.plan import Job, plan_layout
+    from moetrain.planner import Job, plan_layout
 
     cfg = load_config(os.path.join(ROOT, CONFIG), MODEL + [
         f"parallel.pipeline_stage={pp}", f"parallel.pipeline_schedule={kind}", f"parallel.pp_interleave_num={interleave}",
@@ -288,7 +288,7 @@ def test_layout_search_tries_every_schedule_where_the_layers_allow():
     import dataclasses
 
     from moetrain.config import load_config
-    from moetrain.plan import choose_layout, pipeline_bubble
+    from moetrain.planner import choose_layout, pipeline_bubble
 
     cfg = load_config(os.path.join(ROOT, CONFIG), MODEL + ["train.global_batch_size=8"])
     _, search = choose_layout(cfg, 4, device="cpu")
@@ -336,7 +336,7 @@ def test_which_schedule_wins_on_cpu_and_on_an_accelerator():
     on both here: they put recomputing chunks on the last stage too, and exchange twice as often."""
     from moetrain.config import load_config
     from moetrain.layout import Layout
-    from moetrain.plan import Job, choose_layout, plan_layout
+    from moetrain.planner import Job, choose_layout, plan_layout
 
     cfg = load_config(os.path.join(ROOT, CONFIG), MODEL + ["train.global_batch_size=8"])
     job = Job.of(cfg)
@@ -365,14 +365,14 @@ def test_planned_activations_of_every_schedule_match_the_dry_run():
     a dry run (a second dry run in the same process measured 2 gradient buffers more: the pool's
     record starts from the first run's state). Before the accumulation fix
     (moetrain/parallel/pipeline.py) the chunked schedules measured about twice their plan."""
-    from moetrain.plan import _gib
+    from moetrain.planner import format_bytes
 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     table = []
     for kind, rank in DRY_RUNS:
         sets = DRY_RUN_SHAPE + ["parallel.pipeline_stage=2", f"parallel.pipeline_schedule={kind}"] + (
             ["parallel.pp_interleave_num=2"] if kind == "interleaved_1f1b" else [])
-        result = subprocess.run([sys.executable, "-m", "moetrain.plan", os.path.join(ROOT, "configs", "gpt_tiny.yaml"),
+        result = subprocess.run([sys.executable, "-m", "moetrain.planner", os.path.join(ROOT, "configs", "gpt_tiny.yaml"),
                                  "--dry-run", "--json", "--rank", str(rank), *(a for s in sets for a in ("--set", s))],
                                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -380,5 +380,5 @@ def test_planned_activations_of_every_schedule_match_the_dry_run():
         planned, measured = run["planned"]["activations"], run["measured"]["activations"]
         assert run["layers"] == 16 and run["micro_batches"] == 2 and measured > 0
         assert run["planned"]["gradients"] == run["measured"]["gradients"]
-        table.append(f"{kind} rank {rank}: planned {_gib(planned)}, measured {_gib(measured)}")
+        table.append(f"{kind} rank {rank}: planned {format_bytes(planned)}, measured {format_bytes(measured)}")
         assert abs(planned / measured - 1) <= 0.25, "\n".join(table)

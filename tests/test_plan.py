@@ -6,9 +6,11 @@ import os
 import pytest
 
 from moetrain.devices import GiB, DeviceProfile, get_device
-from moetrain.plan import (DISPATCH_ROW_MARGIN, THROUGHPUT_TIE, Job, Layout, LayoutError, _tie_key, apply_layout, choose_layout,
-                           count_parameters, explain_cannot_run_here, flops_per_token, format_plan, plan_problems,
-                           load_plan_config, main, parameter_counts, plan, plan_layout)
+from moetrain.layout import Layout, LayoutError
+from moetrain.planner import (DISPATCH_ROW_MARGIN, THROUGHPUT_TIE, Job, apply_layout, choose_layout, count_parameters,
+                              explain_cannot_run_here, flops_per_token, format_plan, load_plan_config, main,
+                              parameter_counts, plan, plan_layout, plan_problems)
+from moetrain.planner.search import _tie_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -362,7 +364,7 @@ def test_run_8p_on_moe_1b_stops_before_workers_on_a_machine_without_ascend():
     import os
     import subprocess
 
-    from moetrain.plan import device_available
+    from moetrain.planner import device_available
 
     if device_available("ascend"):
         pytest.skip("this machine has Ascend: the production command would really start")
@@ -473,7 +475,7 @@ def test_folded_layout_costs_and_search():
     assert folded.comm_bytes["dp"] < unfolded.comm_bytes["dp"]                # half of each expert to sync
     spanning = plan_layout(job, Layout(tp=2, ep=2, dp=1, micro_batch_size=4), EXACT)
     assert spanning.comm_bytes["ep"] > 0
-    from moetrain.plan import candidate_layouts
+    from moetrain.planner import candidate_layouts
 
     layouts = candidate_layouts(job, 4)
     assert any(L.etp == 2 for L in layouts) and any(L.ep > L.dp for L in layouts)

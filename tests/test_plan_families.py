@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from moetrain.plan import flops_per_token, main, parameter_counts
+from moetrain.planner import flops_per_token, main, parameter_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 16

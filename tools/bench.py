@@ -13,7 +13,7 @@ graph compiles in the first) are not timed. Printed fields:
   compile_s         the first step's wall time minus the median step: graph compilation (the
                     grad step, the optimizer's prepare and apply) and the first run's allocations
   first_step_s      the first step's wall time
-  mfu               model FLOPs (moetrain.plan.flops_per_token: 6 x active matmul params + the
+  mfu               model FLOPs (moetrain.planner.flops_per_token: 6 x active matmul params + the
                     attention matmuls) per second / peak_gflops
   peak_gflops       back-to-back fp32 matmul throughput of this machine, measured at start: the
                     best of a jitted MindSpore 2048^2 matmul chain, numpy, and numpy's rate per
@@ -177,7 +177,7 @@ def run(args) -> dict:
 
     from moetrain import kernels
     from moetrain.config import config_from_dict
-    from moetrain.plan import flops_per_token
+    from moetrain.planner import flops_per_token
     from moetrain.trainer import Trainer
 
     ms.set_context(mode=ms.PYNATIVE_MODE)

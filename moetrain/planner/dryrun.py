@@ -61,6 +61,18 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+import mindspore as ms
+
+from moetrain.build import build_model, setup_device
+from moetrain.dist.solo import SoloComm
+from moetrain.dist.topology import ParallelContext
+from moetrain.layout import Layout, check_config_layout
+from moetrain.parallel.expert_parallel import moe_layers
+from moetrain.parallel.parallelize import parallelize
+from moetrain.planner.arch import Job
+from moetrain.planner.costs import plan_layout
+from moetrain.planner.report import format_bytes
+
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "dispatch_buffers")
 STATIC = ("weights", "gradients", "optimizer")
 STATIC_BOUND, ACTIVATION_BOUND = 0.10, 0.25     # planned vs measured (issue 18)
@@ -111,8 +123,6 @@ class PoolRecorder:
         self.allocated = np.zeros(0, np.int64)
 
     def __enter__(self) -> "PoolRecorder":
-        import mindspore as ms
-
         self.profiler = ms.profiler.profile(profile_memory=True,
                                             on_trace_ready=ms.profiler.tensorboard_trace_handler(self.folder))
         with _quiet():
@@ -176,8 +186,6 @@ def nbytes(tensors) -> int:
 def dry_run_config(cfg, seq_length: Optional[int] = None, micro_batches: Optional[int] = None,
                    layers: Optional[int] = None):
     """`(config to run, notes)`: a copy of `cfg` adapted to one CPU process (see the module notes)."""
-    from moetrain.layout import Layout
-
     run = copy.deepcopy(cfg)
     notes = []
     layout = Layout.of(cfg)
@@ -218,9 +226,6 @@ def fitting_defaults(cfg, rank: int = 0):
     `(None, None)` when the whole job's plan fits in `DEFAULT_BUDGET`; else the fewest leading
     layers that include a MoE layer (and one per pipeline stage), then the sequence halved down to
     `MIN_DEFAULT_SEQ` until the plan fits."""
-    from moetrain.layout import Layout
-    from moetrain.plan import Job, plan_layout
-
     def planned(seq, layers):
         run = dry_run_config(cfg, seq, layers=layers)[0]
         layout = Layout.of(run)
@@ -252,10 +257,6 @@ def _random_batches(cfg, layout, seq_length: int, count: int):
 def measure_dispatch(model, solo, micro_batch_size: int, seq_length: int, hidden: int) -> Dict[str, int]:
     """Token-row buffer bytes of this rank's first MoE layer on one micro-batch (PyNative): the rows
     its experts read and write, and what its expert-parallel exchanges send and receive."""
-    import mindspore as ms
-
-    from moetrain.parallel.expert_parallel import moe_layers
-
     layers = moe_layers(model)
     if not layers:
         return {"per_layer": 0, "layers": 0, "expert_rows": 0, "exchanged": 0}
@@ -278,15 +279,6 @@ def measure_dispatch(model, solo, micro_batch_size: int, seq_length: int, hidden
 def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches: Optional[int] = None,
             layers: Optional[int] = None) -> DryRun:
     """Build rank `rank` of `cfg`'s job, run one step, measure it, plan the same job (module notes)."""
-    import mindspore as ms
-
-    from moetrain.dist.solo import SoloComm
-    from moetrain.dist.topology import ParallelContext
-    from moetrain.layout import Layout, check_config_layout
-    from moetrain.parallel.parallelize import parallelize
-    from moetrain.plan import Job, plan_layout
-    from moetrain.trainer import build_model, setup_device
-
     shortened = []
     if seq_length is None and layers is None:
         seq_length, layers = fitting_defaults(cfg, rank)
@@ -350,8 +342,6 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
 
 
 def format_dry_run(r: DryRun) -> str:
-    from moetrain.plan import _gib
-
     lines = [f"moetrain plan --dry-run: {r.source or 'config'}, {r.describe}",
              f"  ran: {r.layers} layers, {r.micro_batches} micro-batch(es) of {r.layout.micro_batch_size} x "
              f"{r.seq_length} tokens, {r.compute_dtype} compute, {r.layout.describe()}"]
@@ -360,10 +350,10 @@ def format_dry_run(r: DryRun) -> str:
     for key in CATEGORIES:
         p, m = r.planned[key], r.measured[key]
         ratio = f"{m / p:.3f}" if p else "-"
-        lines.append(f"  {key:<20}{_gib(p):>14}{_gib(m):>14}{ratio:>18}{_gib(r.planned_full.get(key, 0)):>16}")
+        lines.append(f"  {key:<20}{format_bytes(p):>14}{format_bytes(m):>14}{ratio:>18}{format_bytes(r.planned_full.get(key, 0)):>16}")
     static_p = sum(r.planned[k] for k in STATIC)
     static_m = sum(r.measured[k] for k in STATIC)
-    lines.append(f"  {'static (w+g+o)':<20}{_gib(static_p):>14}{_gib(static_m):>14}{static_m / static_p:>18.3f}")
-    lines.append(f"  step {r.detail.get('step_s', 0):.1f} s, peak RSS {_gib(r.detail.get('peak_rss', 0)).strip()}; "
+    lines.append(f"  {'static (w+g+o)':<20}{format_bytes(static_p):>14}{format_bytes(static_m):>14}{static_m / static_p:>18.3f}")
+    lines.append(f"  step {r.detail.get('step_s', 0):.1f} s, peak RSS {format_bytes(r.detail.get('peak_rss', 0)).strip()}; "
                  f"bounds (issue 18): static within {STATIC_BOUND:.0%}, activations within {ACTIVATION_BOUND:.0%}")
     return "\n".join(lines)

@@ -1,0 +1,224 @@
+"""What the planner plans: the model's shape (`Arch`), the training job (`Job`), and the closed-form
+parameter and FLOP counts (docs/plan.md, "Parameters", "FLOPs"). `flops_per_token` is also the
+trainer's `mfu` numerator."""
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from moetrain.layout import Layout, LayoutError, ModelShape, layout_problems
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+FP32 = 4
+OPTIMIZER_FP32_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "momentum": 1, "sgd": 0}
+# Expert rows per routed assignment of a load-proportional dropless dispatcher: the routed rows
+# rounded up to its static buckets / blocks (issue 18 bounds expert_rows / routed at 1.3).
+DISPATCH_ROW_MARGIN = 1.1
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The shape numbers of a `gpt` / `moe_gpt` model config that the formulas use."""
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    tied: bool
+    moe_layers: Tuple[int, ...] = ()
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    capacity_factor: float = 0.0
+    value_dim: int = 0                # per-head value width (MLA's v_head_dim); 0: head_dim
+    q_lora_rank: int = 0              # MLA (deepseek_v3): query bottleneck, 0: a plain query projection
+    kv_lora_rank: int = 0             # MLA key/value latent; 0: not MLA
+    rope_dim: int = 0                 # MLA: rotary part of head_dim (the decoupled key shared by the heads)
+    qk_norm: bool = False             # per-head q/k RMSNorm (qwen3_moe)
+    mtp_depth: int = 0                # multi-token-prediction modules after the stack (each an MoE block)
+
+    @classmethod
+    def of(cls, model_cfg) -> "Arch":
+        required = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "head_dim")
+        missing = [key for key in required if not hasattr(model_cfg, key)]
+        if missing:
+            raise LayoutError(f"the planner models Llama-style transformers (model.name gpt or moe_gpt); "
+                              f"model {getattr(model_cfg, 'name', model_cfg)!r} lacks {', '.join(missing)}")
+        arch = dict(vocab=model_cfg.vocab_size, hidden=model_cfg.hidden_size, layers=model_cfg.num_layers,
+                    heads=model_cfg.num_heads, kv_heads=model_cfg.num_kv_heads or model_cfg.num_heads,
+                    head_dim=model_cfg.head_dim, ffn=model_cfg.ffn_hidden_size, tied=model_cfg.tie_embeddings)
+        if getattr(model_cfg, "kv_lora_rank", 0):
+            arch.update(value_dim=model_cfg.v_head_dim, q_lora_rank=model_cfg.q_lora_rank,
+                        kv_lora_rank=model_cfg.kv_lora_rank, rope_dim=model_cfg.qk_rope_head_dim,
+                        mtp_depth=model_cfg.mtp_depth)
+        arch["qk_norm"] = getattr(model_cfg, "name", "") == "qwen3_moe"
+        moe = getattr(model_cfg, "moe", None)
+        if moe is not None:
+            arch.update(moe_layers=tuple(model_cfg.moe_layers), experts=moe.num_experts, top_k=moe.top_k,
+                        expert_ffn=moe.ffn_hidden_size, shared_ffn=moe.shared_hidden_size,
+                        capacity_factor=float(moe.capacity_factor))
+        return cls(**arch)
+
+    @property
+    def v_dim(self) -> int:
+        return self.value_dim or self.head_dim
+
+    @functools.cached_property
+    def attention_split_params(self) -> int:
+        """Attention matmul weights split over tensor parallelism (by heads)."""
+        h, n, d = self.hidden, self.heads, self.head_dim
+        if not self.kv_lora_rank:                 # wq, wk, wv, wo
+            return h * (n + 2 * self.kv_heads) * d + n * d * h
+        query = (self.q_lora_rank or h) * n * d   # wq_b (or wq)
+        return query + self.kv_lora_rank * n * (d - self.rope_dim + self.v_dim) + n * self.v_dim * h  # + wkv_b, wo
+
+    @functools.cached_property
+    def attention_replicated_params(self) -> int:
+        """MLA's latent projections wq_a and wkv_a: whole on every tensor-parallel rank."""
+        if not self.kv_lora_rank:
+            return 0
+        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.rope_dim)
+
+    @property
+    def attention_params(self) -> int:            # every attention matmul weight
+        return self.attention_split_params + self.attention_replicated_params
+
+    @property
+    def attention_norm_params(self) -> int:       # norms inside attention: MLA latent norms, Qwen3 q/k norms
+        return self.q_lora_rank + self.kv_lora_rank + (2 * self.head_dim if self.qk_norm else 0)
+
+    def attention_core_flops(self, seq_length: int) -> float:
+        """Forward FLOPs of QK^T and AV per token in one layer: 2 S a (d_qk + d_v)."""
+        return 2 * seq_length * self.heads * (self.head_dim + self.v_dim)
+
+    @property
+    def mtp_layers(self) -> Tuple[int, ...]:
+        """Pseudo layer indices `layers .. layers + mtp_depth - 1` of the MTP blocks (MoE blocks)."""
+        return tuple(range(self.layers, self.layers + self.mtp_depth))
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layer_set or layer >= self.layers
+
+    @functools.cached_property
+    def moe_layer_set(self) -> frozenset:
+        return frozenset(self.moe_layers)
+
+    def routed_rows_per_token(self, exact: bool = False) -> float:
+        """Expert-buffer rows per token: top_k assignments, padded to capacity when there is one,
+        else load-proportional (`DISPATCH_ROW_MARGIN`; none for the exact one-row layout that
+        one process runs with the CPU kernels)."""
+        margin = 1.0 if exact else DISPATCH_ROW_MARGIN
+        return self.top_k * (self.capacity_factor if self.capacity_factor > 0 else margin)
+
+
+@dataclass(frozen=True)
+class Job:
+    """The training settings, besides the layout, that costs depend on."""
+    model: object                     # GPTConfig / MoEGPTConfig
+    seq_length: int
+    global_batch_size: int            # sequences per optimizer step
+    compute_dtype: str = "float32"    # matmul / activation dtype
+    grad_dtype: str = "float32"       # dtype gradients are accumulated and reduced in
+    optimizer: str = "adamw"
+
+    @classmethod
+    def of(cls, cfg) -> "Job":
+        return cls(model=cfg.model, seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", 0),
+                   global_batch_size=cfg.train.global_batch_size, compute_dtype=cfg.precision.compute_dtype,
+                   grad_dtype=cfg.parallel.grad_reduce_dtype, optimizer=cfg.optimizer.name)
+
+    # Derived once per job: the layout search costs thousands of layouts of the same model.
+    @functools.cached_property
+    def arch(self) -> "Arch":
+        return Arch.of(self.model)
+
+    @functools.cached_property
+    def params(self) -> "ParamCount":
+        return parameter_counts(self.model)
+
+
+def apply_layout(cfg, layout: Layout):
+    """A copy of `cfg` set to run `layout` (its parallel.* keys and train.micro_batch_size)."""
+    new = copy.deepcopy(cfg)
+    for key, value in layout.parallel_settings().items():
+        setattr(new.parallel, key, value)
+    new.train.micro_batch_size = layout.micro_batch_size
+    return new
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int          # every Parameter of the built model, the non-trainable expert_bias included
+    trainable: int
+    active: int         # used by one token: dense parts, router, shared experts, top_k routed experts
+    matmul_active: int  # active params that enter a matmul (FLOPs): no embedding lookup, norms, bias
+    embedding: int
+    expert: int         # routed-expert weights (all experts)
+
+
+def parameter_counts(model_cfg) -> ParamCount:
+    a = Arch.of(model_cfg)
+    h = a.hidden
+    embedding = a.vocab * h
+    head = 0 if a.tied else a.vocab * h
+    total = embedding + head + h                                   # + final norm
+    matmul = a.vocab * h                                           # the LM head (tied or not)
+    expert = frozen = inactive = 0
+    for layer in list(range(a.layers)) + list(a.mtp_layers):
+        if layer >= a.layers:   # an MTP depth: enorm, hnorm, final_norm, eh_proj [H, 2H], then its block
+            total += 3 * h + 2 * h * h
+            matmul += 2 * h * h + a.vocab * h                      # eh_proj and the shared LM head again
+        total += a.attention_params + a.attention_norm_params + 2 * h   # + attention_norm, ffn_norm
+        matmul += a.attention_params
+        if a.is_moe(layer):
+            routed = 3 * h * a.expert_ffn * a.experts
+            total += a.experts * h + routed + 3 * h * a.shared_ffn + a.experts     # router ... expert_bias
+            matmul += a.experts * h + 3 * h * a.expert_ffn * a.top_k + 3 * h * a.shared_ffn
+            expert += routed
+            frozen += a.experts
+            inactive += 3 * h * a.expert_ffn * (a.experts - a.top_k)
+        else:
+            total += 3 * h * a.ffn
+            matmul += 3 * h * a.ffn
+    return ParamCount(total=total, trainable=total - frozen, active=total - inactive, matmul_active=matmul,
+                      embedding=embedding, expert=expert)
+
+
+def count_parameters(model_cfg) -> Tuple[int, int]:
+    """`(total, active)`; total == `sum(p.size for p in model.get_parameters())` of the built model
+    (expert_bias included: it is saved and held in memory, though not trained)."""
+    counts = parameter_counts(model_cfg)
+    return counts.total, counts.active
+
+
+def attention_flops_per_token(arch: Arch, seq_length: int) -> float:
+    """Training FLOPs of QK^T and AV per token over all layers and MTP blocks: 3 x 2 S a (d_qk + d_v),
+    i.e. 12 L a d_head S when d_qk = d_v (the full S x S matrix, as in PaLM's MFU; a causal kernel
+    skips half)."""
+    return 3 * (arch.layers + arch.mtp_depth) * arch.attention_core_flops(seq_length)
+
+
+def flops_per_token(model_cfg, seq_length: int) -> float:
+    """Model training FLOPs per token: 6 x active matmul params + 12 L (a d_head) S."""
+    return 6 * parameter_counts(model_cfg).matmul_active + attention_flops_per_token(Arch.of(model_cfg), seq_length)
+
+
+def plan_problems(job: Job, layout: Layout, world_size: Optional[int] = None) -> List[str]:
+    """Every reason `layout` cannot run `job` (empty when it can): the layout rules
+    (`moetrain.layout`) and what the planner itself needs (an optimizer it can cost)."""
+    problems = layout_problems(layout, ModelShape.of(job.model), world=world_size,
+                               global_batch_size=job.global_batch_size, seq_length=job.seq_length)
+    if job.optimizer not in OPTIMIZER_FP32_STATES:
+        problems.append(f"optimizer.name {job.optimizer!r} is not one of {sorted(OPTIMIZER_FP32_STATES)}")
+    return problems
+
+
+def validate_plan(job: Job, layout: Layout, world_size: Optional[int] = None) -> None:
+    problems = plan_problems(job, layout, world_size)
+    if problems:
+        raise LayoutError(f"layout {layout.describe()} cannot run:\n  - " + "\n  - ".join(problems))

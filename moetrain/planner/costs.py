@@ -1,0 +1,371 @@
+"""What a layout costs, per pipeline stage and for the whole step: memory per device (weights,
+gradients, optimizer states with ZeRO, activations after Korthikanti et al. 2022 adapted to
+SwiGLU/GQA/MoE), bytes each parallel dimension moves, and the step time and MFU of the cost model
+(docs/plan.md has every formula and its source).
+
+Rank order assumed for link placement: tensor-parallel ranks innermost, then expert-parallel (a
+slice of data parallel), then data parallel, pipeline stages outermost."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple, Union
+
+from moetrain.devices import DeviceProfile, get_device
+from moetrain.layout import RECOMPUTE_MODES, Layout
+from moetrain.parallel import schedules
+from moetrain.planner.arch import (DTYPE_BYTES, FP32, OPTIMIZER_FP32_STATES, Arch, Job, ParamCount,
+                                   attention_flops_per_token, validate_plan)
+from moetrain.planner.schedule import last_stage, pipeline_bubble, pipeline_in_flight, pipeline_peak, chunk_layer_lists
+
+MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragmentation, workspace peaks
+
+
+def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int,
+                     fused: bool = False, exact: bool = False) -> Tuple[float, float]:
+    """`(stored, attention_probs)`: bytes one layer keeps for backward for `tokens` tokens of one
+    micro-batch, without recompute. Korthikanti et al. (2022) term by term, for this model: fp32
+    residual and norms, no dropout, GQA, SwiGLU, MoE. Terms outside the tensor-parallel region
+    are split by tp only under sequence parallelism. `fused`: the CPU kernels run
+    (`moetrain.kernels`, fp32 compute): the attention kernel keeps no probabilities, and the
+    grouped experts and the dense SwiGLU MLP keep gate|up and the SwiGLU output (3 F a row, not 4)."""
+    h, d, t = arch.hidden, dtype_bytes, layout.tp
+    outside = t if layout.sequence_parallel else 1
+    # attention: norm input (fp32) + QKV input; Q, K, V and the output O
+    attention = ((FP32 + d) * tokens * h / outside           # Q, K, V, O (MLA: + its latents, whole)
+                 + d * tokens * (arch.head_dim * (arch.heads + arch.kv_heads) + arch.v_dim * (arch.heads + arch.kv_heads)) / t
+                 + d * tokens * (arch.q_lora_rank + arch.kv_lora_rank + arch.rope_dim))
+    probs = 0.0 if fused else d * arch.heads * seq_length * tokens / t   # softmax output, a x S x S per sequence
+    if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up (fused: gate|up, the product)
+        ffn = (FP32 + d) * tokens * h / outside + (3 if fused else 4) * d * tokens * arch.ffn / t
+    else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router is
+        # whole on every tp rank; folded, a tp rank dispatches 1/token_slices of the tokens to experts
+        # split over etp, into buffers sized from its dp rank's counts (moetrain/moe/capacity.py)
+        rows = tokens * arch.routed_rows_per_token(exact)
+        ffn = (FP32 * tokens * h / outside + FP32 * tokens * h  # norm input, router input (fp32)
+               + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
+               + (FP32 + d) * rows * h                          # dispatched rows (fp32, the norm's), expert output
+               + (3 if fused else 4) * d * rows * arch.expert_ffn / layout.etp)       # expert SwiGLU
+        if arch.shared_ffn:
+            ffn += d * tokens * h / outside + 4 * d * tokens * arch.shared_ffn / t
+    return attention + ffn, probs
+
+
+def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, exact: bool = False) -> float:
+    """Token-row buffers of one MoE layer for `tokens` tokens (what `moetrain plan --dry-run`
+    measures): the rows the experts read (fp32: the norm's output, moetrain/moe/layer.py) and
+    write (compute dtype), and with expert parallelism the exchanges that carry them there and
+    back (sent and received: twice each)."""
+    rows = tokens * arch.routed_rows_per_token(exact)      # folded: the capacities follow the dp rank's counts
+    return rows * arch.hidden * (FP32 + dtype_bytes) * (3 if layout.ep > 1 else 1)
+
+
+@dataclass
+class StageCost:
+    stage: int
+    layers: int
+    params: int                 # parameters held by one device of this stage
+    memory: Dict[str, float]    # weights, gradients, optimizer, activations, runtime -> bytes
+    activations_by_recompute: Dict[str, float]
+    comm_bytes: Dict[str, float]         # per step, per device
+    comm_seconds: Dict[str, float]
+    compute_seconds_per_micro_batch: float
+    comm_seconds_per_micro_batch: float  # tp / sp / ep / pp: on the critical path
+    dp_seconds: float                    # gradient sync, overlapped with the last backward
+    dispatch_bytes: float = 0.0          # token-row buffers of the stage's MoE layers, one micro-batch
+    in_flight: int = 1                   # micro-batch (chunk) inputs held by the pipeline schedule
+    in_flight_bytes: float = 0.0         # their bytes (part of the activations)
+    pass_costs: List[Tuple[float, float, float]] = field(default_factory=list)   # per chunk: F, B, W seconds
+
+    @property
+    def total_memory(self) -> float:
+        return sum(self.memory.values())
+
+
+def _bandwidth(device: DeviceProfile, span: int) -> float:
+    """A group of consecutive-enough ranks stays on the fast links while it fits in one node."""
+    return device.intra_node_bandwidth if span <= device.devices_per_node else device.inter_node_bandwidth
+
+
+def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stage: int,
+                chunks: List[List[int]]) -> StageCost:
+    """The costs of pipeline stage `stage`, whose model chunks hold the layers `chunks`."""
+    L, h, s = layout, arch.hidden, job.seq_length
+    layer_ids = sorted(layer for chunk in chunks for layer in chunk)
+    t, first, last = L.tp, stage == 0, stage == last_stage(L)
+    d = DTYPE_BYTES[job.compute_dtype]
+    # What the code holds (measured by `moetrain plan --dry-run`): fp32 parameters, cast to the
+    # compute dtype per matmul (moetrain/layers.py); fp32 flat gradient buffers (grad_reduce_dtype
+    # is the wire dtype only); fp32 moments, and under ZeRO this rank's fp32 master rows.
+    weight_bytes = grad_bytes = FP32
+    state_bytes = FP32 * OPTIMIZER_FP32_STATES[job.optimizer] + (FP32 if L.zero >= 1 else 0)
+    wire_bytes = DTYPE_BYTES[job.grad_dtype]
+    # replicas of an expert slice: ep carved out of dp, or folded over tp x dp = etp x ep x edp
+    edp = L.dp * L.tp // (L.etp * L.ep) if L.expert_folded else L.dp // L.ep
+
+    # ---- parameters held by one device of this stage
+    dense = expert = frozen = 0.0
+    for layer in layer_ids:
+        dense += arch.attention_split_params / t + arch.attention_replicated_params + arch.attention_norm_params + 2 * h
+        if layer >= arch.layers:                 # MTP depth: its norms and eh_proj
+            dense += 3 * h + 2 * h * h
+        if arch.is_moe(layer):
+            dense += arch.experts * h + 3 * h * arch.shared_ffn / t
+            expert += 3 * h * arch.expert_ffn * arch.experts / (L.ep * L.etp)   # unsplit by tp unless etp
+            frozen += arch.experts
+        else:
+            dense += 3 * h * arch.ffn / t
+    if first:
+        dense += arch.vocab * h / t
+    if last:
+        dense += h + (arch.vocab * h / t if not arch.tied or L.pp > 1 else 0)
+    zero_grads = (L.dp, edp) if L.zero >= 2 else (1, 1)
+    zero_states = (L.dp, edp) if L.zero >= 1 else (1, 1)
+    memory = {
+        "weights": (dense + expert) * weight_bytes + frozen * FP32,
+        "gradients": (dense / zero_grads[0] + expert / zero_grads[1]) * grad_bytes,
+        "optimizer": (dense / zero_states[0] + expert / zero_states[1]) * state_bytes,
+    }
+
+    # ---- activations. Without a pipeline, one micro-batch's activations of every layer (gradient
+    # accumulation). With one, the pipeline keeps only each in-flight micro-batch's chunk INPUT and
+    # recomputes the chunk in its backward (moetrain/parallel/pipeline.py): `pipeline_peak` walks the
+    # schedule's instruction list with one chunk's activations live inside a pass.
+    tokens = L.micro_batch_size * s
+    in_flight = pipeline_in_flight(L, stage)
+    fused = device.name == "cpu" and d == FP32       # moetrain.kernels: CPU only, fp32 compute
+    exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
+    outside = t if L.sequence_parallel else 1
+    layer_input = FP32 * tokens * h / outside
+    if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
+        head, head_grad = FP32 * tokens * h + FP32 * arch.vocab * h, 0.0
+    else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype);
+        lower = d if d < FP32 else 0      # once a step, the head weight's gradient (measured at moe_1b width)
+        head = (2 * FP32 + 2 * lower) * tokens * arch.vocab / t
+        head_grad = (FP32 + lower) * arch.vocab * h / t if last else 0.0
+    logits = (head + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth)
+    # Besides: the compute-dtype copies of the weights (the matmuls' saved inputs; under full
+    # recompute only the recomputed layer's). The backward's per-parameter gradients add nothing
+    # at the peak without a pipeline (measured): each layer's appear as its saved activations are freed.
+    cast_bytes = d * (dense + expert) if d < FP32 else 0.0
+
+    def by_recompute(layers: List[int], extra: float) -> Dict[str, float]:
+        """One micro-batch's activations of `layers` per recompute mode, + `extra`."""
+        per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layers]
+        working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
+        casts = cast_bytes * len(layers) / max(1, len(layer_ids))
+        return {"none": sum(stored + probs for stored, probs in per_layer) + casts + extra,
+                "selective": sum(stored for stored, _ in per_layer) + casts + extra,
+                "full": layer_input * len(layers) + working_set + casts / max(1, len(layers)) + extra}
+
+    if L.pp == 1:
+        by_mode, stage_inputs = by_recompute(layer_ids, (logits + head_grad) if last else 0.0), 0.0
+    else:
+        V = L.pp * L.chunks
+        vstages = [schedules.virtual_stage(L.schedule, L.pp, stage, c) for c in range(L.chunks)]
+        inputs = [4.0 * tokens if u == 0 else layer_input for u in vstages]     # token ids on the first
+        working = [by_recompute(layers, logits if u == V - 1 else 0.0) for layers, u in zip(chunks, vstages)]
+        stage_inputs = in_flight * max(inputs)
+        by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
+                                       FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
+                   for mode in RECOMPUTE_MODES}
+    memory["activations"] = by_mode[L.recompute]
+    memory["runtime"] = device.runtime_bytes
+
+    # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work). Routers are whole
+    # on every tp rank, and so are the routed experts unless folded (then a tp rank computes
+    # 1/token_slices of the rows on 1/etp of the FFN: 1/tp of the work). The pipeline
+    # (moetrain/parallel/pipeline.py) recomputes a chunk's forward in its backward, except on the
+    # last virtual stage, whose forward takes its gradients at once; a split backward (zero-bubble)
+    # is two compiled passes that each recompute the forward: B (input gradient) and W (weight
+    # gradient, which also back-propagates through the chunk), so a chunk between the first and
+    # the last virtual stage computes one forward and one input gradient more (the first one's B is
+    # empty: token ids need no gradient). `pass_costs`: (F, B, W) seconds of each chunk's passes.
+    peak = device.peak(job.compute_dtype) / (L.world if device.shared_host else 1)
+    per_flop = tokens / (peak * device.compute_efficiency)
+    V = L.pp * L.chunks
+    split_backward = L.pp > 1 and L.schedule in schedules.SPLIT_BACKWARD
+    compute, pass_costs = 0.0, []
+    for c, layers in enumerate(chunks):
+        u = schedules.virtual_stage(L.schedule, L.pp, stage, c) if L.pp > 1 else 0
+        input_gradient_again = split_backward and 0 < u < V - 1
+        forward = tp_flops = whole = 0.0
+        for layer in layers:
+            moe = arch.is_moe(layer)
+            matmul = arch.attention_params + (3 * h * arch.shared_ffn if moe else 3 * h * arch.ffn)
+            routed = arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k / (L.token_slices * L.etp) if moe else 0
+            if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
+                matmul += 2 * h * h + arch.vocab * h
+            attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
+            forwards = 1 + (L.recompute == "full") + (L.pp > 1 and u < V - 1) + input_gradient_again
+            again = 2 * input_gradient_again                  # the input gradient once more (matmuls x2, core x2)
+            tp_flops += (4 + 2 * forwards + again) * matmul + (2 + forwards + again) * attention
+            whole += (4 + 2 * forwards + again) * routed
+            forward += 2 * matmul / t + attention / t + 2 * routed
+            if L.recompute == "selective":
+                tp_flops += attention
+        if u == V - 1:
+            tp_flops += 6 * arch.vocab * h
+            forward += 2 * arch.vocab * h / t
+        total = (tp_flops / t + whole) * per_flop
+        forward *= per_flop
+        compute += total
+        if L.pp == 1 or u == V - 1:          # the last virtual stage: all in its forward
+            pass_costs.append((total, 0.0, 0.0))
+        elif not split_backward:
+            pass_costs.append((forward, total - forward, 0.0))
+        else:                                # B: a forward and an input gradient (about a forward's FLOPs)
+            backward_input = 2 * forward if u > 0 else 0.0
+            pass_costs.append((forward, backward_input, total - forward - backward_input))
+
+    # ---- communication (bytes per device)
+    # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/dist/comm.py):
+    # all-gather and reduce-scatter move 2x the native bytes, all-to-all 2 x ep x.
+    gather_factor = 2 if device.emulated_collectives else 1
+    a2a_factor = 2 * L.ep if device.emulated_collectives else 1
+    full = L.recompute == "full"
+    per_mb = {"tp": 0.0, "sp": 0.0, "ep": 0.0, "pp": 0.0}
+    if t > 1:
+        collectives = len(layer_ids) * (10 + 4 * full if L.sequence_parallel else 4 + 2 * full) + first + last
+        size = tokens * h * d
+        if L.sequence_parallel:        # all-gathers / reduce-scatters of the sequence shards
+            per_mb["sp"] = collectives * (t - 1) / t * size * gather_factor
+        else:                          # all-reduces of the row-parallel outputs and column-parallel input grads
+            per_mb["tp"] = collectives * 2 * (t - 1) / t * size
+    moe_layers = sum(arch.is_moe(i) for i in layer_ids)
+    if L.ep > 1:   # folded: a slice's buffers are sized from its dp rank's counts (moetrain/moe/capacity.py)
+        rows = tokens * arch.routed_rows_per_token()
+        per_mb["ep"] = moe_layers * (4 + 2 * full) * (L.ep - 1) / L.ep * rows * h * d * a2a_factor
+    if L.token_slices > 1:   # folded: the slices' outputs all-gathered over tp_tokens (backward: the gradients)
+        n = L.token_slices
+        per_mb["tp"] += moe_layers * (2 + full) * (n - 1) / n * tokens * h * d * gather_factor
+    if L.etp > 1:            # the experts' partial outputs all-reduced over etp, their input gradients too
+        rows = tokens * arch.routed_rows_per_token()
+        per_mb["tp"] += moe_layers * (2 + full) * 2 * (L.etp - 1) / L.etp * rows * h * d
+    sends = schedules.sends_per_micro_batch(L.schedule, L.pp, stage, L.chunks) if L.pp > 1 else 0
+    if L.pp > 1:
+        # activations forward, gradients backward, at every chunk boundary that crosses to another stage
+        per_mb["pp"] = sends * layer_input
+    spans = {"tp": t, "sp": t, "ep": L.etp * L.ep if L.expert_folded else t * L.ep, "pp": L.world}
+    comm_bytes = {dim: per_mb[dim] * L.num_micro_batches for dim in per_mb}
+    comm_seconds = {dim: comm_bytes[dim] / _bandwidth(device, spans[dim]) for dim in per_mb}
+    # each exchange also costs a fixed latency, whatever its size: what more chunks a stage pay
+    comm_seconds["pp"] += sends * L.num_micro_batches * device.p2p_latency
+
+    def sync_bytes(params: float, group: int) -> float:
+        if group == 1:
+            return 0.0
+        if L.zero == 0:
+            return 2 * (group - 1) / group * params * wire_bytes
+        return (group - 1) / group * params * (wire_bytes + weight_bytes) * gather_factor
+    dense_sync, expert_sync = sync_bytes(dense, L.dp), sync_bytes(expert, edp)
+    comm_bytes["dp"] = dense_sync + expert_sync
+    dp_seconds = (dense_sync + expert_sync) / _bandwidth(device, t * L.dp)
+    comm_seconds["dp"] = dp_seconds
+    return StageCost(stage=stage, layers=len(layer_ids), params=int(dense + expert + frozen), memory=memory,
+                     in_flight=in_flight, in_flight_bytes=stage_inputs,
+                     dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact),
+                     activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
+                     compute_seconds_per_micro_batch=compute, pass_costs=pass_costs,
+                     comm_seconds_per_micro_batch=sum(comm_seconds[dim] for dim in per_mb) / L.num_micro_batches,
+                     dp_seconds=dp_seconds)
+
+
+
+
+@dataclass
+class PlanResult:
+    job: Job
+    layout: Layout
+    device: DeviceProfile
+    params: ParamCount
+    model_flops_per_token: float
+    hardware_flops_per_token: float      # with recompute
+    tokens_per_step: int
+    stages: List[StageCost]
+    peak_stage: int                      # the most loaded stage (memory)
+    capacity_bytes: float                # device memory per rank
+    usable_bytes: float                  # what the plan may fill: (capacity - runtime) x MEMORY_SAFETY
+    step_seconds: float
+    compute_seconds: float               # step = compute + bubble + exposed communication
+    bubble_seconds: float
+    exposed_comm_seconds: float
+    tokens_per_second: float
+    mfu: float
+    source: str = ""
+    notes: List[str] = field(default_factory=list)
+    bubble_fraction: float = 0.0         # the schedule's idle fraction (moetrain.parallel.schedules)
+
+    @property
+    def memory(self) -> Dict[str, float]:
+        return self.stages[self.peak_stage].memory
+
+    @property
+    def total_memory(self) -> float:
+        return self.stages[self.peak_stage].total_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.total_memory - self.device.runtime_bytes <= self.usable_bytes
+
+    @property
+    def comm_bytes(self) -> Dict[str, float]:
+        """Per dimension, the most any device moves per step."""
+        return {dim: max(stage.comm_bytes[dim] for stage in self.stages) for dim in self.stages[0].comm_bytes}
+
+    @property
+    def comm_seconds(self) -> Dict[str, float]:
+        return {dim: max(stage.comm_seconds[dim] for stage in self.stages) for dim in self.stages[0].comm_seconds}
+
+    @property
+    def total_comm_bytes(self) -> float:
+        return sum(self.comm_bytes.values())
+
+
+def plan_layout(job: Job, layout: Layout, device: Union[str, DeviceProfile] = "cpu", world_size=None,
+                source: str = "") -> PlanResult:
+    """Plan `job` on `layout`; raises LayoutError if the layout is invalid."""
+    validate_plan(job, layout, world_size)
+    return plan_valid_layout(job, layout, get_device(device), source)
+
+
+def plan_valid_layout(job: Job, layout: Layout, device: DeviceProfile, source: str = "") -> PlanResult:
+    arch = job.arch
+    stages = [stage_cost(job, arch, layout, device, i, chunk_layer_lists(arch, layout, i))
+              for i in range(layout.pp)]
+    peak_stage = max(range(len(stages)), key=lambda i: stages[i].total_memory)
+    capacity = device.memory_bytes / (layout.world if device.shared_host else 1)
+    usable = (capacity - device.runtime_bytes) * MEMORY_SAFETY
+
+    # The slowest stage paces the pipeline: m micro-batch slots of work, and the schedule's idle
+    # fraction at this runtime's pass costs (`pipeline_bubble`; 1F1B at pp 2: (pp - 1) / (m + pp - 1)).
+    pacing = max(stages, key=lambda st: st.compute_seconds_per_micro_batch + st.comm_seconds_per_micro_batch)
+    per_micro = pacing.compute_seconds_per_micro_batch
+    slot = per_micro + pacing.comm_seconds_per_micro_batch
+    bubble_fraction = pipeline_bubble(layout, [st.pass_costs for st in stages]) if layout.pp > 1 else 0.0
+    # Gradient sync overlaps the backward (~2/3 of the compute) of the last micro-batch.
+    exposed_dp = max(max(0.0, st.dp_seconds - 2 / 3 * st.compute_seconds_per_micro_batch) for st in stages)
+    busy = layout.num_micro_batches * slot
+    bubble = busy * bubble_fraction / (1 - bubble_fraction)
+    step = busy + bubble + exposed_dp
+    compute = layout.num_micro_batches * per_micro
+
+    params = job.params
+    attention = attention_flops_per_token(arch, job.seq_length)
+    model_flops = 6 * params.matmul_active + attention
+    extra = {"none": 0.0, "selective": attention / 3,
+             "full": 2 * (params.matmul_active - arch.vocab * arch.hidden) + attention / 3}[layout.recompute]
+    tokens = job.global_batch_size * job.seq_length
+    peak_total = device.peak(job.compute_dtype) * (1 if device.shared_host else layout.world)
+    notes = []
+    if arch.moe_layers:
+        notes.append("MoE costs assume balanced routing (every expert gets top_k x tokens / experts)")
+    if device.shared_host:
+        notes.append(f"all {layout.world} ranks share one host: memory and FLOP/s per rank are the host's / "
+                     f"{layout.world}")
+    return PlanResult(job=job, layout=layout, device=device, params=params, model_flops_per_token=model_flops,
+                      hardware_flops_per_token=model_flops + extra, tokens_per_step=tokens, stages=stages,
+                      peak_stage=peak_stage, capacity_bytes=capacity, usable_bytes=usable, step_seconds=step,
+                      compute_seconds=compute, bubble_seconds=bubble, exposed_comm_seconds=step - compute - bubble,
+                      bubble_fraction=bubble_fraction,
+                      tokens_per_second=tokens / step, mfu=model_flops * tokens / step / peak_total,
+                      source=source, notes=notes)
