@@ -22,13 +22,14 @@ from typing import Any, Dict, List, Sequence
 
 import yaml
 
+from moetrain.checkpoint.distributed import CheckpointReader
+from moetrain.checkpoint.model_files import CONFIG_FILE
+from moetrain.config import apply_override, config_from_dict
+
 
 def saved_config(path: str) -> Dict[str, Any]:
     """The config saved with a model directory or training checkpoint (`config.yaml`, else the
     checkpoint's `metadata.json`)."""
-    from moetrain.checkpoint.distributed import CheckpointReader
-    from moetrain.checkpoint.model_dir import CONFIG_FILE
-
     if os.path.isfile(os.path.join(path, CONFIG_FILE)):
         with open(os.path.join(path, CONFIG_FILE)) as fh:
             config = yaml.safe_load(fh) or {}
@@ -56,8 +57,6 @@ def parse_data(text: str):
 def eval_config(path: str, data, seq_length: int, batch_size: int, max_batches: int, out_dir: str,
                 overrides: Sequence[str] = ()):
     """The `Config` of an evaluation-only run of the model at `path` on `data`."""
-    from moetrain.config import apply_override, config_from_dict
-
     saved = saved_config(path)
     saved_data = saved.get("data") if isinstance(saved.get("data"), dict) else {}
     model = dict(saved["model"])
@@ -80,7 +79,7 @@ def eval_config(path: str, data, seq_length: int, batch_size: int, max_batches: 
 def evaluate(path: str, data, seq_length: int = 0, batch_size: int = 8, max_batches: int = 0,
              overrides: Sequence[str] = ()) -> Dict[str, float]:
     """`{"eval_loss": ..., "eval_loss/<source>": ...}` of the saved model on `data` (one process)."""
-    from moetrain.trainer import Trainer
+    from moetrain.trainer import Trainer   # MindSpore: kept off `moetrain eval --help` and argument errors
 
     out_dir = tempfile.mkdtemp(prefix="moetrain-eval-")
     try:

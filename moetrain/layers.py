@@ -23,6 +23,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from moetrain import kernels
+from moetrain.kernels.ops import (FusedCausalAttention, FusedLMHeadCrossEntropy, FusedRMSNorm, FusedSwiGLU, LinearMatmul,
+                                  shared)
 
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 _BMM, _BMM_NT = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)   # decoding (PyNative) only
@@ -61,8 +63,6 @@ class Linear(nn.Cell):
         self.weight = normal_parameter((out_features, in_features), init_std, "weight")
         self.compute_dtype = compute_dtype_of(compute_dtype)
         if kernels.available() and self.compute_dtype == ms.float32:
-            from moetrain.kernels.ops import LinearMatmul, shared
-
             self.matmul = shared(LinearMatmul)
         else:
             self.matmul = ops.MatMul(transpose_b=True)
@@ -113,8 +113,6 @@ class RMSNorm(nn.Cell):
         self.eps = eps
         self.fused = None
         if kernels.available():
-            from moetrain.kernels.ops import FusedRMSNorm, shared
-
             self.fused, self.eps_tensor = shared(FusedRMSNorm), Tensor([eps], ms.float32)
 
     def construct(self, x):
@@ -325,8 +323,6 @@ class CausalAttention(nn.Cell):
         super().__init__()
         self.fused = kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
         if self.fused:
-            from moetrain.kernels.ops import FusedCausalAttention, shared
-
             self.core = shared(FusedCausalAttention)
         else:
             self.core = CausalAttentionCore(compute_dtype)
@@ -476,8 +472,6 @@ class SwiGLUMLP(nn.Cell):
         self.w_down = Linear(ffn_hidden_size, hidden_size, output_init_std, compute_dtype)
         self.swiglu = None
         if kernels.available() and compute_dtype_of(compute_dtype) == ms.float32:
-            from moetrain.kernels.ops import FusedSwiGLU, shared
-
             self.swiglu = shared(FusedSwiGLU)
 
     def construct(self, x):
@@ -515,8 +509,6 @@ class LMHeadCrossEntropy(nn.Cell):
 
     def __init__(self):
         super().__init__()
-        from moetrain.kernels.ops import FusedLMHeadCrossEntropy
-
         self.fused = FusedLMHeadCrossEntropy()
 
     @staticmethod

@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from moetrain.parallel.schedules import SCHEDULES
-
 RECOMPUTE_MODES = ("none", "selective", "full")
+# the pipeline schedules (moetrain/parallel/schedules.py builds their instruction lists)
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v")
 WORLD_SIZE_ENVS = ("MOETRAIN_WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE")   # the launch script's, msrun's, rank table's
 
 

@@ -37,6 +37,8 @@ from typing import Dict, Tuple
 import mindspore as ms
 from mindspore import nn, ops
 
+from moetrain.layout import LayoutError
+
 SUM, MEAN = "sum", "mean"
 
 
@@ -140,8 +142,6 @@ def keep_stage(model, start: int, end: int, first: bool, last: bool) -> None:
     missing = [name for name in ("layers", "embed_tokens", "run_layers", "head_loss", "EMBEDDING_CELLS",
                                  "HEAD_CELLS") if not hasattr(model, name)]
     if missing:
-        from moetrain.layout import LayoutError
-
         raise LayoutError(f"parallel.pipeline_stage > 1 needs a layered model (moetrain/modeling.py: layers, "
                           f"embed_tokens, run_layers, head_loss, EMBEDDING_CELLS, HEAD_CELLS); "
                           f"{type(model).__name__} lacks {missing}: set parallel.pipeline_stage=1")

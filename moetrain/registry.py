@@ -7,6 +7,7 @@ exposes for pipeline parallelism and how its stats combine: moetrain/modeling.py
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import pkgutil
 from dataclasses import dataclass
@@ -39,13 +40,13 @@ def register_model(name: str, config: Type) -> Callable[[type], type]:
 
 
 def _load_zoo() -> None:
-    """Import every module of the `models` package so their decorators run."""
+    """Import every module of the `models` package so their decorators run. Discovery by name, as
+    for a user's `model_module`: the zoo sits above moetrain's layers, which never import it."""
     global _ZOO_LOADED
     if _ZOO_LOADED:
         return
     _ZOO_LOADED = True
-    import models
-
+    models = importlib.import_module("models")
     for info in pkgutil.iter_modules(models.__path__):
         importlib.import_module(f"models.{info.name}")
 
@@ -59,8 +60,6 @@ def import_model_module(module: Optional[str]) -> None:
 def get_model(name: str) -> ModelEntry:
     _load_zoo()
     if name not in _MODELS:
-        import difflib
-
         near = difflib.get_close_matches(name, list(_MODELS), n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise KeyError(f"unknown model {name!r}{hint} Registered: {sorted(_MODELS)}")

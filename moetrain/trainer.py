@@ -86,8 +86,12 @@ def _init_parallel(cfg: Config):
     process groups."""
     check_config_layout(cfg, world=launched_world_size())
     p = cfg.parallel
-    return init_parallel(dp=p.data_parallel, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel,
-                         etp=p.expert_tensor_parallel)
+    ctx = init_parallel(dp=p.data_parallel, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel,
+                        etp=p.expert_tensor_parallel, verbose=False)
+    if ctx.world_size > 1:
+        print_rank0(ctx.rank, f"moetrain.dist: {ctx.world_size} ranks, dp={ctx.dp} tp={ctx.tp} pp={ctx.pp} ep={ctx.ep} "
+                              f"etp={ctx.etp}, comm backend {comm.describe_backend()}")
+    return ctx
 
 
 def mfu_terms(cfg: Config, seq_length: int, world_size: int) -> Optional[Tuple[float, float]]:

@@ -547,7 +547,8 @@ def test_parallelize_moe_slices_experts_and_gradient_groups(ms):
 
     from moetrain.moe.ep_dispatcher import AllToAllDispatcher
     from moetrain.parallel.data_parallel import OptimizerStep
-    from moetrain.parallel.expert_parallel import moe_layers, parallelize_moe
+    from moetrain.moe.layer import moe_layers
+    from moetrain.parallel.expert_parallel import parallelize_moe
     from moetrain.dist.sharding import shard_spec
     from moetrain.dist.topology import ParallelContext
 

@@ -352,30 +352,26 @@ def test_first_capacities_are_a_multiple_of_the_even_share(ms):
         load_config(config, ["parallel.moe_capacity_prior=0"])
 
 
-def test_capacity_bound_leaves_every_buffer_at_its_bound(ms, monkeypatch):
+def test_capacity_bound_leaves_every_buffer_at_its_bound(ms):
     """`parallel.moe_capacity: bound`: the step functions are wrapped plainly (no AdaptiveStep), so the
     dispatchers keep the bound for the whole run; the default manages them; another value is an error."""
-    from types import SimpleNamespace
-
     from moetrain.dist.topology import ParallelContext
     from moetrain.moe.capacity import AdaptiveStep, adaptive_steps
-    from moetrain.parallel import expert_parallel
 
     dispatcher = alltoall_dispatcher()
-    monkeypatch.setattr(expert_parallel, "moe_layers", lambda model: [SimpleNamespace(dispatcher=dispatcher)])
     pctx = ParallelContext.build(1, 0, 1)
 
     def step(ids):
         return ids, ("expert_load",), (ms.Tensor(np.full(8, 25.0, np.float32)),)
 
-    (managed,) = adaptive_steps(None, pctx, lambda fn: fn, step)
+    (managed,) = adaptive_steps([dispatcher], pctx, lambda fn: fn, step)
     assert isinstance(managed, AdaptiveStep)
-    (plain,) = adaptive_steps(None, pctx, lambda fn: fn, step, policy="bound")
+    (plain,) = adaptive_steps([dispatcher], pctx, lambda fn: fn, step, policy="bound")
     assert plain is step
     plain(ms.Tensor(np.zeros((4, 25), np.int32)))
     assert dispatcher.pair_capacity == () and not dispatcher.expert_capacity
     with pytest.raises(ValueError, match="parallel.moe_capacity: 'fixed' is not one of"):
-        adaptive_steps(None, pctx, lambda fn: fn, step, policy="fixed")
+        adaptive_steps([dispatcher], pctx, lambda fn: fn, step, policy="fixed")
 
 
 def test_controller_gives_every_layer_the_largest_need_of_any_layer(ms):

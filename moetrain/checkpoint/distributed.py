@@ -38,10 +38,16 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
+import yaml
+from safetensors import safe_open
 
 from moetrain.checkpoint.manager import (MANIFEST, METADATA, CheckpointError, CheckpointSaveError, CheckpointWriter,
                                          latest_of_run, prune_checkpoints, read_manifest, sha256_of, verify_files)
-from moetrain.dist.sharding import MASTER_PREFIX, ShardSpec, tp_copies
+from moetrain.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, save_model_dir
+from moetrain.dist.sharding import MASTER_PREFIX, ShardSpec, reduction_group_kind, shard_spec, tp_copies
+from moetrain.dist.topology import ParallelContext
+from moetrain.faults import failed_ranks
+from moetrain.layout import Layout, LayoutError, check_layout
 
 FORMAT = "moetrain-sharded-v1"
 PARTS = ("model", "optimizer")
@@ -104,6 +110,7 @@ class _FlatRows:
         self.dirty.add(id(param))
 
     def flush(self) -> None:
+        # MindSpore only where Parameters are loaded: reshard and consolidate move arrays and never start it
         import mindspore as ms
 
         for key in sorted(self.dirty):
@@ -132,8 +139,6 @@ class _RowPiece:
 
 def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
     """Every model and optimizer tensor this rank holds (`opt_step`: `OptimizerStep`)."""
-    from moetrain.dist.sharding import reduction_group_kind, shard_spec
-
     out = []
     for param in model.get_parameters():
         spec, kind = shard_spec(param), reduction_group_kind(param)
@@ -358,8 +363,6 @@ class ShardedCheckpointer:
     def _agree(self, error: Optional[CheckpointSaveError], step: int, writer: Optional[CheckpointWriter],
                run_id: Optional[str]) -> None:
         """Every rank learns whether any rank failed; then all raise, and rank 0 removes the folder."""
-        from moetrain.faults import failed_ranks
-
         failed = failed_ranks(error is not None, self.pctx) if self.pctx.world_size > 1 else ([0] if error else [])
         if not failed:
             return
@@ -451,8 +454,6 @@ class CheckpointReader:
     """A sharded checkpoint, or a model directory (config.yaml + model.safetensors, as step 0)."""
 
     def __init__(self, path: str):
-        from moetrain.checkpoint.model_dir import CONFIG_FILE, WEIGHTS_FILE
-
         self.path = path
         self._handles: Dict[str, Any] = {}
         self._verified: set = set()
@@ -503,8 +504,6 @@ class CheckpointReader:
             self._verified.update(new)
 
     def _read(self, filename: str, key: str) -> np.ndarray:
-        from safetensors import safe_open
-
         self.verify([filename])
         if filename not in self._handles:
             self._handles[filename] = safe_open(os.path.join(self.path, filename), framework="np")
@@ -556,11 +555,6 @@ class CheckpointReader:
 
 def _model_dir_metadata(path: str) -> Dict[str, Any]:
     """A model directory read as a step-0 checkpoint holding one whole piece per model tensor."""
-    import yaml
-    from safetensors import safe_open
-
-    from moetrain.checkpoint.model_dir import CONFIG_FILE, WEIGHTS_FILE
-
     with open(os.path.join(path, CONFIG_FILE)) as fh:
         config = yaml.safe_load(fh) or {}
     tensors = {}
@@ -582,7 +576,7 @@ def load_into(reader: CheckpointReader, tensors: Sequence[LocalTensor], holds_wh
     mismatch. A checkpoint without optimizer state (e.g. converted from a model directory) leaves the
     optimizer fresh; returns whether optimizer state was loaded. `holds_whole_model`: this rank has
     every model tensor (no pipeline stages), so tensors the model lacks are reported too."""
-    import mindspore as ms
+    import mindspore as ms    # as in _FlatRows.flush: off the path of the offline conversions
 
     model = [t for t in tensors if t.part == "model"]
     saved_model = set(reader.keys("model"))
@@ -622,8 +616,6 @@ def load_into(reader: CheckpointReader, tensors: Sequence[LocalTensor], holds_wh
 # ------------------------------------------------------------------------------------------------
 def consolidate(src: str, out_dir: str) -> Dict[str, np.ndarray]:
     """Write the model of checkpoint `src` (any layout) as one model directory; returns its state."""
-    from moetrain.checkpoint.model_dir import save_model_dir
-
     reader = CheckpointReader(src)
     reader.verify(reader.files_of(reader.keys("model")))
     state = {key: reader.global_tensor(key) for key in reader.keys("model")}
@@ -633,8 +625,6 @@ def consolidate(src: str, out_dir: str) -> Dict[str, np.ndarray]:
 
 def parse_layout(text: str) -> Dict[str, int]:
     """`dp=4,tp=2,pp=1,ep=1,etp=1,zero=1` (omitted sizes are 1, zero is 0) -> a validated layout dict."""
-    from moetrain.layout import Layout, LayoutError, check_layout
-
     sizes = {"dp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "zero": 0}
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, value = item.partition("=")
@@ -656,8 +646,6 @@ def parse_layout(text: str) -> Dict[str, int]:
 
 def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int) -> List[LocalTensor]:
     """The tensors rank `rank` of `layout` would hold, from the saved tensors' slicing rules."""
-    from moetrain.dist.topology import ParallelContext
-
     pctx = ParallelContext.build(layout["world_size"], rank, layout["dp"], layout["tp"], layout["pp"], layout["ep"],
                                  layout.get("etp", 1))
     zero = layout["optimizer_shard"] > 0

@@ -16,9 +16,12 @@ mismatching key.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from moetrain.checkpoint.manager import CheckpointError
+from moetrain.checkpoint.distributed import MASTER_PREFIX, CheckpointReader, load_into
+from moetrain.checkpoint.model_dir import build_config_from_dict
 
 # `model:` keys a fine-tune may change: they do not change which tensors exist or what they mean.
 TRAINING_ONLY_KEYS = frozenset({
@@ -49,8 +52,6 @@ def model_config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> 
 
     A key the saved section lacks is compared with the run's dataclass default, which is what the
     saved model was built with."""
-    from moetrain.checkpoint.model_dir import build_config_from_dict
-
     saved_full = _flatten(_asdict(build_config_from_dict(saved)))
     current_flat = _flatten(current)
     keys = sorted((set(saved_full) | set(current_flat)) - TRAINING_ONLY_KEYS)
@@ -63,8 +64,6 @@ def model_config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> 
 
 
 def _asdict(cfg) -> Dict[str, Any]:
-    import dataclasses
-
     return dataclasses.asdict(cfg)
 
 
@@ -72,8 +71,6 @@ def load_initial_weights(path: str, tensors: Sequence, model_section: Dict[str, 
                          log: Callable[[str], None] = print) -> int:
     """Load the model weights of `path` into this rank's `tensors` (`distributed.local_tensors`), resliced
     to their layout; optimizer moments are left fresh. Returns the number of model tensors loaded."""
-    from moetrain.checkpoint.distributed import MASTER_PREFIX, CheckpointReader, load_into
-
     reader = CheckpointReader(path)
     saved = (reader.metadata.get("config") or {}).get("model")
     if not isinstance(saved, dict) or "name" not in saved:

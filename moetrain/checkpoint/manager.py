@@ -25,6 +25,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
+from moetrain.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE
 from moetrain.fileio import sha256_of
 
 MANIFEST = "manifest.json"
@@ -274,8 +275,6 @@ def resolve_resume_path(resume: str, default_root: str, run_id: Optional[str] = 
             hint = f"; resume from the next older complete checkpoint instead: --resume {older}" if older else ""
             raise CheckpointError(f"--resume {base}: cannot resume from this checkpoint: {problem}{hint}")
         return base
-    from moetrain.checkpoint.model_dir import CONFIG_FILE, WEIGHTS_FILE
-
     if resume and os.path.isfile(os.path.join(base, WEIGHTS_FILE)) and os.path.isfile(os.path.join(base, CONFIG_FILE)):
         return base          # a model directory: initial weights, step 0
     for root in (os.path.join(base, "checkpoints"), base):

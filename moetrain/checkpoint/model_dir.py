@@ -16,34 +16,12 @@ from typing import Any, Dict, Tuple
 
 import numpy as np
 import yaml
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
-CONFIG_FILE = "config.yaml"
-WEIGHTS_FILE = "model.safetensors"
-
-
-def _model_section(config_dict: Dict[str, Any], where: str) -> Dict[str, Any]:
-    model = config_dict.get("model") if isinstance(config_dict, dict) else None
-    if not isinstance(model, dict) or "name" not in model:
-        raise ValueError(f"{where}: the config has no `model:` section with a `name` key "
-                         f"(a model directory's config.yaml needs at least `model: {{name: ..., ...}}`)")
-    return model
-
-
-def save_model_dir(out_dir: str, config_dict: Dict[str, Any], state: Dict[str, np.ndarray]) -> None:
-    """Write `config_dict` (a moetrain config with a `model:` section) and `state` (name -> array)."""
-    _model_section(config_dict, out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    arrays = {name: np.ascontiguousarray(value, dtype=np.float32 if np.issubdtype(value.dtype, np.floating)
-                                         else value.dtype)
-              for name, value in state.items()}
-    weights = os.path.join(out_dir, WEIGHTS_FILE)
-    save_file(arrays, weights + ".tmp", metadata={"format": "np"})
-    os.replace(weights + ".tmp", weights)
-    config = os.path.join(out_dir, CONFIG_FILE)
-    with open(config + ".tmp", "w") as fh:
-        yaml.safe_dump(config_dict, fh, sort_keys=False)
-    os.replace(config + ".tmp", config)
+from moetrain.checkpoint.distributed import CheckpointReader
+from moetrain.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, model_section, save_model_dir  # noqa: F401
+from moetrain.config import model_config_from_dict
+from moetrain.registry import get_model, import_model_module
 
 
 def load_model_dir(model_dir: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
@@ -60,13 +38,11 @@ def load_model_dir(model_dir: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray
                                     f"or `moetrain convert hf-import`)")
     with open(os.path.join(model_dir, CONFIG_FILE)) as fh:
         config_dict = yaml.safe_load(fh) or {}
-    _model_section(config_dict, os.path.join(model_dir, CONFIG_FILE))
+    model_section(config_dict, os.path.join(model_dir, CONFIG_FILE))
     return config_dict, load_file(os.path.join(model_dir, WEIGHTS_FILE))
 
 
 def _load_sharded(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
-    from moetrain.checkpoint.distributed import CheckpointReader
-
     reader = CheckpointReader(path)
     keys = reader.keys("model")
     reader.verify(reader.files_of(keys))
@@ -74,7 +50,7 @@ def _load_sharded(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
     if os.path.isfile(os.path.join(path, CONFIG_FILE)):
         with open(os.path.join(path, CONFIG_FILE)) as fh:
             config_dict = yaml.safe_load(fh) or {}
-    _model_section(config_dict, os.path.join(path, CONFIG_FILE))
+    model_section(config_dict, os.path.join(path, CONFIG_FILE))
     return config_dict, {key: reader.global_tensor(key) for key in keys}
 
 
@@ -88,6 +64,7 @@ def load_model_state(model, state: Dict[str, np.ndarray], strict: bool = True):
 
     Shapes must match. With `strict`, the names must match exactly; otherwise only the common
     names are loaded. Returns `(missing, unexpected)` name lists."""
+    # MindSpore only where a model is loaded: the conversions that move arrays never start it
     import mindspore as ms
 
     params = dict(model.parameters_and_names())
@@ -114,22 +91,16 @@ def load_model_state(model, state: Dict[str, np.ndarray], strict: bool = True):
 
 def build_config_from_dict(model_dict: Dict[str, Any]):
     """The registered model's config dataclass from a `model:` dict (validated like a YAML config)."""
-    from moetrain.config import model_config_from_dict
-
     return model_config_from_dict(model_dict, "model directory config.yaml")
 
 
 def build_model_from_dict(model_dict: Dict[str, Any]):
     """A freshly initialised model from a `model:` dict."""
-    from moetrain.registry import get_model
-
     return get_model(model_dict["name"]).cls(build_config_from_dict(model_dict))
 
 
 def load_model(model_dir: str):
     """`(model, config_dict)`: the model of a model directory with its weights loaded."""
-    from moetrain.registry import import_model_module
-
     config_dict, state = load_model_dir(model_dir)
     import_model_module(config_dict.get("model_module"))   # a user model registered outside models/
     model = build_model_from_dict(config_dict["model"])

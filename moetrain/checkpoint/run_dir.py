@@ -35,7 +35,10 @@ from typing import Dict, Optional
 
 from moetrain.checkpoint.manager import (METADATA, CheckpointError, checkpoint_run_id, list_checkpoints,
                                          newest_usable, resolve_resume_path, run_id_in, same_run)
+from moetrain.dist.launch import RESTART_ENV
+from moetrain.faults import broadcast_bytes, failed_ranks, world_sum
 from moetrain.fileio import file_in_the_way, temp_path
+from moetrain.layout import launched_world_size
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -256,8 +259,6 @@ def claim_output_dir(out: Optional[str]) -> Optional[RunLock]:
     started into a folder another run holds is refused in a second and the holder is named at once.
     The trainer's `start_run` takes the lock again (this process already holds it). None in a job:
     there rank 0 locks in `start_run`, once the ranks know who rank 0 is."""
-    from moetrain.layout import launched_world_size
-
     if not out or (launched_world_size() or 1) > 1:
         return None
     if _make_dir(out):
@@ -320,8 +321,6 @@ class RunStart:
     def commit(self, pctx) -> None:
         """Once everything is validated: (rank 0) move an overwritten run aside, write run.json,
         create checkpoints/ and logs/; then every rank waits for it."""
-        from moetrain.faults import world_sum
-
         if pctx.rank == 0:
             if self.move_old_run:
                 self.moved_aside = move_aside(self.out, read_run_id(self.out))
@@ -454,8 +453,6 @@ def plan_run(out: str, resume: Optional[str], overwrite: bool, restart: int = 0)
 # ------------------------------------------------------------------------------------------------
 def _agree(pctx, error: Optional[BaseException], what: str) -> None:
     """Raise on every rank if any rank failed (the failing rank its own error)."""
-    from moetrain.faults import failed_ranks
-
     failed = failed_ranks(error is not None, pctx) if pctx.world_size > 1 else ([0] if error else [])
     if error is not None:
         raise error
@@ -481,8 +478,6 @@ def check_shared_filesystem(out: str, pctx, timeout: Optional[float] = None) -> 
     """Every rank writes a marker file into `out`; rank 0 must see every rank's marker and every
     rank rank 0's, within `timeout` seconds. Multi-node checkpoints need this: rank 0 assembles
     each checkpoint from every rank's files, and every rank reads them back on resume."""
-    from moetrain.faults import broadcast_bytes, world_sum
-
     if pctx.world_size == 1:
         return
     timeout = float(os.environ.get(SHARED_FS_TIMEOUT_ENV, SHARED_FS_TIMEOUT_S) if timeout is None else timeout)
@@ -530,9 +525,6 @@ def start_run(out: str, resume: Optional[str], overwrite: bool, pctx, restart: O
     written into it; the other ranks check they see the lock), then every rank checks the shared
     filesystem and the checkpoint to resume from, and they agree. Nothing else is written: the
     trainer calls `RunStart.commit` once it has validated the rest (or `release` when it refuses)."""
-    from moetrain.faults import broadcast_bytes
-    from moetrain.dist.launch import RESTART_ENV
-
     restart = int(os.environ.get(RESTART_ENV, "0") or 0) if restart is None else restart
     error, created, lock = None, False, None
     token = uuid.uuid4().hex if pctx.rank == 0 else None

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 from typing import Any, Dict, Tuple
 
 import numpy as np
 
-from moetrain.checkpoint.model_dir import build_config_from_dict, load_model_dir, save_model_dir
+from moetrain.checkpoint.model_dir import (build_config_from_dict, build_model_from_dict, load_model_dir,
+                                           load_model_state, save_model_dir)
 from moetrain.fileio import check_output_folder
 
 
@@ -49,7 +51,6 @@ def upcycled_model_section(dense: Dict[str, Any], num_experts: int, top_k: int, 
         "num_experts": num_experts * granularity, "top_k": top_k * granularity, "ffn_hidden_size": ffn // granularity,
         "num_shared_experts": 0, "score_func": "softmax", "norm_topk_prob": True, "route_scale": float(granularity),
         "num_groups": 1, "topk_groups": 1, "capacity_factor": 0.0})
-    import dataclasses
 
     return dataclasses.asdict(build_config_from_dict(model))
 
@@ -82,7 +83,6 @@ def upcycle(dense_dir: str, out_dir: str, num_experts: int, top_k: int, granular
     config, state = load_model_dir(dense_dir)
     model = upcycled_model_section(config["model"], num_experts, top_k, granularity)
     new_state = upcycle_state(state, model, num_experts, granularity, seed)
-    from moetrain.checkpoint.model_dir import build_model_from_dict, load_model_state
 
     load_model_state(build_model_from_dict(model), new_state, strict=True)   # every name and shape fits
     save_model_dir(out_dir, {"model": model}, new_state)

@@ -6,15 +6,18 @@ A dataset is indexable (`len`, `ds[i] -> tuple of numpy arrays`) and may offer a
 `data.eval_path` name one token shard or a weighted blend of several (`moetrain.data.blend`)."""
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
+from moetrain.data.blend import BlendedBatchSampler, BlendedDataset, build_blended_lm_dataset, parse_blend
+from moetrain.data.errors import DataError
+from moetrain.data.lm import build_lm_dataset
+from moetrain.data.mnist import MnistDataset
 from moetrain.data.sampler import GlobalBatchSampler, collate
 
-
-class DataError(ValueError):
-    pass
+__all__ = ["DataError", "build_datasets", "build_lm_data", "build_sampler", "check_same_vocabulary", "fetch"]
 
 
 def fetch(dataset, indices) -> tuple:
@@ -29,8 +32,6 @@ def build_datasets(cfg):
         raise DataError("data.path is empty: set it to your training data "
                         "(an MNIST idx folder, or the prefix of token shards made by tools/preprocess_data.py)")
     if data.type == "mnist":
-        from moetrain.data.mnist import MnistDataset
-
         if not isinstance(data.path, str) or not os.path.isdir(data.path):
             raise DataError(f"data.path {data.path!r} is not a folder; MNIST needs the folder of the idx files "
                             f"(e.g. ../shared/data/mnist)")
@@ -71,9 +72,6 @@ def check_same_vocabulary(train, evaluation) -> None:
 def build_lm_data(path, key: str, seq_length: int, vocab_size, data):
     """An LMDataset for a prefix string, a BlendedDataset for a weighted list / mapping (`key` names
     the config key in errors)."""
-    from moetrain.data.blend import build_blended_lm_dataset, parse_blend
-    from moetrain.data.lm import build_lm_dataset
-
     options = dict(tokenizer_path=data.tokenizer or None, reset_attention_mask=data.reset_attention_mask,
                    reset_position_ids=data.reset_position_ids)
     sources = parse_blend(path, key)
@@ -85,10 +83,6 @@ def build_lm_data(path, key: str, seq_length: int, vocab_size, data):
 def build_sampler(cfg, train_set):
     """The trainer's sampler: GlobalBatchSampler, or for a blend a BlendedBatchSampler whose index
     covers the run's steps (train.steps, or train.epochs of the blend's total samples)."""
-    import math
-
-    from moetrain.data.blend import BlendedBatchSampler, BlendedDataset
-
     t = cfg.train
     if not isinstance(train_set, BlendedDataset):
         return GlobalBatchSampler(len(train_set), t.global_batch_size, t.seed, cfg.data.shuffle)

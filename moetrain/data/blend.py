@@ -36,7 +36,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from moetrain.data import DataError
+from moetrain.data.errors import DataError
+from moetrain.data.lm import LMDataset, shard_files
 from moetrain.data.sampler import BatchSampler
 from moetrain.fileio import file_in_the_way, sha256_of, temp_path
 
@@ -205,8 +206,6 @@ def build_blended_lm_dataset(sources: Sequence[BlendSource], seq_length: int, vo
                              tokenizer_path: Optional[str] = None, reset_attention_mask: bool = False,
                              reset_position_ids: bool = False, key: str = "data.path") -> BlendedDataset:
     """One LMDataset per source (each checked as a single prefix is), all encoded with one tokenizer."""
-    from moetrain.data.lm import LMDataset
-
     datasets = []
     for source in sources:
         try:
@@ -225,8 +224,6 @@ def build_blended_lm_dataset(sources: Sequence[BlendSource], seq_length: int, vo
 # ------------------------------------------------------------------------------------------ index cache
 def index_inputs(dataset: BlendedDataset, seed: int, shuffle: bool, num_samples: int) -> dict:
     """Everything the index depends on, and what says the shards changed (sizes, mtimes)."""
-    from moetrain.data.lm import shard_files
-
     def stat(path):
         info = os.stat(path)
         return [os.path.basename(path), info.st_size, info.st_mtime_ns]

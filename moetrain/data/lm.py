@@ -17,7 +17,8 @@ from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
-from moetrain.data import DataError
+from moetrain.data.errors import DataError
+from moetrain.data.tokenizer import resolve_tokenizer_path
 from moetrain.fileio import sha256_of
 
 FORMAT_VERSION = 1
@@ -207,8 +208,6 @@ class LMDataset:
                 + ": ids past the vocabulary would index past the embedding table (the shard is damaged or was "
                 f"written by another tool); re-encode the text with tools/preprocess_data.py and this model's tokenizer")
         if tokenizer_path is not None:
-            from moetrain.data.tokenizer import resolve_tokenizer_path
-
             tokenizer_path = resolve_tokenizer_path(tokenizer_path)
             if not os.path.isfile(tokenizer_path):
                 raise FileNotFoundError(f"tokenizer model {tokenizer_path!r} (data.tokenizer) does not exist; "

@@ -77,7 +77,7 @@ def expand_inputs(patterns: Sequence[str]) -> List[str]:
 
 def _pyarrow_parquet(path: str):
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq   # optional dependency (moetrain[data]): parquet input only
     except ImportError as e:
         raise ImportError(f"reading the parquet input {path!r} needs pyarrow: pip install pyarrow "
                           f"(or pip install -e '.[data]')") from e

@@ -21,6 +21,9 @@ import json
 import os
 from typing import Iterable, List, Optional, Sequence
 
+import sentencepiece as spm
+from tokenizers import Tokenizer as RustTokenizer
+
 from moetrain.fileio import sha256_of
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
@@ -57,8 +60,6 @@ def train_tokenizer(input_files: Sequence[str], model_prefix: str, vocab_size: i
     Training is deterministic (one thread, every line used), so the same inputs give a
     byte-identical model and therefore the same checksum in the token shards.
     """
-    import sentencepiece as spm
-
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
     for path in input_files:
@@ -85,8 +86,6 @@ class SentencePieceTokenizer:
     kind = "sentencepiece"
 
     def __init__(self, model_path: str):
-        import sentencepiece as spm
-
         self.path = os.fspath(model_path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(
@@ -157,10 +156,6 @@ class HFTokenizer:
     kind = "huggingface"
 
     def __init__(self, path: str, eos_token: Optional[str] = None):
-        try:
-            from tokenizers import Tokenizer as RustTokenizer
-        except ImportError as e:  # a dependency of moetrain; missing only in a broken install
-            raise ImportError("reading tokenizer.json needs the `tokenizers` library: pip install tokenizers") from e
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"tokenizer {self.path!r} does not exist; fix the path (config key data.tokenizer)")

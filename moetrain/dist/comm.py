@@ -60,8 +60,12 @@ from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 from mindspore.ops import ReduceOp
 
-from moetrain.env import env_choice
+from mindspore.common.api import _pynative_executor
+from mindspore.communication import GlobalComm, get_group_size
+
+from moetrain.dist import contract
 from moetrain.dist.topology import Group
+from moetrain.env import env_choice
 
 COUNTER_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "embedding", "other")
 COUNTER_COLUMNS = ("fwd_native", "fwd_emulated", "bwd_native", "bwd_emulated")
@@ -88,17 +92,19 @@ def native_target() -> str:
     Ascend by default)."""
     if backend_name() == "native":
         return ms.get_context("device_target")
-    from moetrain.dist import contract
-
     return contract.target()
+
+
+def describe_backend() -> str:
+    """'emulated', or the backend and the device of its native path, e.g. 'contract (Ascend path)'."""
+    backend = backend_name()
+    return backend if backend == "emulated" else f"{backend} ({native_target()} path)"
 
 
 def primitives():
     """Where comm (and any module with a native path) takes its MindSpore primitives from:
     `mindspore.ops`, or the contract's checked CPU stand-ins with the same names and signatures."""
     if backend_name() == "contract":
-        from moetrain.dist import contract
-
         return contract
     return ops
 
@@ -180,8 +186,6 @@ class _BackwardBooking(nn.Cell):
 
 
 def _recording_grad() -> bool:
-    from mindspore.common.api import _pynative_executor
-
     return _pynative_executor.requires_grad()
 
 
@@ -757,8 +761,6 @@ class PairLink:
     def _native_prims(self, shape, dtype):
         key = (tuple(shape), dtype)
         if key not in self._prims:
-            from mindspore.communication import GlobalComm
-
             prims = primitives()
             out_tag, in_tag = (0, 1) if self.lower else (1, 0)     # lower -> upper is tag 0
             # on the world group, rank in group == global rank. group_back is passed too: its default
@@ -797,8 +799,6 @@ class PairLink:
 
 def barrier(group: Optional[Group] = None) -> None:
     """Block until every rank of `group` (default: the world) gets here. PyNative only (host sync)."""
-    from mindspore.communication import GlobalComm, get_group_size
-
     if group is None:
         if not GlobalComm.INITED or get_group_size() == 1:
             return

@@ -56,7 +56,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
-from mindspore.communication import GlobalComm
+from mindspore.communication import GlobalComm, get_rank
 from mindspore.ops import ReduceOp
 
 TARGETS = ("Ascend", "GPU")
@@ -130,8 +130,6 @@ def check_platform(op: str, platforms: Sequence[str]) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _my_rank() -> int:
-    from mindspore.communication import get_rank
-
     return get_rank()
 
 

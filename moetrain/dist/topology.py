@@ -252,6 +252,8 @@ def cpu_ops_on_calling_thread() -> None:
     kernels run in the same order, so values are unchanged. MindSpore reads the variable at the
     process's first PyNative op: call before any. Accelerators keep the asynchronous dispatch; a
     value the user set is kept."""
+    # MindSpore imported only here and in init_parallel: ParallelContext stays pure Python for the
+    # planner and the checkpoint conversions, which never start it
     import mindspore as ms
 
     if ms.get_context("device_target") == "CPU":
@@ -277,7 +279,7 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
                               f"run_scripts/run_distributed.sh --nproc {dp * tp * pp} CONFIG")
         return ParallelContext.single()
 
-    from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init
+    from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init  # (see above)
 
     cpu_ops_on_calling_thread()
     if not GlobalComm.INITED:
@@ -285,18 +287,13 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
     real_world, rank = get_group_size(), get_rank()
     if real_world != world:
         raise LayoutError(f"the launcher announced {world} processes but the communicator has {real_world}")
-    from moetrain.dist import contract
+    from moetrain.dist import contract   # imports MindSpore: as above, kept off ParallelContext's users
 
     ctx = ParallelContext.build(world, rank, dp, tp, pp, ep, etp).with_world_name(GlobalComm.WORLD_COMM_GROUP)
     contract.register_group(GlobalComm.WORLD_COMM_GROUP, range(world))   # the contract backend's registry
     for name, ranks in ctx.communicators_to_create():
         create_group(name, list(ranks))
         contract.register_group(name, ranks)
-    if verbose and rank == 0:
-        from moetrain.dist import comm
-
-        backend = comm.backend_name()
-        path = "" if backend == "emulated" else f" ({comm.native_target()} path)"
-        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep} etp={etp}, comm backend {backend}{path}",
-              flush=True)
+    if verbose and rank == 0:     # (the trainer's line adds the comm backend: moetrain.dist.comm.describe_backend)
+        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep} etp={etp}", flush=True)
     return ctx

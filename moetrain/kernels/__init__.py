@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 import warnings
 
+import mindspore
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # source -> extra compiler flags. The elementwise kernels need -ffast-math for vectorised expf and
 # are built for this CPU (-march=native; the CPU model is part of the cache key).
@@ -42,8 +44,6 @@ class KernelBuildError(RuntimeError):
 
 
 def _mindspore_lib_dir() -> str:
-    import mindspore
-
     return os.path.join(os.path.dirname(mindspore.__file__), "lib")
 
 
@@ -56,8 +56,6 @@ def _cache_dir() -> str:
 def library_path() -> str:
     """Path of the compiled kernel library, building it first if this source version has no build yet.
     Raises KernelBuildError (with the compiler output) when it cannot be built."""
-    import mindspore
-
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
@@ -110,11 +108,9 @@ def available() -> bool:
 
     Any build failure (no compiler, a compiler or linker error, an unwritable cache folder) makes
     this False with one warning that says why: the callers then run the plain MindSpore ops."""
-    import mindspore as ms
-
     if os.environ.get("MOETRAIN_DISABLE_KERNELS", "0") not in ("", "0"):
         return False
-    if ms.get_context("device_target") != "CPU":
+    if mindspore.get_context("device_target") != "CPU":
         return False
     try:
         ctypes.CDLL(library_path())   # a library that builds but cannot load (a missing symbol) fails here

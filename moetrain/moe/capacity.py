@@ -40,6 +40,10 @@ from collections import OrderedDict
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
+from mindspore import Tensor
+
+from moetrain.dist import comm
+from moetrain.dist.topology import ParallelContext
 
 
 PRIOR = 2.0          # before any counts: capacities for PRIOR x the even share (parallel.moe_capacity_prior)
@@ -308,20 +312,17 @@ def tokens_per_call(args) -> int:
 POLICIES = ("adaptive", "bound")   # parallel.moe_capacity
 
 
-def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable, policy: str = "adaptive",
+def adaptive_steps(dispatchers: Sequence, pctx, wrap: Callable, *fns: Callable, policy: str = "adaptive",
                    prior: float = PRIOR) -> Tuple[Callable, ...]:
     """`fns` wrapped with `wrap` (e.g. `ms.jit`), as `AdaptiveStep`s sharing one controller when
-    `model` has dropless MoE dispatchers with capacities to manage; plainly otherwise. The pipeline
+    the model's MoE `dispatchers` (one per MoE layer) are dropless with capacities to manage;
+    plainly otherwise. The pipeline
     schedule (pp > 1) runs its stages itself: its dispatchers keep the bound. `policy` "bound"
     (`parallel.moe_capacity: bound`) keeps the bound everywhere: one graph, no re-runs, no host
     sync, larger buffers (runs too short for sizing to pay off); `prior`: the first capacities in
     multiples of the even share (`parallel.moe_capacity_prior`)."""
     if policy not in POLICIES:
         raise ValueError(f"parallel.moe_capacity: {policy!r} is not one of {POLICIES}")
-    from moetrain.parallel.expert_parallel import moe_layers
-
-    layers = moe_layers(model)
-    dispatchers = [layer.dispatcher for layer in layers]
     if (pctx.pp > 1 or policy == "bound"
             or not any(getattr(d, "capacity_fields", lambda: ())() for d in dispatchers)):
         return tuple(wrap(fn) for fn in fns)
@@ -334,8 +335,6 @@ def adaptive_steps(model, pctx, wrap: Callable, *fns: Callable, policy: str = "a
 
 def ep_groups_of(pctx) -> List[List[int]]:
     """The distinct ep groups of the world (lists of global ranks)."""
-    from moetrain.dist.topology import ParallelContext
-
     groups = {ParallelContext.build(pctx.world_size, r, pctx.dp, pctx.tp, pctx.pp, pctx.ep, pctx.etp
                                     ).group("ep").ranks for r in range(pctx.world_size)}
     return [list(g) for g in sorted(groups)]
@@ -345,10 +344,6 @@ def _world_gather(pctx) -> Callable[[np.ndarray], np.ndarray]:
     world = pctx.group("world")
     if world.size == 1:
         return lambda load: load[None]
-    from mindspore import Tensor
-
-    from moetrain.dist import comm
-
     def gather(load: np.ndarray) -> np.ndarray:
         rows = comm.all_gather(Tensor(load[None].astype(np.float32)), world).asnumpy()
         return rows.astype(np.float64)

@@ -17,6 +17,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, GroupedMatmulPair, shared
 from moetrain.layers import compute_dtype_of, normal_parameter
 from moetrain.moe.native_ops import MoEOps
 from moetrain.dist.sharding import mark_role
@@ -56,8 +57,6 @@ class GroupedExperts(nn.Cell):
         self.bmm = ops.BatchMatMul()
         self.grouped_matmul = self.grouped_matmul_pair = self.swiglu = None
         if self.compute == "kernel":
-            from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, GroupedMatmulPair, shared
-
             self.grouped_matmul, self.swiglu = shared(GroupedMatmul), shared(FusedSwiGLU)
             self.grouped_matmul_pair = shared(GroupedMatmulPair)
 

@@ -220,6 +220,11 @@ class MoELayer(nn.Cell):
         return total
 
 
+def moe_layers(model) -> list:
+    """Every `MoELayer` cell of the model, in definition order."""
+    return [cell for _, cell in model.cells_and_names() if isinstance(cell, MoELayer)]
+
+
 def update_expert_bias(bias: np.ndarray, load: np.ndarray, rate: float) -> np.ndarray:
     """DeepSeek-V3 aux-loss-free balancing step: `bias + rate * sign(mean(load) - load)`.
 

@@ -43,7 +43,9 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 from mindspore.ops.auto_generate import grouped_matmul_v4 as _native_grouped_matmul_v4
 
+from moetrain import kernels
 from moetrain.env import env_choice
+from moetrain.kernels.ops import PermuteRows, UnpermuteRows, shared
 from moetrain.moe import permutation
 
 PLATFORMS = ("cpu", "ascend", "gpu")
@@ -84,8 +86,6 @@ def expert_compute(path: Optional[str] = None) -> str:
     matmul over rows sorted by expert), "kernel" (moetrain's CPU grouped GEMM over the same rows)
     or "bmm" (a batched matmul over a per-expert capacity buffer `[L, C, H]`: GPU, and CPU without
     the kernels)."""
-    from moetrain import kernels
-
     path = path or platform()
     if path == "ascend":
         return "gmm"
@@ -114,7 +114,6 @@ class MoEOps(nn.Cell):
         self.compute = expert_compute(self.path)
         self.rows_kernels = None
         if self.compute == "kernel":   # moetrain's CPU kernels: one pass each way for fp32 rows
-            from moetrain.kernels.ops import PermuteRows, UnpermuteRows, shared
             self.rows_kernels = (shared(PermuteRows), shared(UnpermuteRows))
 
     def permute(self, rows, ids, num_ids: int):

@@ -5,6 +5,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from moetrain import kernels
+from moetrain.kernels.ops import FusedRouter
 from moetrain.layers import normal_parameter
 from moetrain.moe.config import MoEConfig
 
@@ -40,8 +41,6 @@ class TopKRouter(nn.Cell):
         self.matmul = ops.MatMul(transpose_b=True)
         self.fused = None
         if kernels.available() and self.num_groups == 1:
-            from moetrain.kernels.ops import FusedRouter
-
             self.fused = FusedRouter(self.top_k, self.score_func, self.norm_topk_prob, self.route_scale)
 
     def construct(self, x, expert_bias):

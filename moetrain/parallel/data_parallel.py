@@ -48,6 +48,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, ops
 
+from moetrain import kernels
+from moetrain.kernels.ops import FusedAdamW, SumOfSquares
 from moetrain.optim import build_optimizer, decays
 from moetrain.dist import comm
 from moetrain.dist.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec, tp_copies
@@ -170,8 +172,6 @@ class OptimizerStep:
     def _bind_fused_kernels(self, optimizer_cfg) -> None:
         """One FusedAdamW per buffer over the tensors the optimizer updates for it: the buffer's
         parameters (level 0) or its master row (ZeRO), with the optimizer's own moments."""
-        from moetrain.kernels.ops import FusedAdamW, SumOfSquares
-
         opt = self.optimizer
         self.sum_of_squares = SumOfSquares()
         self.fused_groups = []
@@ -384,8 +384,6 @@ def _fused_optimizer_runs(optimizer_cfg, params) -> bool:
     """Whether FusedAdamW serves this step: AdamW or Adam on fp32 tensors, with the kernels here."""
     if optimizer_cfg.name not in ("adamw", "adam") or any(p.dtype != ms.float32 for p in params):
         return False
-    from moetrain import kernels
-
     return kernels.available()
 
 

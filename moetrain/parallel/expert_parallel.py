@@ -25,20 +25,13 @@ brings them back), so the two reductions together count every token once.
 """
 from __future__ import annotations
 
-from typing import List
-
 import numpy as np
 from mindspore import Tensor
 
 from moetrain.moe.ep_dispatcher import build_ep_dispatcher
 from moetrain.moe.experts import GroupedExperts
-from moetrain.moe.layer import MoELayer
+from moetrain.moe.layer import moe_layers
 from moetrain.dist.sharding import mark_further_shard, mark_shard, shard_spec
-
-
-def moe_layers(model) -> List[MoELayer]:
-    """Every `MoELayer` cell of the model, in definition order."""
-    return [cell for _, cell in model.cells_and_names() if isinstance(cell, MoELayer)]
 
 
 def shard_experts(experts: GroupedExperts, ep_rank: int, ep: int) -> None:

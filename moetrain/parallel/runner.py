@@ -23,6 +23,7 @@ import mindspore as ms
 
 from moetrain.modeling import SUM, StatSpec
 from moetrain.moe.capacity import adaptive_steps
+from moetrain.moe.layer import moe_layers
 from moetrain.parallel.data_parallel import accumulate
 
 
@@ -73,8 +74,9 @@ class MicroBatchRunner:
         if pctx is None:
             self._grad_step, self._evaluate = wrap(grad_step), wrap(evaluate)
         else:
-            self._grad_step, self._evaluate = adaptive_steps(model, pctx, wrap, grad_step, evaluate,
-                                                             policy=capacity, prior=capacity_prior)
+            self._grad_step, self._evaluate = adaptive_steps([layer.dispatcher for layer in moe_layers(model)], pctx, wrap,
+                                                             grad_step, evaluate, policy=capacity,
+                                                             prior=capacity_prior)
 
     def train_step(self, batches, scale):
         grads, losses, stats = None, [], []

@@ -19,7 +19,8 @@ import functools
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v")
+from moetrain.layout import SCHEDULES
+
 SPLIT_BACKWARD = ("zero_bubble_h1", "zero_bubble_v")   # backward as B (input gradient) + W (weight gradient)
 FORWARD, BACKWARD, WEIGHT, EXCHANGE = "forward", "backward", "weight", "exchange"
 ACTIVATION, GRADIENT = "activation", "gradient"

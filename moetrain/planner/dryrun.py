@@ -67,7 +67,7 @@ from moetrain.build import build_model, setup_device
 from moetrain.dist.solo import SoloComm
 from moetrain.dist.topology import ParallelContext
 from moetrain.layout import Layout, check_config_layout
-from moetrain.parallel.expert_parallel import moe_layers
+from moetrain.moe.layer import moe_layers
 from moetrain.parallel.parallelize import parallelize
 from moetrain.planner.arch import Job
 from moetrain.planner.costs import plan_layout
