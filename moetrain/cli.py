@@ -2,22 +2,27 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+
+# light modules only (no MindSpore): `moetrain --help` and refused inputs answer at once
+from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
+from moetrain.checkpoint.run_dir import claim_output_dir, release_claim
+from moetrain.config import ConfigError, load_config, output_dir_of
+from moetrain.faults import (EXIT_CANNOT_RUN, EXIT_HALTED, EXIT_INVARIANT, EXIT_PREEMPTED, EXIT_SAVE_FAILED,
+                             TrainingHalted)
+from moetrain.moe.accounting import DispatchInvariantError
 
 os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (set GLOG_v=2 for warnings)
 
 
 def _train(args) -> int:
-    from moetrain.checkpoint.run_dir import claim_output_dir, release_claim
-    from moetrain.config import load_config, output_dir_of
-    from moetrain.faults import EXIT_PREEMPTED
-
     # one process: lock the output folder before the slow set-up (MindSpore's import), docs/faults.md
     claim = claim_output_dir(output_dir_of(args.config, args.set))
     try:
         cfg = load_config(args.config, args.set)
-        from moetrain.trainer import Trainer
+        from moetrain.trainer import Trainer   # MindSpore: imported after the output folder is locked
 
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     except BaseException:
@@ -80,18 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _delegate(module: str, function: str):
     """Sub-commands whose own argument parser lives with their implementation."""
     def run(args) -> int:
-        import importlib
-
         return getattr(importlib.import_module(module), function)(args.rest)
     return run
 
 
 def main(argv=None) -> int:
-    from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
-    from moetrain.config import ConfigError
-    from moetrain.faults import EXIT_CANNOT_RUN, EXIT_HALTED, EXIT_INVARIANT, EXIT_SAVE_FAILED, TrainingHalted
-    from moetrain.moe.accounting import DispatchInvariantError
-
     args, rest = build_parser().parse_known_args(argv)
     if rest and args.command == "train":
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
@@ -115,7 +113,7 @@ def main(argv=None) -> int:
         print(f"moetrain: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
-        from moetrain.trainer import CompileError
+        from moetrain.trainer import CompileError   # (MindSpore is loaded by now: the trainer raised)
 
         if not isinstance(exc, CompileError):
             raise

@@ -13,7 +13,9 @@ import argparse
 import copy
 import dataclasses
 import difflib
+import inspect
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +23,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from moetrain import registry
+from moetrain.data import DataError
+from moetrain.data.blend import parse_blend
+from moetrain.fileio import temp_path
 from moetrain.layout import Layout, ModelShape, launched_world_size, layout_problems
 
 
@@ -279,8 +285,6 @@ def output_dir_of(path: str, overrides: Sequence[str] = ()) -> Optional[str]:
 
 def _blame_override(exc: ConfigError, path: str, overrides: Sequence[str]) -> ConfigError:
     """An error about a key that a `--set` gave names that `--set`, not the file."""
-    import re
-
     keys = re.findall(r"'([A-Za-z_][\w.\[\]]*)'", str(exc))
     for item in overrides:
         key = item.split("=", 1)[0].strip()
@@ -293,8 +297,6 @@ def _blame_override(exc: ConfigError, path: str, overrides: Sequence[str]) -> Co
 
 
 def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
-    from moetrain import registry
-
     raw = copy.deepcopy(raw)
     registry.import_model_module(raw.get("model_module"))
     model_raw = raw.pop("model", None)
@@ -354,8 +356,6 @@ def infer_data_parallel(cfg: Config, source: str, world_size: Optional[int] = No
 
 def model_config_from_dict(model_raw: Dict[str, Any], source: str = "<dict>"):
     """The registered model's config dataclass from a `model:` mapping, fully validated."""
-    from moetrain import registry
-
     try:
         entry = registry.get_model(model_raw["name"])
     except KeyError as exc:
@@ -484,9 +484,6 @@ def validate(cfg: Config, source: str) -> None:
 
 
 def _validate_data(data: DataConfig, source: str) -> None:
-    from moetrain.data import DataError
-    from moetrain.data.blend import parse_blend
-
     for key in ("path", "eval_path"):
         value = getattr(data, key)
         if data.type != "lm" and not isinstance(value, str):
@@ -500,10 +497,6 @@ def _validate_data(data: DataConfig, source: str) -> None:
 def _validate_document_layout(cfg: Config, source: str) -> None:
     """data.reset_attention_mask / reset_position_ids add document_ids and position_ids to every LM
     batch: the model must take them (moetrain/modeling.py, "Packed documents")."""
-    import inspect
-
-    from moetrain import registry
-
     keys = [key for key in ("reset_attention_mask", "reset_position_ids") if getattr(cfg.data, key)]
     if not keys:
         return
@@ -558,8 +551,6 @@ def _check_ranges(cfg: Config, need) -> None:
 
 
 def dump_config(cfg: Config, path: str, rank: int = 0) -> None:
-    from moetrain.fileio import temp_path
-
     tmp = temp_path(path, rank)       # pid and rank in the name: two writers never share a temporary file
     with open(tmp, "w") as fh:
         yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)

@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from moetrain.dist.progress import STATUS_DIR_ENV, write_progress
+
 # Exit codes (sysexits.h numbers where one fits). The launcher does not relaunch after these.
 EXIT_BAD_INPUT = 2          # refused before work: config, data, output directory, checkpoint choice
 EXIT_CANNOT_RUN = 3         # cannot run here: no such device (the launch scripts' pre-flight), or the step did not compile
@@ -52,6 +54,7 @@ def world_sum(values: Sequence[float], pctx) -> np.ndarray:
     values = np.asarray(values, np.float32).reshape(-1)
     if pctx.world_size == 1:
         return values.astype(np.float64)
+    # MindSpore only when there are ranks to sum over: the CLI imports this module for its exit codes
     import mindspore as ms
     from mindspore import ops
     from mindspore.ops import ReduceOp
@@ -220,8 +223,6 @@ class SkippingSampler:
 class TrainerFaults:
     def __init__(self, cfg, pctx, last_good_checkpoint):
         """`last_good_checkpoint()`: path of this run's latest complete checkpoint, or None."""
-        from moetrain.dist.launch import STATUS_DIR_ENV
-
         self.pctx = pctx
         self.guard = NonFiniteGuard.from_config(cfg)
         self.sampler: Optional[SkippingSampler] = None
@@ -236,8 +237,6 @@ class TrainerFaults:
     def beat(self, step: int, phase: str = "step") -> None:
         """Heartbeat for the launcher's watchdog (when launched by it)."""
         if self.status_dir:
-            from moetrain.dist.launch import write_progress
-
             try:
                 write_progress(self.status_dir, self.pctx.rank, step, phase)
             except OSError:

@@ -10,10 +10,12 @@ import sys
 
 import numpy as np
 
+from moetrain.checkpoint.model_dir import load_model
+
 
 def compute_logits(model, token_ids: np.ndarray, batch_size: int = 8, jit: bool = False) -> np.ndarray:
     """fp32 logits `[B, S, V]` of `model` for int token ids `[B, S]`, `batch_size` rows at a time."""
-    import mindspore as ms
+    import mindspore as ms   # MindSpore is imported only once a model runs: `moetrain forward --help` stays quick
 
     logits_fn = ms.jit(model.logits) if jit else model.logits
     model.set_train(False)
@@ -22,7 +24,7 @@ def compute_logits(model, token_ids: np.ndarray, batch_size: int = 8, jit: bool 
     return np.concatenate(chunks, axis=0).astype(np.float32, copy=False)
 
 
-def _read_token_ids(path: str, vocab_size: int) -> np.ndarray:
+def read_token_ids(path: str, vocab_size: int) -> np.ndarray:
     ids = np.load(path)
     if ids.ndim == 1:
         ids = ids[None, :]
@@ -39,10 +41,8 @@ def _read_token_ids(path: str, vocab_size: int) -> np.ndarray:
 
 def run_forward(ckpt_dir: str, input_npy: str, output_npy: str, batch_size: int = 8, jit: bool = False):
     """Load `ckpt_dir`, run the token ids in `input_npy`, write fp32 logits to `output_npy`."""
-    from moetrain.checkpoint.model_dir import load_model
-
     model, config = load_model(ckpt_dir)
-    token_ids = _read_token_ids(input_npy, config["model"]["vocab_size"])
+    token_ids = read_token_ids(input_npy, config["model"]["vocab_size"])
     logits = compute_logits(model, token_ids, batch_size, jit)
     np.save(output_npy, logits)
     return logits
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jit", action="store_true", help="compile the forward with ms.jit (faster for many batches)")
     ap.add_argument("--device", default="CPU", help="MindSpore device target (CPU, GPU, Ascend)")
     args = ap.parse_args(argv)
-    import mindspore as ms
+    import mindspore as ms   # after the arguments are parsed (see compute_logits)
 
     ms.set_device(args.device)
     try:

@@ -30,12 +30,18 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
+from moetrain.checkpoint.manager import CheckpointError, latest_checkpoint
+from moetrain.checkpoint.model_dir import load_model
+from moetrain.data.tokenizer import load_tokenizer
+from moetrain.dist.topology import cpu_ops_on_calling_thread
+from moetrain.forward import read_token_ids
+
 
 # ------------------------------------------------------------------------------------------------
 # The decoding loop
 # ------------------------------------------------------------------------------------------------
 def _ids_tensor(ids):
-    import mindspore as ms
+    import mindspore as ms   # MindSpore after the arguments parse (main): --help answers at once
 
     return ms.Tensor(np.ascontiguousarray(ids, dtype=np.int32))
 
@@ -204,8 +210,6 @@ def prompt_losses(model, prompts: Sequence[Sequence[int]]) -> List[np.ndarray]:
 # ------------------------------------------------------------------------------------------------
 def resolve_model_path(path: str) -> str:
     """A run folder stands for its latest complete checkpoint; anything else is itself."""
-    from moetrain.checkpoint.manager import latest_checkpoint
-
     ckpts = os.path.join(path, "checkpoints")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.yaml")) and os.path.isdir(ckpts):
         latest = latest_checkpoint(ckpts)
@@ -219,8 +223,6 @@ def resolve_model_path(path: str) -> str:
 def find_tokenizer(model_path: str, config: dict, override: Optional[str] = None):
     """`(tokenizer or None, why none)`: `override`, else the run's `data.tokenizer` (as given, or
     relative to `model_path`), else a tokenizer.json / tokenizer.model inside `model_path`."""
-    from moetrain.data.tokenizer import load_tokenizer
-
     if override:
         return load_tokenizer(override), ""
     named = ((config.get("data") or {}).get("tokenizer") or "") if isinstance(config, dict) else ""
@@ -299,14 +301,12 @@ def _print_losses(prompts, losses, tokenizer, out=None) -> None:
 
 def _read_prompts(args, tokenizer, why_none: str, model_path: str, vocab_size: int):
     """`(prompts as id lists, their display texts)` from --prompt / --prompt-file or --input."""
-    from moetrain.forward import _read_token_ids
-
     texts = list(args.prompt or [])
     for path in args.prompt_file or []:
         with open(path, encoding="utf-8") as fh:
             texts.append(fh.read().rstrip("\n"))
     if args.input:
-        ids = _read_token_ids(args.input, vocab_size)
+        ids = read_token_ids(args.input, vocab_size)
         prompts = [list(map(int, row)) for row in ids]
         shown = [tokenizer.decode([t for t in p if t < tokenizer.vocab_size]) if tokenizer is not None
                  else " ".join(map(str, p)) for p in prompts]
@@ -325,8 +325,6 @@ def _read_prompts(args, tokenizer, why_none: str, model_path: str, vocab_size: i
 
 def run_generate(args, out=None) -> np.ndarray:
     """The command: load, read prompts, generate (or score at --max-new-tokens 0), print, write."""
-    from moetrain.checkpoint.model_dir import load_model
-
     for key, ok, what in (("temperature", args.temperature >= 0, ">= 0 (0: greedy)"),
                           ("top_k", args.top_k >= 0, ">= 0 (0: off)"),
                           ("top_p", 0 < args.top_p <= 1, "in (0, 1] (1: off)"),
@@ -400,10 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("GLOG_v", "3")
-    import mindspore as ms
-
-    from moetrain.checkpoint.manager import CheckpointError
-    from moetrain.dist.topology import cpu_ops_on_calling_thread
+    import mindspore as ms   # (see _ids_tensor)
 
     ms.set_device(args.device)
     cpu_ops_on_calling_thread()      # decoding is op by op: a spinning dispatch queue costs ~5x on 2 cores

@@ -23,6 +23,8 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+import mindspore as ms
+
 MASKED = -1e9   # additive mask of a hidden key, as the training attention's: finite, so never NaN
 
 
@@ -51,8 +53,6 @@ class DecodeStep:
             return None
 
         def make():
-            import mindspore as ms
-
             mask = np.where(self.hidden, np.float32(MASKED), np.float32(0))
             return ms.Tensor(np.tile(mask[:, None], (1, 1, group, 1)))
         return self.shared(("mask", group), make)

@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from moetrain.checkpoint.hf_io import load_hf_weights, read_safetensors  # noqa: F401  (re-exported)
-from moetrain.checkpoint.model_dir import build_config_from_dict, load_model_dir, save_model_dir
+from moetrain.checkpoint.model_dir import (build_config_from_dict, build_model_from_dict, load_model_dir,
+                                           load_model_state, save_model_dir)
 from moetrain.fileio import check_output_folder, hf_weight_files, temp_path
 
 LAYOUTS = ("per_expert", "fused")
@@ -466,8 +468,6 @@ def mtp_layers_present(hf: Dict[str, np.ndarray], model: Dict[str, Any]) -> int:
 
 def _fresh_mtp_layers(model: Dict[str, Any], first: int) -> Dict[str, np.ndarray]:
     """Freshly initialised tensors of MTP layers `first..mtp_depth-1` (the model's own init)."""
-    from moetrain.checkpoint.model_dir import build_model_from_dict
-
     fresh = build_model_from_dict(model)
     wanted = tuple(f"mtp.{k}." for k in range(first, model["mtp_depth"]))
     return {p.name: p.asnumpy() for p in fresh.get_parameters() if p.name.startswith(wanted)}
@@ -510,8 +510,6 @@ def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_mtp: b
                 f"holds {present} MTP layer(s) (transformers' save_pretrained writes none); imported with "
                 f"mtp_depth {present} (--init-missing-mtp initialises {missing} fresh instead)")
     if check:
-        from moetrain.checkpoint.model_dir import build_model_from_dict, load_model_state
-
         load_model_state(build_model_from_dict(model), state, strict=True)
     save_model_dir(out_dir, {"model": model}, state)
     return model
@@ -523,8 +521,6 @@ def hf_export(model_dir: str, out_dir: str, layout: str = "per_expert", overwrit
     `out_dir` must be new or empty; with `overwrite` its config.json is replaced and every HF weight
     file already there (other *.safetensors, model.safetensors.index.json) removed, so a reader that
     follows an old shard index never loads the old weights. Never a training checkpoint or run folder."""
-    from safetensors.numpy import save_file
-
     _not_the_source(model_dir, out_dir, "hf-export")
     check_output_folder(out_dir, overwrite, "moetrain convert hf-export")
     config_dict, state = load_model_dir(model_dir)

@@ -44,10 +44,11 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from moetrain.dist.progress import STATUS_DIR_ENV, write_progress  # noqa: F401  (the ranks' side)
+from moetrain.dist.progress import write_json as _write_json
 from moetrain.faults import EXIT_PREEMPTED, NO_RESTART_CODES
 
 STATUS_DIR = ".status"
-STATUS_DIR_ENV = "MOETRAIN_STATUS_DIR"   # the wrapper tells its rank where to write progress
 RESTART_ENV = "MOETRAIN_RESTART"         # 0 on the first launch, k on the k-th automatic relaunch
 SCHEDULER = -1  # status "rank" of msrun's scheduler process
 SCHEDULER_PROGRAM = "from mindspore.communication import init; init()"  # serves the cluster, then exits
@@ -106,13 +107,6 @@ class RankStatus:
         return f"exited with code {self.returncode}"
 
 
-def _write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
 def _read_json_files(status_dir: str, prefix: str) -> List[dict]:
     out = []
     if not os.path.isdir(status_dir):
@@ -131,12 +125,6 @@ def _read_json_files(status_dir: str, prefix: str) -> List[dict]:
 def read_statuses(status_dir: str) -> Dict[int, RankStatus]:
     return {int(d["rank"]): RankStatus(int(d["rank"]), int(d["returncode"]), float(d["finished_at"]))
             for d in _read_json_files(status_dir, "rank_")}
-
-
-def write_progress(status_dir: str, rank: int, step: int, phase: str) -> None:
-    """A rank's heartbeat: the last step boundary it passed (the trainer writes one per step)."""
-    _write_json(os.path.join(status_dir, f"progress_{rank}.json"),
-                {"rank": rank, "step": step, "phase": phase, "time": time.time(), "pid": os.getpid()})
 
 
 def read_progress(status_dir: str) -> Dict[int, dict]:
@@ -162,7 +150,7 @@ def pin_scheduler_to_node_zero(node_rank: int) -> bool:
     an address of this machine", true on every node when several share one machine. Returns
     False (plain msrun behaviour) if msrun's internals have moved."""
     try:
-        from mindspore.parallel.cluster.process_entity import _api
+        from mindspore.parallel.cluster.process_entity import _api   # msrun's internals: MindSpore, ~3 s
     except ImportError:
         return False
     if not hasattr(_api, "_is_local_ip"):
@@ -175,7 +163,7 @@ def _msrun(node_rank: int, msrun_args: Sequence[str]) -> int:
     """msrun in this process, with the scheduler pinned to node rank 0."""
     if not pin_scheduler_to_node_zero(node_rank):
         _say("warning: could not pin the scheduler to node 0 (msrun internals changed); using plain msrun")
-    from mindspore.parallel.cluster.run import main as msrun_main
+    from mindspore.parallel.cluster.run import main as msrun_main   # (as above)
 
     sys.argv = ["msrun", *msrun_args]
     msrun_main()
@@ -308,7 +296,7 @@ class Job:
         """SIGKILL everything this job started on this node (workers run in their own sessions)."""
         if self.proc is None:
             return
-        import psutil
+        import psutil   # only to kill a job's processes (the pre-launch checks do without)
 
         try:
             descendants = psutil.Process(self.proc.pid).children(recursive=True)
