@@ -1,18 +1,30 @@
 """Device profiles for the planner (`moetrain/planner/`): memory, peak FLOP/s, link bandwidths.
 
 Figures are public data-sheet numbers (sources in docs/plan.md) or, for `cpu`, measured on this
-project's 2-core machines (/work/shared/notes/mindspore-cpu.md). Bandwidths are *effective
-collective bus bandwidths* (bytes/s a ring all-reduce moves per device), assumed at about half
-(intra-node) or 80 % (inter-node) of the link rate; `compute_efficiency` is the fraction of peak
-the training kernels sustain. Both are cost-model assumptions, stated so they can be argued with.
+project's 2-core machines (/work/shared/notes/mindspore-cpu.md); the `cpu` peak is measured on the
+host that asks (`host_fp32_peak`), so the trainer's `mfu` is against what this machine's cores can
+do. Bandwidths are *effective collective bus bandwidths* (bytes/s a ring all-reduce moves per
+device), assumed at about half (intra-node) or 80 % (inter-node) of the link rate;
+`compute_efficiency` is the fraction of peak the training kernels sustain (for `cpu`, a measured
+whole-step rate instead: `sustained_flops`). Both are cost-model assumptions, stated so they can be
+argued with.
 """
 from __future__ import annotations
 
 import difflib
+import functools
+import json
+import os
+import platform
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Union
 
+import numpy as np
+
 GiB = 1024 ** 3
+PEAK_GEMM_SIZE = 1024        # square fp32 GEMM of the host peak measurement (2.1 GFLOP)
+PEAK_GEMM_REPEATS = 7        # the best of these (a shared host disturbs single runs)
 
 
 @dataclass(frozen=True)
@@ -30,12 +42,25 @@ class DeviceProfile:
     shared_host: bool = False            # all ranks share one host's memory and cores (CPU)
     emulated_collectives: bool = False   # reduce-scatter / all-to-all built from all-reduce (CPU)
     sources: str = field(default="", compare=False)
+    # `peak_flops` are fractions of the fp32 GEMM rate measured on this host (`host_fp32_peak`)
+    measured_peak: bool = False
+    # FLOP/s a whole training step sustains per dtype, measured: the cost model's compute rate
+    # instead of peak x compute_efficiency (empty: that product)
+    sustained_flops: Dict[str, float] = field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
+        """Dense matmul peak FLOP/s in `dtype` (the whole host for a shared host)."""
         if dtype not in self.peak_flops:
             raise ValueError(f"device profile {self.name!r} has no {dtype} compute figure (it lists "
                              f"{', '.join(self.peak_flops)}): set precision.compute_dtype to one of those")
-        return self.peak_flops[dtype]
+        return self.peak_flops[dtype] * (host_fp32_peak() if self.measured_peak else 1.0)
+
+    def sustained(self, dtype: str) -> float:
+        """FLOP/s the cost model computes at in a training step."""
+        if self.sustained_flops:
+            self.peak(dtype)                     # the same refusal for an unknown dtype
+            return self.sustained_flops[dtype]
+        return self.peak(dtype) * self.compute_efficiency
 
 
 PROFILES: Dict[str, DeviceProfile] = {p.name: p for p in (
@@ -78,8 +103,10 @@ PROFILES: Dict[str, DeviceProfile] = {p.name: p for p in (
         description="this project's CPU machine (2 cores, AVX-512, MindSpore 2.10 CPU backend); "
                     "every rank shares the host",
         memory_bytes=24 * GiB,
-        peak_flops={"float32": 0.14e12, "float16": 0.07e12},
-        compute_efficiency=0.3,          # a whole jitted Mixtral-like step ran at ~42 GFLOP/s
+        peak_flops={"float32": 1.0, "float16": 0.5},   # x the measured fp32 GEMM rate (no fp16 BLAS on CPU)
+        measured_peak=True,
+        compute_efficiency=0.0,          # unused: sustained_flops
+        sustained_flops={"float32": 0.042e12, "float16": 0.021e12},   # a whole jitted Mixtral-like step: ~42 GFLOP/s
         intra_node_bandwidth=14e6,       # all-reduce of 1 MB among 4 workers took ~110 ms
         inter_node_bandwidth=14e6,
         devices_per_node=1024,
@@ -87,7 +114,7 @@ PROFILES: Dict[str, DeviceProfile] = {p.name: p for p in (
         p2p_latency=5e-3,                # an exchange is a 2-rank all-reduce: 5.3 ms for 4 floats (measured)
         shared_host=True,
         emulated_collectives=True,
-        sources="measured: /work/shared/notes/mindspore-cpu.md"),
+        sources="measured: /work/shared/notes/mindspore-cpu.md; the peak on the host that plans or trains"),
 )}
 
 # `train.device` names a backend; the planner needs a concrete part.
@@ -105,3 +132,68 @@ def get_device(device: Union[str, DeviceProfile]) -> DeviceProfile:
         raise ValueError(f"unknown device {device!r}{hint} Known profiles: {', '.join(PROFILES)} "
                          f"(or a train.device backend: {', '.join(DEFAULT_FOR_BACKEND)})")
     return PROFILES[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# The host's peak, measured
+# ---------------------------------------------------------------------------------------------
+def measure_fp32_gemm_peak(size: int = PEAK_GEMM_SIZE, repeats: int = PEAK_GEMM_REPEATS) -> float:
+    """FLOP/s of a square fp32 GEMM (numpy's BLAS, all the cores it uses) on this host: the best of
+    `repeats` by wall clock, or by process CPU time times the cores this process may use (what the
+    host could do undisturbed: other processes on a shared host hardly change CPU time), whichever
+    is higher."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size), dtype=np.float32)
+    b = rng.standard_normal((size, size), dtype=np.float32)
+    np.matmul(a, b)                      # threads started, pages touched
+    best_wall = best_cpu = float("inf")
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        np.matmul(a, b)
+        best_wall = min(best_wall, time.perf_counter() - wall)
+        best_cpu = min(best_cpu, time.process_time() - cpu)
+    flops = 2.0 * size ** 3
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(flops / max(best_wall, 1e-9), flops / max(best_cpu, 1e-9) * cores)
+
+
+def _host_key() -> str:
+    """What the measured peak depends on: the CPU model, the usable cores, numpy (its BLAS)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return f"{model} | {cores} cores | numpy {np.__version__}"
+
+
+def peak_cache_file() -> str:
+    base = os.environ.get("MOETRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "moetrain")
+    return os.path.join(base, "host_peak.json")
+
+
+@functools.lru_cache(maxsize=None)
+def host_fp32_peak() -> float:
+    """This host's fp32 GEMM peak (FLOP/s), measured once per host (CPU model, cores, numpy) and
+    kept in `peak_cache_file()`, so every plan and run on a machine uses the same figure; an
+    unreadable or unwritable cache only means measuring again (~0.1 s)."""
+    path, key = peak_cache_file(), _host_key()
+    try:
+        with open(path) as fh:
+            cached = json.load(fh)
+        if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+            return float(cached[key])
+    except (OSError, ValueError, AttributeError):
+        cached = {}
+    peak = measure_fp32_gemm_peak()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump({**(cached if isinstance(cached, dict) else {}), key: peak}, fh, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return peak

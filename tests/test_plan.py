@@ -480,3 +480,58 @@ def test_folded_layout_costs_and_search():
     layouts = candidate_layouts(job, 4)
     assert any(L.etp == 2 for L in layouts) and any(L.ep > L.dp for L in layouts)
     assert all((L.dp * L.tp // L.etp) % L.ep == 0 and L.tp % L.etp == 0 for L in layouts)
+
+
+def test_flops_per_token_equals_the_gemms_of_one_moe_tiny_step():
+    """The `mfu` numerator against an independent count: every matrix product of one training step of
+    configs/moe_tiny.yaml listed from its shapes (M x K x N, 2 M K N FLOPs forward; the backward's
+    input and weight gradients are two more products of the same size: x3), divided by the step's
+    tokens. Attention scores count the full S x S matrix (PaLM's MFU convention; a causal kernel
+    computes about half), the experts the top_k rows each token is dispatched to (dropless)."""
+    cfg = load_plan_config(os.path.join(CONFIGS, "moe_tiny.yaml"))
+    m, moe = cfg.model, cfg.model.moe
+    B, S = cfg.train.global_batch_size, cfg.data.seq_length or m.seq_length
+    T, h, a, g, d = B * S, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
+    gemms = []                                            # (M, K, N) of one forward
+    for _ in range(m.num_layers):
+        gemms += [(T, h, a * d), (T, h, g * d), (T, h, g * d), (T, a * d, h)]          # q, k, v, o
+        gemms += [(S, d, S)] * (B * a) + [(S, S, d)] * (B * a)                          # Q K^T, P V per head
+        gemms += [(T, h, moe.num_experts)]                                              # router
+        rows = T * moe.top_k
+        gemms += [(rows, h, moe.ffn_hidden_size)] * 2 + [(rows, moe.ffn_hidden_size, h)]   # gate, up, down
+    gemms += [(T, h, m.vocab_size)]                                                     # LM head
+    assert m.first_k_dense == 0 and not moe.num_shared_experts   # every layer the MoE block counted above
+    step_flops = 3 * sum(2 * M * K * N for M, K, N in gemms)
+    assert flops_per_token(m, S) == step_flops / T
+    assert round(step_flops / T / 1e6, 2) == 5.92       # docs/performance.md's MFU numerator for this model
+
+
+def test_cpu_peak_is_measured_on_this_host(tmp_path, monkeypatch):
+    """The cpu profile's peak is this host's fp32 GEMM rate, measured once and kept per host, so the
+    trainer's `mfu` (a step's model FLOP/s over it) stays below 1; the cost model's compute rate is
+    the measured whole-step figure, unchanged."""
+    import time
+
+    import numpy as np
+
+    from moetrain import devices
+
+    monkeypatch.setenv("MOETRAIN_CACHE", str(tmp_path))
+    devices.host_fp32_peak.cache_clear()
+    try:
+        peak = get_device("cpu").peak("float32")
+        x, rate = np.ones((1024, 1024), np.float32), 0.0      # what a plain numpy GEMM does here now,
+        for _ in range(5):                                   # undisturbed: per CPU-second x the cores
+            cpu = time.process_time()
+            np.matmul(x, x)
+            rate = max(rate, 2 * 1024 ** 3 / max(time.process_time() - cpu, 1e-9) * len(os.sched_getaffinity(0)))
+        assert peak >= 0.9 * rate
+        assert os.path.isfile(devices.peak_cache_file())
+        assert get_device("cpu").peak("float16") == peak / 2
+        assert get_device("cpu").sustained("float32") == 0.042e12
+        devices.host_fp32_peak.cache_clear()                # a second process: read from the cache, not measured
+        monkeypatch.setattr(devices, "measure_fp32_gemm_peak", lambda *a: pytest.fail("measured again"))
+        assert get_device("cpu").peak("float32") == peak
+    finally:
+        devices.host_fp32_peak.cache_clear()
+

@@ -180,8 +180,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     # gradient, which also back-propagates through the chunk), so a chunk between the first and
     # the last virtual stage computes one forward and one input gradient more (the first one's B is
     # empty: token ids need no gradient). `pass_costs`: (F, B, W) seconds of each chunk's passes.
-    peak = device.peak(job.compute_dtype) / (L.world if device.shared_host else 1)
-    per_flop = tokens / (peak * device.compute_efficiency)
+    sustained = device.sustained(job.compute_dtype) / (L.world if device.shared_host else 1)
+    per_flop = tokens / sustained
     V = L.pp * L.chunks
     split_backward = L.pp > 1 and L.schedule in schedules.SPLIT_BACKWARD
     compute, pass_costs = 0.0, []

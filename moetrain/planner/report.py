@@ -106,8 +106,10 @@ def format_plan(result: PlanResult) -> str:
            + f": bubble {r.bubble_fraction:.1%} of the busiest stage's time at this runtime's pass costs; inputs in "
            f"flight per stage {[st.in_flight for st in r.stages]}"] if L.pp > 1 else []),
         f" throughput   {r.tokens_per_second:,.0f} tokens/s ({r.tokens_per_second / L.world:,.0f} per device); "
-        f"MFU {r.mfu:.1%} (cost model: {dev.compute_efficiency:.0%} of {dev.peak(job.compute_dtype) / 1e12:g} "
-        f"TFLOP/s sustained)",
+        f"MFU {r.mfu:.1%} " + (
+            f"(cost model: {dev.sustained(job.compute_dtype) / 1e12:g} TFLOP/s sustained, measured; peak "
+            f"{dev.peak(job.compute_dtype) / 1e12:.3g} TFLOP/s measured on this host)" if dev.measured_peak else
+            f"(cost model: {dev.compute_efficiency:.0%} of {dev.peak(job.compute_dtype) / 1e12:g} TFLOP/s sustained)"),
     ]
     lines += [f" note         {note}" for note in r.notes]
     return "\n".join(lines)
