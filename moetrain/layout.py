@@ -162,6 +162,7 @@ class Layout:
         etp = f" etp{self.etp}" if self.etp > 1 else ""
         schedule = f" {self.schedule}" if self.pp > 1 and self.schedule != "1f1b" else ""
         schedule += f" v{self.chunks}" if self.pp > 1 and self.chunks > 1 else ""
+        schedule += f" layers={','.join(map(str, self.pipeline_layers))}" if self.pp > 1 and self.pipeline_layers else ""
         return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}{schedule} ep{self.ep}{etp} zero{self.zero} "
                 f"recompute={self.recompute} micro={self.micro_batch_size}x{self.num_micro_batches}")
 
@@ -236,11 +237,12 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
              f"splits MTP as it splits the layers) or model.mtp_depth=0")
     chunk_problems = schedule_problems(L, m.layers)
     problems += chunk_problems
-    if m.layers is not None and not chunk_problems:
-        try:
-            split_layers(m.layers, L.pp * L.chunks, L.pipeline_layers, chunks=L.chunks)
-        except LayoutError as exc:
-            problems.append(str(exc))
+    if m.layers is not None:
+        if not chunk_problems:       # (a chunk count that does not fit the layers is said once, above)
+            try:
+                split_layers(m.layers, L.pp * L.chunks, L.pipeline_layers, chunks=L.chunks)
+            except LayoutError as exc:
+                problems.append(str(exc))
     elif shape is not None and L.pp > 1:
         problems.append(f"parallel.pipeline_stage ({L.pp}) > 1 needs a model made of layers (model.num_layers); "
                         f"set it to 1")

@@ -73,6 +73,13 @@ CASES = [
     ("hf-import of a damaged safetensors or config.json", "safetensors with a garbage header length; "
      "config.json without num_hidden_layers; config.json that is not JSON",
      "refused clearly: one line naming the file (and key)", "test_hf_import_of_damaged_files_names_the_file"),
+    ("moetrain plan with more model chunks than layers", "moetrain plan moe_tiny.yaml --set parallel.pipeline_stage=2 "
+     "--set parallel.pipeline_schedule=interleaved_1f1b --set parallel.pp_interleave_num=4",
+     "refused clearly: the chunk rule once, no spurious 'needs a model made of layers'",
+     "test_a_chunk_count_the_layers_cannot_fill_is_said_once"),
+    ("moetrain plan --search on a world the layers do not divide", "moetrain plan moe_tiny.yaml --world 3 --search",
+     "handled: searched (not refused on the config's inferred dp), pp3 with an uneven split found and fitting",
+     "test_search_on_a_world_the_layers_do_not_divide_tries_uneven_pipeline_splits"),
 ]
 
 
@@ -598,3 +605,45 @@ def test_hf_import_of_damaged_files_names_the_file(hf_llama, tmp_path, capsys):
     assert f"{folder / 'config.json'}: the key 'num_hidden_layers' is missing" in err
     err, folder = broken("not_json", config='{"model_type": "llama",')
     assert f"{folder / 'config.json'} is not valid JSON" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# moetrain plan
+# ---------------------------------------------------------------------------------------------
+MOE_TINY = os.path.join(ROOT, "configs", "moe_tiny.yaml")
+
+
+def test_a_chunk_count_the_layers_cannot_fill_is_said_once(capsys):
+    """Issue 37: a pipeline of a layered model whose chunks outnumber its layers is refused for that,
+    without the rule for models that are not made of layers."""
+    from moetrain.planner import main
+
+    args = [MOE_TINY, "--set", "parallel.pipeline_stage=2", "--set",
+            "parallel.pipeline_schedule=interleaved_1f1b", "--set", "parallel.pp_interleave_num=4",
+            "--set", "parallel.micro_batch_num=2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "every chunk needs a layer" in err
+    assert "needs a model made of layers" not in err
+
+
+def test_search_on_a_world_the_layers_do_not_divide_tries_uneven_pipeline_splits(capsys):
+    """Issue 37: `--search --world 3` searches (the config's inferred data_parallel of 3 cannot split
+    the batch, but the search picks dp itself) and finds pp3 with the layers split 2,1,1 or 1,1,2,
+    which validates and fits; moetrain plan of that layout agrees."""
+    from moetrain.layout import Layout
+    from moetrain.planner import (Job, apply_layout, choose_layout, load_plan_config, main, pipeline_splits, plan,
+                                  plan_problems)
+
+    cfg = load_plan_config(MOE_TINY)
+    assert main([cfg.source, "--world", "3", "--search"]) == 0
+    out = capsys.readouterr().out
+    chosen = out.splitlines()[1]
+    assert chosen.split()[:4] == ["chosen", "dp1", "tp1", "pp3"] and ("layers=2,1,1" in chosen or "layers=1,1,2" in chosen)
+    assert "FITS" in out
+    settings, search = choose_layout(cfg, 3)
+    assert settings["pipeline_stage"] == 3 and sorted(settings["pipeline_layers"]) == [1, 1, 2]
+    chosen_cfg = apply_layout(cfg, search.chosen.layout)
+    assert plan(chosen_cfg, 3).fits and not plan_problems(Job.of(chosen_cfg), Layout.of(chosen_cfg), 3)
+    assert pipeline_splits(Job.of(cfg).arch, 3, 1) == [(2, 1, 1), (1, 1, 2)]
+    assert pipeline_splits(Job.of(cfg).arch, 2, 1) == [None]          # even: no list needed

@@ -21,7 +21,7 @@ from moetrain.planner.report import format_bytes, format_count, format_flops, fo
 from moetrain.planner.schedule import (chunk_layer_lists, last_stage, pipeline_bubble, pipeline_in_flight,
                                        pipeline_peak)
 from moetrain.planner.search import (THROUGHPUT_TIE, Candidate, LayoutSearch, candidate_layouts,
-                                     choose_layout, pipeline_schedules, plan)
+                                     choose_layout, pipeline_schedules, pipeline_splits, plan)
 
 __all__ = ["DISPATCH_ROW_MARGIN", "DTYPE_BYTES", "FP32", "OPTIMIZER_FP32_STATES", "Arch", "Job", "ParamCount",
            "apply_layout", "attention_flops_per_token", "count_parameters", "flops_per_token", "parameter_counts",
@@ -30,4 +30,4 @@ __all__ = ["DISPATCH_ROW_MARGIN", "DTYPE_BYTES", "FP32", "OPTIMIZER_FP32_STATES"
            "dispatch_bytes", "plan_layout", "plan_valid_layout", "stage_cost", "format_bytes", "format_count",
            "format_flops", "format_plan", "format_search", "chunk_layer_lists", "last_stage", "pipeline_bubble",
            "pipeline_in_flight", "pipeline_peak", "THROUGHPUT_TIE", "Candidate", "LayoutSearch",
-           "candidate_layouts", "choose_layout", "pipeline_schedules", "plan"]
+           "candidate_layouts", "choose_layout", "pipeline_schedules", "pipeline_splits", "plan"]

@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_plan_config(args.config, args.set)
-        if args.world and cfg.parallel.data_parallel_inferred:   # as a launch of --world processes would
+        searched = args.search or cfg.parallel.mode == "auto"     # the search sets dp itself (and may refuse it)
+        if args.world and cfg.parallel.data_parallel_inferred and not searched:   # as a launch of --world would
             infer_data_parallel(cfg, cfg.source, args.world)
         if args.dry_run:
             # the dry run builds the model: MindSpore stays off the path of the plain plan

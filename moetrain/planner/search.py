@@ -67,10 +67,22 @@ def pipeline_schedules(arch: Arch, pp: int, num_micro_batches: int) -> List[Tupl
     return tried
 
 
+def pipeline_splits(arch: Arch, pp: int, interleave: int) -> List[Optional[Tuple[int, ...]]]:
+    """The `pipeline_layers` the search tries: None (an even split) where the layers divide into the
+    stages; otherwise, for one model chunk a stage, the two most even uneven splits (each stage
+    floor or ceil of layers / pp), the extra layers on the first stages or on the last (the cost
+    model weighs them against the embedding on the first stage and the head on the last)."""
+    if pp == 1 or arch.layers % (pp * interleave) == 0 or interleave > 1 or arch.layers < pp:
+        return [None]            # (where no split can work, the layout rules say why)
+    base, extra = divmod(arch.layers, pp)
+    first = (base + 1,) * extra + (base,) * (pp - extra)
+    return [first, first[::-1]]
+
+
 def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
-    """Every dp x tp x pp = world, ep, micro-batching, ZeRO level, recompute, sequence-parallel
-    and pipeline-schedule combination worth costing (ZeRO levels are all the same layout when
-    dp = 1)."""
+    """Every dp x tp x pp = world, ep, micro-batching, ZeRO level, recompute, sequence-parallel,
+    pipeline-schedule and layer-split combination worth costing (ZeRO levels are all the same
+    layout when dp = 1)."""
     arch = job.arch
     layouts = []
     for tp in divisors(world_size):
@@ -85,10 +97,11 @@ def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
                 if (dp * tp // etp) % ep:      # ep up to dp x tp / etp (MoE folding, moetrain/layout.py)
                     continue
                 for schedule, interleave in pipeline_schedules(arch, pp, count):
-                    layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp,
-                                          micro_batch_size=max(1, per_rank // count), num_micro_batches=count,
-                                          zero=zero, recompute=recompute, sequence_parallel=sp,
-                                          schedule=schedule, interleave=interleave))
+                    for split in pipeline_splits(arch, pp, interleave):
+                        layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp,
+                                              micro_batch_size=max(1, per_rank // count), num_micro_batches=count,
+                                              zero=zero, recompute=recompute, sequence_parallel=sp,
+                                              schedule=schedule, interleave=interleave, pipeline_layers=split))
     return layouts
 
 
