@@ -88,11 +88,16 @@ def _delegate(module: str, function: str):
 
 def main(argv=None) -> int:
     from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
+    from moetrain.compat import unsupported_mindspore
     from moetrain.config import ConfigError
     from moetrain.faults import EXIT_CANNOT_RUN, EXIT_HALTED, EXIT_INVARIANT, EXIT_SAVE_FAILED, TrainingHalted
     from moetrain.moe.accounting import DispatchInvariantError
 
     args, rest = build_parser().parse_known_args(argv)
+    unsupported = unsupported_mindspore()          # the version gate (moetrain/compat.py), before any work
+    if unsupported:
+        print(f"moetrain: error: {unsupported}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     if rest and args.command == "train":
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
