@@ -9,6 +9,7 @@ import sys
 # light modules only (no MindSpore): `moetrain --help` and refused inputs answer at once
 from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
 from moetrain.checkpoint.run_dir import claim_output_dir, release_claim
+from moetrain.compat import unsupported_mindspore
 from moetrain.config import ConfigError, load_config, output_dir_of
 from moetrain.faults import (EXIT_CANNOT_RUN, EXIT_HALTED, EXIT_INVARIANT, EXIT_PREEMPTED, EXIT_SAVE_FAILED,
                              TrainingHalted)
@@ -91,6 +92,10 @@ def _delegate(module: str, function: str):
 
 def main(argv=None) -> int:
     args, rest = build_parser().parse_known_args(argv)
+    unsupported = unsupported_mindspore()          # the version gate (moetrain/compat.py), before any work
+    if unsupported:
+        print(f"moetrain: error: {unsupported}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     if rest and args.command == "train":
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest

@@ -307,6 +307,22 @@ def test_rollback_returns_to_the_checkpoint_and_skips_the_batches_since(mnist_ov
     assert resumed.step == 6 and resumed.sampler.offset == 2 and resumed.faults.guard.faults == 1
 
 
+def test_a_checkpoint_loaded_after_compiling_is_what_the_next_steps_train_from(mnist_overrides, tmp_path):
+    """A rollback loads a checkpoint into a trainer whose jitted graphs are compiled: they must read
+    the loaded weights and optimizer state. Steps 3-4 again after loading step 2 equal the first
+    steps 3-4 exactly. (Loaded with `Parameter.set_data`, MindSpore 2.10 trained on from the replaced,
+    pre-rollback weights and 2.7 read freed memory: checkpoint.distributed.write_in_place.)"""
+    run = tmp_path / "run"
+    trainer = make_trainer(mnist_overrides + [f"train.output_dir={run}", "train.steps=4", "checkpoint.save_steps=2",
+                                              "lr_schedule.warmup_steps=0"])
+    trainer.fit()
+    first = [r["loss"] for r in records(run) if "loss" in r]
+    trainer.load(str(run / "checkpoints" / "step_00000002"))
+    assert trainer.step == 2
+    again = [trainer.train_step()["loss"] for _ in range(2)]
+    assert again == first[2:], (again, first)
+
+
 # ---------------------------------------------------------------------------------------------
 # Failed saves
 # ---------------------------------------------------------------------------------------------

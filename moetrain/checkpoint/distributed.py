@@ -92,6 +92,17 @@ def first_replica(pctx, spec: ShardSpec, group_kind: str, zero_sharded: bool) ->
     return pctx.group(group_kind).rank_in_group == 0
 
 
+def write_in_place(param, value: np.ndarray) -> None:
+    """Copy `value` into `param`'s own memory (`ops.assign`), not `set_data`: a rollback loads into
+    a trainer whose jitted graphs are compiled, and those keep the parameter's old memory. After
+    `set_data` they read the replaced data (MindSpore 2.10: the pre-rollback weights, silently) or
+    freed memory (2.7: garbage, then a segfault); measured, tests/test_faults.py checks it."""
+    import mindspore as ms
+    from mindspore import ops
+
+    ops.assign(param, ms.Tensor(np.ascontiguousarray(value), dtype=param.dtype))
+
+
 class _FlatRows:
     """Host copies of ZeRO's flat rows (optimizer state and masters), read and written once each."""
 
@@ -110,12 +121,8 @@ class _FlatRows:
         self.dirty.add(id(param))
 
     def flush(self) -> None:
-        # MindSpore only where Parameters are loaded: reshard and consolidate move arrays and never start it
-        import mindspore as ms
-
         for key in sorted(self.dirty):
-            param = self.params[key]
-            param.set_data(ms.Tensor(self.values[key], dtype=param.dtype))
+            write_in_place(self.params[key], self.values[key])
         self.dirty.clear()
 
 
@@ -604,7 +611,10 @@ def load_into(reader: CheckpointReader, tensors: Sequence[LocalTensor], holds_wh
         if tuple(value.shape) != tuple(t.param.shape):
             raise CheckpointError(f"{reader.path}: {t.key} resharded to {tuple(value.shape)} but this rank's "
                                   f"tensor is {tuple(t.param.shape)}")
-        t.param.set_data(ms.Tensor(value, dtype=t.param.dtype))
+        if isinstance(t.param, ms.Parameter):
+            write_in_place(t.param, value)
+        else:                           # a ZeRO row piece: staged on the host, flushed below
+            t.param.set_data(ms.Tensor(value, dtype=t.param.dtype))
     for t in wanted:
         if hasattr(t.param, "flush"):   # ZeRO rows staged on the host: written back once
             t.param.flush()

@@ -21,6 +21,8 @@ import warnings
 
 import mindspore
 
+from moetrain import compat
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # source -> extra compiler flags. The elementwise kernels need -ffast-math for vectorised expf and
 # are built for this CPU (-march=native; the CPU model is part of the cache key).
@@ -61,9 +63,12 @@ def library_path() -> str:
         raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
     lib_dir = _mindspore_lib_dir()
     include_dir = os.path.join(os.path.dirname(lib_dir), "include")   # type_id.h: MindSpore's dtype ids
-    if not os.path.isfile(os.path.join(lib_dir, "libdnnl.so.3")):
-        raise KernelBuildError(f"libdnnl.so.3 not found in {lib_dir} (this MindSpore build has no oneDNN)")
-    digest = hashlib.sha256(f"{mindspore.__version__} {compiler} {_cpu_model()} {SOURCES} {LINK_FLAGS}".encode())
+    try:
+        onednn = compat.onednn_library(lib_dir)   # the soname differs between MindSpore versions
+    except FileNotFoundError as error:
+        raise KernelBuildError(str(error)) from None
+    digest = hashlib.sha256(f"{compat.mindspore_version_string()} {compiler} {_cpu_model()} {SOURCES} {LINK_FLAGS}"
+                            .encode())
     for name in (*SOURCES, *HEADERS):
         with open(os.path.join(HERE, name), "rb") as fh:
             digest.update(fh.read())
@@ -79,7 +84,7 @@ def library_path() -> str:
             _run([compiler, "-O3", "-std=c++17", "-fPIC", "-pthread", *flags, f"-I{include_dir}", "-c",
                   os.path.join(HERE, name), "-o", objects[-1]])
         library = os.path.join(build_dir, "kernels.so")
-        _run([compiler, "-shared", "-pthread", *LINK_FLAGS, "-o", library, *objects, f"-L{lib_dir}", "-l:libdnnl.so.3",
+        _run([compiler, "-shared", "-pthread", *LINK_FLAGS, "-o", library, *objects, f"-L{lib_dir}", f"-l:{onednn}",
               f"-Wl,-rpath,{lib_dir}"])
         os.replace(library, target)
     return target
