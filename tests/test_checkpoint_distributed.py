@@ -8,7 +8,8 @@ trainings one after another in one job; an msrun launch costs ~15 s before any w
 - 4 ranks (after the first job): the dp2 checkpoint resumed on dp4 with ZeRO-2; N steps of a GPT
   on dp2 x tp2, then resumed on dp4.
 One-process resumes run in pytest's process (the pp2 GPT's uninterrupted one-process run trains
-beside the 2-rank job). The kill -9 test launches `moetrain train` as the CLI
+beside the 2-rank job); so does `moetrain generate` from the dp2 x ep2 run's final checkpoint (no
+launch of its own). The kill -9 test launches `moetrain train` as the CLI
 runs it (tests/workers/ckpt_train.py). Tensor/expert-parallel layouts with ZeRO are also covered with
 hand-marked shards on virtual ranks (one process).
 """
@@ -511,6 +512,51 @@ def test_dp2_ep2_zero1_resume_at_n_is_exact_and_resumes_on_one_process(world2_ru
     one = str(tmp_path / "one")
     make_trainer(lm_sets("moe_gpt", one, PYNATIVE, "train.micro_batch_size=4"), resume=saved, config=MOE_CFG).fit()
     np.testing.assert_allclose(losses(one), losses(straight)[LM_HALF:], rtol=1e-5)
+
+
+@pytest.mark.distributed
+def test_generate_from_the_dp2_ep2_checkpoint_equals_its_one_process_consolidation(world2_runs, tmp_path):
+    """`moetrain generate` on the checkpoint the dp2 x ep2 run saved at its end (each rank wrote its own
+    experts) gives, greedy and token for token, what it gives from the checkpoint's one-process
+    consolidation, and both equal a model built from the parameters the two ranks held in memory."""
+    from moetrain.checkpoint.distributed import consolidate
+    from moetrain.checkpoint.model_dir import build_model_from_dict, load_model_dir, load_model_state
+    from moetrain.cli import main
+    from moetrain.data.tokenizer import load_tokenizer
+    from moetrain.generate import generate
+
+    run = world2_runs["ep2_straight"]
+    saved = checkpoint(run, LM_STEPS)
+    consolidate(saved, str(tmp_path / "model"))
+    prompts = ["And God said", "In the beginning God created"]       # unequal lengths: one batch
+    args = [a for p in prompts for a in ("--prompt", p)] + ["--max-new-tokens", "8", "--temperature", "0",
+                                                             "--eos-id", "-1"]
+    assert main(["generate", saved, *args, "--output", str(tmp_path / "ckpt.npy")]) == 0
+    assert main(["generate", str(tmp_path / "model"), *args, "--output", str(tmp_path / "model.npy")]) == 0
+    from_checkpoint, from_consolidated = np.load(tmp_path / "ckpt.npy"), np.load(tmp_path / "model.npy")
+    np.testing.assert_array_equal(from_checkpoint, from_consolidated)
+
+    ranks = [(json.load(open(os.path.join(run, f"rank_{r}.json")))["shards"], np.load(os.path.join(run, f"rank_{r}.npz")))
+             for r in range(2)]
+    assert ranks[1][0]["layers.0.moe.experts.w_up"][1:] == [0, 1, 2, "ep"]    # rank 1: experts 2-3 of 4
+
+    def held(name):     # the ranks' own tensors: ep slices joined in slice order (not through the reader)
+        axis = ranks[0][0][name][1]
+        slices = sorted(((shards[name][2], params[name]) for shards, params in ranks), key=lambda s: s[0])
+        return ranks[0][1][name] if axis is None else np.concatenate([value for _, value in slices], axis)
+
+    config, state = load_model_dir(str(tmp_path / "model"))
+    assert sorted(ranks[0][1].files) == sorted(state)
+    _, loaded = load_model_dir(saved)      # what `moetrain generate` loads: bitwise the ranks' tensors (at 4
+    for name, value in loaded.items():     # steps the experts' share of the logits is too small for the
+        np.testing.assert_array_equal(value, held(name), err_msg=name)   # tokens alone to see their order)
+    model = build_model_from_dict(config["model"])
+    load_model_state(model, {name: held(name) for name in state}, strict=True)
+    tokenizer = load_tokenizer(os.path.join(LM_DATA, "kjv_tiny.model"))
+    encoded = [tokenizer.encode(text) for text in prompts]
+    for row, (prompt, new) in enumerate(zip(encoded, generate(model, encoded, 8, temperature=0.0))):
+        np.testing.assert_array_equal(from_checkpoint[row, :len(prompt) + 8], prompt + list(new), err_msg=prompts[row])
+        assert not from_checkpoint[row, len(prompt) + 8:].any()          # right padding (no EOS id: 0)
 
 
 @pytest.mark.slow

@@ -164,6 +164,62 @@ def test_imported_config(tmp_path):
     assert hf_config_to_model_dict(v5)["rope_theta"] == 5e5
 
 
+def test_rope_and_window_keys_are_read_as_transformers_5_reads_them():
+    """transformers 5 (configuration_utils / modeling_rope_utils, checked with 5.23.0): a legacy
+    `rope_scaling` object replaces `rope_parameters` whole; theta comes from that object, else the
+    top-level `rope_theta`, else the family's `default_theta` (Mixtral 1e6, others 1e4); YaRN's original
+    length defaults to max_position_embeddings, a top-level key overriding it; a Qwen3-MoE window is
+    used only with use_sliding_window, a Mistral's defaults to 4096; Mistral's eps defaults to 1e-6."""
+    from moetrain.checkpoint.hf import hf_config_to_model_dict
+
+    def read(base, drop=(), **keys):
+        config = {k: v for k, v in base.items() if k not in drop}
+        return hf_config_to_model_dict(dict(config, **keys))
+
+    bare = ("rope_theta", "rope_parameters", "rope_scaling")
+    assert read(MIXTRAL_CONFIG, bare)["rope_theta"] == 1e6
+    assert read(LLAMA_CONFIG, bare)["rope_theta"] == 1e4
+    assert read(LLAMA_CONFIG, bare, rope_scaling={"type": "default", "rope_theta": 5.0},
+                rope_parameters={"rope_type": "default", "rope_theta": 5e5})["rope_theta"] == 5.0
+    assert read(LLAMA_CONFIG, rope_scaling={"type": "default"},
+                rope_parameters={"rope_type": "default", "rope_theta": 5e5})["rope_theta"] == 1e4   # top-level
+    assert read(LLAMA_CONFIG, rope_scaling=None, rope_parameters={"rope_type": "default", "rope_theta": 5e5})[
+        "rope_theta"] == 5e5
+    with pytest.raises(ValueError, match=r"config.json: rope_scaling=\{\"type\": \"linear\".*'linear' is not implemented"):
+        read(LLAMA_CONFIG, rope_scaling={"type": "linear", "factor": 2.0},
+             rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    with pytest.raises(ValueError, match="config.json: rope_parameters=.*per layer type"):
+        read(LLAMA_CONFIG, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="config.json: rope_parameters=.*partial RoPE"):
+        read(LLAMA_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    assert read(LLAMA_CONFIG, partial_rotary_factor=None)["name"] == "gpt"
+
+    with open(os.path.join(os.path.dirname(__file__), "golden", "deepseek_v3_yarn", "config.json")) as fh:
+        deepseek = json.load(fh)
+    yarn = {k: v for k, v in deepseek["rope_parameters"].items() if k not in ("rope_type", "rope_theta")}
+    assert read(deepseek, ("rope_parameters",), rope_scaling=dict(yarn, type="yarn"), rope_theta=5e4)[
+        "rope_theta"] == 5e4                                   # as published DeepSeek-V3 config.json has it
+    del yarn["original_max_position_embeddings"]
+    legacy = dict(yarn, type="yarn")
+    assert read(deepseek, rope_scaling=legacy)["yarn_original_max_positions"] == deepseek["max_position_embeddings"]
+    assert read(deepseek, rope_scaling=legacy, original_max_position_embeddings=4)["yarn_original_max_positions"] == 4
+    assert read(deepseek, original_max_position_embeddings=4)["yarn_original_max_positions"] == 4
+    with pytest.raises(ValueError, match="YaRN needs its scaling factor"):
+        read(deepseek, rope_scaling=dict(legacy, factor=None))
+
+    qwen = {"model_type": "qwen3_moe", "vocab_size": 40, "hidden_size": 16, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 24, "moe_intermediate_size": 8,
+            "max_position_embeddings": 32768, "num_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4096}
+    assert read(qwen)["name"] == "qwen3_moe"                  # use_sliding_window defaults to false
+    with pytest.raises(ValueError, match="config.json: sliding_window=4096"):
+        read(qwen, use_sliding_window=True)
+    mistral = dict(LLAMA_CONFIG, model_type="mistral", max_position_embeddings=32768)
+    with pytest.raises(ValueError, match="config.json: sliding_window is absent, so mistral's default 4096 applies"):
+        read(mistral, ("rms_norm_eps",))
+    mistral = read(mistral, ("rms_norm_eps",), sliding_window=None)
+    assert mistral["norm_eps"] == 1e-6
+
+
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 def test_export_then_import_is_lossless(ms, tmp_path, layout):
     from moetrain.checkpoint.hf import hf_export, hf_import

@@ -23,7 +23,10 @@ TOLERANCE = 1e-4
 def ms():
     import mindspore
 
+    from moetrain.dist.topology import cpu_ops_on_calling_thread
+
     mindspore.set_device("CPU")
+    cpu_ops_on_calling_thread()      # as `moetrain generate` does: op-by-op decoding without a spinning queue
     return mindspore
 
 
@@ -224,3 +227,82 @@ def test_fp8_blocks_are_dequantized_as_torch_does(tmp_path):
         dequantize_fp8_blocks(fp8, ["w.weight"], (128, 128))
     with pytest.raises(ValueError, match=r"scale tensors without an FP8 weight: \['v.weight_scale_inv'\]"):
         dequantize_fp8_blocks({"v.weight_scale_inv": np.ones((1, 1), np.float32)}, [], (128, 128))
+
+
+# ---------------------------------------------------------------------------------------------
+# What save_pretrained writes, in the variants that change how a folder is read
+# (tools/make_hf_golden.py VARIANTS; tests/golden/README.md)
+# ---------------------------------------------------------------------------------------------
+VARIANTS = ("llama_legacy_rope", "mixtral_tied_default_rope", "qwen3_moe_sparse_step", "deepseek_v3_legacy_yarn")
+
+
+def published_tensors(name):
+    """Every tensor of a golden folder, from its shards when it has an index."""
+    folder = os.path.join(GOLDEN, name)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return load_file(os.path.join(folder, "model.safetensors"))
+    with open(index) as fh:
+        weight_map = json.load(fh)["weight_map"]
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        tensors.update(load_file(os.path.join(folder, shard)))
+    assert sorted(tensors) == sorted(weight_map) and len(set(weight_map.values())) > 1
+    return tensors
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_what_save_pretrained_writes_imports_exports_and_reimports(ms, tmp_path, name):
+    """Straight from the golden folder as transformers left it (shards + index, a tied head, legacy or
+    absent RoPE keys, Qwen3-MoE's decoder_sparse_step with mlp_only_layers): the logits equal
+    transformers' to 1e-5; export gives back every published tensor (one file) and a config.json that
+    imports as the same model, with the same weights."""
+    from moetrain.checkpoint.hf import hf_config_to_model_dict, hf_export, hf_import
+    from moetrain.checkpoint.model_dir import load_model, load_model_dir
+
+    model_section = hf_import(os.path.join(GOLDEN, name), str(tmp_path / "model"))
+    model, _ = load_model(str(tmp_path / "model"))
+    logits = model.logits(ms.Tensor(golden(name, "input_ids.npy"))).asnumpy()
+    np.testing.assert_allclose(logits, golden(name, "logits.npy"), rtol=1e-5, atol=1e-5)
+
+    config = hf_export(str(tmp_path / "model"), str(tmp_path / "exported"))
+    exported, published = load_file(str(tmp_path / "exported" / "model.safetensors")), published_tensors(name)
+    assert sorted(exported) == sorted(published)
+    for key, value in published.items():
+        np.testing.assert_array_equal(exported[key], value, err_msg=key)
+    assert hf_config_to_model_dict(config) == model_section
+    hf_import(str(tmp_path / "exported"), str(tmp_path / "again"))
+    (_, first), (_, again) = load_model_dir(str(tmp_path / "model")), load_model_dir(str(tmp_path / "again"))
+    assert sorted(first) == sorted(again) and all(np.array_equal(first[k], again[k]) for k in first)
+
+
+def test_what_the_variants_configs_mean():
+    """The keys each variant exercises, read as transformers 5 reads them."""
+    from moetrain.checkpoint.hf import hf_config_to_model_dict
+    from moetrain.checkpoint.model_dir import build_config_from_dict
+
+    llama = hf_config_to_model_dict(golden("llama_legacy_rope", "config.json"))     # transformers 4's keys
+    assert (llama["rope_theta"], llama["tie_embeddings"]) == (500000.0, False)
+    mixtral = hf_config_to_model_dict(golden("mixtral_tied_default_rope", "config.json"))   # no RoPE key at all
+    assert (mixtral["rope_theta"], mixtral["tie_embeddings"]) == (1e6, True)
+    qwen = hf_config_to_model_dict(golden("qwen3_moe_sparse_step", "config.json"))
+    assert [build_config_from_dict(qwen).is_moe_layer(i) for i in range(4)] == [False, False, False, True]
+    yarn = hf_config_to_model_dict(golden("deepseek_v3_legacy_yarn", "config.json"))   # {"type": "yarn"} legacy
+    assert (yarn["rope_theta"], yarn["yarn_factor"], yarn["yarn_original_max_positions"]) == (1e4, 4.0, 8)
+    assert (yarn["yarn_mscale"], yarn["yarn_mscale_all_dim"], yarn["tie_embeddings"]) == (1.0, 0.7, False)
+
+
+@pytest.mark.parametrize("name,keys", [("llama_bias", "attention_bias=true, mlp_bias=true"),
+                                       ("qwen3_moe_bias", "attention_bias=true")])
+def test_projection_biases_are_refused_naming_the_keys(tmp_path, name, keys):
+    """moetrain's attention and MLP projections have no biases: a config.json that has them (as
+    save_pretrained writes it) stops the import at once, naming the file and the keys."""
+    from moetrain.checkpoint.hf import hf_import
+
+    folder = os.path.join(GOLDEN, name)
+    with pytest.raises(ValueError) as info:
+        hf_import(folder, str(tmp_path / "model"))
+    message = str(info.value)
+    assert message.startswith(f"{os.path.join(folder, 'config.json')}: {keys}: ") and "\n" not in message
+    assert "biases" in message
+    assert not os.path.exists(tmp_path / "model")

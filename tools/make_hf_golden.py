@@ -15,6 +15,19 @@ checkpoint); for Mixtral, Qwen3-MoE and `deepseek_v3_saved` (a DeepSeek-V3 exact
 depend visibly on every tensor, and DeepSeek's correction bias is non-zero. `fp8_block/` holds
 one FP8 block-quantized weight written by torch (`float8_e4m3fn`) with its `weight_scale_inv` and
 the dequantized values torch computes. moetrain's tests read these files without torch.
+
+The variants of what transformers writes (`VARIANTS`; `make_variant`): each saved by
+`save_pretrained` (some with a small `max_shard_size`: shards plus `model.safetensors.index.json`),
+some with config.json then rewritten as older writers leave it (a legacy `rope_theta` +
+`rope_scaling`, or no RoPE key at all); their `logits.npy` are those of the model transformers loads
+back from the folder, checked equal to the model that was saved. Folders of a refused feature
+(projection biases) keep only config.json.
+
+    /tmp/hfenv/bin/python tools/make_hf_golden.py --only llama_legacy_rope qwen3_moe_sparse_step   # some folders only
+
+`--check-export DIR=NAME ...` loads folders written by `moetrain convert hf-export` (of the import of
+golden NAME) with transformers and prints how far their logits are from NAME's `logits.npy`: that
+transformers reads what moetrain writes.
 """
 from __future__ import annotations
 
@@ -105,6 +118,93 @@ QWEN3_MOE = dict(vocab_size=64, hidden_size=32, intermediate_size=40, moe_interm
                  num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=4, num_experts_per_tok=2,
                  norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=32,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def make_variant(out, generator, tokens, model_cls, config, edit=None, shard=None, config_only=False) -> None:
+    """`save_pretrained` of a random `model_cls` (in shards of `shard` bytes with an index, if given),
+    config.json then edited in place by `edit(dict)`; the golden logits are the reloaded model's."""
+    for name in os.listdir(out):      # an earlier run's shards must not linger
+        os.remove(os.path.join(out, name))
+    model = build(model_cls, config, generator)
+    model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
+    if config_only:     # a refused feature: the importer must stop at config.json
+        for name in os.listdir(out):
+            if name != "config.json":
+                os.remove(os.path.join(out, name))
+        return
+    if shard:
+        assert os.path.isfile(os.path.join(out, "model.safetensors.index.json")), "not sharded: lower the shard size"
+    if edit is not None:
+        path = os.path.join(out, "config.json")
+        with open(path) as fh:
+            saved = json.load(fh)
+        edit(saved)
+        with open(path, "w") as fh:
+            json.dump(saved, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+    loaded = model_cls.from_pretrained(out, attn_implementation="eager").float().eval()
+    ids = torch.tensor(tokens[:, :SEQ])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits), "the folder does not reload as the model saved"
+    write_common(out, loaded, tokens)
+
+
+def legacy_rope(theta=None, scaling=None):
+    """config.json as transformers 4 wrote it: top-level `rope_theta` and `rope_scaling`, no `rope_parameters`."""
+    def edit(config):
+        config.pop("rope_parameters")
+        if theta is not None:
+            config["rope_theta"] = theta
+        config["rope_scaling"] = scaling
+    return edit
+
+
+def no_rope_keys(config):
+    """config.json without `rope_parameters` or `rope_theta`: the family's default theta applies."""
+    config.pop("rope_parameters")
+    config.pop("rope_theta", None)
+
+
+SHARD = "8KB"     # a few shards of a tiny model
+LLAMA_LEGACY = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+MIXTRAL_TIED = dict(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+QWEN3_SPARSE = dict(vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=4,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                    norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[1], max_position_embeddings=32,
+                    tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+DEEPSEEK_LEGACY = dict(vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+                       num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                       norm_topk_prob=True, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                       v_head_dim=4, max_position_embeddings=32, num_mtp_layers=0, tie_word_embeddings=False)
+YARN = {"factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+        "mscale_all_dim": 0.7}
+VARIANTS = {
+    # untied head; config.json of transformers 4 (rope_theta 5e5, rope_scaling null); shards + index
+    "llama_legacy_rope": lambda o, g, t: make_variant(o, g, t, transformers.LlamaForCausalLM,
+                                                      transformers.LlamaConfig(**LLAMA_LEGACY),
+                                                      legacy_rope(500000.0, None), SHARD),
+    # tied head; no RoPE key at all: Mixtral's default theta (1e6)
+    "mixtral_tied_default_rope": lambda o, g, t: make_variant(o, g, t, transformers.MixtralForCausalLM,
+                                                              transformers.MixtralConfig(**MIXTRAL_TIED), no_rope_keys),
+    # MoE only at layer 3: decoder_sparse_step 2 (layers 1, 3) minus mlp_only_layers [1]; tied; shards + index
+    "qwen3_moe_sparse_step": lambda o, g, t: make_variant(o, g, t, transformers.Qwen3MoeForCausalLM,
+                                                          transformers.Qwen3MoeConfig(**QWEN3_SPARSE), None, SHARD),
+    # YaRN in the published DeepSeek-V3 form: legacy rope_scaling {"type": "yarn", ...}; shards + index
+    "deepseek_v3_legacy_yarn": lambda o, g, t: make_variant(
+        o, g, t, transformers.DeepseekV3ForCausalLM,
+        transformers.DeepseekV3Config(**DEEPSEEK_LEGACY, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **YARN}),
+        legacy_rope(10000.0, {"type": "yarn", **YARN}), SHARD),
+    # projection biases (refused by hf-import): config.json only
+    "llama_bias": lambda o, g, t: make_variant(o, g, t, transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        **dict(LLAMA_LEGACY, attention_bias=True, mlp_bias=True)), config_only=True),
+    "qwen3_moe_bias": lambda o, g, t: make_variant(o, g, t, transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+        **dict(QWEN3_SPARSE, attention_bias=True)), config_only=True),
+}
 
 
 def _published_mtp_tensors(mtp_model, main_model, num_layers: int) -> dict:
@@ -201,7 +301,20 @@ def make_fp8_block(out, generator):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "golden"))
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="write these folders only (the others are kept)")
+    ap.add_argument("--check-export", nargs="+", metavar="DIR=NAME",
+                    help="load hf-export folders with transformers, compare with golden NAME's logits; write nothing")
     args = ap.parse_args()
+    if args.check_export:
+        for pair in args.check_export:
+            folder, name = pair.split("=")
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float().eval()
+            ids = np.load(os.path.join(args.out, name, "input_ids.npy")).astype(np.int64)
+            with torch.no_grad():
+                logits = model(torch.tensor(ids)).logits.numpy()
+            gap = float(np.abs(logits - np.load(os.path.join(args.out, name, "logits.npy"))).max())
+            print(f"{folder}: {type(model).__name__}, max |logits - {name}/logits.npy| = {gap:.3g}")
+        return
     torch.manual_seed(SEED)
     makers = {"llama": lambda o, g, t: make_saved(o, g, t, transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA)),
               "mixtral": lambda o, g, t: make_saved(o, g, t, transformers.MixtralForCausalLM,
@@ -210,14 +323,24 @@ def main() -> None:
                                                       transformers.Qwen3MoeConfig(**QWEN3_MOE), generate=True),
               "deepseek_v3": lambda o, g, t: make_deepseek_v3(o, g, t, "mtp"),
               "deepseek_v3_yarn": lambda o, g, t: make_deepseek_v3(o, g, t, "yarn"),
-              "deepseek_v3_saved": lambda o, g, t: make_deepseek_v3(o, g, t, "saved")}
-    for index, (name, make) in enumerate(makers.items()):
+              "deepseek_v3_saved": lambda o, g, t: make_deepseek_v3(o, g, t, "saved"), **VARIANTS}
+    unknown = sorted(set(args.only or ()) - set(makers) - {"fp8_block"})
+    if unknown:
+        ap.error(f"--only: no golden folder {unknown}; choose from {sorted(makers) + ['fp8_block']}")
+    for index, (name, make) in enumerate(makers.items()):     # seeds by position: the same files each time
+        if args.only and name not in args.only:
+            continue
         generator = torch.Generator().manual_seed(SEED + index)
         tokens = np.random.default_rng(SEED + index).integers(0, 64, (BATCH, SEQ + 1))
         out = os.path.join(args.out, name)
         os.makedirs(out, exist_ok=True)
         make(out, generator, tokens)
         print(f"wrote {out}")
+    if args.only:      # VERSIONS.json describes the full set; tests/golden/README.md names later additions
+        if "fp8_block" in args.only:
+            os.makedirs(os.path.join(args.out, "fp8_block"), exist_ok=True)
+            make_fp8_block(os.path.join(args.out, "fp8_block"), torch.Generator().manual_seed(SEED + 100))
+        return
     os.makedirs(os.path.join(args.out, "fp8_block"), exist_ok=True)
     make_fp8_block(os.path.join(args.out, "fp8_block"), torch.Generator().manual_seed(SEED + 100))
     with open(os.path.join(args.out, "VERSIONS.json"), "w") as fh:

@@ -46,7 +46,7 @@ LAYOUTS = ("per_expert", "fused")
 _MODEL_TYPES = {"llama": "gpt", "mistral": "gpt", "mixtral": "moe_gpt", "deepseek_v3": "deepseek_v3",
                 "qwen3_moe": "qwen3_moe"}
 _DEFAULT_ROPE_THETA = {"mixtral": 1e6, "llama": 1e4, "mistral": 1e4, "deepseek_v3": 1e4, "qwen3_moe": 1e4}
-_DEFAULT_NORM_EPS = {"llama": 1e-6, "mistral": 1e-5, "mixtral": 1e-5, "deepseek_v3": 1e-6, "qwen3_moe": 1e-6}
+_DEFAULT_NORM_EPS = {"llama": 1e-6, "mistral": 1e-6, "mixtral": 1e-5, "deepseek_v3": 1e-6, "qwen3_moe": 1e-6}
 # HF tensors that carry no weights (old checkpoints saved the RoPE frequencies).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # DeepSeek-V3's aux-loss-free balancing: bias step per update (paper: 0.001) and sequence-wise aux loss.
@@ -86,36 +86,62 @@ def read_hf_config(hf_dir: str) -> Dict[str, Any]:
 # Configs: config.json -> `model:` section
 # ----------------------------------------------------------------------------------------------
 def _refuse(hf: Dict[str, Any], key: str, why: str):
-    raise ValueError(f"config.json: {key}={hf.get(key)!r}: {why}; hf-import supports the plain "
+    raise ValueError(f"config.json: {key}={json.dumps(hf.get(key))}: {why}; hf-import supports the plain "
                      f"{hf.get('model_type')} architecture only")
 
 
 def _rope_parameters(hf: Dict[str, Any], model_type: str) -> Tuple[float, Dict[str, Any]]:
-    """`(rope_theta, scaling)`: transformers 5 `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
-    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    legacy = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
+    """`(rope_theta, scaling)` read as transformers 5 reads config.json: a legacy `rope_scaling` object
+    (transformers 4, published DeepSeek-V3) replaces `rope_parameters` whole; theta is that object's
+    `rope_theta`, else the top-level `rope_theta`, else the family's default (both keys may be absent);
+    the kind is `rope_type` or the legacy `type`. YaRN's original length: the top-level
+    `original_max_position_embeddings`, else the object's, else `max_position_embeddings`."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(key) or {}
+    if not isinstance(params, dict):
+        _refuse(hf, key, "expected a JSON object of RoPE settings")
+    if any(isinstance(value, dict) for value in params.values()):
+        _refuse(hf, key, "RoPE settings per layer type are not implemented")
     theta = params.get("rope_theta", hf.get("rope_theta"))
-    scaling = {**legacy, **params}
+    scaling = dict(params)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if (scaling.get("partial_rotary_factor") or 1.0) != 1.0:
+        _refuse(hf, key, "partial RoPE (partial_rotary_factor) is not implemented")
     if kind == "default":
         scaling = {}
     elif kind != "yarn" or model_type != "deepseek_v3":
-        key = "rope_parameters" if params.get("rope_type", "default") != "default" else "rope_scaling"
-        _refuse(hf, key, "RoPE scaling (linear, dynamic, llama3, ...) is not implemented (YaRN only for DeepSeek-V3)")
+        _refuse(hf, key, f"RoPE scaling {kind!r} is not implemented (YaRN only, for DeepSeek-V3)")
+    elif not isinstance(scaling.get("factor"), (int, float)):
+        _refuse(hf, key, "YaRN needs its scaling factor (\"factor\": a number)")
+    else:
+        scaling["original_max_position_embeddings"] = hf.get(
+            "original_max_position_embeddings", scaling.get("original_max_position_embeddings", hf["max_position_embeddings"]))
     return float(theta if theta is not None else _DEFAULT_ROPE_THETA[model_type]), scaling
 
 
+# Sliding-window attention when config.json leaves the keys out (transformers 5 defaults).
+_DEFAULT_WINDOW = {"mistral": 4096}
+_DEFAULT_USE_WINDOW = {"qwen3_moe": False}
+
+
 def _check_common(hf: Dict[str, Any]) -> None:
+    model_type = hf.get("model_type")
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(hf, "hidden_act", "only SwiGLU MLPs (silu) are implemented")
-    window = hf.get("sliding_window")
-    if window is not None and hf.get("use_sliding_window", True) and window < hf["max_position_embeddings"]:
-        _refuse(hf, "sliding_window", f"sliding-window attention (window {window} < max_position_embeddings "
-                                      f"{hf['max_position_embeddings']}) is not implemented")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            _refuse(hf, key, "projection biases are not implemented")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+    window = hf.get("sliding_window", _DEFAULT_WINDOW.get(model_type))
+    if (window is not None and hf.get("use_sliding_window", _DEFAULT_USE_WINDOW.get(model_type, True))
+            and window < hf["max_position_embeddings"]):
+        shown = (f"sliding_window={window}" if "sliding_window" in hf else
+                 f"sliding_window is absent, so {model_type}'s default {window} applies")
+        raise ValueError(f"config.json: {shown}: sliding-window attention (window {window} < "
+                         f"max_position_embeddings {hf['max_position_embeddings']}) is not implemented; a window "
+                         f"that covers every position (or null) is plain causal attention")
+    biases = [key for key in ("attention_bias", "mlp_bias") if hf.get(key)]
+    if biases:
+        raise ValueError(f"config.json: {', '.join(f'{k}=true' for k in biases)}: moetrain's "
+                         f"{_MODEL_TYPES.get(model_type, model_type)} model has no projection biases, so these weights cannot be imported without changing the model's "
+                         f"outputs (a checkpoint trained without them has false here)")
+    if (hf.get("partial_rotary_factor") or 1.0) != 1.0:
         _refuse(hf, "partial_rotary_factor", "partial RoPE is not implemented")
     if hf.get("pretraining_tp", 1) not in (1, None):
         _refuse(hf, "pretraining_tp", "set it to 1 (it only changes how HF splits the matmuls)")
@@ -487,12 +513,17 @@ def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_mtp: b
     _not_the_source(hf_dir, out_dir, "hf-import")
     check_output_folder(out_dir, overwrite, "moetrain convert hf-import")
     hf_config = read_hf_config(hf_dir)
+    config_path = os.path.join(hf_dir, "config.json")
     try:
         model = hf_config_to_model_dict(hf_config)
     except KeyError as exc:
-        raise ValueError(f"{os.path.join(hf_dir, 'config.json')}: the key {exc.args[0]!r} is missing "
+        raise ValueError(f"{config_path}: the key {exc.args[0]!r} is missing "
                          f"(model_type {hf_config.get('model_type')!r} needs it); the file is incomplete or not a "
                          f"transformers config") from None
+    except ValueError as exc:     # name the file read, not just "config.json"
+        message = str(exc)
+        raise ValueError(config_path + message[len("config.json"):] if message.startswith("config.json")
+                         else message) from None
     hf = load_hf_weights(hf_dir, hf_config.get("quantization_config"))
     promised, present = model.get("mtp_depth", 0), mtp_layers_present(hf, model)
     if present < promised:
