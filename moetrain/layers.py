@@ -319,10 +319,15 @@ class CausalAttention(nn.Cell):
     documents, before the block's documents; a `d_v < d` value is zero-padded to `d` for it).
     Otherwise GQA runs without repeating K/V: the query heads sharing one K/V head are laid out as
     one `[group * S, d]` block, so one batched matmul per K/V head covers the group; documents add
-    a `[B, 1, 1, S, S]` additive mask."""
+    a `[B, 1, 1, S, S]` additive mask.
+
+    Context parallelism (`parallel.context_parallel`) sets `context_parallel` to the cell that runs
+    `attend` on the local part of a sequence split over ranks (moetrain/parallel/context_parallel.py);
+    None: the whole sequence is here."""
 
     def __init__(self, max_positions: int, compute_dtype=ms.float32):
         super().__init__()
+        self.context_parallel = None
         self.fused = kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
         if self.fused:
             from moetrain.kernels.ops import FusedCausalAttention, shared
@@ -339,6 +344,8 @@ class CausalAttention(nn.Cell):
         `context` None (causal) or `(document_ids, position_ids)` (see the class).
         The fused kernel applies RoPE and 1/sqrt(d) itself: another scale is folded into q, and
         without RoPE it gets identity tables (cos 1, sin 0)."""
+        if self.context_parallel is not None:
+            return self.context_parallel.attend(q, k, v, scale, rope, context)
         batch, seq_len, _, head_dim = q.shape
         value_dim = v.shape[-1]
         if self.fused:

@@ -103,7 +103,7 @@ def _init_parallel(cfg: Config):
     check_config_layout(cfg, world=launched_world_size())
     p = cfg.parallel
     return init_parallel(dp=p.data_parallel, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel,
-                         etp=p.expert_tensor_parallel)
+                         etp=p.expert_tensor_parallel, cp=p.context_parallel)
 
 
 def mfu_terms(cfg: Config, seq_length: int, world_size: int) -> Optional[Tuple[float, float]]:
@@ -273,7 +273,7 @@ class Trainer:
         start = time.perf_counter()
         grads, values = self.runner.train_step(list(self._micro_batches(step)), scale)
         dispatch = self._check_dispatch(values, f"step {step + 1}")   # before the optimizer applies a wrong step
-        inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp)
+        inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp_cp)   # gradients summed over dp x cp
         record = self._reduce_over_dp(values)
         if dispatch is not None:   # the rows one copy of the model computed, whatever the layout
             record["expert_rows"] = accounting.expert_rows_per_copy(dispatch, record["routed"])
@@ -345,7 +345,7 @@ class Trainer:
 
     def _reduce_over_dp(self, values) -> Dict:
         """Sum (counts) or average this rank's step values over the data-parallel ranks."""
-        if self.pctx.dp > 1:
+        if self.pctx.dp_cp > 1:
             values = reduce_host_values(values, self.pctx, summed=self.summed)
         if "dropped" in values and "routed" in values:
             values["drop_rate"] = float(values["dropped"]) / max(1.0, float(values["routed"]))
@@ -398,7 +398,7 @@ class Trainer:
         self.model.set_train(True)
         self._check_dispatch(dispatch, f"evaluation at step {self.step}", over_world=lockstep)
         totals = {"loss_sum": loss_sum, "correct": correct, "count": count}
-        if self.pctx.dp > 1:
+        if self.pctx.dp_cp > 1:
             totals = reduce_host_values(totals, self.pctx, summed=tuple(totals))
         record = {"eval_loss": totals["loss_sum"] / max(1.0, totals["count"])}
         if hasattr(dataset, "labels"):

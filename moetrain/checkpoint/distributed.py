@@ -154,7 +154,7 @@ def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
 
 def layout_of(pctx, optimizer_shard: int) -> Dict[str, int]:
     return {"world_size": pctx.world_size, "dp": pctx.dp, "tp": pctx.tp, "pp": pctx.pp, "ep": pctx.ep,
-            "etp": pctx.etp, "optimizer_shard": optimizer_shard}
+            "etp": pctx.etp, "cp": pctx.cp, "optimizer_shard": optimizer_shard}
 
 
 def whole_parts(layout: Dict[str, int], tensors: Iterable[LocalTensor]) -> Dict[str, bool]:
@@ -659,7 +659,7 @@ def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int)
     from moetrain.dist.topology import ParallelContext
 
     pctx = ParallelContext.build(layout["world_size"], rank, layout["dp"], layout["tp"], layout["pp"], layout["ep"],
-                                 layout.get("etp", 1))
+                                 layout.get("etp", 1), layout.get("cp", 1))
     zero = layout["optimizer_shard"] > 0
     out = []
     for key, entry in reader.tensors.items():

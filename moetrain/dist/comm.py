@@ -63,7 +63,7 @@ from mindspore.ops import ReduceOp
 from moetrain.env import env_choice
 from moetrain.dist.topology import Group
 
-COUNTER_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "embedding", "other")
+COUNTER_KINDS = ("world", "tp", "dp", "cp", "pp", "ep", "edp", "embedding", "other")
 COUNTER_COLUMNS = ("fwd_native", "fwd_emulated", "bwd_native", "bwd_emulated")
 
 
