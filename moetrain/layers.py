@@ -343,9 +343,19 @@ class CausalAttention(nn.Cell):
         `[B, S, n_kv, d_v]` -> `[B, S, n * d_v]`; `rope` (a `RotaryEmbedding` over all d) or None;
         `context` None (causal) or `(document_ids, position_ids)` (see the class).
         The fused kernel applies RoPE and 1/sqrt(d) itself: another scale is folded into q, and
-        without RoPE it gets identity tables (cos 1, sin 0)."""
-        if self.context_parallel is not None:
-            return self.context_parallel.attend(q, k, v, scale, rope, context)
+        without RoPE it gets identity tables (cos 1, sin 0). With context parallelism: the local
+        tokens, through `context_parallel` (all_gather), or the whole sequence on 1/cp of the heads
+        between its all-to-alls (a2a, Ulysses)."""
+        cp = self.context_parallel
+        if cp is None:
+            return self.attend_sequence(q, k, v, scale, rope, context)
+        if not cp.splits_heads:
+            return cp.attend(q, k, v, scale, rope, context)
+        q, k, v = cp.to_heads(q, k, v)
+        return cp.from_heads(self.attend_sequence(q, k, v, scale, rope, None), v.shape[-1])
+
+    def attend_sequence(self, q, k, v, scale: float, rope=None, context=None):
+        """`attend` over a whole sequence held here (the fused kernel or the plain path)."""
         batch, seq_len, _, head_dim = q.shape
         value_dim = v.shape[-1]
         if self.fused:

@@ -25,7 +25,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # parallel.cp_comm_type: how attention crosses the context-parallel split (Megatron-Core's names);
 # the ones that run today (moetrain/parallel/context_parallel.py), the others are refused by name
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
-CP_COMM_TYPES_RUNNING = ("all_gather",)
+CP_COMM_TYPES_RUNNING = ("all_gather", "a2a")
 WORLD_SIZE_ENVS = ("MOETRAIN_WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE")   # the launch script's, msrun's, rank table's
 
 
@@ -289,8 +289,7 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
     not_yet = "is not supported with parallel.context_parallel > 1 yet (docs/context_parallel.md)"
     if L.cp_comm not in CP_COMM_TYPES_RUNNING:
         what = {"p2p": "ring attention over point-to-point (the CPU communication layer has no send/receive "
-                       "inside a compiled step; the all_gather form runs the same blockwise math)",
-                "a2a": "Ulysses (all-to-all over heads)"}[L.cp_comm]
+                       "inside a compiled step; the all_gather form runs the same blockwise math)"}[L.cp_comm]
         problems.append(f"parallel.cp_comm_type={L.cp_comm}: {what} {not_yet}; set parallel.cp_comm_type=all_gather")
     if seq_length:
         need_chunks = 2 * L.cp
@@ -308,8 +307,12 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
                             ("expert_tensor_parallel", L.etp, "set it to 1")):
         if value > 1:
             problems.append(f"parallel.{key}={value} {not_yet}; {fix}")
-    if L.zero:
-        problems.append(f"parallel.optimizer_shard={L.zero} {not_yet}; set it to 0")
+    if L.cp_comm == "a2a":
+        for key, value in (("model.num_heads", shape.heads), ("model.num_kv_heads", shape.kv_heads)):
+            if value is not None and value % L.cp:
+                problems.append(f"{key} ({value}) is not divisible by parallel.context_parallel ({L.cp}), which "
+                                f"cp_comm_type=a2a (Ulysses) needs: each rank attends over 1/cp of the heads; use "
+                                f"cp_comm_type=all_gather or context_parallel in {divisors(value)}")
     if shape.layers is None or shape.heads is None:
         problems.append("parallel.context_parallel > 1 splits the sequences of a language model; this model "
                         "has no attention layers (model.num_layers / num_heads): set it to 1")

@@ -169,10 +169,11 @@ def test_layout_rules_of_context_parallel():
     assert "2 x parallel.context_parallel = 6" in problems(cp=3, seq_length=128)
     assert "context_parallel (2) = 2 processes, but 4 were launched" in problems(cp=2, world=4)
     for kw, key in ((dict(tp=2), "parallel.model_parallel=2"), (dict(pp=2, num_micro_batches=2), "parallel.pipeline_stage=2"),
-                    (dict(ep=2, dp=2), "parallel.expert_parallel=2"), (dict(zero=1), "parallel.optimizer_shard=1"),
-                    (dict(cp_comm="p2p"), "parallel.cp_comm_type=p2p"), (dict(cp_comm="a2a"), "parallel.cp_comm_type=a2a")):
+                    (dict(ep=2, dp=2), "parallel.expert_parallel=2"), (dict(cp_comm="p2p"), "parallel.cp_comm_type=p2p")):
         assert f"{key}" in problems(cp=2, **kw), kw
         assert "not supported with parallel.context_parallel > 1 yet" in problems(cp=2, **kw), kw
+    assert problems(cp=2, dp=2, zero=1, cp_comm="a2a", world=4, seq_length=64) == ""   # ZeRO over dp x cp; Ulysses
+    assert "model.num_kv_heads (2) is not divisible by parallel.context_parallel (4)" in problems(cp=4, cp_comm="a2a")
     assert "packed documents" in problems(cp=2, documents=True)
     assert "kv_lora_rank" in problems(cp=2, shape=ModelShape(layers=2, heads=4, latent_attention=True))
     assert "model.mtp_depth=1" in problems(cp=2, shape=ModelShape(layers=2, heads=4, mtp_depth=1))
@@ -212,10 +213,14 @@ def test_groups_of_a_dp2_tp2_cp2_layout():
     assert (single.cp_rank, single.dp_rank, single.group("cp").ranks, single.group("dp").ranks) == (1, 0, (0, 1), (0, 1))
 
 
-def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, cp=2):
-    """An `Attention` layer (GQA, RoPE) switched to `ContextParallelAttention`, each rank's local tokens
-    with their global positions (`local_batch`), the K/V all-gather simulated by handing every rank
-    what all ranks put in: its outputs, put back in order, equal the layer on the whole sequence."""
+@pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
+def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, comm_type, cp=2):
+    """An `Attention` layer (GQA 4/2 heads, RoPE) switched to `ContextParallelAttention`, each rank's
+    local tokens with their global positions (`local_batch`), the collectives simulated in one process
+    (every call of every rank gets what all ranks put into the same call; a few passes until each
+    rank has seen the others' inputs): its outputs, put back in order, equal the layer on the whole
+    sequence. all_gather: K|V gathered, blockwise attention; a2a: Ulysses' all-to-alls around the
+    layer's own attention on 1/cp of the heads."""
     from mindspore import Tensor, ops
 
     from moetrain.dist.topology import Group
@@ -228,19 +233,30 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
     x = rng.normal(0, 1, (2, seq, hidden)).astype(np.float32)
     whole = layer(Tensor(x)).asnumpy()
 
-    sent = {}
-    def gather(value, group, axis):   # noqa: E306  (first pass: record; second: all ranks' inputs)
+    sent, calls = {}, {}
+    def record(group, value):   # noqa: E306  (-> every rank's input to this call, as far as known)
+        call = calls[group.rank_in_group] = calls.get(group.rank_in_group, -1) + 1
+        sent[(call, group.rank_in_group)] = value
+        return [sent.get((call, r), value) for r in range(cp)]
+
+    def all_gather(value, group, axis):
         assert axis == 1 and group.size == cp
-        sent.setdefault(group.rank_in_group, value)
-        return ops.concat([sent.get(r, value) for r in range(cp)], axis)
-    monkeypatch.setattr(cpmod.comm, "all_gather", gather)
+        return ops.concat(record(group, value), axis)
+
+    def all_to_all(value, group, split_axis, concat_axis):
+        inputs = record(group, value)
+        return ops.concat([ops.split(x, x.shape[split_axis] // cp, split_axis)[group.rank_in_group] for x in inputs],
+                          concat_axis)
+    monkeypatch.setattr(cpmod.comm, "all_gather", all_gather)
+    monkeypatch.setattr(cpmod.comm, "all_to_all", all_to_all)
     outs = {}
-    for _ in range(2):
+    for _ in range(3):
+        calls.clear()
         for r in range(cp):
-            layer.context_parallel = cpmod.ContextParallelAttention(Group("cp", tuple(range(cp)), r, "fake"), seq)
-            ids, _, docs, pos = cpmod.local_batch((np.zeros((2, seq), np.int32),) * 2, cp, r)
-            order = pos[0]
-            outs[r] = (order, layer(Tensor(x[:, order]), (Tensor(docs), Tensor(pos))).asnumpy())
+            layer.context_parallel = cpmod.ContextParallelAttention(Group("cp", tuple(range(cp)), r, "fake"), seq,
+                                                                    comm_type)
+            _, _, docs, pos = cpmod.local_batch((np.zeros((2, seq), np.int32),) * 2, cp, r)
+            outs[r] = (pos[0], layer(Tensor(x[:, pos[0]]), (Tensor(docs), Tensor(pos))).asnumpy())
     got = np.zeros_like(whole)
     for order, out in outs.values():
         got[:, order] = out

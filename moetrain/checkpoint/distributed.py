@@ -153,8 +153,9 @@ def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
 
 
 def layout_of(pctx, optimizer_shard: int) -> Dict[str, int]:
+    cp = {"cp": pctx.cp} if pctx.cp > 1 else {}     # context parallel; absent: 1 (as saved before it existed)
     return {"world_size": pctx.world_size, "dp": pctx.dp, "tp": pctx.tp, "pp": pctx.pp, "ep": pctx.ep,
-            "etp": pctx.etp, "cp": pctx.cp, "optimizer_shard": optimizer_shard}
+            "etp": pctx.etp, **cp, "optimizer_shard": optimizer_shard}
 
 
 def whole_parts(layout: Dict[str, int], tensors: Iterable[LocalTensor]) -> Dict[str, bool]:

@@ -4,7 +4,8 @@
     local_batch(batch, cp, rank)            a batch's local tokens, labels and global position ids
     blockwise_attention(q, k, v, rank, cp)  causal attention of the local queries against the
                                             gathered K/V, block by block, merged by log-sum-exp
-    ContextParallelAttention                that, with the K/V all-gather over the cp group (comm)
+    ContextParallelAttention                that, with the K/V all-gather over the cp group (comm);
+                                            or Ulysses' all-to-alls around the layer's own attention
     parallelize_context(model, cfg, pctx)   switches every `CausalAttention` and the MoE statistics
     ContextParallelRunner                   a step runner handing each micro-batch's local tokens
 
@@ -39,6 +40,11 @@ The backward is the autodiff of these ops (exact; the merge's running maximum is
 A ring over point-to-point (`p2p`) would run the same loop with blocks received from the previous
 rank instead of taken from the gathered tensor; the CPU communication layer has no send/receive
 inside a compiled step (docs/parallel_engine.md), so it is not offered yet (docs/context_parallel.md).
+
+Attention (`cp_comm_type: a2a`, DeepSpeed Ulysses): an all-to-all over the cp group per q, k, v trades
+the sequence split for a head split (each rank: the whole sequence, 1/cp of the query and K/V heads),
+the sequence is put back in order, the layer's own attention runs (the fused kernel or the plain path,
+as on one process), and one all-to-all trades back. Needs num_heads and num_kv_heads divisible by cp.
 """
 from __future__ import annotations
 
@@ -185,23 +191,57 @@ def tokens_major_output(out):
 # The cell the attention layers hand their core to
 # ---------------------------------------------------------------------------------------------
 class ContextParallelAttention(nn.Cell):
-    """The attention core of a `CausalAttention` whose sequence is split over `group` (the cp group):
-    `attend(q, k, v, scale, rope, context)` with the signature of `CausalAttention.attend`, on the
-    local tokens. `context` is `(document_ids, position_ids)` of the local tokens (`local_batch`);
-    RoPE rotates at those global positions. K and V travel as one tensor, one all-gather per layer."""
+    """What a `CausalAttention` whose sequence is split over `group` (the cp group) runs instead of its
+    own attention over the whole sequence (`CausalAttention.attend` dispatches on `splits_heads`):
 
-    def __init__(self, group, max_positions: int, comm_type: str = "all_gather"):
+    * all_gather: `attend(q, k, v, scale, rope, context)`, the signature of `CausalAttention.attend`, on
+      the local tokens; `context` is `(document_ids, position_ids)` of the local tokens (`local_batch`)
+      and RoPE rotates at those global positions; K and V travel as one tensor, one all-gather a layer.
+    * a2a (DeepSpeed Ulysses): `to_heads(q, k, v)` trades the sequence split for a head split, one
+      all-to-all per tensor over the group, and puts the whole sequence back in order, so the layer's
+      own attention (fused kernel or plain path, RoPE at positions 0..S-1) runs on 1/cp of the heads;
+      `from_heads(out)` trades back. Query head h still reads K/V head h // g: rank r holds query heads
+      [r·n/cp, (r+1)·n/cp) and K/V heads [r·n_kv/cp, (r+1)·n_kv/cp). `seq_length`: the whole sequence."""
+
+    def __init__(self, group, seq_length: int, comm_type: str = "all_gather"):
         super().__init__()
-        if comm_type != "all_gather":
-            raise LayoutError(f"parallel.cp_comm_type={comm_type}: only all_gather runs yet (docs/context_parallel.md)")
+        if comm_type not in ("all_gather", "a2a"):
+            raise LayoutError(f"parallel.cp_comm_type={comm_type}: all_gather and a2a run so far (docs/context_parallel.md)")
         self.group = group
         self.cp, self.rank = group.size, group.rank_in_group
-        self.positions = Tensor(np.arange(max_positions, dtype=np.int32))
+        self.splits_heads = comm_type == "a2a"
+        self.seq_length = seq_length
+        self.positions = Tensor(np.arange(seq_length, dtype=np.int32))
+        # a2a: the gathered sequence arrives in rank order of the local chunks; these put it in order and back
+        ranks_order = np.concatenate([chunk_order(seq_length, self.cp, r) for r in range(self.cp)])
+        self.to_natural = Tensor(np.argsort(ranks_order).astype(np.int32))
+        self.to_ranks = Tensor(ranks_order.astype(np.int32))
+
+    def to_heads(self, q, k, v):
+        """Ulysses: local tokens of every head `[B, S/cp, heads, d]` -> the whole sequence, in order, of
+        this rank's 1/cp of the heads `[B, S, heads/cp, d]`, for q, k and v (in that order on every rank)."""
+        out = ()
+        for x in (q, k, v):
+            if out:
+                x = ops.depend(x, out[-1])
+            whole = comm.all_to_all(x, self.group, 2, 1)                   # rank order of the chunks
+            if whole.shape[1] != self.seq_length:
+                raise ValueError(f"context parallel a2a: a sequence of {whole.shape[1]} tokens, the layer was set "
+                                 f"up for {self.seq_length}")
+            out += (ops.gather(whole, self.to_natural, 1),)
+        return out
+
+    def from_heads(self, out, value_dim: int):
+        """Ulysses: `[B, S, heads/cp * dv]` in order -> this rank's tokens of every head `[B, S/cp, heads * dv]`."""
+        batch, seq_len = out.shape[0], out.shape[1]
+        out = ops.gather(out.reshape(batch, seq_len, -1, value_dim), self.to_ranks, 1)
+        out = comm.all_to_all(out, self.group, 1, 2)                        # [B, S/cp, heads, dv]
+        return out.reshape(batch, seq_len // self.cp, -1)
 
     def attend(self, q, k, v, scale: float, rope=None, context=None):
-        if context is None:
-            raise LayoutError("context parallel attention needs the local tokens' global positions: the batch must "
-                              "come from ContextParallelRunner (moetrain/parallel/context_parallel.py)")
+        if context is None:   # ValueError: a graph may raise only Python's own exception types
+            raise ValueError("context parallel attention needs the local tokens' global positions: the batch must "
+                             "come from ContextParallelRunner (moetrain/parallel/context_parallel.py)")
         position_ids = context[1]
         if rope is not None:
             q, k = rope(q, position_ids), rope(k, position_ids)
