@@ -63,6 +63,8 @@ class ParallelConfig:
     data_parallel: int = 0             # 0: the launched world size / (model_parallel x pipeline_stage)
     model_parallel: int = 1            # tensor parallel
     pipeline_stage: int = 1
+    context_parallel: int = 1          # ranks each sequence is split over (load-balanced causal chunks)
+    cp_comm_type: str = choice("all_gather", "all_gather", "p2p", "a2a")   # how attention crosses that split
     expert_parallel: int = 1           # experts split over this many ranks (up to dp x tp / etp: MoE folding)
     expert_tensor_parallel: int = 1    # ranks each routed expert's FFN is split over (divides model_parallel)
     micro_batch_num: int = 1           # pipeline micro-batches per step (0/1: derived from batch sizes)
@@ -335,11 +337,12 @@ def infer_data_parallel(cfg: Config, source: str, world_size: Optional[int] = No
         p.data_parallel, p.data_parallel_inferred = 1, True
         return
     world = world_size
-    model_ranks = max(1, p.model_parallel) * max(1, p.pipeline_stage)
+    model_ranks = max(1, p.model_parallel) * max(1, p.pipeline_stage) * max(1, p.context_parallel)
     if world % model_ranks:
         raise ConfigError(f"{source}: key 'parallel.data_parallel' is not set, so it is inferred as world size / "
-                          f"(model_parallel x pipeline_stage), but {world} processes are not divisible by "
-                          f"{p.model_parallel} x {p.pipeline_stage}: launch a multiple of {model_ranks} processes")
+                          f"(model_parallel x pipeline_stage x context_parallel), but {world} processes are not "
+                          f"divisible by {p.model_parallel} x {p.pipeline_stage} x {p.context_parallel}: launch a "
+                          f"multiple of {model_ranks} processes")
     dp = world // model_ranks
     if t.global_batch_size % dp:
         fits = [d * model_ranks for d in range(1, t.global_batch_size + 1) if t.global_batch_size % d == 0][:6]
@@ -442,8 +445,8 @@ def validate(cfg: Config, source: str) -> None:
             raise ConfigError(f"{source}: key '{key}': {why}")
 
     t, p = cfg.train, cfg.parallel
-    for key in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel", "expert_tensor_parallel",
-                "micro_batch_num"):
+    for key in ("data_parallel", "model_parallel", "pipeline_stage", "context_parallel", "expert_parallel",
+                "expert_tensor_parallel", "micro_batch_num"):
         need(getattr(p, key) >= 1, f"parallel.{key}", "must be >= 1")
     need(t.steps >= 0 and t.epochs >= 0, "train.steps", "steps and epochs must be >= 0")
     need(t.steps > 0 or t.epochs > 0, "train.steps", "set train.steps or train.epochs to a positive number")
@@ -464,7 +467,8 @@ def validate(cfg: Config, source: str) -> None:
     if p.mode != "auto":   # the layout rules (the world size only when a launcher announced it)
         problems = layout_problems(Layout.of(cfg), ModelShape.of(cfg.model), world=launched_world_size(),
                                    global_batch_size=t.global_batch_size,
-                                   seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None))
+                                   seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None),
+                                   documents=cfg.data.reset_attention_mask or cfg.data.reset_position_ids)
         if problems:
             raise ConfigError(f"{source}: the parallel layout cannot run:\n  - " + "\n  - ".join(problems))
     _validate_data(cfg.data, source)

@@ -317,10 +317,15 @@ class CausalAttention(nn.Cell):
     documents, before the block's documents; a `d_v < d` value is zero-padded to `d` for it).
     Otherwise GQA runs without repeating K/V: the query heads sharing one K/V head are laid out as
     one `[group * S, d]` block, so one batched matmul per K/V head covers the group; documents add
-    a `[B, 1, 1, S, S]` additive mask."""
+    a `[B, 1, 1, S, S]` additive mask.
+
+    Context parallelism (`parallel.context_parallel`) sets `context_parallel` to the cell that runs
+    `attend` on the local part of a sequence split over ranks (moetrain/parallel/context_parallel.py);
+    None: the whole sequence is here."""
 
     def __init__(self, max_positions: int, compute_dtype=ms.float32):
         super().__init__()
+        self.context_parallel = None
         self.fused = kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
         if self.fused:
             self.core = shared(FusedCausalAttention)
@@ -334,7 +339,19 @@ class CausalAttention(nn.Cell):
         `[B, S, n_kv, d_v]` -> `[B, S, n * d_v]`; `rope` (a `RotaryEmbedding` over all d) or None;
         `context` None (causal) or `(document_ids, position_ids)` (see the class).
         The fused kernel applies RoPE and 1/sqrt(d) itself: another scale is folded into q, and
-        without RoPE it gets identity tables (cos 1, sin 0)."""
+        without RoPE it gets identity tables (cos 1, sin 0). With context parallelism: the local
+        tokens, through `context_parallel` (all_gather), or the whole sequence on 1/cp of the heads
+        between its all-to-alls (a2a, Ulysses)."""
+        cp = self.context_parallel
+        if cp is None:
+            return self.attend_sequence(q, k, v, scale, rope, context)
+        if not cp.splits_heads:
+            return cp.attend(q, k, v, scale, rope, context)
+        q, k, v = cp.to_heads(q, k, v)
+        return cp.from_heads(self.attend_sequence(q, k, v, scale, rope, None), v.shape[-1])
+
+    def attend_sequence(self, q, k, v, scale: float, rope=None, context=None):
+        """`attend` over a whole sequence held here (the fused kernel or the plain path)."""
         batch, seq_len, _, head_dim = q.shape
         value_dim = v.shape[-1]
         if self.fused:

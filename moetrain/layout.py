@@ -1,6 +1,6 @@
 """The parallel layout of a job and every rule it must satisfy, in one place.
 
-    Layout.of(cfg)                    dp, tp, pp, ep, etp, micro-batches, ZeRO, recompute, sp, schedule, split
+    Layout.of(cfg)                    dp, tp, pp, cp, ep, etp, micro-batches, ZeRO, recompute, sp, schedule, split
     layout_problems(layout, ...)      every reason it cannot run, each naming the keys and a fix
     check_layout(layout, ...)         raises LayoutError listing them
     split_layers(layers, pp, split)   the layer range of every pipeline stage
@@ -22,6 +22,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 RECOMPUTE_MODES = ("none", "selective", "full")
 # the pipeline schedules (moetrain/parallel/schedules.py builds their instruction lists)
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v")
+# parallel.cp_comm_type: how attention crosses the context-parallel split (Megatron-Core's names);
+# the ones that run today (moetrain/parallel/context_parallel.py), the others are refused by name
+CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
+CP_COMM_TYPES_RUNNING = ("all_gather", "a2a")
 WORLD_SIZE_ENVS = ("MOETRAIN_WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE")   # the launch script's, msrun's, rank table's
 
 
@@ -42,10 +46,12 @@ def _divisors(n: int) -> Tuple[int, ...]:
     return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
-def world_fix(world: int, model_ranks: int, global_batch_size: Optional[int] = None) -> str:
-    """How to fit a layout to `world` processes: a data_parallel only if it can split the batch."""
+def world_fix(world: int, model_ranks: int, global_batch_size: Optional[int] = None, cp: int = 1) -> str:
+    """How to fit a layout to `world` processes: a data_parallel only if it can split the batch.
+    `model_ranks`: the ranks of one model replica (model_parallel x pipeline_stage x context_parallel `cp`)."""
     if world % model_ranks:
-        return f"model_parallel x pipeline_stage ({model_ranks}) must divide {world}"
+        cp_text = " x context_parallel" if cp > 1 else ""
+        return f"model_parallel x pipeline_stage{cp_text} ({model_ranks}) must divide {world}"
     dp = world // model_ranks
     if global_batch_size is None or global_batch_size % dp == 0:
         return f"set parallel.data_parallel={dp} (or leave it unset to infer it)"
@@ -75,6 +81,7 @@ class ModelShape:
     shared_ffn: int = 0
     expert_ffn: int = 0                     # a routed expert's FFN width (split over expert_tensor_parallel)
     mtp_depth: int = 0                      # multi-token-prediction modules (DeepSeek-V3)
+    latent_attention: bool = False          # multi-head latent attention (DeepSeek-V3's MLA)
 
     @classmethod
     def of(cls, model_cfg) -> "ModelShape":
@@ -87,7 +94,8 @@ class ModelShape:
                    ffn=get("ffn_hidden_size") if layers is None or len(moe_layers) < layers else None,
                    experts=moe.num_experts if moe is not None else 0,
                    shared_ffn=moe.shared_hidden_size if moe is not None else 0,
-                   expert_ffn=moe.ffn_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0)
+                   expert_ffn=moe.ffn_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0,
+                   latent_attention=bool(get("kv_lora_rank")))
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ class Layout:
     pipeline_layers: Optional[Tuple[int, ...]] = None
     etp: int = 1                              # expert tensor parallel: ranks each routed expert's FFN is split over
     interleave: int = 1                       # parallel.pp_interleave_num: model chunks per stage
+    cp: int = 1                               # context parallel: ranks each sequence is split over
+    cp_comm: str = "all_gather"               # parallel.cp_comm_type: how attention crosses the split
 
     @property
     def chunks(self) -> int:
@@ -114,7 +124,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def expert_folded(self) -> bool:
@@ -145,7 +155,7 @@ class Layout:
                    num_micro_batches=count, zero=p.optimizer_shard, recompute=p.recompute,
                    sequence_parallel=p.use_seq_parallel, schedule=p.pipeline_schedule,
                    pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None,
-                   interleave=p.pp_interleave_num)
+                   interleave=p.pp_interleave_num, cp=p.context_parallel, cp_comm=p.cp_comm_type)
 
     def parallel_settings(self) -> Dict[str, object]:
         """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
@@ -155,7 +165,8 @@ class Layout:
                 "use_seq_parallel": self.sequence_parallel, "optimizer_shard": self.zero,
                 "recompute": self.recompute, "mode": "manual", "pipeline_schedule": self.schedule,
                 "pipeline_layers": list(self.pipeline_layers) if self.pipeline_layers else None,
-                "pp_interleave_num": self.interleave}
+                "pp_interleave_num": self.interleave, "context_parallel": self.cp,
+                "cp_comm_type": self.cp_comm}
 
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
@@ -163,14 +174,17 @@ class Layout:
         schedule = f" {self.schedule}" if self.pp > 1 and self.schedule != "1f1b" else ""
         schedule += f" v{self.chunks}" if self.pp > 1 and self.chunks > 1 else ""
         schedule += f" layers={','.join(map(str, self.pipeline_layers))}" if self.pp > 1 and self.pipeline_layers else ""
-        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}{schedule} ep{self.ep}{etp} zero{self.zero} "
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return (f"dp{self.dp} tp{self.tp}{sp} pp{self.pp}{schedule}{cp} ep{self.ep}{etp} zero{self.zero} "
                 f"recompute={self.recompute} micro={self.micro_batch_size}x{self.num_micro_batches}")
 
 
 def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world: Optional[int] = None,
-                    global_batch_size: Optional[int] = None, seq_length: Optional[int] = None) -> List[str]:
+                    global_batch_size: Optional[int] = None, seq_length: Optional[int] = None,
+                    documents: bool = False) -> List[str]:
     """Every reason `layout` cannot run (empty when it can), each naming the keys and a fix. Rules
-    that need what is not given (the world size, the model's sizes, the batch) are skipped."""
+    that need what is not given (the world size, the model's sizes, the batch) are skipped.
+    `documents`: the batches carry packed-document ids (data.reset_attention_mask / reset_position_ids)."""
     L, m = layout, shape or ModelShape()
     problems: List[str] = []
 
@@ -179,18 +193,20 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
             problems.append(message)
 
     for key, value in (("data_parallel", L.dp), ("model_parallel", L.tp), ("pipeline_stage", L.pp),
-                       ("expert_parallel", L.ep), ("expert_tensor_parallel", L.etp),
+                       ("context_parallel", L.cp), ("expert_parallel", L.ep), ("expert_tensor_parallel", L.etp),
                        ("micro_batch_num", L.num_micro_batches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             problems.append(f"parallel.{key} must be an integer >= 1, got {value!r}")
     if problems:
         return problems
     if world is not None:
+        cp = f" x context_parallel ({L.cp})" if L.cp > 1 else ""
         need(L.world == world,
-             f"data_parallel ({L.dp}) x model_parallel ({L.tp}) x pipeline_stage ({L.pp}) = {L.world} processes, "
+             f"data_parallel ({L.dp}) x model_parallel ({L.tp}) x pipeline_stage ({L.pp}){cp} = {L.world} processes, "
              f"but {world} {'were' if world > 1 else 'was'} launched: "
-             + world_fix(world, L.tp * L.pp, global_batch_size)
+             + world_fix(world, L.tp * L.pp * L.cp, global_batch_size, L.cp)
              + f", or launch {L.world} processes (run_scripts/run_distributed.sh --nproc {L.world} CONFIG)")
+    problems += context_parallel_problems(L, shape, seq_length, documents)
     need(L.tp % L.etp == 0, f"parallel.expert_tensor_parallel ({L.etp}) must divide model_parallel ({L.tp}): the "
          f"ranks splitting one expert hold the same tokens, i.e. are tensor-parallel ranks; use one of "
          f"{divisors(L.tp)}")
@@ -260,6 +276,61 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
     return problems
 
 
+def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length: Optional[int],
+                              documents: bool = False) -> List[str]:
+    """The rules of `parallel.context_parallel` (moetrain/parallel/context_parallel.py): the sequence
+    cut into 2·cp chunks, and, for a model (`shape` given: config loading, the trainer, the planner),
+    the combinations that do not run yet, refused by name rather than run wrong
+    (docs/context_parallel.md lists what runs). The process groups themselves (dist/topology.py)
+    are general, so they are built and tested for any composition."""
+    if L.cp == 1:
+        return []
+    if L.cp_comm not in CP_COMM_TYPES:
+        return [f"parallel.cp_comm_type must be one of {CP_COMM_TYPES}, got {L.cp_comm!r}"]
+    problems = []
+    not_yet = "is not supported with parallel.context_parallel > 1 yet (docs/context_parallel.md)"
+    if L.cp_comm not in CP_COMM_TYPES_RUNNING:
+        what = {"p2p": "ring attention over point-to-point (the CPU communication layer has no send/receive "
+                       "inside a compiled step; the all_gather form runs the same blockwise math)"}[L.cp_comm]
+        problems.append(f"parallel.cp_comm_type={L.cp_comm}: {what} {not_yet}; set parallel.cp_comm_type=all_gather")
+    if seq_length:
+        need_chunks = 2 * L.cp
+        if seq_length % need_chunks:
+            fits = divisors(seq_length // 2)[:8] if seq_length % 2 == 0 else [1]
+            problems.append(
+                f"the sequence length ({seq_length}, model.seq_length / data.seq_length) is not divisible by "
+                f"2 x parallel.context_parallel = {need_chunks}: each of the {L.cp} ranks holds two of "
+                f"{need_chunks} equal chunks (load-balanced causal split); choose context_parallel in "
+                f"{fits} or a sequence length that is a multiple of {need_chunks}")
+    if shape is None:
+        return problems
+    for key, value, fix in (("model_parallel", L.tp, "set it to 1"), ("pipeline_stage", L.pp, "set it to 1"),
+                            ("expert_parallel", L.ep, "set it to 1 (experts then replicate over dp x cp)"),
+                            ("expert_tensor_parallel", L.etp, "set it to 1")):
+        if value > 1:
+            problems.append(f"parallel.{key}={value} {not_yet}; {fix}")
+    if L.cp_comm == "a2a":
+        for key, value in (("model.num_heads", shape.heads), ("model.num_kv_heads", shape.kv_heads)):
+            if value is not None and value % L.cp:
+                problems.append(f"{key} ({value}) is not divisible by parallel.context_parallel ({L.cp}), which "
+                                f"cp_comm_type=a2a (Ulysses) needs: each rank attends over 1/cp of the heads; use "
+                                f"cp_comm_type=all_gather or context_parallel in {divisors(value)}")
+    if shape.layers is None or shape.heads is None:
+        problems.append("parallel.context_parallel > 1 splits the sequences of a language model; this model "
+                        "has no attention layers (model.num_layers / num_heads): set it to 1")
+    if shape.latent_attention:
+        problems.append(f"multi-head latent attention (model.kv_lora_rank, DeepSeek-V3) {not_yet}; "
+                        f"set parallel.context_parallel=1")
+    if shape.mtp_depth:
+        problems.append(f"multi-token prediction (model.mtp_depth={shape.mtp_depth}) {not_yet}: its depth k "
+                        f"reads the positions k+1 ahead, across the split; set model.mtp_depth=0 or "
+                        f"parallel.context_parallel=1")
+    if documents:
+        problems.append(f"packed documents (data.reset_attention_mask / data.reset_position_ids) {not_yet}; "
+                        f"set both to false or parallel.context_parallel=1")
+    return problems
+
+
 def schedule_problems(L: Layout, layers: Optional[int]) -> List[str]:
     """The rules of the pipeline schedule and its model chunks (moetrain/parallel/pipeline.py)."""
     if L.schedule not in SCHEDULES:
@@ -301,7 +372,8 @@ def check_config_layout(cfg, world: Optional[int] = None) -> Layout:
     """The layout of a config, checked against its model, batch and (when known) the world size."""
     layout = Layout.of(cfg)
     check_layout(layout, ModelShape.of(cfg.model), world=world, global_batch_size=cfg.train.global_batch_size,
-                 seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None))
+                 seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None),
+                 documents=cfg.data.reset_attention_mask or cfg.data.reset_position_ids)
     return layout
 
 

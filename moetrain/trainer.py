@@ -87,10 +87,10 @@ def _init_parallel(cfg: Config):
     check_config_layout(cfg, world=launched_world_size())
     p = cfg.parallel
     ctx = init_parallel(dp=p.data_parallel, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel,
-                        etp=p.expert_tensor_parallel, verbose=False)
+                        etp=p.expert_tensor_parallel, cp=p.context_parallel, verbose=False)
     if ctx.world_size > 1:
-        print_rank0(ctx.rank, f"moetrain.dist: {ctx.world_size} ranks, dp={ctx.dp} tp={ctx.tp} pp={ctx.pp} ep={ctx.ep} "
-                              f"etp={ctx.etp}, comm backend {comm.describe_backend()}")
+        print_rank0(ctx.rank, f"moetrain.dist: {ctx.world_size} ranks, dp={ctx.dp} tp={ctx.tp} pp={ctx.pp}"
+                              + (f" cp={ctx.cp}" if ctx.cp > 1 else "") + f" ep={ctx.ep} etp={ctx.etp}, comm backend {comm.describe_backend()}")
     return ctx
 
 
@@ -261,7 +261,7 @@ class Trainer:
         start = time.perf_counter()
         grads, values = self.runner.train_step(list(self._micro_batches(step)), scale)
         dispatch = self._check_dispatch(values, f"step {step + 1}")   # before the optimizer applies a wrong step
-        inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp)
+        inv_scale = 1.0 / (self.scaler.scale * self.n_micro * self.pctx.dp_cp)   # gradients summed over dp x cp
         record = self._reduce_over_dp(values)
         if dispatch is not None:   # the rows one copy of the model computed, whatever the layout
             record["expert_rows"] = accounting.expert_rows_per_copy(dispatch, record["routed"])
@@ -307,7 +307,7 @@ class Trainer:
         dumps = [os.path.join(root, f) for root, _, files in os.walk(os.environ.get("MS_OM_PATH", "."))
                  for f in files if f == "analyze_fail.ir"]
         return (f"the first training step of model {m.name!r} ({getattr(m, 'num_layers', '?')} layers) on layout "
-                f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} (ZeRO-{self.opt_step.level}, recompute="
+                f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep}{f' cp={p.cp}' if p.cp > 1 else ''} (ZeRO-{self.opt_step.level}, recompute="
                 f"{self.cfg.parallel.recompute}) failed while MindSpore compiled or first ran its graphs: "
                 f"{type(exc).__name__}: {first}"
                 + (f"\n  MindSpore's analysis: {dumps[0]}" if dumps else "")
@@ -333,7 +333,7 @@ class Trainer:
 
     def _reduce_over_dp(self, values) -> Dict:
         """Sum (counts) or average this rank's step values over the data-parallel ranks."""
-        if self.pctx.dp > 1:
+        if self.pctx.dp_cp > 1:
             values = reduce_host_values(values, self.pctx, summed=self.summed)
         if "dropped" in values and "routed" in values:
             values["drop_rate"] = float(values["dropped"]) / max(1.0, float(values["routed"]))
@@ -386,7 +386,7 @@ class Trainer:
         self.model.set_train(True)
         self._check_dispatch(dispatch, f"evaluation at step {self.step}", over_world=lockstep)
         totals = {"loss_sum": loss_sum, "correct": correct, "count": count}
-        if self.pctx.dp > 1:
+        if self.pctx.dp_cp > 1:
             totals = reduce_host_values(totals, self.pctx, summed=tuple(totals))
         record = {"eval_loss": totals["loss_sum"] / max(1.0, totals["count"])}
         if hasattr(dataset, "labels"):

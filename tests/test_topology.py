@@ -37,7 +37,7 @@ def naive_coordinates(dp, tp, pp, ep, etp=1):
 def naive_members(kind, rank, coords, pp):
     """Members of `rank`'s group of `kind`: the ranks that share the coordinates the kind fixes."""
     me = coords[rank]
-    same = {"tp": ("dp", "pp"), "dp": ("tp", "pp"), "pp": ("dp", "tp"),
+    same = {"tp": ("dp", "pp"), "dp": ("tp", "pp"), "cp": ("tp", "dp", "pp"), "pp": ("dp", "tp"),
             "ep": ("lane", "pp", "ep_block"), "edp": ("lane", "pp", "ep"), "etp": ("pp", "etp_block"),
             "tp_tokens": ("pp", "dp", "tokens")}
     if kind == "world":

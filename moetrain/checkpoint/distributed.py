@@ -165,8 +165,9 @@ def local_tensors(model, opt_step, pctx) -> List[LocalTensor]:
 
 
 def layout_of(pctx, optimizer_shard: int) -> Dict[str, int]:
+    cp = {"cp": pctx.cp} if pctx.cp > 1 else {}     # context parallel; absent: 1 (as saved before it existed)
     return {"world_size": pctx.world_size, "dp": pctx.dp, "tp": pctx.tp, "pp": pctx.pp, "ep": pctx.ep,
-            "etp": pctx.etp, "optimizer_shard": optimizer_shard}
+            "etp": pctx.etp, **cp, "optimizer_shard": optimizer_shard}
 
 
 def whole_parts(layout: Dict[str, int], tensors: Iterable[LocalTensor]) -> Dict[str, bool]:
@@ -657,7 +658,7 @@ def parse_layout(text: str) -> Dict[str, int]:
 def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int) -> List[LocalTensor]:
     """The tensors rank `rank` of `layout` would hold, from the saved tensors' slicing rules."""
     pctx = ParallelContext.build(layout["world_size"], rank, layout["dp"], layout["tp"], layout["pp"], layout["ep"],
-                                 layout.get("etp", 1))
+                                 layout.get("etp", 1), layout.get("cp", 1))
     zero = layout["optimizer_shard"] > 0
     out = []
     for key, entry in reader.tensors.items():

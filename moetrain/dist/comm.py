@@ -67,7 +67,7 @@ from moetrain.dist import contract
 from moetrain.dist.topology import Group
 from moetrain.env import env_choice
 
-COUNTER_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "embedding", "other")
+COUNTER_KINDS = ("world", "tp", "dp", "cp", "pp", "ep", "edp", "embedding", "other")
 COUNTER_COLUMNS = ("fwd_native", "fwd_emulated", "bwd_native", "bwd_emulated")
 
 

@@ -1,8 +1,15 @@
-"""Process topology: who is who in a dp x tp x pp job, with the experts folded over tp x dp.
+"""Process topology: who is who in a dp x tp x pp x cp job, with the experts folded over tp x dp.
 
-Rank layout (Megatron order, tensor-parallel ranks adjacent so they share a node):
+Rank layout (Megatron order tp-cp-dp-pp, tensor-parallel ranks adjacent so they share a node):
 
-    global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+Context parallelism (cp, moetrain/parallel/context_parallel.py) splits every sequence over the cp
+ranks of one data-parallel rank: they read the same samples and hold the same weights, so for the
+weights they are data-parallel replicas. As in Megatron-Core (its data-parallel group "with context
+parallel"), the `dp` group then spans dp x cp ranks: the dense-gradient all-reduce, the replicas a
+checkpoint writes once, the step values reduced over; `dp_rank` / `dp` stay the data coordinates
+(which samples a rank reads). With cp = 1 everything below is as before.
 
 Experts (MoE parallel folding, Megatron-Core's expert_tensor_parallel / MindFormers' keys): the
 tp x dp ranks of a stage also hold the experts as etp x ep x edp. A rank's expert coordinates:
@@ -16,18 +23,21 @@ tp x dp ranks of a stage also hold the experts as etp x ep x edp. A rank's exper
 Folding is on when etp > 1 or ep does not divide dp (`Layout.expert_folded`). Without it (etp 1, ep
 dividing dp: the layout before folding) lane = tp_rank and u = dp_rank: the experts are replicated
 over tp, every tp rank runs all of its dp rank's tokens, and ep / edp are carved out of dp as before.
+With cp > 1 the data-parallel rank in these formulas is the dp x cp rank `cp_rank + cp * dp_rank`
+(expert weights replicate over cp like the dense ones; cp > 1 runs with ep = etp = 1 so far).
 
 Groups (kind -> members of this rank's group):
 
     world      every rank
-    tp         same (dp, pp)                 tensor-parallel collectives
-    dp         same (tp, pp)                 dense-gradient all-reduce
-    pp         same (dp, tp)                 all pipeline stages of one model replica
+    tp         same (dp, cp, pp)             tensor-parallel collectives
+    dp         same (tp, pp)                 dense-gradient all-reduce (dp x cp ranks, see above)
+    cp         same (tp, dp, pp)             the ranks holding one sequence (context parallel)
+    pp         same (dp, cp, tp)             all pipeline stages of one model replica
     ep         same (pp, lane, u // ep)      expert all-to-all
     edp        same (pp, lane, ep_rank)      expert-gradient all-reduce (the replicas of the same experts)
     etp        same (pp, dp, u)              one expert's FFN split column/row-wise (folded; else trivial)
     tp_tokens  same (pp, dp, lane)           the tp ranks whose token slices make up the dp rank's tokens
-    embedding  first and last stage of the same (dp, tp)   tied embeddings
+    embedding  first and last stage of the same (dp, cp, tp)   tied embeddings
     pp_next / pp_prev   this stage and its neighbour       point-to-point activations
 
 A group of one rank is never created and every communication op on it is the identity.
@@ -46,7 +56,7 @@ from moetrain.layout import Layout, LayoutError, check_layout
 from moetrain.layout import launched_world_size as announced_world_size
 
 # Kinds in the order groups are created; every rank walks this order identically.
-GROUP_KINDS = ("world", "tp", "dp", "pp", "ep", "edp", "etp", "tp_tokens", "embedding", "pp_next", "pp_prev")
+GROUP_KINDS = ("world", "tp", "dp", "cp", "pp", "ep", "edp", "etp", "tp_tokens", "embedding", "pp_next", "pp_prev")
 # the byte-counter bucket of each kind that has none of its own (comm.COUNTER_KINDS)
 _BUCKETS = {"pp_next": "pp", "pp_prev": "pp", "etp": "tp", "tp_tokens": "tp"}
 
@@ -101,26 +111,30 @@ class ParallelContext:
     ep: int
     groups: Dict[str, Group] = field(repr=False)
     etp: int = 1
+    cp: int = 1
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def build(cls, world_size: int, rank: int, dp: int, tp: int = 1, pp: int = 1, ep: int = 1,
-              etp: int = 1) -> "ParallelContext":
+              etp: int = 1, cp: int = 1) -> "ParallelContext":
         """Pure layout computation (no MindSpore): coordinates and member lists of every group."""
         # the sizes only (micro-batches are not the topology's concern)
-        layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, num_micro_batches=pp)
+        layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp, num_micro_batches=pp, cp=cp)
         check_layout(layout, world=world_size)
         if not 0 <= rank < world_size:
             raise LayoutError(f"rank {rank} is outside the world of {world_size} ranks")
         folded = layout.expert_folded
 
-        def coords(r: int) -> Tuple[int, int, int, int, int]:
-            """(tp_rank, dp_rank, pp_rank, lane, u) of global rank r (see the module docstring)."""
+        def coords(r: int) -> Tuple[int, int, int, int, int, int]:
+            """(tp_rank, dp x cp rank, pp_rank, lane, u, cp_rank) of global rank r (module docstring);
+            the dp x cp rank is cp_rank + cp * dp_rank."""
             t, rest = r % tp, r // tp
+            c, rest = rest % cp, rest // cp
             d, p = rest % dp, rest // dp
-            return (t, d, p, t % etp, t // etp + (tp // etp) * d) if folded else (t, d, p, t, d)
+            x = c + cp * d
+            return (t, x, p, t % etp, t // etp + (tp // etp) * x, c) if folded else (t, x, p, t, x, c)
 
-        t0, d0, p0, lane0, u0 = coords(rank)
+        t0, x0, p0, lane0, u0, c0 = coords(rank)
         every = [coords(r) for r in range(world_size)]
 
         def where(keep) -> Tuple[int, ...]:
@@ -128,18 +142,19 @@ class ParallelContext:
 
         members = {
             "world": tuple(range(world_size)),
-            "tp": where(lambda t, d, p, lane, u: (d, p) == (d0, p0)),
-            "dp": where(lambda t, d, p, lane, u: (t, p) == (t0, p0)),
-            "pp": where(lambda t, d, p, lane, u: (t, d) == (t0, d0)),
-            "ep": where(lambda t, d, p, lane, u: (p, lane, u // ep) == (p0, lane0, u0 // ep)),
-            "edp": where(lambda t, d, p, lane, u: (p, lane, u % ep) == (p0, lane0, u0 % ep)),
-            "etp": where(lambda t, d, p, lane, u: folded and (p, d, u) == (p0, d0, u0)) or (rank,),
-            "tp_tokens": where(lambda t, d, p, lane, u: folded and (p, d, lane) == (p0, d0, lane0)) or (rank,),
-            "embedding": where(lambda t, d, p, lane, u: (t, d) == (t0, d0) and p in (0, pp - 1))
+            "tp": where(lambda t, x, p, lane, u, c: (x, p) == (x0, p0)),
+            "dp": where(lambda t, x, p, lane, u, c: (t, p) == (t0, p0)),
+            "cp": where(lambda t, x, p, lane, u, c: (t, x // cp, p) == (t0, x0 // cp, p0)),
+            "pp": where(lambda t, x, p, lane, u, c: (t, x) == (t0, x0)),
+            "ep": where(lambda t, x, p, lane, u, c: (p, lane, u // ep) == (p0, lane0, u0 // ep)),
+            "edp": where(lambda t, x, p, lane, u, c: (p, lane, u % ep) == (p0, lane0, u0 % ep)),
+            "etp": where(lambda t, x, p, lane, u, c: folded and (p, x, u) == (p0, x0, u0)) or (rank,),
+            "tp_tokens": where(lambda t, x, p, lane, u, c: folded and (p, x, lane) == (p0, x0, lane0)) or (rank,),
+            "embedding": where(lambda t, x, p, lane, u, c: (t, x) == (t0, x0) and p in (0, pp - 1))
                          if p0 in (0, pp - 1) else (rank,),
-            "pp_next": where(lambda t, d, p, lane, u: (t, d) == (t0, d0) and p in (p0, p0 + 1))
+            "pp_next": where(lambda t, x, p, lane, u, c: (t, x) == (t0, x0) and p in (p0, p0 + 1))
                        if p0 + 1 < pp else (rank,),
-            "pp_prev": where(lambda t, d, p, lane, u: (t, d) == (t0, d0) and p in (p0 - 1, p0))
+            "pp_prev": where(lambda t, x, p, lane, u, c: (t, x) == (t0, x0) and p in (p0 - 1, p0))
                        if p0 > 0 else (rank,),
         }
         groups = {}
@@ -147,7 +162,7 @@ class ParallelContext:
             member_ranks = members[kind]
             groups[kind] = Group(_BUCKETS.get(kind, kind), member_ranks, member_ranks.index(rank),
                                  communicator_name(member_ranks))
-        return cls(world_size, rank, dp, tp, pp, ep, groups, etp)
+        return cls(world_size, rank, dp, tp, pp, ep, groups, etp, cp)
 
     @classmethod
     def single(cls) -> "ParallelContext":
@@ -161,11 +176,22 @@ class ParallelContext:
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp
+        """Which slice of the global batch this rank reads (the cp ranks of one dp rank read the same)."""
+        return (self.rank // (self.tp * self.cp)) % self.dp
+
+    @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp) % self.cp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp)
+        return self.rank // (self.tp * self.cp * self.dp)
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding replicas of the dense weights (the `dp` group): gradients and step values are
+        reduced over them, dp x cp."""
+        return self.dp * self.cp
 
     @property
     def expert_folded(self) -> bool:
@@ -208,7 +234,8 @@ class ParallelContext:
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: dp {self.dp_rank}/{self.dp} tp {self.tp_rank}/{self.tp} "
                 f"pp {self.pp_rank}/{self.pp} ep {self.ep_rank}/{self.ep} edp {self.edp_rank}/{self.edp}"
-                + (f" etp {self.etp_rank}/{self.etp}" if self.etp > 1 else ""))
+                + (f" etp {self.etp_rank}/{self.etp}" if self.etp > 1 else "")
+                + (f" cp {self.cp_rank}/{self.cp}" if self.cp > 1 else ""))
 
     # ---- communicators ------------------------------------------------------------------
     def communicators_to_create(self) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -261,22 +288,24 @@ def cpu_ops_on_calling_thread() -> None:
 
 
 def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 1, *, etp: int = 1,
-                  verbose: bool = True) -> ParallelContext:
+                  cp: int = 1, verbose: bool = True) -> ParallelContext:
     """Start MindSpore communication when launched with several processes and create every group.
 
-    ``dp=None`` takes the rest of the world (world / (tp * pp)). Call after selecting the device
+    ``dp=None`` takes the rest of the world (world / (tp * pp * cp)). Call after selecting the device
     (``ms.set_device``); all ranks must call it with the same sizes.
     """
     world = launched_world_size()
     if dp is None:
-        if world % (tp * pp):
-            raise LayoutError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}; cannot derive dp")
-        dp = world // (tp * pp)
+        if world % (tp * pp * cp):
+            sizes = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*pp*cp = {tp}*{pp}*{cp}"
+            raise LayoutError(f"world size {world} is not divisible by {sizes}; cannot derive dp")
+        dp = world // (tp * pp * cp)
     if world == 1:
-        if dp * tp * pp != 1:
-            raise LayoutError(f"layout dp={dp} tp={tp} pp={pp} needs {dp * tp * pp} processes but this one was "
-                              f"not started by msrun (MS_WORKER_NUM is unset): launch with "
-                              f"run_scripts/run_distributed.sh --nproc {dp * tp * pp} CONFIG")
+        if dp * tp * pp * cp != 1:
+            cp_text = f" cp={cp}" if cp > 1 else ""
+            raise LayoutError(f"layout dp={dp} tp={tp} pp={pp}{cp_text} needs {dp * tp * pp * cp} processes but this "
+                              f"one was not started by msrun (MS_WORKER_NUM is unset): launch with "
+                              f"run_scripts/run_distributed.sh --nproc {dp * tp * pp * cp} CONFIG")
         return ParallelContext.single()
 
     from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank, init  # (see above)
@@ -289,11 +318,12 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
         raise LayoutError(f"the launcher announced {world} processes but the communicator has {real_world}")
     from moetrain.dist import contract   # imports MindSpore: as above, kept off ParallelContext's users
 
-    ctx = ParallelContext.build(world, rank, dp, tp, pp, ep, etp).with_world_name(GlobalComm.WORLD_COMM_GROUP)
+    ctx = ParallelContext.build(world, rank, dp, tp, pp, ep, etp, cp).with_world_name(GlobalComm.WORLD_COMM_GROUP)
     contract.register_group(GlobalComm.WORLD_COMM_GROUP, range(world))   # the contract backend's registry
     for name, ranks in ctx.communicators_to_create():
         create_group(name, list(ranks))
         contract.register_group(name, ranks)
     if verbose and rank == 0:     # (the trainer's line adds the comm backend: moetrain.dist.comm.describe_backend)
-        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp} ep={ep} etp={etp}", flush=True)
+        cp_text = f" cp={cp}" if cp > 1 else ""
+        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp}{cp_text} ep={ep} etp={etp}", flush=True)
     return ctx

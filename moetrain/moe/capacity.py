@@ -335,7 +335,7 @@ def adaptive_steps(dispatchers: Sequence, pctx, wrap: Callable, *fns: Callable, 
 
 def ep_groups_of(pctx) -> List[List[int]]:
     """The distinct ep groups of the world (lists of global ranks)."""
-    groups = {ParallelContext.build(pctx.world_size, r, pctx.dp, pctx.tp, pctx.pp, pctx.ep, pctx.etp
+    groups = {ParallelContext.build(pctx.world_size, r, pctx.dp, pctx.tp, pctx.pp, pctx.ep, pctx.etp, pctx.cp
                                     ).group("ep").ranks for r in range(pctx.world_size)}
     return [list(g) for g in sorted(groups)]
 

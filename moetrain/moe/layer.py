@@ -56,6 +56,7 @@ class MoELayer(nn.Cell):
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.needs_sequences = cfg.seq_aux_loss_coeff > 0
         self.aux_loss_scope, self.balance_group = "micro_batch", None
+        self.sequence_group = None                  # context parallel: the ranks holding the rest of each sequence
         self.token_group = self.etp_group = None    # MoE parallel folding (set_expert_groups)
         self.router = TopKRouter(hidden_size, cfg, init_std)
         self.experts = GroupedExperts(cfg.num_experts, hidden_size, cfg.ffn_hidden_size, init_std, compute_dtype)
@@ -91,6 +92,11 @@ class MoELayer(nn.Cell):
             raise ValueError("MoELayer.set_aux_loss_scope: the 'global' scope needs the data-parallel group")
         self.aux_loss_scope, self.balance_group = scope, group
         self.needs_sequences = self.cfg.seq_aux_loss_coeff > 0 or scope == "sequence"
+
+    def set_sequence_group(self, group) -> None:
+        """Context parallelism: each sequence's tokens are spread over `group`, so the sequence-wise
+        statistics (the sequence aux loss) are all-reduced over it first. A group of one rank: unchanged."""
+        self.sequence_group = None if group is None or group.is_trivial else group
 
     def set_expert_groups(self, token_group, etp_group) -> None:
         """MoE parallel folding: `token_group` (tp_tokens) holds the same tokens, and each of its ranks
@@ -155,6 +161,8 @@ class MoELayer(nn.Cell):
         stats["dispatch_rows"] = dispatch_rows
         if self.aux_loss_scope == "global":   # its all-reduce before the next layer's collectives
             y = ops.depend(y, stats["aux_loss"])
+        if self.sequence_group is not None:   # likewise the sequence statistics' all-reduce
+            y = ops.depend(y, stats["seq_aux_loss"])
         return y.astype(x.dtype).reshape(x.shape), stats
 
     def decode(self, x):
@@ -181,18 +189,24 @@ class MoELayer(nn.Cell):
         num_experts, top_k = self.num_experts, self.top_k
         num_tokens = topk_idx.shape[0]
         expert_load = state["tokens_per_expert"]
+        aux_loss = None
+        if self.aux_loss_scope == "global":   # first: the sequence statistics' all-reduce is ordered after it
+            aux_loss = self._global_aux_loss(probs, expert_load, num_tokens)
         if x.ndim == 3:
             batch, seq_len = x.shape[0], x.shape[1]
             seq_load = tokens_per_expert(topk_idx.reshape(batch, seq_len, top_k), num_experts)
-            seq_probs_mean = probs.reshape(batch, seq_len, num_experts).mean(1)
+            seq_probs = probs.reshape(batch, seq_len, num_experts)
+            if self.sequence_group is None:
+                seq_probs_mean = seq_probs.mean(1)
+            else:   # context parallel: the rest of each sequence is on the other ranks of the group
+                seq_probs_sum, seq_load, seq_len = self._whole_sequences(seq_probs.sum(1), seq_load, seq_len, aux_loss)
+                seq_probs_mean = seq_probs_sum / seq_len
             seq_aux_loss = load_balancing_loss(seq_probs_mean, seq_load / seq_len, num_experts, top_k)
         else:
             seq_aux_loss = ops.zeros((), ms.float32)
         if self.aux_loss_scope == "sequence":
             aux_loss = seq_aux_loss
-        elif self.aux_loss_scope == "global":
-            aux_loss = self._global_aux_loss(probs, expert_load, num_tokens)
-        else:
+        elif aux_loss is None:
             aux_loss = load_balancing_loss(probs.mean(0), expert_load / num_tokens, num_experts, top_k)
         return {
             "aux_loss": aux_loss,
@@ -203,6 +217,16 @@ class MoELayer(nn.Cell):
             "routed": ops.full((), num_tokens * top_k, dtype=ms.float32),
             "expert_rows": ops.stop_gradient(state["expert_rows"].astype(ms.float32)),
         }
+
+    def _whole_sequences(self, probs_sum, load, seq_len: int, after=None):
+        """Per-sequence probability sums and loads `[B, E]` summed over the `sequence_group` (one
+        all-reduce, after `after` when given: the same order on every rank) and the whole length."""
+        group, num_experts = self.sequence_group, self.num_experts
+        local = ops.concat([probs_sum, ops.stop_gradient(load.astype(ms.float32))], -1)
+        if after is not None:
+            local = ops.depend(local, after)
+        probs_sum, load = ops.split(comm.all_reduce(local, group), [num_experts, num_experts], -1)
+        return probs_sum, load, seq_len * group.size
 
     def _global_aux_loss(self, probs, expert_load, num_tokens: int):
         """Switch loss over the micro-batches of all ranks of `balance_group` (equal sizes)."""

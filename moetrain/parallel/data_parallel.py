@@ -393,7 +393,8 @@ def accumulate(acc, flats):
 
 
 def reduce_host_values(values: Dict[str, object], pctx, summed: Sequence[str]) -> Dict[str, object]:
-    """Sum (keys in `summed`) or average numpy values over the data-parallel group."""
+    """Sum (keys in `summed`) or average numpy values over the data-parallel group (dp x cp ranks: a
+    context-parallel rank's loss is the mean over its equal share of the tokens, moetrain/dist/topology.py)."""
     keys = list(values)
     arrays = [np.asarray(values[k], np.float64) for k in keys]
     flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.float32)
@@ -402,5 +403,5 @@ def reduce_host_values(values: Dict[str, object], pctx, summed: Sequence[str]) -
     for key, array in zip(keys, arrays):
         part = total[offset:offset + array.size].reshape(array.shape)
         offset += array.size
-        out[key] = part if key in summed else part / pctx.dp
+        out[key] = part if key in summed else part / pctx.dp_cp
     return out

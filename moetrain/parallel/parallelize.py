@@ -3,6 +3,8 @@ part of the parallel job, with its optimizer step and step runner.
 
     tensor + sequence parallel, recompute   plans.parallelize_model (the family's plan)
     expert parallel                         expert_parallel.parallelize_moe (E/ep experts, dispatcher)
+    context parallel                        context_parallel.parallelize_context (attention over the
+                                            split sequence) and its runner (each rank's tokens)
     pipeline parallel                       pipeline.Pipeline (cut to this rank's stage)
     data parallel + ZeRO                    data_parallel.OptimizerStep (flat buffers, reductions)
     step runner                             runner.MicroBatchRunner or the Pipeline: the same interface
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetrain.modeling import stat_specs_of
+from moetrain.parallel.context_parallel import ContextParallelRunner, parallelize_context
 from moetrain.parallel.data_parallel import OptimizerStep
 from moetrain.parallel.expert_parallel import parallelize_moe
 from moetrain.parallel.pipeline import Pipeline, allow_slow_neighbours
@@ -37,6 +40,7 @@ def parallelize(model, cfg, pctx, seq_length: int = 0, rebuild=None) -> Parallel
     specs = stat_specs_of(model)
     parallelize_model(model, cfg, pctx)
     moe_layers = parallelize_moe(model, p, pctx)
+    parallelize_context(model, cfg, pctx)
     over_dp = moe_layers > 0 and (pctx.ep > 1 or p.moe_aux_loss_scope == "global")
     optimizer = (cfg.optimizer, p, pctx, cfg.optimizer.clip_grad_norm, cfg.train.jit)
     if pctx.pp > 1:
@@ -53,4 +57,6 @@ def parallelize(model, cfg, pctx, seq_length: int = 0, rebuild=None) -> Parallel
         return ParallelModel(pipeline.stage, opt_step, pipeline.bind(opt_step), specs, over_dp)
     opt_step = OptimizerStep(model.trainable_params(), *optimizer)
     runner = MicroBatchRunner(model, opt_step, specs, cfg.train.jit, pctx, p.moe_capacity, p.moe_capacity_prior)
+    if pctx.cp > 1:
+        runner = ContextParallelRunner(runner, pctx, cfg.train.global_batch_size * (seq_length or cfg.model.seq_length))
     return ParallelModel(model, opt_step, runner, specs, over_dp)

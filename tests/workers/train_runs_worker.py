@@ -59,11 +59,13 @@ def reuse_parallel_context(trainer_module):
     def init_once(cfg):
         check_config_layout(cfg, world=topology.launched_world_size())
         p = cfg.parallel
-        key = (p.data_parallel, p.model_parallel, p.pipeline_stage, p.expert_parallel, p.expert_tensor_parallel)
+        key = (p.data_parallel, p.model_parallel, p.pipeline_stage, p.expert_parallel, p.expert_tensor_parallel,
+               p.context_parallel)
         if key in contexts:
             return contexts[key]
         if not contexts:
-            ctx = topology.init_parallel(dp=key[0], tp=key[1], pp=key[2], ep=key[3], etp=key[4], verbose=False)
+            ctx = topology.init_parallel(dp=key[0], tp=key[1], pp=key[2], ep=key[3], etp=key[4], cp=key[5],
+                                         verbose=False)
         else:
             from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank
 
@@ -147,7 +149,10 @@ def main():
         params = list(model.get_parameters())    # expert_bias too (moved by the balancing step)
         record = {
             "rank": pctx.rank, "dp_rank": pctx.dp_rank, "tp_rank": pctx.tp_rank, "pp_rank": pctx.pp_rank,
-            "ep_rank": pctx.ep_rank, "etp_rank": pctx.etp_rank, "num_micro_batches": trainer.n_micro,
+            "ep_rank": pctx.ep_rank, "etp_rank": pctx.etp_rank, "cp_rank": pctx.cp_rank,
+            "num_micro_batches": trainer.n_micro,
+            "context_parallel_layers": sum(getattr(c, "context_parallel", None) is not None
+                                           for _, c in model.cells_and_names()),
             "seconds": seconds,
             "shards": {p.name: [list(shard_spec(p).global_shape), shard_spec(p).axis, shard_spec(p).index,
                                 shard_spec(p).count, shard_spec(p).group_kind] for p in params},

@@ -1,0 +1,330 @@
+"""Context parallelism (`parallel.context_parallel: cp`): every sequence split over the cp ranks.
+
+    chunk_order(seq_len, cp, rank)          the global token positions rank `rank` holds
+    local_batch(batch, cp, rank)            a batch's local tokens, labels and global position ids
+    blockwise_attention(q, k, v, rank, cp)  causal attention of the local queries against the
+                                            gathered K/V, block by block, merged by log-sum-exp
+    ContextParallelAttention                that, with the K/V all-gather over the cp group (comm);
+                                            or Ulysses' all-to-alls around the layer's own attention
+    parallelize_context(model, cfg, pctx)   switches every `CausalAttention` and the MoE statistics
+    ContextParallelRunner                   a step runner handing each micro-batch's local tokens
+
+Load-balanced causal split (Megatron-Core's and torchtitan's): a sequence of S tokens is cut into
+2·cp chunks of c = S / (2·cp); rank i holds chunks i and 2·cp−1−i, in that order. Under a causal
+mask a query chunk k attends to k + 1 key chunks, so every rank's two chunks together see 2·cp + 1
+key chunks: the same work on every rank. The local tokens keep increasing global positions (chunk i
+comes before chunk 2·cp−1−i), so inside a rank's own block the mask is the ordinary lower triangle.
+
+Everything but attention works on the local tokens unchanged: embedding, norms, MLP / MoE and the
+loss. Each rank's loss is the mean over its S/cp tokens of each sequence, the same count on every
+rank, so the mean over the cp ranks (the trainer averages step values and sums gradients over the
+`dp` group, which spans dp x cp ranks: moetrain/dist/topology.py) is the mean over all tokens of
+the global batch, exactly as on one process; `ContextParallelRunner` checks that count every step
+(`TokenCountError`). MoE statistics that mix tokens of one micro-batch (the Switch aux loss's
+per-expert sums, the sequence-wise aux loss) are all-reduced over the cp group first
+(`parallelize_context`), so they are those of the whole sequences.
+
+Attention (`cp_comm_type: all_gather`, Megatron-Core's name): K and V (after RoPE at the global
+positions) are all-gathered over the cp group (`comm.all_gather`: native AllGather on a device,
+derived from AllReduce on the CPU; its backward reduce-scatters dK, dV back to their owners). The
+local queries then attend to the gathered blocks in ring order (the block of rank r, r−1, ...), as
+ring attention (`p2p`) would receive them, each block's partial result `(out, lse)` merged with the
+running one by its log-sum-exp:
+
+    lse = log(e^lse1 + e^lse2),   out = out1 · e^(lse1 − lse) + out2 · e^(lse2 − lse)
+
+Per block, for rank r and the block of rank j (Megatron's cases): j = r the causal diagonal; j < r
+every local query against the block's first chunk (its second chunk lies after both local chunks);
+j > r only the local second chunk against the whole block (the local first chunk lies before both).
+The backward is the autodiff of these ops (exact; the merge's running maximum is a constant of it).
+A ring over point-to-point (`p2p`) would run the same loop with blocks received from the previous
+rank instead of taken from the gathered tensor; the CPU communication layer has no send/receive
+inside a compiled step (docs/parallel_engine.md), so it is not offered yet (docs/context_parallel.md).
+
+Attention (`cp_comm_type: a2a`, DeepSpeed Ulysses): an all-to-all over the cp group per q, k, v trades
+the sequence split for a head split (each rank: the whole sequence, 1/cp of the query and K/V heads),
+the sequence is put back in order, the layer's own attention runs (the fused kernel or the plain path,
+as on one process), and one all-to-all trades back. Needs num_heads and num_kv_heads divisible by cp.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from moetrain.dist import comm
+from moetrain.layout import LayoutError
+
+_BMM, _BMM_NT = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)
+_MASKED = -1e9          # additive mask: finite, so a masked score can never make a NaN
+
+
+class TokenCountError(RuntimeError):
+    """The tokens the loss is averaged over differ from the global batch's (context parallelism)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The split
+# ---------------------------------------------------------------------------------------------
+def chunk_order(seq_len: int, cp: int, rank: int) -> np.ndarray:
+    """The global positions (int64 `[seq_len / cp]`) rank `rank` of `cp` holds: chunk `rank`, then
+    chunk `2·cp − 1 − rank`, of 2·cp equal chunks."""
+    if seq_len % (2 * cp):
+        raise LayoutError(f"a sequence of {seq_len} tokens cannot be cut into 2 x parallel.context_parallel = "
+                          f"{2 * cp} equal chunks; use a sequence length that is a multiple of {2 * cp}")
+    c = seq_len // (2 * cp)
+    first, second = rank, 2 * cp - 1 - rank
+    return np.concatenate([np.arange(first * c, (first + 1) * c), np.arange(second * c, (second + 1) * c)])
+
+
+def local_batch(batch: Sequence[np.ndarray], cp: int, rank: int) -> Tuple[np.ndarray, ...]:
+    """This rank's part of an LM batch `(input_ids, labels)` `[B, S]`: the local tokens and labels
+    `[B, S / cp]` and the attention context the model then needs, `(document_ids, position_ids)`
+    (one document per row; the global positions, which RoPE rotates at)."""
+    if len(batch) != 2:
+        raise LayoutError(f"parallel.context_parallel > 1 splits LM batches (input_ids, labels); this batch has "
+                          f"{len(batch)} arrays (packed documents are not split yet: docs/context_parallel.md)")
+    input_ids, labels = (np.asarray(a) for a in batch)
+    if input_ids.ndim != 2 or labels.shape != input_ids.shape:
+        raise LayoutError(f"parallel.context_parallel > 1 needs [batch, seq] token and label arrays, got "
+                          f"{input_ids.shape} and {labels.shape}")
+    order = chunk_order(input_ids.shape[1], cp, rank)
+    positions = np.broadcast_to(order.astype(np.int32), (input_ids.shape[0], order.size))
+    return (np.ascontiguousarray(input_ids[:, order]), np.ascontiguousarray(labels[:, order]),
+            np.zeros(positions.shape, np.int32), np.ascontiguousarray(positions))
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention math
+# ---------------------------------------------------------------------------------------------
+def _softmax_dtype(x):
+    """fp32 for the softmax and the merge (the project's rule), fp64 for fp64 inputs (exactness tests)."""
+    return ms.float64 if x.dtype == ms.float64 else ms.float32
+
+
+def block_attention(q, k, v, mask=None):
+    """One block's softmax attention with its log-sum-exp. q `[B, h, g, Sq, d]` (pre-scaled; the g
+    query heads sharing one of the h K/V heads), k `[B, h, Sk, d]`, v `[B, h, Sk, dv]`, mask None or
+    additive fp32 `[Sq, Sk]` -> `(out [B, h, g, Sq, dv], lse [B, h, g, Sq, 1])` in fp32 (fp64 for fp64
+    inputs), `out` normalised over this block's keys only. Every query row must see at least one key."""
+    batch, heads, group, rows, dim = q.shape
+    keys = k.shape[2]
+    dtype = _softmax_dtype(q)
+    scores = _BMM_NT(q.reshape(batch, heads, group * rows, dim), k).astype(dtype)
+    scores = scores.reshape(batch, heads, group, rows, keys)
+    if mask is not None:
+        scores = scores + mask.astype(dtype)
+    top = ops.stop_gradient(scores.max(axis=-1, keepdims=True))
+    weights = ops.exp(scores - top)
+    total = weights.sum(axis=-1, keepdims=True)
+    probs = (weights / total).astype(v.dtype).reshape(batch, heads, group * rows, keys)
+    out = _BMM(probs, v).astype(dtype).reshape(batch, heads, group, rows, v.shape[-1])
+    return out, top + ops.log(total)
+
+
+def merge_partials(first, second):
+    """Two partial results `(out, lse)` over disjoint key sets -> the result over their union."""
+    out1, lse1 = first
+    out2, lse2 = second
+    top = ops.stop_gradient(ops.maximum(lse1, lse2))
+    w1, w2 = ops.exp(lse1 - top), ops.exp(lse2 - top)
+    total = w1 + w2
+    return (out1 * w1 + out2 * w2) / total, top + ops.log(total)
+
+
+def _halves(x, axis: int):
+    size = x.shape[axis] // 2
+    return ops.split(x, [size, size], axis)
+
+
+def causal_mask(rows: int, positions) -> Tensor:
+    """Additive fp32 `[rows, rows]`: 0 on and below the diagonal, `_MASKED` above it. `positions`: an
+    int32 arange at least `rows` long (built per call: a stored mask is S² floats)."""
+    pos = positions[:rows]
+    return (pos.reshape(1, -1) > pos.reshape(-1, 1)).astype(ms.float32) * _MASKED
+
+
+def blockwise_attention(q, k_all, v_all, rank: int, cp: int, positions):
+    """Causal attention of rank `rank`'s local queries against every rank's keys, block by block in
+    ring order, merged by log-sum-exp (module docstring). q `[B, h, g, L, d]` pre-scaled, the local
+    L = S / cp tokens (chunk `rank`, then chunk 2·cp−1−rank); k_all `[B, h, cp·L, d]`, v_all
+    `[B, h, cp·L, dv]`: rank j's local keys at `[j·L, (j+1)·L)` (what an all-gather over the cp group
+    gives); `positions`: an int32 arange at least L long -> `[B, h, g, L, dv]` fp32 (fp64 for fp64)."""
+    rows = q.shape[3]
+    k_blocks = ops.split(k_all, [rows] * cp, 2)
+    v_blocks = ops.split(v_all, [rows] * cp, 2)
+    # the diagonal block: the local tokens in increasing global order, so the plain causal mask
+    out, lse = block_attention(q, k_blocks[rank], v_blocks[rank], causal_mask(rows, positions))
+    first_out, second_out = _halves(out, 3)
+    first_lse, second_lse = _halves(lse, 3)
+    first, second = (first_out, first_lse), (second_out, second_lse)
+    q_second = _halves(q, 3)[1]
+    for step in range(1, cp):
+        j = (rank - step) % cp
+        if j < rank:   # both local chunks see the block's first chunk, neither its second
+            out, lse = block_attention(q, _halves(k_blocks[j], 2)[0], _halves(v_blocks[j], 2)[0])
+            out_a, out_b = _halves(out, 3)
+            lse_a, lse_b = _halves(lse, 3)
+            first = merge_partials(first, (out_a, lse_a))
+            second = merge_partials(second, (out_b, lse_b))
+        else:          # only the local second chunk sees the block, all of it
+            second = merge_partials(second, block_attention(q_second, k_blocks[j], v_blocks[j]))
+    return ops.concat((first[0], second[0]), 3)
+
+
+def heads_major_queries(q, num_kv_heads: int):
+    """`[B, L, n, d]` -> `[B, n_kv, g, L, d]`: query head h uses K/V head h // g (HF repeat_kv)."""
+    batch, rows, heads, dim = q.shape
+    return q.reshape(batch, rows, num_kv_heads, heads // num_kv_heads, dim).transpose(0, 2, 3, 1, 4)
+
+
+def tokens_major_output(out):
+    """`[B, n_kv, g, L, dv]` -> `[B, L, n * dv]` (inverse of `heads_major_queries`)."""
+    batch, kv_heads, group, rows, dim = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, rows, kv_heads * group * dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cell the attention layers hand their core to
+# ---------------------------------------------------------------------------------------------
+class ContextParallelAttention(nn.Cell):
+    """What a `CausalAttention` whose sequence is split over `group` (the cp group) runs instead of its
+    own attention over the whole sequence (`CausalAttention.attend` dispatches on `splits_heads`):
+
+    * all_gather: `attend(q, k, v, scale, rope, context)`, the signature of `CausalAttention.attend`, on
+      the local tokens; `context` is `(document_ids, position_ids)` of the local tokens (`local_batch`)
+      and RoPE rotates at those global positions; K and V travel as one tensor, one all-gather a layer.
+    * a2a (DeepSpeed Ulysses): `to_heads(q, k, v)` trades the sequence split for a head split, one
+      all-to-all per tensor over the group, and puts the whole sequence back in order, so the layer's
+      own attention (fused kernel or plain path, RoPE at positions 0..S-1) runs on 1/cp of the heads;
+      `from_heads(out)` trades back. Query head h still reads K/V head h // g: rank r holds query heads
+      [r·n/cp, (r+1)·n/cp) and K/V heads [r·n_kv/cp, (r+1)·n_kv/cp). `seq_length`: the whole sequence."""
+
+    def __init__(self, group, seq_length: int, comm_type: str = "all_gather"):
+        super().__init__()
+        if comm_type not in ("all_gather", "a2a"):
+            raise LayoutError(f"parallel.cp_comm_type={comm_type}: all_gather and a2a run so far (docs/context_parallel.md)")
+        self.group = group
+        self.cp, self.rank = group.size, group.rank_in_group
+        self.splits_heads = comm_type == "a2a"
+        self.seq_length = seq_length
+        self.positions = Tensor(np.arange(seq_length, dtype=np.int32))
+        # a2a: the gathered sequence arrives in rank order of the local chunks; these put it in order and back
+        ranks_order = np.concatenate([chunk_order(seq_length, self.cp, r) for r in range(self.cp)])
+        self.to_natural = Tensor(np.argsort(ranks_order).astype(np.int32))
+        self.to_ranks = Tensor(ranks_order.astype(np.int32))
+
+    def to_heads(self, q, k, v):
+        """Ulysses: local tokens of every head `[B, S/cp, heads, d]` -> the whole sequence, in order, of
+        this rank's 1/cp of the heads `[B, S, heads/cp, d]`, for q, k and v (in that order on every rank)."""
+        out = ()
+        for x in (q, k, v):
+            if out:
+                x = ops.depend(x, out[-1])
+            whole = comm.all_to_all(x, self.group, 2, 1)                   # rank order of the chunks
+            if whole.shape[1] != self.seq_length:
+                raise ValueError(f"context parallel a2a: a sequence of {whole.shape[1]} tokens, the layer was set "
+                                 f"up for {self.seq_length}")
+            out += (ops.gather(whole, self.to_natural, 1),)
+        return out
+
+    def from_heads(self, out, value_dim: int):
+        """Ulysses: `[B, S, heads/cp * dv]` in order -> this rank's tokens of every head `[B, S/cp, heads * dv]`."""
+        batch, seq_len = out.shape[0], out.shape[1]
+        out = ops.gather(out.reshape(batch, seq_len, -1, value_dim), self.to_ranks, 1)
+        out = comm.all_to_all(out, self.group, 1, 2)                        # [B, S/cp, heads, dv]
+        return out.reshape(batch, seq_len // self.cp, -1)
+
+    def attend(self, q, k, v, scale: float, rope=None, context=None):
+        if context is None:   # ValueError: a graph may raise only Python's own exception types
+            raise ValueError("context parallel attention needs the local tokens' global positions: the batch must "
+                             "come from ContextParallelRunner (moetrain/parallel/context_parallel.py)")
+        position_ids = context[1]
+        if rope is not None:
+            q, k = rope(q, position_ids), rope(k, position_ids)
+        q = q * scale
+        num_kv_heads, head_dim = k.shape[2], k.shape[3]
+        kv = comm.all_gather(ops.concat((k, v), -1), self.group, 1)          # [B, cp * L, n_kv, d + dv]
+        kv = kv.transpose(0, 2, 1, 3)                                       # [B, n_kv, cp * L, d + dv]
+        k_all, v_all = ops.split(kv, [head_dim, v.shape[-1]], -1)
+        out = blockwise_attention(heads_major_queries(q, num_kv_heads), k_all, v_all, self.rank, self.cp,
+                                  self.positions)
+        return tokens_major_output(out.astype(q.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying it to a model, and the step runner
+# ---------------------------------------------------------------------------------------------
+def attention_cells(model) -> List[nn.Cell]:
+    from moetrain.layers import CausalAttention
+
+    return [cell for _, cell in model.cells_and_names() if isinstance(cell, CausalAttention)]
+
+
+def parallelize_context(model, cfg, pctx) -> int:
+    """Split `model`'s sequences over the cp group: every `CausalAttention` gets a
+    `ContextParallelAttention`, and every MoE layer reduces its per-micro-batch and per-sequence
+    routing statistics over the cp group. Returns the number of attention layers switched (0 and
+    nothing changed when cp = 1). Call after `parallelize_moe` (it sets the aux-loss scope)."""
+    if pctx.cp == 1:
+        return 0
+    from moetrain.parallel.expert_parallel import moe_layers
+
+    group = pctx.group("cp")
+    cells = attention_cells(model)
+    if not cells:
+        raise LayoutError(f"parallel.context_parallel={pctx.cp}: model {type(model).__name__} has no causal attention "
+                          f"layer (moetrain.layers.CausalAttention) to split the sequence for; set it to 1")
+    max_positions = cfg.data.seq_length or cfg.model.seq_length
+    for cell in cells:
+        cell.context_parallel = ContextParallelAttention(group, max_positions, cfg.parallel.cp_comm_type)
+    for layer in moe_layers(model):
+        if layer.aux_loss_scope == "micro_batch":   # the micro-batch's tokens are those of the whole cp group
+            layer.set_aux_loss_scope("global", group)
+        layer.set_sequence_group(group)
+    return len(cells)
+
+
+class ContextParallelRunner:
+    """A step runner (the interface of `runner.MicroBatchRunner`) that gives `inner` this rank's part
+    of every micro-batch (`local_batch`) and checks, every step, that the tokens the loss is averaged
+    over add up to the global batch's (`TokenCountError` otherwise). Anything else is `inner`'s."""
+
+    def __init__(self, inner, pctx, global_tokens: int):
+        self.inner, self.pctx, self.global_tokens = inner, pctx, global_tokens
+
+    def local(self, batch):
+        return local_batch(batch, self.pctx.cp, self.pctx.cp_rank)
+
+    def train_step(self, batches, scale):
+        local = [self.local(b) for b in batches]
+        check_token_count([b[1].size for b in batches], [b[1].size for b in local], self.pctx.cp, self.pctx.dp,
+                          self.global_tokens)
+        return self.inner.train_step(local, scale)
+
+    def evaluate(self, batch):
+        return self.inner.evaluate(self.local(batch))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def check_token_count(global_counts: Sequence[int], local_counts: Sequence[int], cp: int, dp: int,
+                      global_tokens: int) -> None:
+    """The loss of each micro-batch is the mean over its local labels; the trainer averages them over
+    micro-batches and the dp x cp ranks with equal weights. That is the mean over the global batch's
+    tokens only if every rank holds 1/cp of each micro-batch's labels and the micro-batches of all dp
+    ranks hold the global batch: raise `TokenCountError` (naming the counts) otherwise."""
+    for i, (whole, mine) in enumerate(zip(global_counts, local_counts)):
+        if mine * cp != whole:
+            raise TokenCountError(f"context parallel: micro-batch {i} has {whole} label tokens but this rank's loss "
+                                  f"averages over {mine}, not 1/{cp} of them: the ranks' losses would be weighted "
+                                  f"unequally (moetrain/parallel/context_parallel.py)")
+    averaged = sum(local_counts) * cp * dp
+    if averaged != global_tokens:
+        raise TokenCountError(f"context parallel: the loss is averaged over {averaged} tokens (local {sum(local_counts)} "
+                              f"x cp {cp} x dp {dp}), but the global batch holds {global_tokens} "
+                              f"(train.global_batch_size x seq_length); check data.seq_length against model.seq_length")

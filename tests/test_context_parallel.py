@@ -1,0 +1,263 @@
+"""Context parallelism (moetrain/parallel/context_parallel.py): the load-balanced split, the blockwise
+attention with log-sum-exp merging against full causal attention (forward and backward, every "rank"
+of a cp group simulated in one process), the token-count guard, the layout rules and the process
+groups. The msrun run reproducing one process is in tests/test_context_parallel_training.py."""
+import numpy as np
+import pytest
+
+from moetrain.layout import Layout, LayoutError, ModelShape, layout_problems
+
+
+@pytest.fixture(scope="module")
+def ms():
+    import mindspore
+
+    mindspore.set_device("CPU")
+    return mindspore
+
+
+# ---------------------------------------------------------------------------------------------
+# The split
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_chunk_order_is_load_balanced_and_covers_the_sequence(cp):
+    from moetrain.parallel.context_parallel import chunk_order
+
+    seq = 2 * cp * 5
+    orders = [chunk_order(seq, cp, r) for r in range(cp)]
+    assert sorted(np.concatenate(orders).tolist()) == list(range(seq))
+    c = seq // (2 * cp)
+    for r, order in enumerate(orders):
+        assert order.tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+        assert (np.diff(order) > 0).all()                  # increasing: the diagonal block's mask is a triangle
+    # causal work per rank (query-key pairs at or below the diagonal): equal on every rank
+    work = [sum(int(p) + 1 for p in order) for order in orders]
+    assert len(set(work)) == 1, work
+    with pytest.raises(LayoutError, match="2 x parallel.context_parallel"):
+        chunk_order(2 * cp * 5 + 1, cp, 0) if cp > 1 else chunk_order(7, 1, 0)
+
+
+def test_local_batch_holds_the_chunks_labels_and_global_positions():
+    from moetrain.parallel.context_parallel import local_batch
+
+    tokens = np.arange(2 * 8).reshape(2, 8) + 100
+    labels = tokens + 1
+    ids, lab, docs, pos = local_batch((tokens, labels), 2, 1)       # cp 2, rank 1: chunks 1 and 2 of 4
+    assert pos.tolist() == [[2, 3, 4, 5]] * 2
+    assert ids.tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
+    assert (lab == ids + 1).all() and (docs == 0).all() and docs.dtype == np.int32 and pos.dtype == np.int32
+    with pytest.raises(LayoutError, match="packed documents"):
+        local_batch((tokens, labels, tokens, tokens), 2, 0)
+
+
+def test_token_count_guard_names_the_counts():
+    from moetrain.parallel.context_parallel import TokenCountError, check_token_count
+
+    check_token_count([64, 64], [32, 32], cp=2, dp=2, global_tokens=256)
+    with pytest.raises(TokenCountError, match="micro-batch 1 has 64 label tokens but this rank's loss averages over 30"):
+        check_token_count([64, 64], [32, 30], cp=2, dp=2, global_tokens=256)
+    with pytest.raises(TokenCountError, match="averaged over 128 tokens .* global batch holds 256"):
+        check_token_count([64], [32], cp=2, dp=2, global_tokens=256)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blockwise attention with log-sum-exp merging == full causal attention, forward and backward
+# ---------------------------------------------------------------------------------------------
+def reference_attention(ms, q, k, v):
+    """softmax(q k^T + causal) v over the whole sequence, plain ops (autodiff backward). q `[B, S, n, d]`
+    pre-scaled, k / v `[B, S, n_kv, d]` -> `[B, S, n * d]`; query head h reads K/V head h // (n / n_kv)."""
+    from mindspore import ops
+
+    batch, seq, heads, dim = q.shape
+    group = heads // k.shape[2]
+    k = ops.repeat_interleave(k, group, 2).transpose(0, 2, 1, 3)
+    v = ops.repeat_interleave(v, group, 2).transpose(0, 2, 1, 3)
+    scores = ops.matmul(q.transpose(0, 2, 1, 3), k.swapaxes(-1, -2))
+    hidden = np.triu(np.ones((seq, seq), bool), 1)
+    scores = scores + ms.Tensor(np.where(hidden, -1e9, 0.0), scores.dtype)
+    out = ops.matmul(ops.softmax(scores, -1), v)                      # [B, n, S, d]
+    return out.transpose(0, 2, 1, 3).reshape(batch, seq, heads * dim)
+
+
+def split_attention(ms, q, k, v, cp):
+    """The cp ranks' attention, simulated in one process: each rank's local queries (its two chunks)
+    against every rank's keys in rank order (what the all-gather over the cp group gives; the gather's
+    adjoint, a reduce-scatter, is what concatenation's autodiff does), outputs put back in order."""
+    from mindspore import Tensor, ops
+
+    from moetrain.parallel.context_parallel import (blockwise_attention, chunk_order, heads_major_queries,
+                                                    tokens_major_output)
+
+    seq, kv_heads = q.shape[1], k.shape[2]
+    orders = [chunk_order(seq, cp, r) for r in range(cp)]
+    take = lambda x, order: ops.gather(x, Tensor(order.astype(np.int32)), 1)   # noqa: E731
+    k_all = ops.concat([take(k, o) for o in orders], 1).transpose(0, 2, 1, 3)
+    v_all = ops.concat([take(v, o) for o in orders], 1).transpose(0, 2, 1, 3)
+    positions = Tensor(np.arange(seq, dtype=np.int32))
+    outs = [tokens_major_output(blockwise_attention(heads_major_queries(take(q, o), kv_heads), k_all, v_all, r, cp,
+                                                    positions)) for r, o in enumerate(orders)]
+    back = np.argsort(np.concatenate(orders)).astype(np.int32)
+    return ops.gather(ops.concat(outs, 1), Tensor(back), 1)
+
+
+def attention_and_grads(ms, attention, arrays, weights, dtype):
+    """`attention(q, k, v)` and the gradients of `sum(attention * weights)` wrt q, k, v, as numpy."""
+    from mindspore import Tensor
+
+    q, k, v = (Tensor(a.astype(dtype)) for a in arrays)
+    w = Tensor(weights.astype(dtype))
+    grads = ms.grad(lambda q, k, v: (attention(q, k, v) * w).sum(), grad_position=(0, 1, 2))(q, k, v)
+    return [attention(q, k, v).asnumpy()] + [g.asnumpy() for g in grads]
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_blockwise_attention_equals_full_attention(ms, cp):
+    """Forward and backward against the whole sequence's causal attention: in float64 to 1e-12; in
+    float32 (cp 2) no further from the float64 truth than plain float32 attention is (both ~1e-6:
+    rounding). cp 2 has both off-diagonal cases (block before / after), cp 3 merges several blocks."""
+    rng = np.random.default_rng(cp)
+    batch, seq, heads, kv_heads, dim = 2, 2 * cp * 3, 4, 2, 8
+    arrays = [rng.normal(0, 1, (batch, seq, n, dim)) for n in (heads, kv_heads, kv_heads)]
+    weights = rng.normal(0, 1, (batch, seq, heads * dim))
+    full = lambda q, k, v: reference_attention(ms, q, k, v)            # noqa: E731
+    split = lambda q, k, v: split_attention(ms, q, k, v, cp)          # noqa: E731
+    truth = attention_and_grads(ms, full, arrays, weights, "float64")
+    names = ("out", "dq", "dk", "dv")
+    for name, got, want in zip(names, attention_and_grads(ms, split, arrays, weights, "float64"), truth):
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=f"{name}, cp={cp}, float64")
+    if cp > 2:
+        return
+    plain32 = attention_and_grads(ms, full, arrays, weights, "float32")
+    for name, got, plain, want in zip(names, attention_and_grads(ms, split, arrays, weights, "float32"), plain32, truth):
+        error, plain_error = np.abs(got - want).max(), np.abs(plain - want).max()
+        assert error <= 2 * plain_error + 1e-6, f"{name}, cp={cp}, float32: {error:.2e} vs plain {plain_error:.2e}"
+
+
+def test_merge_of_partials_is_the_softmax_over_the_union(ms):
+    """Two key sets attended separately and merged by their log-sum-exp give attention over both."""
+    from mindspore import Tensor, ops
+
+    from moetrain.parallel.context_parallel import block_attention, merge_partials
+
+    rng = np.random.default_rng(0)
+    q = Tensor(rng.normal(0, 1, (1, 2, 3, 4, 8)))                       # [B, h, g, Sq, d]
+    k, v = (Tensor(rng.normal(0, 1, (1, 2, 10, 8))) for _ in range(2))
+    whole, whole_lse = block_attention(q, k, v)
+    first, second = (block_attention(q, k[:, :, s], v[:, :, s]) for s in (slice(0, 3), slice(3, 10)))
+    merged, merged_lse = merge_partials(first, second)
+    np.testing.assert_allclose(merged.asnumpy(), whole.asnumpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(merged_lse.asnumpy(), whole_lse.asnumpy(), rtol=1e-12, atol=1e-12)
+    scores = ops.matmul(q.reshape(1, 2, 12, 8), k.swapaxes(-1, -2)).asnumpy()
+    np.testing.assert_allclose(whole_lse.asnumpy().reshape(1, 2, 12), np.log(np.exp(scores).sum(-1)), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout rules and process groups
+# ---------------------------------------------------------------------------------------------
+MOE = ModelShape(layers=4, heads=4, kv_heads=2, vocab=2048, experts=8, expert_ffn=128)
+
+
+def problems(**kw):
+    known = {k: kw.pop(k) for k in ("world", "seq_length", "documents", "shape") if k in kw}
+    return "\n".join(layout_problems(Layout(**kw), known.pop("shape", MOE), **known))
+
+
+def test_layout_rules_of_context_parallel():
+    assert problems(cp=2, world=2, seq_length=128) == ""
+    assert Layout(dp=2, cp=2).world == 4
+    assert "2 x parallel.context_parallel = 6" in problems(cp=3, seq_length=128)
+    assert "context_parallel (2) = 2 processes, but 4 were launched" in problems(cp=2, world=4)
+    for kw, key in ((dict(tp=2), "parallel.model_parallel=2"), (dict(pp=2, num_micro_batches=2), "parallel.pipeline_stage=2"),
+                    (dict(ep=2, dp=2), "parallel.expert_parallel=2"), (dict(cp_comm="p2p"), "parallel.cp_comm_type=p2p")):
+        assert f"{key}" in problems(cp=2, **kw), kw
+        assert "not supported with parallel.context_parallel > 1 yet" in problems(cp=2, **kw), kw
+    assert problems(cp=2, dp=2, zero=1, cp_comm="a2a", world=4, seq_length=64) == ""   # ZeRO over dp x cp; Ulysses
+    assert "model.num_kv_heads (2) is not divisible by parallel.context_parallel (4)" in problems(cp=4, cp_comm="a2a")
+    assert "packed documents" in problems(cp=2, documents=True)
+    assert "kv_lora_rank" in problems(cp=2, shape=ModelShape(layers=2, heads=4, latent_attention=True))
+    assert "model.mtp_depth=1" in problems(cp=2, shape=ModelShape(layers=2, heads=4, mtp_depth=1))
+    assert "no attention layers" in problems(cp=2, shape=ModelShape())
+    assert problems(cp=1, tp=2, documents=True) == ""                   # cp 1: nothing changes
+
+
+def test_config_errors_name_the_key(tmp_path):
+    from moetrain.config import ConfigError, load_config
+
+    load_config("configs/moe_tiny.yaml", ["parallel.context_parallel=2", "model.seq_length=64"])
+    for override, text in (("parallel.context_parallel=3", "2 x parallel.context_parallel = 6"),
+                           ("parallel.cp_comm_type=ring", "parallel.cp_comm_type"),
+                           ("parallel.context_parallel=0", "parallel.context_parallel")):
+        with pytest.raises(ConfigError, match=text.replace(".", r"\.").replace("(", r"\(")):
+            load_config("configs/moe_tiny.yaml", [override])
+    with pytest.raises(ConfigError, match=r"data\.reset_attention_mask"):
+        load_config("configs/moe_tiny.yaml", ["parallel.context_parallel=2", "data.reset_attention_mask=true"])
+
+
+def test_groups_of_a_dp2_tp2_cp2_layout():
+    """Megatron order tp-cp-dp-pp: cp ranks of one dp rank hold one sequence; the dp group (gradient
+    replicas) spans dp x cp; dp_rank is the data coordinate (which samples a rank reads)."""
+    from moetrain.dist.topology import ParallelContext
+
+    seen = {}
+    for rank in range(8):
+        ctx = ParallelContext.build(8, rank, dp=2, tp=2, cp=2)
+        assert rank == ctx.tp_rank + 2 * (ctx.cp_rank + 2 * ctx.dp_rank)
+        seen[rank] = (ctx.dp_rank, ctx.cp_rank)
+        assert ctx.group("cp").ranks == tuple(r for r in range(8) if r % 2 == ctx.tp_rank and r // 4 == ctx.dp_rank)
+        assert ctx.group("dp").ranks == tuple(r for r in range(8) if r % 2 == ctx.tp_rank)
+        assert ctx.group("tp").ranks == (rank - ctx.tp_rank, rank - ctx.tp_rank + 1)
+        assert ctx.group("edp").ranks == ctx.group("dp").ranks and ctx.dp_cp == 4
+    assert sorted(seen.values()) == sorted((d, c) for d in range(2) for c in range(2) for _ in range(2))
+    single = ParallelContext.build(2, 1, dp=1, cp=2)
+    assert (single.cp_rank, single.dp_rank, single.group("cp").ranks, single.group("dp").ranks) == (1, 0, (0, 1), (0, 1))
+
+
+@pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
+def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, comm_type, cp=2):
+    """An `Attention` layer (GQA 4/2 heads, RoPE) switched to `ContextParallelAttention`, each rank's
+    local tokens with their global positions (`local_batch`), the collectives simulated in one process
+    (every call of every rank gets what all ranks put into the same call; a few passes until each
+    rank has seen the others' inputs): its outputs, put back in order, equal the layer on the whole
+    sequence. all_gather: K|V gathered, blockwise attention; a2a: Ulysses' all-to-alls around the
+    layer's own attention on 1/cp of the heads."""
+    from mindspore import Tensor, ops
+
+    from moetrain.dist.topology import Group
+    from moetrain.layers import Attention
+    from moetrain.parallel import context_parallel as cpmod
+
+    rng = np.random.default_rng(0)
+    seq, hidden = 4 * cp, 32
+    layer = Attention(hidden, 4, 2, 8, max_positions=seq)
+    x = rng.normal(0, 1, (2, seq, hidden)).astype(np.float32)
+    whole = layer(Tensor(x)).asnumpy()
+
+    sent, calls = {}, {}
+    def record(group, value):   # noqa: E306  (-> every rank's input to this call, as far as known)
+        call = calls[group.rank_in_group] = calls.get(group.rank_in_group, -1) + 1
+        sent[(call, group.rank_in_group)] = value
+        return [sent.get((call, r), value) for r in range(cp)]
+
+    def all_gather(value, group, axis):
+        assert axis == 1 and group.size == cp
+        return ops.concat(record(group, value), axis)
+
+    def all_to_all(value, group, split_axis, concat_axis):
+        inputs = record(group, value)
+        return ops.concat([ops.split(x, x.shape[split_axis] // cp, split_axis)[group.rank_in_group] for x in inputs],
+                          concat_axis)
+    monkeypatch.setattr(cpmod.comm, "all_gather", all_gather)
+    monkeypatch.setattr(cpmod.comm, "all_to_all", all_to_all)
+    outs = {}
+    for _ in range(3):
+        calls.clear()
+        for r in range(cp):
+            layer.context_parallel = cpmod.ContextParallelAttention(Group("cp", tuple(range(cp)), r, "fake"), seq,
+                                                                    comm_type)
+            _, _, docs, pos = cpmod.local_batch((np.zeros((2, seq), np.int32),) * 2, cp, r)
+            outs[r] = (pos[0], layer(Tensor(x[:, pos[0]]), (Tensor(docs), Tensor(pos))).asnumpy())
+    got = np.zeros_like(whole)
+    for order, out in outs.values():
+        got[:, order] = out
+    np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
