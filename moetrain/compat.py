@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from importlib import metadata
 from typing import Optional, Tuple
 
 OLDEST = "2.7.0"             # the oldest supported release; pyproject.toml's lower bound, tested in CI
@@ -34,8 +35,6 @@ def parse_version(text: str) -> Tuple[int, int, int]:
 
 def mindspore_version_string() -> Optional[str]:
     """The installed MindSpore's version as the package states it, or None when it is not installed."""
-    from importlib import metadata
-
     for name in ("mindspore", "mindspore-dev"):
         try:
             return metadata.version(name)

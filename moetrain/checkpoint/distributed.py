@@ -97,6 +97,7 @@ def write_in_place(param, value: np.ndarray) -> None:
     a trainer whose jitted graphs are compiled, and those keep the parameter's old memory. After
     `set_data` they read the replaced data (MindSpore 2.10: the pre-rollback weights, silently) or
     freed memory (2.7: garbage, then a segfault); measured, tests/test_faults.py checks it."""
+    # MindSpore only where Parameters are loaded: reshard and consolidate never start it
     import mindspore as ms
     from mindspore import ops
 

@@ -56,7 +56,9 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from moetrain.dist import comm
+from moetrain.layers import CausalAttention
 from moetrain.layout import LayoutError
+from moetrain.parallel.expert_parallel import moe_layers
 
 _BMM, _BMM_NT = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)
 _MASKED = -1e9          # additive mask: finite, so a masked score can never make a NaN
@@ -259,8 +261,6 @@ class ContextParallelAttention(nn.Cell):
 # Applying it to a model, and the step runner
 # ---------------------------------------------------------------------------------------------
 def attention_cells(model) -> List[nn.Cell]:
-    from moetrain.layers import CausalAttention
-
     return [cell for _, cell in model.cells_and_names() if isinstance(cell, CausalAttention)]
 
 
@@ -271,8 +271,6 @@ def parallelize_context(model, cfg, pctx) -> int:
     nothing changed when cp = 1). Call after `parallelize_moe` (it sets the aux-loss scope)."""
     if pctx.cp == 1:
         return 0
-    from moetrain.parallel.expert_parallel import moe_layers
-
     group = pctx.group("cp")
     cells = attention_cells(model)
     if not cells:
