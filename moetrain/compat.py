@@ -6,7 +6,10 @@ pin. Every check of the MindSpore version goes through this module (tests/test_c
 others); what differs between the versions of the range is gated here:
 
 * the oneDNN library bundled in the wheel, which the CPU kernels link (`onednn_library`):
-  `libdnnl.so.2` up to 2.7, `libdnnl.so.3` from 2.8 (the same `dnnl_sgemm` C entry point).
+  `libdnnl.so.2` in 2.7 and 2.8, `libdnnl.so.3` in 2.10 (the same `dnnl_sgemm` C entry point);
+* AllReduce in CPU sub-groups (`cpu_subgroup_collectives`): from 2.8; 2.7's CPU kernel takes only
+  the world group, so there multi-process CPU runs need layouts whose every group is one rank or
+  all of them (checked by `moetrain.dist.topology.init_parallel`). Ascend and GPU are unaffected.
 
 CI runs the whole suite on the newest version and `tests/oldest_subset.txt` on OLDEST in a
 virtualenv of its own (`.ci/run`, docs/architecture.md "Supported MindSpore versions").
@@ -73,12 +76,24 @@ def unsupported_mindspore(text: Optional[str] = None) -> Optional[str]:
     return None
 
 
+def cpu_subgroup_collectives(installed: Optional[Tuple[int, int, int]] = None) -> bool:
+    """Whether MindSpore's CPU backend runs AllReduce in groups made with `create_group`: from 2.8 on.
+    2.7's CPU AllReduce kernel refuses any other group at its first call ("AllReduce only support
+    mccl_world_group on CPU, but got <group>"; measured with 4 msrun ranks, 2.7.0 and 2.8.0)."""
+    return at_least("2.8.0", installed)
+
+
+ONEDNN_BY_VERSION = ((parse_version("2.9.0"), "libdnnl.so.3"), ((0, 0, 0), "libdnnl.so.2"))  # newest first
+
+
 def onednn_library(lib_dir: str, installed: Optional[Tuple[int, int, int]] = None) -> str:
-    """File name of the oneDNN library in MindSpore's `lib_dir` that the CPU kernels link: 2.7 bundles
-    oneDNN 2 (`libdnnl.so.2`), 2.8 and later oneDNN 3 (`libdnnl.so.3`). Both export the
-    `dnnl_sgemm` the kernels call, with the same signature. Raises FileNotFoundError naming the file
-    when this MindSpore build has none."""
-    name = "libdnnl.so.3" if at_least("2.8.0", installed) else "libdnnl.so.2"
-    if not os.path.isfile(os.path.join(lib_dir, name)):
-        raise FileNotFoundError(f"{name} not found in {lib_dir} (this MindSpore build has no oneDNN)")
-    return name
+    """File name of the oneDNN library in MindSpore's `lib_dir` that the CPU kernels link: 2.7 and
+    2.8 bundle oneDNN 2 (`libdnnl.so.2`), 2.9 and 2.10 oneDNN 3 (`libdnnl.so.3`); both export the
+    `dnnl_sgemm` the kernels call, with the same signature, so a build that bundles the other one
+    is linked against that. Raises FileNotFoundError naming the file when there is neither."""
+    version = installed or mindspore_version()
+    expected = next(name for since, name in ONEDNN_BY_VERSION if version >= since)
+    for name in (expected, *(n for _, n in ONEDNN_BY_VERSION if n != expected)):
+        if os.path.isfile(os.path.join(lib_dir, name)):
+            return name
+    raise FileNotFoundError(f"{expected} not found in {lib_dir} (this MindSpore build has no oneDNN)")

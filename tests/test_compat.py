@@ -74,13 +74,24 @@ def test_cli_stops_before_any_work_on_an_older_mindspore(monkeypatch, capsys, tm
 
 
 def test_onednn_library_by_version(tmp_path):
-    """2.7 bundles libdnnl.so.2, 2.8 and later libdnnl.so.3; a build without it is named."""
-    (tmp_path / "libdnnl.so.2").write_text("")
-    assert compat.onednn_library(str(tmp_path), (2, 7, 0)) == "libdnnl.so.2"
+    """2.7 and 2.8 bundle libdnnl.so.2, 2.9 and later libdnnl.so.3; a build that bundles the other one
+    links that; a build without either is named."""
+    with pytest.raises(FileNotFoundError, match=r"libdnnl\.so\.2 not found in"):
+        compat.onednn_library(str(tmp_path), (2, 8, 0))
     with pytest.raises(FileNotFoundError, match=r"libdnnl\.so\.3 not found in"):
         compat.onednn_library(str(tmp_path), (2, 10, 0))
+    (tmp_path / "libdnnl.so.2").write_text("")
+    assert compat.onednn_library(str(tmp_path), (2, 7, 0)) == "libdnnl.so.2"
+    assert compat.onednn_library(str(tmp_path), (2, 10, 0)) == "libdnnl.so.2"     # the one there is
     (tmp_path / "libdnnl.so.3").write_text("")
-    assert compat.onednn_library(str(tmp_path), (2, 8, 0)) == "libdnnl.so.3"
+    assert compat.onednn_library(str(tmp_path), (2, 8, 0)) == "libdnnl.so.2"
+    assert compat.onednn_library(str(tmp_path), (2, 9, 0)) == "libdnnl.so.3"
+    assert compat.onednn_library(str(tmp_path), (2, 10, 0)) == "libdnnl.so.3"
+
+
+def test_cpu_subgroup_collectives_from_2_8():
+    assert not compat.cpu_subgroup_collectives((2, 7, 2))
+    assert compat.cpu_subgroup_collectives((2, 8, 0)) and compat.cpu_subgroup_collectives((2, 10, 0))
 
 
 def test_the_installed_mindspore_bundles_the_library_compat_names():
@@ -125,8 +136,25 @@ def test_oldest_subset_names_tests_that_exist():
         entries = [line.strip() for line in fh if line.strip() and not line.startswith("#")]
     assert entries
     for entry in entries:
+        assert not any(c.isspace() for c in entry) and "[" not in entry, entry
         path, _, test = entry.partition("::")
         with open(os.path.join(ROOT, path)) as fh:
             source = fh.read()
         if test:
             assert re.search(rf"^def {re.escape(test.split('[')[0])}\(", source, re.M), entry
+
+
+def test_layouts_needing_cpu_sub_groups_are_refused_on_2_7_only():
+    """MindSpore 2.7's CPU AllReduce takes only the world group: init_parallel refuses, in one line
+    naming the group and the fix, a layout with smaller groups; groups of one rank or all pass."""
+    from moetrain.dist.topology import ParallelContext, cpu_world_only_problem
+
+    carved = ParallelContext.build(4, 0, dp=4, ep=2)                 # ep groups {0,1} {2,3}
+    message = cpu_world_only_problem(carved, (2, 7, 0))
+    assert message is not None and "\n" not in message
+    assert "ep" in message and "ranks [0, 1]" in message and "mindspore>=2.8" in message, message
+    assert cpu_world_only_problem(carved, (2, 8, 0)) is None
+    assert cpu_world_only_problem(ParallelContext.build(4, 0, dp=2, pp=2), (2, 7, 0)) is not None
+    for world_only in (ParallelContext.build(4, 0, dp=4, ep=4), ParallelContext.build(2, 1, dp=1, pp=2),
+                       ParallelContext.build(2, 0, dp=1, tp=2), ParallelContext.build(2, 0, dp=2, ep=2)):
+        assert cpu_world_only_problem(world_only, (2, 7, 0)) is None

@@ -191,6 +191,15 @@ def layer_run(ep_job):
     return job.npz_results(), job.json_results()
 
 
+def skip_unless_run_here(*names):
+    """The worker runs ep=2 cases only where MindSpore has AllReduce in CPU sub-groups (not 2.7:
+    moetrain/compat.py); the ep=4 cases (groups = the world) run on every supported version."""
+    if not C.runs_here(*names):
+        from moetrain import compat
+
+        pytest.skip(f"ep=2 needs CPU sub-group collectives, which MindSpore {compat.mindspore_version_string()} lacks")
+
+
 def case_arrays(arrays, name, rank):
     return {key.split("/")[-1]: value for key, value in arrays[rank].items() if key.startswith(name + "/")}
 
@@ -198,6 +207,7 @@ def case_arrays(arrays, name, rank):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(C.CASES))
 def test_dispatcher_matches_numpy_loop(layer_run, name):
+    skip_unless_run_here(name)
     arrays, reports = layer_run
     case = C.CASES[name]
     refs = group_refs(case)
@@ -222,8 +232,9 @@ def test_dispatcher_matches_numpy_loop(layer_run, name):
 def test_ascend_and_gpu_paths_reproduce_the_cpu_path(layer_run, name):
     """Same data, same weights: the Ascend path (contract ops) and the GPU path (allgather + batched
     matmul) give the CPU path's outputs and gradients on every rank."""
-    arrays, reports = layer_run
     twin = C.cpu_twin(name)
+    skip_unless_run_here(name, twin)
+    arrays, reports = layer_run
     for rank in range(C.WORLD):
         got, want = case_arrays(arrays, name, rank), case_arrays(arrays, twin, rank)
         for key in ("y", "dx", "dweight", "dw_gate", "dw_up", "dw_down", "load"):
@@ -282,6 +293,7 @@ def test_ep_bytes_match_the_buffers_that_entered_the_collectives(layer_run, name
     """Emulated column = the ring volume of the AllReduce inputs recorded at the primitive; native
     column = the spec's volume for capacities computed from the routing; the padded all-to-all
     buffers [ep, C, H] are among the recorded inputs (as [ep, ep, C, H] slot buffers)."""
+    skip_unless_run_here(name)
     _, reports = layer_run
     case = C.CASES[name]
     refs = group_refs(case)
@@ -304,7 +316,7 @@ def test_jitted_calls_book_nothing(layer_run):
     """The ledger books on the host in PyNative only (comm module notes): a jitted call books 0."""
     _, reports = layer_run
     for name, case in C.CASES.items():
-        if case.mode == "jit":
+        if case.mode == "jit" and C.runs_here(name):
             assert all(r[name]["native"] == 0 and r[name]["emulated"] == 0 for r in reports), name
 
 
@@ -313,6 +325,7 @@ def test_dropless_alltoall_moves_rows_in_proportion_to_the_routing(layer_run):
     """Tight buffers: destination j gets the largest count any source sends it, so a rank sends
     sum_j C_j rows, within 1.3x of its T k routed rows under random routing, and under 3/4 of the
     bytes at the bound; with routing skewed to experts 0 and 1 (ep=4) the idle ranks get 1-row runs."""
+    skip_unless_run_here("alltoall-ep2-dropless-random")
     _, reports = layer_run
     tight = C.CASES["alltoall-ep2-dropless-random"]
     refs = group_refs(tight)

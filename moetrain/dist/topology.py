@@ -52,6 +52,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from moetrain import compat
 from moetrain.layout import Layout, LayoutError, check_layout
 from moetrain.layout import launched_world_size as announced_world_size
 
@@ -287,6 +288,22 @@ def cpu_ops_on_calling_thread() -> None:
         os.environ.setdefault(HOST_BLOCKING_RUN, "1")
 
 
+def cpu_world_only_problem(ctx: ParallelContext, installed: Optional[Tuple[int, int, int]] = None) -> Optional[str]:
+    """One line saying why this layout cannot run on this MindSpore's CPU backend, or None: MindSpore
+    2.7 runs CPU collectives only in the world group (moetrain/compat.py, `cpu_subgroup_collectives`),
+    so every group must be one rank or all of them. Pure Python (tests call it with any version)."""
+    needed = ctx.communicators_to_create()
+    if not needed or compat.cpu_subgroup_collectives(installed):
+        return None
+    kinds = [kind for kind in GROUP_KINDS if ctx.groups[kind].name == needed[0][0]]
+    version = ".".join(map(str, installed)) if installed else compat.mindspore_version_string()
+    return (f"MindSpore {version} runs CPU collectives only over all {ctx.world_size} ranks, but the layout "
+            f"dp={ctx.dp} tp={ctx.tp} pp={ctx.pp} ep={ctx.ep} etp={ctx.etp} needs smaller groups (the "
+            f"{'/'.join(kinds)} group of ranks {list(needed[0][1])}): on CPU use mindspore>=2.8, or a layout "
+            f"whose groups span one rank or all (e.g. parallel.data_parallel={ctx.world_size}, with "
+            f"parallel.expert_parallel 1 or {ctx.world_size}); Ascend and GPU are not affected")
+
+
 def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 1, *, etp: int = 1,
                   cp: int = 1, verbose: bool = True) -> ParallelContext:
     """Start MindSpore communication when launched with several processes and create every group.
@@ -319,6 +336,11 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
     from moetrain.dist import contract   # imports MindSpore: as above, kept off ParallelContext's users
 
     ctx = ParallelContext.build(world, rank, dp, tp, pp, ep, etp, cp).with_world_name(GlobalComm.WORLD_COMM_GROUP)
+    import mindspore as ms   # as above: kept off ParallelContext's users
+
+    problem = cpu_world_only_problem(ctx) if ms.get_context("device_target") == "CPU" else None
+    if problem:                  # before any group or work: the first collective would fail (2.7)
+        raise LayoutError(problem)
     contract.register_group(GlobalComm.WORLD_COMM_GROUP, range(world))   # the contract backend's registry
     for name, ranks in ctx.communicators_to_create():
         create_group(name, list(ranks))

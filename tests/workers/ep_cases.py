@@ -52,6 +52,14 @@ CASES = {
 }
 
 
+def runs_here(*names: str) -> bool:
+    """Whether the worker runs these cases with this MindSpore: an ep=2 case needs AllReduce in CPU
+    sub-groups, which 2.7 lacks (moetrain/compat.py); ep=4 groups are the world."""
+    from moetrain import compat
+
+    return compat.cpu_subgroup_collectives() or all(CASES[n].ep == WORLD for n in names)
+
+
 def cpu_twin(name: str) -> str:
     """The CPU-path case with the same data (what the Ascend and GPU paths must reproduce)."""
     case = CASES[name]
