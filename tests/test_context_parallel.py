@@ -60,6 +60,32 @@ def test_token_count_guard_names_the_counts():
         check_token_count([64], [32], cp=2, dp=2, global_tokens=256)
 
 
+def test_runner_stops_a_step_whose_tokens_do_not_add_up():
+    """ContextParallelRunner hands the inner runner each micro-batch's local part, and refuses a step
+    whose batches hold another token count than the global batch (here: 8-token samples for a model
+    set up for 16) before the inner runner runs."""
+    from types import SimpleNamespace
+
+    from moetrain.parallel.context_parallel import ContextParallelRunner, TokenCountError
+
+    class Inner:
+        ran = []
+
+        def train_step(self, batches, scale):
+            self.ran.append(batches)
+            return "grads", {"loss": 0.0}
+
+    batch = (np.arange(16).reshape(2, 8), np.arange(16).reshape(2, 8) + 1)
+    runner = ContextParallelRunner(Inner(), SimpleNamespace(cp=2, cp_rank=1, dp=1), global_tokens=2 * 2 * 8)
+    runner.train_step([batch, batch], 1.0)
+    first = Inner.ran[0][0]                                            # the first micro-batch, rank 1's part
+    assert [a.shape for a in first] == [(2, 4)] * 4 and first[3][0].tolist() == [2, 3, 4, 5]
+    short = ContextParallelRunner(Inner(), SimpleNamespace(cp=2, cp_rank=0, dp=1), global_tokens=2 * 2 * 16)
+    with pytest.raises(TokenCountError, match="averaged over 32 tokens .* global batch holds 64"):
+        short.train_step([batch, batch], 1.0)
+    assert len(Inner.ran) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Blockwise attention with log-sum-exp merging == full causal attention, forward and backward
 # ---------------------------------------------------------------------------------------------

@@ -62,8 +62,10 @@ _BMM, _BMM_NT = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)
 _MASKED = -1e9          # additive mask: finite, so a masked score can never make a NaN
 
 
-class TokenCountError(RuntimeError):
-    """The tokens the loss is averaged over differ from the global batch's (context parallelism)."""
+class TokenCountError(ValueError):
+    """The tokens the loss is averaged over differ from the global batch's (context parallelism): the
+    step would train on a wrongly weighted loss, so it stops before any work (`moetrain train`: one
+    line, exit code 2)."""
 
 
 # ---------------------------------------------------------------------------------------------
