@@ -22,10 +22,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 RECOMPUTE_MODES = ("none", "selective", "full")
 # the pipeline schedules (moetrain/parallel/schedules.py builds their instruction lists)
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v")
-# parallel.cp_comm_type: how attention crosses the context-parallel split (Megatron-Core's names);
-# the ones that run today (moetrain/parallel/context_parallel.py), the others are refused by name
+# parallel.cp_comm_type: how attention crosses the context-parallel split (Megatron-Core's names;
+# moetrain/parallel/context_parallel.py)
 CP_COMM_TYPES = ("all_gather", "p2p", "a2a")
-CP_COMM_TYPES_RUNNING = ("all_gather", "a2a")
 WORLD_SIZE_ENVS = ("MOETRAIN_WORLD_SIZE", "MS_WORKER_NUM", "RANK_SIZE")   # the launch script's, msrun's, rank table's
 
 
@@ -289,10 +288,6 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
         return [f"parallel.cp_comm_type must be one of {CP_COMM_TYPES}, got {L.cp_comm!r}"]
     problems = []
     not_yet = "is not supported with parallel.context_parallel > 1 yet (docs/context_parallel.md)"
-    if L.cp_comm not in CP_COMM_TYPES_RUNNING:
-        what = {"p2p": "ring attention over point-to-point (the CPU communication layer has no send/receive "
-                       "inside a compiled step; the all_gather form runs the same blockwise math)"}[L.cp_comm]
-        problems.append(f"parallel.cp_comm_type={L.cp_comm}: {what} {not_yet}; set parallel.cp_comm_type=all_gather")
     if seq_length:
         need_chunks = 2 * L.cp
         if seq_length % need_chunks:

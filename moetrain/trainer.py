@@ -41,6 +41,7 @@ from moetrain.logger import MetricsLogger, print_rank0
 from moetrain.modeling import summed_stats
 from moetrain.moe import accounting
 from moetrain.optim import lr_at
+from moetrain.parallel.context_parallel import TokenCountError
 from moetrain.parallel.data_parallel import reduce_host_values
 from moetrain.parallel.parallelize import parallelize
 from moetrain.planner.arch import Arch, apply_layout, flops_per_token
@@ -295,7 +296,7 @@ class Trainer:
         try:
             record = self.train_step()
         except (RuntimeError, TypeError, ValueError) as exc:
-            if not self.cfg.train.jit or isinstance(exc, accounting.DispatchInvariantError):
+            if not self.cfg.train.jit or isinstance(exc, (accounting.DispatchInvariantError, TokenCountError)):
                 raise
             raise CompileError(self._compile_failure(exc)) from exc
         self.step_compiled = True

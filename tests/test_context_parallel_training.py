@@ -2,8 +2,9 @@
 top-2, GQA 4/2 heads) with each 64-token sequence split over 2 ranks (load-balanced chunks) reproduces
 one process over 10 steps of 2 micro-batches of 4 sequences: loss, lm / aux / z losses within 1e-5
 relative, grad_norm within 1e-4, expert loads exact for the first 5 steps and within a few tokens after
-(another summation order may flip a near-tied routing decision). Two runs:
+(another summation order may flip a near-tied routing decision). Three runs:
   cp2             K|V all-gathered, blockwise attention merged by log-sum-exp; and the evaluation loss
+  cp2_p2p         the same blockwise attention on K|V blocks passed around the ring
   cp2_a2a_zero1   Ulysses all-to-alls around the layer's own attention, the optimizer state sharded
                   (ZeRO-1) over the dp x cp group (here the 2 cp ranks)
 They join the suite's shared 2-rank job (tests/distributed.py: share_runs); the one-process reference
@@ -34,8 +35,9 @@ def spec(name, extra=()):
 
 
 RUNS = {"cp2": CP2,                                                        # K|V all-gathered, blockwise attention
+        "cp2_p2p": CP2 + ["parallel.cp_comm_type=p2p", "data.eval_path="],  # the blocks passed around the ring
         "cp2_a2a_zero1": CP2 + ["parallel.cp_comm_type=a2a", "parallel.optimizer_shard=1", "data.eval_path="]}
-share_runs(2, __name__, lambda fixture, out_dir: [spec(name, extra) for name, extra in RUNS.items()], timeout=600,
+share_runs(2, __name__, lambda fixture, out_dir: [spec(name, extra) for name, extra in RUNS.items()], timeout=900,
            references=lambda fixture: [spec("reference")])
 
 

@@ -4,8 +4,9 @@
     local_batch(batch, cp, rank)            a batch's local tokens, labels and global position ids
     blockwise_attention(q, k, v, rank, cp)  causal attention of the local queries against the
                                             gathered K/V, block by block, merged by log-sum-exp
-    ContextParallelAttention                that, with the K/V all-gather over the cp group (comm);
-                                            or Ulysses' all-to-alls around the layer's own attention
+    ContextParallelAttention                that, with the K/V all-gathered over the cp group (comm)
+                                            or passed around it (ring); or Ulysses' all-to-alls
+                                            around the layer's own attention
     parallelize_context(model, cfg, pctx)   switches every `CausalAttention` and the MoE statistics
     ContextParallelRunner                   a step runner handing each micro-batch's local tokens
 
@@ -28,7 +29,7 @@ Attention (`cp_comm_type: all_gather`, Megatron-Core's name): K and V (after RoP
 positions) are all-gathered over the cp group (`comm.all_gather`: native AllGather on a device,
 derived from AllReduce on the CPU; its backward reduce-scatters dK, dV back to their owners). The
 local queries then attend to the gathered blocks in ring order (the block of rank r, r−1, ...), as
-ring attention (`p2p`) would receive them, each block's partial result `(out, lse)` merged with the
+ring attention (`p2p`) receives them, each block's partial result `(out, lse)` merged with the
 running one by its log-sum-exp:
 
     lse = log(e^lse1 + e^lse2),   out = out1 · e^(lse1 − lse) + out2 · e^(lse2 − lse)
@@ -37,9 +38,10 @@ Per block, for rank r and the block of rank j (Megatron's cases): j = r the caus
 every local query against the block's first chunk (its second chunk lies after both local chunks);
 j > r only the local second chunk against the whole block (the local first chunk lies before both).
 The backward is the autodiff of these ops (exact; the merge's running maximum is a constant of it).
-A ring over point-to-point (`p2p`) would run the same loop with blocks received from the previous
-rank instead of taken from the gathered tensor; the CPU communication layer has no send/receive
-inside a compiled step (docs/parallel_engine.md), so it is not offered yet (docs/context_parallel.md).
+Ring attention (`cp_comm_type: p2p`) runs the same loop (`ring_attention`) on blocks passed around
+the ring: each step sends the block in hand to the next rank and receives the previous rank's
+(`comm.all_to_all_v` with one row each way: Ascend's AlltoAllV moves just that row; on the CPU comm
+derives it from AllReduce, so there `all_gather` moves fewer bytes). Its backward is the reverse shift.
 
 Attention (`cp_comm_type: a2a`, DeepSpeed Ulysses): an all-to-all over the cp group per q, k, v trades
 the sequence split for a head split (each rank: the whole sequence, 1/cp of the query and K/V heads),
@@ -64,8 +66,10 @@ _BMM, _BMM_NT = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)
 _MASKED = -1e9          # additive mask: finite, so a masked score can never make a NaN
 
 
-class TokenCountError(RuntimeError):
-    """The tokens the loss is averaged over differ from the global batch's (context parallelism)."""
+class TokenCountError(ValueError):
+    """The tokens the loss is averaged over differ from the global batch's (context parallelism): the
+    step would train on a wrongly weighted loss, so it stops before any work (`moetrain train`: one
+    line, exit code 2)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,8 +162,17 @@ def blockwise_attention(q, k_all, v_all, rank: int, cp: int, positions):
     rows = q.shape[3]
     k_blocks = ops.split(k_all, [rows] * cp, 2)
     v_blocks = ops.split(v_all, [rows] * cp, 2)
+    arrival = [(rank - step) % cp for step in range(cp)]
+    return ring_attention(q, [k_blocks[j] for j in arrival], [v_blocks[j] for j in arrival], rank, cp, positions)
+
+
+def ring_attention(q, k_blocks, v_blocks, rank: int, cp: int, positions):
+    """`blockwise_attention` on blocks in ring order: `k_blocks[t]`, `v_blocks[t]` `[B, h, L, d]` /
+    `[B, h, L, dv]` are the local keys and values of rank (rank − t) mod cp, as a ring delivers them
+    (t = 0: this rank's own)."""
+    rows = q.shape[3]
     # the diagonal block: the local tokens in increasing global order, so the plain causal mask
-    out, lse = block_attention(q, k_blocks[rank], v_blocks[rank], causal_mask(rows, positions))
+    out, lse = block_attention(q, k_blocks[0], v_blocks[0], causal_mask(rows, positions))
     first_out, second_out = _halves(out, 3)
     first_lse, second_lse = _halves(lse, 3)
     first, second = (first_out, first_lse), (second_out, second_lse)
@@ -167,13 +180,13 @@ def blockwise_attention(q, k_all, v_all, rank: int, cp: int, positions):
     for step in range(1, cp):
         j = (rank - step) % cp
         if j < rank:   # both local chunks see the block's first chunk, neither its second
-            out, lse = block_attention(q, _halves(k_blocks[j], 2)[0], _halves(v_blocks[j], 2)[0])
+            out, lse = block_attention(q, _halves(k_blocks[step], 2)[0], _halves(v_blocks[step], 2)[0])
             out_a, out_b = _halves(out, 3)
             lse_a, lse_b = _halves(lse, 3)
             first = merge_partials(first, (out_a, lse_a))
             second = merge_partials(second, (out_b, lse_b))
         else:          # only the local second chunk sees the block, all of it
-            second = merge_partials(second, block_attention(q_second, k_blocks[j], v_blocks[j]))
+            second = merge_partials(second, block_attention(q_second, k_blocks[step], v_blocks[step]))
     return ops.concat((first[0], second[0]), 3)
 
 
@@ -207,11 +220,17 @@ class ContextParallelAttention(nn.Cell):
 
     def __init__(self, group, seq_length: int, comm_type: str = "all_gather"):
         super().__init__()
-        if comm_type not in ("all_gather", "a2a"):
-            raise LayoutError(f"parallel.cp_comm_type={comm_type}: all_gather and a2a run so far (docs/context_parallel.md)")
+        if comm_type not in ("all_gather", "p2p", "a2a"):
+            raise LayoutError(f"parallel.cp_comm_type={comm_type!r} is not one of all_gather, p2p, a2a")
         self.group = group
         self.cp, self.rank = group.size, group.rank_in_group
         self.splits_heads = comm_type == "a2a"
+        self.ring = comm_type == "p2p"
+        # p2p: each ring step sends this rank's current block to the next rank and receives the previous
+        # rank's (rows of one block; an all-to-all-v with one non-zero count each way)
+        nxt, prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        self.send_counts = tuple(1 if r == nxt else 0 for r in range(self.cp))
+        self.recv_counts = tuple(1 if r == prev else 0 for r in range(self.cp))
         self.seq_length = seq_length
         self.positions = Tensor(np.arange(seq_length, dtype=np.int32))
         # a2a: the gathered sequence arrives in rank order of the local chunks; these put it in order and back
@@ -249,12 +268,29 @@ class ContextParallelAttention(nn.Cell):
             q, k = rope(q, position_ids), rope(k, position_ids)
         q = q * scale
         num_kv_heads, head_dim = k.shape[2], k.shape[3]
+        queries = heads_major_queries(q, num_kv_heads)
+        if self.ring:
+            block = ops.concat((k, v), -1).transpose(0, 2, 1, 3)             # [B, n_kv, L, d + dv]
+            blocks = [block]
+            for _ in range(1, self.cp):                                     # rank r - t's block at step t
+                blocks.append(self.ring_shift(blocks[-1]))
+            pairs = [ops.split(b, [head_dim, v.shape[-1]], -1) for b in blocks]
+            out = ring_attention(queries, [p[0] for p in pairs], [p[1] for p in pairs], self.rank, self.cp,
+                                 self.positions)
+            return tokens_major_output(out.astype(q.dtype))
         kv = comm.all_gather(ops.concat((k, v), -1), self.group, 1)          # [B, cp * L, n_kv, d + dv]
         kv = kv.transpose(0, 2, 1, 3)                                       # [B, n_kv, cp * L, d + dv]
         k_all, v_all = ops.split(kv, [head_dim, v.shape[-1]], -1)
-        out = blockwise_attention(heads_major_queries(q, num_kv_heads), k_all, v_all, self.rank, self.cp,
-                                  self.positions)
+        out = blockwise_attention(queries, k_all, v_all, self.rank, self.cp, self.positions)
         return tokens_major_output(out.astype(q.dtype))
+
+    def ring_shift(self, block):
+        """One ring step: `block` to the next rank of the cp group, the previous rank's block back
+        (`comm.all_to_all_v` with one row each way: Ascend's AlltoAllV sends only that row; elsewhere
+        comm derives it, on the CPU from AllReduce). Backward: the gradient goes the other way round."""
+        shape = block.shape
+        moved = comm.all_to_all_v(block.reshape(1, -1), self.send_counts, self.recv_counts, self.group)
+        return moved.reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -291,7 +291,7 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
     if not 0 <= rank < layout.world:
         raise ValueError(f"--rank {rank}: the layout {layout.describe()} has ranks 0..{layout.world - 1}")
     seq = run.data.seq_length or run.model.seq_length
-    pctx = ParallelContext.build(layout.world, rank, layout.dp, layout.tp, layout.pp, layout.ep, layout.etp)
+    pctx = ParallelContext.build(layout.world, rank, layout.dp, layout.tp, layout.pp, layout.ep, layout.etp, layout.cp)
     # the plans first: a config the planner rejects fails before the step
     stage = pctx.pp_rank
     cost = plan_layout(Job.of(run), Layout.of(run), "cpu", layout.world, source=cfg.source).stages[stage]
