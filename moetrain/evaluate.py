@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Sequence
 
 import yaml
 
+from moetrain.fileio import read_yaml
+
 
 def saved_config(path: str) -> Dict[str, Any]:
     """The config saved with a model directory or training checkpoint (`config.yaml`, else the
@@ -30,8 +32,7 @@ def saved_config(path: str) -> Dict[str, Any]:
     from moetrain.checkpoint.model_dir import CONFIG_FILE
 
     if os.path.isfile(os.path.join(path, CONFIG_FILE)):
-        with open(os.path.join(path, CONFIG_FILE)) as fh:
-            config = yaml.safe_load(fh) or {}
+        config = read_yaml(os.path.join(path, CONFIG_FILE)) or {}
     elif os.path.isfile(os.path.join(path, "metadata.json")):
         config = CheckpointReader(path).metadata.get("config") or {}
     else:
@@ -56,7 +57,7 @@ def parse_data(text: str):
 def eval_config(path: str, data, seq_length: int, batch_size: int, max_batches: int, out_dir: str,
                 overrides: Sequence[str] = ()):
     """The `Config` of an evaluation-only run of the model at `path` on `data`."""
-    from moetrain.config import apply_override, config_from_dict
+    from moetrain.config import config_with_overrides
 
     saved = saved_config(path)
     saved_data = saved.get("data") if isinstance(saved.get("data"), dict) else {}
@@ -72,9 +73,7 @@ def eval_config(path: str, data, seq_length: int, batch_size: int, max_batches: 
         "checkpoint": {"load_path": path, "save_steps": 0, "save_at_end": False},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
-    for item in overrides:
-        apply_override(raw, item, "--set")
-    return config_from_dict(raw, source=f"moetrain eval {path}")
+    return config_with_overrides(raw, overrides, source=f"moetrain eval {path}")
 
 
 def evaluate(path: str, data, seq_length: int = 0, batch_size: int = 8, max_batches: int = 0,
