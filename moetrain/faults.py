@@ -239,6 +239,7 @@ class TrainerFaults:
         self.sampler: Optional[SkippingSampler] = None
         self.last_good_checkpoint = last_good_checkpoint
         self.status_dir = os.environ.get(STATUS_DIR_ENV)
+        self._liveness = self._start_liveness() if self.status_dir else None
         self._own_flag = preemption is None
         self.preemption = (preemption or PreemptionFlag()).install()   # (again: after MindSpore's set-up)
 
@@ -255,6 +256,28 @@ class TrainerFaults:
                 write_progress(self.status_dir, self.pctx.rank, step, phase)
             except OSError:
                 pass    # the watchdog's information only; never stop training for it
+
+    def _start_liveness(self):
+        """The launcher's second report (besides the step heartbeats): a daemon thread rewrites
+        `alive_<rank>.json` every few seconds, also while the main thread waits in a collective, so the
+        launcher tells a stopped or frozen rank from the ranks waiting for it (docs/faults.md, "No hangs")."""
+        import threading
+
+        from moetrain.dist.launch import ALIVE_INTERVAL_S, write_alive
+
+        stop, rank, folder = threading.Event(), self.pctx.rank, self.status_dir
+
+        def beat():
+            while True:
+                try:
+                    write_alive(folder, rank)
+                except OSError:
+                    pass
+                if stop.wait(ALIVE_INTERVAL_S):
+                    return
+
+        threading.Thread(target=beat, name=f"moetrain-alive-{rank}", daemon=True).start()
+        return stop
 
     # ---- checkpointed state --------------------------------------------------------------------
     def state(self) -> Dict:
@@ -330,6 +353,8 @@ class TrainerFaults:
             raise Preempted(message)
 
     def close(self) -> None:
+        if self._liveness is not None:
+            self._liveness.set()
         if self._own_flag:
             self.preemption.uninstall()
 

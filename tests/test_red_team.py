@@ -91,6 +91,11 @@ CASES = [
      "forward on a text file named .npy; convert_ckpt.py --to-layout dp=3,ep=3 of a 4-expert model",
      "refused clearly: the file and the fix, no traceback, no advice that cannot work",
      "test_tool_messages_name_the_file_and_a_fix_that_works"),
+    ("a rank stopped with SIGSTOP", "run_distributed.sh --nproc 2 --hang-timeout 60 --collective-timeout 30 (+ "
+     "--max-restarts), kill -STOP one rank", "handled: that rank is named from the ranks' own reports, exit 124 "
+     "(relaunched), whichever timeout fires first: a collective's, MindSpore's heartbeat, --hang-timeout (msrun: "
+     "tests/test_launch_faults.py::test_fault_drill_one_trial_on_dp2, a SIGSTOP trial)",
+     "test_a_hang_is_named_from_the_ranks_reports_whichever_timeout_fires_first"),
     ("hf-import of a damaged safetensors or config.json", "safetensors with a garbage header length; "
      "config.json without num_hidden_layers; config.json that is not JSON",
      "refused clearly: one line naming the file (and key)", "test_hf_import_of_damaged_files_names_the_file"),
@@ -800,7 +805,64 @@ def test_tool_messages_name_the_file_and_a_fix_that_works(mixtral_dir, tmp_path,
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. SIGTERM at any moment
+# 8. Hangs are named
+# ---------------------------------------------------------------------------------------------
+def test_a_hang_is_named_from_the_ranks_reports_whichever_timeout_fires_first(tmp_path, capsys):
+    """The launcher's watchdog (moetrain.dist.launch.Job.wait) on a 2-rank job whose rank 1 is stopped
+    (a real SIGSTOPped process stands for it) at step 5 while rank 0 waits for it, for each timeout
+    that can fire first: rank 0's collective times out, MindSpore's scheduler gives up on rank 1, msrun
+    exits on its own, or --hang-timeout. Each is reported as a hang on rank 1 with exit 124, never as
+    a failure of the healthy rank 0 or the scheduler; a plain failure of rank 0 is still rank 0's."""
+    from moetrain.dist import launch
+
+    stopped = subprocess.Popen(["sleep", "120"])
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        for first, stuck_pid in (("collective", stopped.pid), ("scheduler", stopped.pid), ("msrun", stopped.pid),
+                                 ("hang", stopped.pid), ("collective", None), ("raised", stopped.pid)):
+            job = launch.Job(["x"], 2, log_dir=str(tmp_path / f"{first}-{stuck_pid}"),
+                             hang_timeout=5 if first == "hang" else 1800)
+            os.makedirs(job.status_dir)
+            now = time.time()
+            with open(os.path.join(job.status_dir, "progress_0.json"), "w") as fh:
+                json.dump({"rank": 0, "step": 5, "phase": "step", "time": now - 30 * (first == "hang"),
+                           "pid": os.getpid()}, fh)
+            with open(os.path.join(job.status_dir, "progress_1.json"), "w") as fh:
+                json.dump({"rank": 1, "step": 5, "phase": "step", "time": now - 30, "pid": stuck_pid}, fh)
+            for rank, age in ((0, 0), (1, 30)):                  # rank 0 alive (waiting), rank 1 silent since the stop
+                with open(os.path.join(job.status_dir, f"alive_{rank}.json"), "w") as fh:
+                    json.dump({"rank": rank, "time": now - age, "pid": os.getpid()}, fh)
+            failing = {"collective": 0, "raised": 0, "scheduler": launch.SCHEDULER}.get(first)
+            if failing is not None:
+                log = "scheduler.log" if failing == launch.SCHEDULER else f"worker_{failing}.log"
+                with open(os.path.join(job.log_dir, log), "w") as fh:
+                    fh.write("RuntimeError: AllReduce: wait for the peers timed out after 30 s\n" if first != "raised"
+                             else "RuntimeError: rank 0 fails on purpose\n")
+                with open(os.path.join(job.status_dir, f"rank_{failing}.json"), "w") as fh:
+                    json.dump({"rank": failing, "returncode": 1, "finished_at": now}, fh)
+            command = ["sh", "-c", "exit 1"] if first == "msrun" else ["sleep", "60"]
+            job.proc = subprocess.Popen(command, start_new_session=True)
+            if first == "msrun":
+                job.proc.wait()
+            code = job.wait(poll_interval=0.1)
+            err = capsys.readouterr().err
+            where = f"{first} (stuck pid {stuck_pid}): exit {code}\n{err}"
+            if first == "raised":
+                assert code == 1 and "rank 0 exited with code 1" in err and "hangs" not in err, where
+                continue
+            assert code == 124 and "[moetrain.launch] the job hangs on rank 1 (step 5, " in err, where
+            assert ("its process is stopped" if stuck_pid else "no sign of life for 30 s") in err, where
+            assert {"collective": "rank 0 gave up waiting for it in a collective", "msrun": "msrun ended with code 1",
+                    "scheduler": "MindSpore's scheduler gave up on it",
+                    "hang": "no step reported for 5 s (--hang-timeout)"}[first] in err, where
+            assert "hangs on rank 0" not in err, where
+    finally:
+        stopped.kill()
+        stopped.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. SIGTERM at any moment
 # ---------------------------------------------------------------------------------------------
 SIGTERM_SEED = 37
 
