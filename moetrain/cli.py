@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 # light modules only (no MindSpore): `moetrain --help` and refused inputs answer at once
@@ -11,27 +12,43 @@ from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
 from moetrain.checkpoint.run_dir import claim_output_dir, release_claim
 from moetrain.compat import unsupported_mindspore
 from moetrain.config import ConfigError, load_config, output_dir_of
+from moetrain.errors import EXIT_BAD_INPUT, describe, expected_errors
 from moetrain.faults import (EXIT_CANNOT_RUN, EXIT_HALTED, EXIT_INVARIANT, EXIT_PREEMPTED, EXIT_SAVE_FAILED,
-                             TrainingHalted)
+                             Preempted, PreemptionFlag, TrainingHalted)
 from moetrain.moe.accounting import DispatchInvariantError
 
 os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ log: errors only (set GLOG_v=2 for warnings)
 
 
 def _train(args) -> int:
+    preemption = args.preemption      # installed by main() before anything else (docs/faults.md, "Preemption")
     # one process: lock the output folder before the slow set-up (MindSpore's import), docs/faults.md
     claim = claim_output_dir(output_dir_of(args.config, args.set))
     try:
         cfg = load_config(args.config, args.set)
+        if claim is not None and preemption.signum is not None:     # one process: no rank to agree with
+            raise Preempted("stopped by a signal before set-up; nothing was written. Nothing to resume: run the same "
+                            "command again (with --resume it starts again from step 0)")
         from moetrain.trainer import Trainer   # MindSpore: imported after the output folder is locked
 
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, preemption=preemption)
+    except Preempted as exc:
+        release_claim(claim)      # the folder is left as it was
+        print(f"moetrain: {exc} (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     except BaseException:
         release_claim(claim)      # refused before the run took the folder over: leave it as it was
         raise
     result = trainer.fit()
     if result.get("preempted"):
-        if trainer.rank == 0:
+        if trainer.rank == 0 and result.get("before_first_step"):
+            again = (f"the checkpoint it resumed from (step {trainer.step}) is the one to continue from: run the "
+                     f"same command with --resume" if trainer.step else
+                     "nothing was trained and there is nothing to resume: run the same command with --resume (it "
+                     "starts again from step 0)")
+            print(f"moetrain: stopped on a signal before the first step; {again} (exit code {EXIT_PREEMPTED})",
+                  file=sys.stderr, flush=True)
+        elif trainer.rank == 0:
             print(f"moetrain: stopped after step {trainer.step} on a signal; the checkpoint is saved. Run the same "
                   f"command with --resume to continue (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
@@ -91,6 +108,14 @@ def _delegate(module: str, function: str):
 
 
 def main(argv=None) -> int:
+    """Every sub-command's errors go one way: the run's own failures to their documented exit codes
+    (docs/faults.md), bad input (`moetrain.errors`) to one line and exit 2, anything else (a bug) to
+    a traceback. An in-process call (argv given) gets its signal handlers back at the end."""
+    preemption = None
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["train"]:
+        # first thing: from here on SIGTERM/SIGINT stop the run cleanly (exit 75), during set-up and
+        # compile too, instead of killing it half set up (docs/faults.md, "Preemption")
+        preemption = PreemptionFlag().install()
     args, rest = build_parser().parse_known_args(argv)
     unsupported = unsupported_mindspore()          # the version gate (moetrain/compat.py), before any work
     if unsupported:
@@ -98,7 +123,19 @@ def main(argv=None) -> int:
         return EXIT_CANNOT_RUN
     if rest and args.command == "train":
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
-    args.rest = rest
+    args.rest, args.preemption = rest, preemption
+    try:
+        return _run(args)
+    finally:
+        if preemption is not None and argv is not None:
+            preemption.uninstall()
+        elif preemption is not None:
+            # the run's outcome is decided (and saved): a SIGTERM during the interpreter's exit (MindSpore's
+            # teardown takes a second or more, with Python's handlers already gone) would only turn it into 143
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _run(args) -> int:
     try:
         return args.func(args)
     except DispatchInvariantError as exc:
@@ -113,10 +150,10 @@ def main(argv=None) -> int:
     except (ConfigError, CheckpointError) as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "checkpoint error"
         print(f"moetrain: {kind}: {exc}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"moetrain: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except expected_errors() as exc:
+        print(f"moetrain: error: {describe(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except RuntimeError as exc:
         from moetrain.trainer import CompileError   # (MindSpore is loaded by now: the trainer raised)
 

@@ -15,7 +15,6 @@ import dataclasses
 import difflib
 import inspect
 import os
-import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -211,13 +210,16 @@ def _to_plain(value):
 # Loading
 # --------------------------------------------------------------------------------------------
 def _read_yaml(path: str, chain=()) -> Dict[str, Any]:
+    from moetrain.fileio import read_yaml
+
+    if os.path.isdir(path):
+        raise ConfigError(f"{path!r} is a folder, not a config file: name the YAML file (configs live in configs/)")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path!r} (check the path; configs live in configs/)")
-    with open(path) as fh:
-        try:
-            raw = yaml.safe_load(fh) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        raw = read_yaml(path) or {}
+    except (ValueError, OSError) as exc:
+        raise ConfigError(str(exc)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     base = raw.pop("base", None)
@@ -261,13 +263,62 @@ def apply_override(raw: Dict, item: str, source: str) -> None:
 
 def load_config(path: str, overrides: Sequence[str] = ()) -> Config:
     """Read `path` (following `base:`), apply `--set key=value` overrides, validate."""
-    raw = _read_yaml(path)
+    return config_with_overrides(_read_yaml(path), overrides, source=path)
+
+
+def config_with_overrides(raw: Dict[str, Any], overrides: Sequence[str], source: str) -> Config:
+    """Apply `--set key=value` overrides (in order: the last of a key is in force) to the mapping read
+    from `source`, then validate. An error that a `--set` caused names that `--set` (`blame_overrides`)."""
+    merged = copy.deepcopy(raw)
     for item in overrides:
-        apply_override(raw, item, f"{path} (--set)")
+        apply_override(merged, item, f"{source} (--set)")
     try:
-        return config_from_dict(raw, source=path)
+        return config_from_dict(merged, source=source)
     except ConfigError as exc:
-        raise _blame_override(exc, path, overrides) from None
+        raise blame_overrides(exc, raw, overrides, source) from None
+
+
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].strip()
+
+
+def blame_overrides(exc: ConfigError, raw: Dict[str, Any], overrides: Sequence[str], source: str) -> ConfigError:
+    """The error `exc` of `raw` + `overrides`, naming the `--set`(s) that caused it: those in force (not
+    replaced by a later `--set` of the same key) without which the config gives another outcome. A
+    check of several keys (the layout, heads, blend weights) then names whichever of its keys a
+    `--set` changed; an error the file alone causes stays the file's. Without a `--set` means with
+    the file's value of its key (an earlier `--set` of the key is replaced too)."""
+    import contextlib
+    import io
+
+    in_force = [i for i, item in enumerate(overrides)
+                if not any(_override_key(later) == _override_key(item)
+                           or _override_key(item).startswith(_override_key(later) + ".")
+                           for later in overrides[i + 1:])]
+    if not in_force or len(in_force) > 32:       # (each try is a validation: a few ms)
+        return exc
+    culprits = []
+    for i in in_force:      # the config as if no --set had given this key (the file's value)
+        key = _override_key(overrides[i])
+        trial = copy.deepcopy(raw)
+        for item in overrides:
+            if not (_override_key(item) == key or _override_key(item).startswith(key + ".")):
+                apply_override(trial, item, source)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):      # (validation may log, e.g. an inferred dp)
+                config_from_dict(trial, source=source)
+        except ConfigError as other:
+            if str(other) == str(exc):
+                continue        # the same error without it: not this --set
+        except Exception:        # noqa: BLE001 - another outcome all the same
+            pass
+        culprits.append(overrides[i])
+    if not culprits:
+        return exc
+    message = str(exc)
+    if message.startswith(f"{source}: "):
+        message = message[len(source) + 2:]
+    return ConfigError(" ".join(f"--set {item}" for item in culprits) + f" (on top of {source}): {message}")
 
 
 def output_dir_of(path: str, overrides: Sequence[str] = ()) -> Optional[str]:
@@ -283,19 +334,6 @@ def output_dir_of(path: str, overrides: Sequence[str] = ()) -> Optional[str]:
     train = raw.get("train")
     value = train.get("output_dir", TrainConfig.output_dir) if isinstance(train, dict) else TrainConfig.output_dir
     return value if isinstance(value, str) and value else None
-
-
-def _blame_override(exc: ConfigError, path: str, overrides: Sequence[str]) -> ConfigError:
-    """An error about a key that a `--set` gave names that `--set`, not the file."""
-    keys = re.findall(r"'([A-Za-z_][\w.\[\]]*)'", str(exc))
-    for item in overrides:
-        key = item.split("=", 1)[0].strip()
-        if any(k == key or k.startswith(key + ".") or k.startswith(key + "[") for k in keys):
-            message = str(exc)
-            if message.startswith(f"{path}: "):
-                message = message[len(path) + 2:]
-            return ConfigError(f"--set {item} (on top of {path}): {message}")
-    return exc
 
 
 def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:

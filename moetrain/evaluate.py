@@ -24,15 +24,15 @@ import yaml
 
 from moetrain.checkpoint.distributed import CheckpointReader
 from moetrain.checkpoint.model_files import CONFIG_FILE
-from moetrain.config import apply_override, config_from_dict
+from moetrain.config import config_with_overrides
+from moetrain.fileio import read_yaml
 
 
 def saved_config(path: str) -> Dict[str, Any]:
     """The config saved with a model directory or training checkpoint (`config.yaml`, else the
     checkpoint's `metadata.json`)."""
     if os.path.isfile(os.path.join(path, CONFIG_FILE)):
-        with open(os.path.join(path, CONFIG_FILE)) as fh:
-            config = yaml.safe_load(fh) or {}
+        config = read_yaml(os.path.join(path, CONFIG_FILE)) or {}
     elif os.path.isfile(os.path.join(path, "metadata.json")):
         config = CheckpointReader(path).metadata.get("config") or {}
     else:
@@ -71,9 +71,7 @@ def eval_config(path: str, data, seq_length: int, batch_size: int, max_batches: 
         "checkpoint": {"load_path": path, "save_steps": 0, "save_at_end": False},
         "logging": {"progress_bar": False, "tensorboard": False},
     }
-    for item in overrides:
-        apply_override(raw, item, "--set")
-    return config_from_dict(raw, source=f"moetrain eval {path}")
+    return config_with_overrides(raw, overrides, source=f"moetrain eval {path}")
 
 
 def evaluate(path: str, data, seq_length: int = 0, batch_size: int = 8, max_batches: int = 0,

@@ -83,9 +83,16 @@ def failed_ranks(failed: bool, pctx) -> List[int]:
 # ------------------------------------------------------------------------------------------------
 # Preemption
 # ------------------------------------------------------------------------------------------------
+class Preempted(RuntimeError):
+    """Stopped by SIGTERM/SIGINT during set-up, before the first step: nothing was written (exit 75)."""
+
+
 class PreemptionFlag:
     """SIGTERM / SIGINT set a flag instead of killing the process; a second SIGINT aborts
-    (KeyboardInterrupt), so Ctrl-C twice still stops a run at once."""
+    (KeyboardInterrupt), so Ctrl-C twice still stops a run at once.
+
+    `moetrain train` installs it first thing (before MindSpore is imported), so a signal at any
+    moment of set-up or compile is a stop at the next check, never a kill (docs/faults.md)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -94,11 +101,14 @@ class PreemptionFlag:
         self._previous: Dict[int, object] = {}
 
     def install(self) -> "PreemptionFlag":
+        """Install (or re-assert, e.g. after a library replaced it) the handler; the handler found
+        the first time is what `uninstall` restores."""
         for sig in self.SIGNALS:
             try:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)
             except ValueError:      # not the main thread: leave the process's handlers alone
-                pass
+                continue
+            self._previous.setdefault(sig, previous)
         return self
 
     def uninstall(self) -> None:
@@ -110,9 +120,9 @@ class PreemptionFlag:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"moetrain: received {signal.Signals(signum).name}: finishing this step, saving a checkpoint, "
-              f"then exiting with code {EXIT_PREEMPTED} (Ctrl-C again aborts without saving)",
-              file=sys.stderr, flush=True)
+        print(f"moetrain: received {signal.Signals(signum).name}: stopping at the next step boundary after saving a "
+              f"checkpoint (during set-up: before the first step, nothing to save), then exiting with code "
+              f"{EXIT_PREEMPTED} (Ctrl-C again aborts without saving)", file=sys.stderr, flush=True)
 
     def agreed(self, pctx) -> bool:
         """Whether any rank was signalled; every rank gets the same answer (an all-reduce)."""
@@ -221,14 +231,18 @@ class SkippingSampler:
 # What the trainer calls
 # ------------------------------------------------------------------------------------------------
 class TrainerFaults:
-    def __init__(self, cfg, pctx, last_good_checkpoint):
-        """`last_good_checkpoint()`: path of this run's latest complete checkpoint, or None."""
+    def __init__(self, cfg, pctx, last_good_checkpoint, preemption: Optional[PreemptionFlag] = None):
+        """`last_good_checkpoint()`: path of this run's latest complete checkpoint, or None.
+        `preemption`: the flag `moetrain train` installed at its start (it keeps it past this run);
+        None: a flag of this trainer's own, removed at `close()`."""
         self.pctx = pctx
         self.guard = NonFiniteGuard.from_config(cfg)
         self.sampler: Optional[SkippingSampler] = None
         self.last_good_checkpoint = last_good_checkpoint
         self.status_dir = os.environ.get(STATUS_DIR_ENV)
-        self.preemption = PreemptionFlag().install()
+        self._liveness = self._start_liveness() if self.status_dir else None
+        self._own_flag = preemption is None
+        self.preemption = (preemption or PreemptionFlag()).install()   # (again: after MindSpore's set-up)
 
     def wrap_sampler(self, sampler) -> SkippingSampler:
         self.sampler = SkippingSampler(sampler)
@@ -241,6 +255,28 @@ class TrainerFaults:
                 write_progress(self.status_dir, self.pctx.rank, step, phase)
             except OSError:
                 pass    # the watchdog's information only; never stop training for it
+
+    def _start_liveness(self):
+        """The launcher's second report (besides the step heartbeats): a daemon thread rewrites
+        `alive_<rank>.json` every few seconds, also while the main thread waits in a collective, so the
+        launcher tells a stopped or frozen rank from the ranks waiting for it (docs/faults.md, "No hangs")."""
+        import threading
+
+        from moetrain.dist.launch import ALIVE_INTERVAL_S, write_alive
+
+        stop, rank, folder = threading.Event(), self.pctx.rank, self.status_dir
+
+        def beat():
+            while True:
+                try:
+                    write_alive(folder, rank)
+                except OSError:
+                    pass
+                if stop.wait(ALIVE_INTERVAL_S):
+                    return
+
+        threading.Thread(target=beat, name=f"moetrain-alive-{rank}", daemon=True).start()
+        return stop
 
     # ---- checkpointed state --------------------------------------------------------------------
     def state(self) -> Dict:
@@ -309,8 +345,17 @@ class TrainerFaults:
         self.beat(step)
         return self.preemption.agreed(self.pctx)
 
+    def stop_before_start(self, message: str) -> None:
+        """Raise Preempted(message) on every rank if any was signalled (a collective: call it on every
+        rank at the same point of set-up, before the run writes anything)."""
+        if self.preemption.agreed(self.pctx):
+            raise Preempted(message)
+
     def close(self) -> None:
-        self.preemption.uninstall()
+        if self._liveness is not None:
+            self._liveness.set()
+        if self._own_flag:
+            self.preemption.uninstall()
 
     def _say(self, message: str) -> None:
         if self.pctx.rank == 0:

@@ -17,6 +17,24 @@ def sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
+def read_yaml(path: str):
+    """The YAML document in file `path` (None when empty); a file that is not UTF-8 YAML is a
+    ValueError naming it (PyYAML's own errors name no file the user gave, and are no ValueError)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a YAML text file: byte 0x{exc.object[exc.start]:02x} at offset {exc.start} "
+                         f"is not UTF-8; give the YAML file (or rewrite this one)") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{path}: not valid YAML{at}: {problem}; fix the file (or rewrite it)") from None
+
+
 def file_in_the_way(path: str) -> Optional[str]:
     """The nearest existing ancestor of folder `path` (or `path` itself) when it is a file, so that
     the folder cannot be created; None when the folder exists or can be made."""

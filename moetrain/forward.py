@@ -6,6 +6,7 @@ The input holds integer token ids `[B, S]` (or `[S]`); the output is fp32 logits
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -24,8 +25,18 @@ def compute_logits(model, token_ids: np.ndarray, batch_size: int = 8, jit: bool 
     return np.concatenate(chunks, axis=0).astype(np.float32, copy=False)
 
 
+def read_npy(path: str, what: str = "token ids") -> np.ndarray:
+    """An array from a `.npy` file; a file that is not one (text, a pickle, truncated) is a ValueError
+    naming it, not numpy's own message."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as exc:     # OSError (missing, a folder) passes as it is: it names the path
+        raise ValueError(f"{path}: not a .npy array file ({exc}); write the {what} with np.save(path, "
+                         f"ids.astype(np.int32))") from None
+
+
 def read_token_ids(path: str, vocab_size: int) -> np.ndarray:
-    ids = np.load(path)
+    ids = read_npy(path)
     if ids.ndim == 1:
         ids = ids[None, :]
     if ids.ndim != 2 or ids.size == 0:
@@ -56,16 +67,22 @@ def main(argv=None) -> int:
     ap.add_argument("--output", required=True, help=".npy file to write fp32 logits [B, S, V] to")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward call")
     ap.add_argument("--jit", action="store_true", help="compile the forward with ms.jit (faster for many batches)")
-    ap.add_argument("--device", default="CPU", help="MindSpore device target (CPU, GPU, Ascend)")
+    ap.add_argument("--device", default="CPU", choices=("CPU", "GPU", "Ascend"), help="MindSpore device target")
     args = ap.parse_args(argv)
+    if args.batch_size < 1:
+        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if os.path.isdir(args.output):
+        ap.error(f"--output {args.output} is a folder: name the .npy file to write")
     import mindspore as ms   # after the arguments are parsed (see compute_logits)
 
-    ms.set_device(args.device)
+    from moetrain.errors import EXIT_BAD_INPUT, describe, expected_errors
+
     try:
+        ms.set_device(args.device)
         logits = run_forward(args.ckpt_dir, args.input, args.output, args.batch_size, args.jit)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"moetrain forward: error: {exc}", file=sys.stderr)
-        return 2
+    except expected_errors() as exc:
+        print(f"moetrain forward: error: {describe(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"wrote {args.output}: logits {list(logits.shape)} float32")
     return 0
 

@@ -19,7 +19,6 @@ import time
 from typing import Dict, Optional, Tuple
 
 import numpy as np
-import yaml
 
 import mindspore as ms
 from mindspore.profiler import ProfilerActivity
@@ -36,6 +35,7 @@ from moetrain.devices import get_device
 from moetrain.dist import comm
 from moetrain.dist.topology import init_parallel, launched_world_size
 from moetrain.faults import TrainerFaults
+from moetrain.fileio import read_yaml
 from moetrain.layout import LayoutError, check_config_layout
 from moetrain.logger import MetricsLogger, print_rank0
 from moetrain.modeling import summed_stats
@@ -162,7 +162,10 @@ def resolve_auto_layout(cfg: Config, world_size: Optional[int] = None):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: Optional[str] = None, overwrite: bool = False):
+    def __init__(self, cfg: Config, resume: Optional[str] = None, overwrite: bool = False, preemption=None):
+        """`preemption`: the `moetrain.faults.PreemptionFlag` `moetrain train` installed at its start (a
+        signal during set-up stops the run before its first step, docs/faults.md); None: the trainer's own."""
+        self._preemption = preemption
         cfg, self.layout_search = resolve_auto_layout(cfg)
         self.cfg = cfg
         t = cfg.train
@@ -181,6 +184,12 @@ class Trainer:
         self.faults = None
         try:
             self._build(cfg, resume_path)
+            # a signal during set-up: stop here, before anything is written (every rank agrees)
+            self.faults.stop_before_start(
+                f"stopped by a signal during set-up, before the first step; nothing was written into {self.out}. "
+                + (f"The checkpoint it was resuming from, {resume_path}, is unchanged: run the same command with "
+                   f"--resume to continue" if resume_path else
+                   "Nothing to resume: run the same command again (with --resume it starts again from step 0)"))
         except BaseException:       # refused: the folder is left as it was (an --overwrite'n run stays in place)
             if self.faults is not None:
                 self.faults.close()
@@ -215,7 +224,8 @@ class Trainer:
         t = cfg.train
         self.train_set, self.eval_set = build_datasets(cfg)
         self.sampler = build_sampler(cfg, self.train_set)
-        self.faults = TrainerFaults(cfg, self.pctx, lambda: last_good_checkpoint(self.out, self.run.run_id))
+        self.faults = TrainerFaults(cfg, self.pctx, lambda: last_good_checkpoint(self.out, self.run.run_id),
+                                    self._preemption)
         self.sampler = self.faults.wrap_sampler(self.sampler)   # a rollback moves past the batches it skips
         self.total_steps = t.steps or math.ceil(t.epochs * self.sampler.steps_per_epoch)
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 0)
@@ -456,8 +466,7 @@ class Trainer:
     def load(self, path: str) -> None:
         """Resume from `path`, saved on any layout: each tensor is reassembled and re-sliced for this rank."""
         reader = distributed.CheckpointReader(path)
-        with open(os.path.join(path, "config.yaml")) as fh:
-            saved_model = (yaml.safe_load(fh) or {}).get("model", {})
+        saved_model = (read_yaml(os.path.join(path, "config.yaml")) or {}).get("model", {})
         current = self.cfg.to_dict()["model"]
         diff = sorted(k for k in set(saved_model) | set(current)
                       if k != "compute_dtype" and saved_model.get(k) != current.get(k))
@@ -493,6 +502,10 @@ class Trainer:
             end = min(end, self.step + cfg.train.stop_after)
         self.faults.preemption.install()
         try:
+            if self.step < end and self.faults.stop_requested(self.step):   # signalled since set-up: no step run
+                self.profiler_window.close()
+                self.logger.close()
+                return {"train": last, "eval": last_eval, "preempted": True, "before_first_step": True}
             while self.step < end:
                 self.profiler_window.before_step(self.step + 1)
                 last = self.train_step() if self.step_compiled else self._first_step()
@@ -510,7 +523,7 @@ class Trainer:
                     self.profiler_window.close()
                     self.logger.close()
                     return {"train": last, "eval": last_eval, "preempted": True}
-            self.faults.close()
+            # (the signal handler stays: a signal from here on lets the run end as it would have)
             self.profiler_window.close()   # a window past the last step ends here
             if self.eval_set is not None:
                 last_eval = self.evaluate()

@@ -300,7 +300,7 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
 def test_the_planner_refuses_context_parallel_by_name():
     """`moetrain plan` (and its dry run) do not model cp yet: one line naming the key, not wrong numbers."""
     from moetrain.config import load_config
-    from moetrain.plan import plan
+    from moetrain.planner import plan
 
     with pytest.raises(LayoutError, match=r"parallel\.context_parallel=2: the planner and the dry run do not model"):
         plan(load_config("configs/moe_tiny.yaml", ["parallel.context_parallel=2"]))

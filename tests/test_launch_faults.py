@@ -93,7 +93,8 @@ def test_the_watchdog_names_a_stalled_rank_and_stops_the_job(tmp_path, capsys):
     assert job.wait(poll_interval=0.1) == 124
     assert time.time() - start < 5 and job.proc.poll() is not None      # killed, in bounded time
     err = capsys.readouterr().err
-    assert "no progress for 2 s from rank 1 (step 3)" in err and "rank 0: was still running; last at step 5" in err
+    assert "the job hangs on rank 1 (step 3): no step reported for 2 s (--hang-timeout)" in err
+    assert "rank 0: was still running; last at step 5" in err
 
 
 def test_ranks_stopping_after_a_signal_end_the_job_with_the_preemption_code(tmp_path):
@@ -171,10 +172,11 @@ DRILL_STEPS = 10
 
 @pytest.fixture(scope="module")
 def fault_drill(tiny_mnist, tmp_path_factory):
-    """tools/fault_drill.py, one trial on dp2: a clean run of DRILL_STEPS, then kill -9 of a random rank
-    at a random step under --max-restarts. Returns (exit code, workdir); workdir/clean is the clean
-    run, also the uninterrupted reference of the SIGTERM test (the same MNIST job: the drill saves
-    every step, which does not change a loss)."""
+    """tools/fault_drill.py, one trial on dp2: a clean run of DRILL_STEPS, then SIGSTOP of a random rank
+    at a random step under --max-restarts --hang-timeout 60 --collective-timeout 15 (issue 37: the
+    launcher names the stopped rank, whichever timeout fires first, exit 124, and relaunches). Returns
+    (exit code, workdir); workdir/clean is the clean run, also the uninterrupted reference of the
+    SIGTERM test (the same MNIST job: the drill saves every step, which does not change a loss)."""
     require_msrun()
     import importlib.util
 
@@ -186,6 +188,7 @@ def fault_drill(tiny_mnist, tmp_path_factory):
             "train.eval_batch_size=32", "lr_schedule.warmup_steps=0"]
     code = drill.main(["--config", MNIST, "--nproc", "2", "--trials", "1", "--steps", str(DRILL_STEPS),
                        "--max-restarts", "2", "--seed", "3", "--workdir", str(workdir), "--timeout", "400",
+                       "--fault", "stop", "--collective-timeout", "15", "--hang-timeout", "60",
                        *[a for s in sets for a in ("--set", s)]])
     kill_leftovers(os.path.join(str(workdir), ""))
     return code, workdir
@@ -225,11 +228,14 @@ def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fault_drill_one_trial_on_dp2(fault_drill):
-    """tools/fault_drill.py: kill -9 of a random rank at a random step under --max-restarts; the
-    job finishes every step with the clean run's losses."""
+    """tools/fault_drill.py --fault stop: SIGSTOP of a random rank at a random step under
+    --max-restarts; the launcher names that rank as the one the job hangs on and ends the attempt with
+    124 (whichever timeout fired first; the drill checks its output), relaunches, and the job finishes
+    every step with the clean run's losses."""
     code, workdir = fault_drill
     assert code == 0
-    assert open(workdir / "trial_1" / "logs" / "restarts.log").read().count("restart 1/2") == 1
+    restarts = open(workdir / "trial_1" / "logs" / "restarts.log").read()
+    assert restarts.count("restart 1/2") == 1 and "attempt 0 ended with code 124" in restarts, restarts
 
 
 @pytest.mark.distributed

@@ -20,9 +20,14 @@ import time
 import numpy as np
 import pytest
 
-from moetrain.config import load_config
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from background import child_only, heavy_tests_in_child, wait_for_background  # noqa: E402
+from moetrain.config import load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the SIGTERM-at-ten-moments trials (~20 real `moetrain train` processes, ~3 min of one core) run in an
+# idle-priority child pytest beside the suite (tests/background.py); a test here reads its outcome
+heavy_tests_in_child(__name__, os.path.abspath(__file__), "background_child", cwd=ROOT, timeout=2400)
 MNIST = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
 GPT_TINY = os.path.join(ROOT, "configs", "gpt_tiny.yaml")
 KJV = os.path.join(ROOT, "data", "kjv_tiny")
@@ -70,6 +75,27 @@ CASES = [
      "test_the_last_good_checkpoint_is_the_newest_whose_step_was_finite"),
     ("exit codes without a row in docs/faults.md", "run_8p.sh on a machine without Ascend (exit 3)",
      "handled: every code is in the table", "test_every_exit_code_is_in_the_faults_table"),
+    ("SIGTERM during set-up or compile", "kill -TERM a `moetrain train` between run.json and its first step, then "
+     "the same command with --resume", "handled: exit 75 at any moment (0 once the run is complete); --resume "
+     "continues with the clean run's losses, or finds nothing to resume and starts again",
+     "test_sigterm_at_ten_random_moments_then_resume_ends_with_the_clean_losses"),
+    ("a --set that breaks a check of several keys", "--set parallel.model_parallel=3 (heads, vocabulary); --set "
+     "data.path=[0.5, a, -1, b] (blend weights); --set model.num_layers=3 --set parallel.pipeline_stage=2; "
+     "--set train.steps=3 --set train.steps=-1", "refused clearly: the message names the --set(s) in force that "
+     "caused it, not the config file", "test_checks_of_several_keys_name_the_set_in_force_that_caused_them"),
+    ("every CLI entry point on malformed input", "moetrain train/forward/generate/eval/plan/convert *, "
+     "tools/preprocess_data.py, train_tokenizer.py, corpus_stats.py, convert_ckpt.py on a missing file, a folder, a "
+     "garbage file, a damaged config.yaml, bad option values", "refused clearly: one message, exit 2, no traceback",
+     "test_every_cli_entry_point_refuses_malformed_inputs_without_a_traceback"),
+    ("tool messages", "corpus_stats.py on a missing / truncated prefix; train_tokenizer.py --vocab-size 3; moetrain "
+     "forward on a text file named .npy; convert_ckpt.py --to-layout dp=3,ep=3 of a 4-expert model",
+     "refused clearly: the file and the fix, no traceback, no advice that cannot work",
+     "test_tool_messages_name_the_file_and_a_fix_that_works"),
+    ("a rank stopped with SIGSTOP", "run_distributed.sh --nproc 2 --hang-timeout 60 --collective-timeout 30 (+ "
+     "--max-restarts), kill -STOP one rank", "handled: that rank is named from the ranks' own reports, exit 124 "
+     "(relaunched), whichever timeout fires first: a collective's, MindSpore's heartbeat, --hang-timeout (msrun: "
+     "tests/test_launch_faults.py::test_fault_drill_one_trial_on_dp2, a SIGSTOP trial)",
+     "test_a_hang_is_named_from_the_ranks_reports_whichever_timeout_fires_first"),
     ("hf-import of a damaged safetensors or config.json", "safetensors with a garbage header length; "
      "config.json without num_hidden_layers; config.json that is not JSON",
      "refused clearly: one line naming the file (and key)", "test_hf_import_of_damaged_files_names_the_file"),
@@ -647,3 +673,323 @@ def test_search_on_a_world_the_layers_do_not_divide_tries_uneven_pipeline_splits
     assert plan(chosen_cfg, 3).fits and not plan_problems(Job.of(chosen_cfg), Layout.of(chosen_cfg), 3)
     assert pipeline_splits(Job.of(cfg).arch, 3, 1) == [(2, 1, 1), (1, 1, 2)]
     assert pipeline_splits(Job.of(cfg).arch, 2, 1) == [None]          # even: no list needed
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. --set blame, one error path, tool messages
+# ---------------------------------------------------------------------------------------------
+def test_checks_of_several_keys_name_the_set_in_force_that_caused_them(tmp_path):
+    from moetrain.config import ConfigError
+
+    moe = os.path.join(ROOT, "configs", "moe_tiny.yaml")
+
+    def error(path, *sets):
+        with pytest.raises(ConfigError) as info:
+            load_config(path, list(sets))
+        return str(info.value)
+
+    # layout x heads x vocabulary: the --set that changed one of the keys is named, whatever the check says
+    assert error(moe, "parallel.model_parallel=3", "train.seed=4").startswith(
+        f"--set parallel.model_parallel=3 (on top of {moe}): the parallel layout cannot run")
+    assert error(moe, "model.num_heads=3").startswith(f"--set model.num_heads=3 (on top of {moe}): ")
+    # blend weights
+    blend = f"data.path=[0.5, {KJV}/kjv_tiny_train, -1, {KJV}/kjv_tiny_eval]"
+    assert error(moe, blend).startswith(f"--set {blend} (on top of {moe}): data.path: the weight of")
+    # two --sets that fail only together are both named
+    assert error(moe, "model.num_layers=3", "parallel.pipeline_stage=2", "train.seed=4").startswith(
+        f"--set model.num_layers=3 --set parallel.pipeline_stage=2 (on top of {moe}): the parallel layout")
+    # a repeated --set: the last one is in force, and the one named
+    assert error(moe, "train.steps=3", "train.steps=-1").startswith(f"--set train.steps=-1 (on top of {moe}): ")
+    message = error(moe, "train.steps=-1", "train.steps=3", "train.eval_interval=-2")
+    assert message.startswith(f"--set train.eval_interval=-2 (on top of {moe}): key 'train.eval_interval'"), message
+    # the file's own error stays the file's, whatever --set rides along
+    own = tmp_path / "own.yaml"
+    own.write_text(f"base: {moe}\nparallel:\n  model_parallel: 3\n")
+    assert error(str(own), "train.seed=4", "model.num_layers=4").startswith(f"{own}: the parallel layout cannot run")
+
+
+def _tool_cli(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"red_team_{name}", os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cli
+
+
+def _call(entry, argv, capsys):
+    """An entry point called as its script calls it: (exit code, stderr). An exception that escapes is
+    what a user would see as a traceback, so it fails the test as one."""
+    try:
+        code = entry(argv)
+    except SystemExit as exc:          # argparse's own usage errors: one line after the usage line, exit 2
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    """A 4-expert model directory (the Mixtral golden checkpoint, imported)."""
+    from moetrain.checkpoint.hf import hf_import
+
+    out = tmp_path_factory.mktemp("mixtral") / "model"
+    hf_import(os.path.join(ROOT, "tests", "golden", "mixtral"), str(out))
+    return str(out)
+
+
+def test_every_cli_entry_point_refuses_malformed_inputs_without_a_traceback(mixtral_dir, tmp_path, capsys):
+    """Every command a user runs, on a missing file, a folder, a garbage file, a model folder with a
+    damaged config.yaml, and bad option values: a message naming what (and where), exit 2, no
+    traceback. (Not here: `moetrain plan --world 0`, a ZeroDivisionError in moetrain/plan.py, which
+    another change owns.)"""
+    from moetrain import cli
+
+    missing, folder, garbage = str(tmp_path / "missing"), str(tmp_path / "folder"), str(tmp_path / "garbage.bin")
+    os.mkdir(folder)
+    (tmp_path / "garbage.bin").write_bytes(bytes(range(256)) * 2)
+    (tmp_path / "text.npy").write_text("not an array\n")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.yaml").write_text("model: [1, 2")
+    (damaged / "model.safetensors").write_bytes(b"\xff" * 64)
+    ids = os.path.join(ROOT, "tests", "golden", "mixtral", "input_ids.npy")
+    out = str(tmp_path / "out")
+    tok, txt, shard = os.path.join(KJV, "kjv_tiny.model"), os.path.join(KJV, "kjv_tiny.txt"), os.path.join(KJV, "kjv_tiny_eval")
+    preprocess, tokenizer = _tool_cli("preprocess_data"), _tool_cli("train_tokenizer")
+    corpus_stats, convert_ckpt = _tool_cli("corpus_stats"), _tool_cli("convert_ckpt")
+    bad_paths = (missing, folder, garbage, str(damaged))
+    cases = []        # (entry, argv, what the message must name)
+    for bad in bad_paths:
+        name = bad if bad != str(damaged) else os.path.join(bad, "config.yaml")
+        cases += [
+            (cli.main, ["train", bad if bad != str(damaged) else os.path.join(bad, "config.yaml")], name),
+            (cli.main, ["forward", bad, "--input", ids, "--output", out + ".npy"], bad),
+            (cli.main, ["generate", bad, "--prompt", "In the beginning"], bad),
+            (cli.main, ["eval", bad, "--data", shard], bad),
+            (cli.main, ["convert", "hf-export", bad, out], bad),
+            (cli.main, ["convert", "upcycle", bad, out, "--num-experts", "2", "--top-k", "1"], bad),
+            (cli.main, ["convert", "reshard", bad, out, "--to-layout", "dp=2"], bad),
+            (cli.main, ["convert", "consolidate", bad, out], bad),
+            (convert_ckpt, [bad, out, "--consolidate"], bad),
+            (corpus_stats, [bad], bad),
+            (corpus_stats, [shard, "--reference", bad], bad),
+        ]
+        if bad != str(damaged):
+            cases += [
+                (cli.main, ["plan", bad], bad),
+                (cli.main, ["convert", "hf-import", bad, out], bad),
+                (cli.main, ["forward", mixtral_dir, "--input", bad, "--output", out + ".npy"], bad),
+                (preprocess, ["--input", bad, "--tokenizer", tok, "--output-prefix", out], bad),
+                (preprocess, ["--input", txt, "--tokenizer", bad, "--output-prefix", out], bad),
+                (tokenizer, ["--input", bad, "--model-prefix", out, "--vocab-size", "300"], bad),
+            ]
+    cases += [        # bad option values
+        (cli.main, ["train", MNIST, "--set", "train.steps=abc"], "--set train.steps=abc"),
+        (cli.main, ["train", MNIST, "--set", f"data.path={folder}"], folder),
+        (cli.main, ["train", MNIST, "--set", f"train.output_dir={tmp_path / 'r'}", "--resume", garbage], garbage),
+        (cli.main, ["forward", mixtral_dir, "--input", str(tmp_path / "text.npy"), "--output", out + ".npy"], "text.npy"),
+        (cli.main, ["forward", mixtral_dir, "--input", ids, "--output", folder], "--output"),
+        (cli.main, ["forward", mixtral_dir, "--input", ids, "--output", out + ".npy", "--batch-size", "0"], "--batch-size"),
+        (cli.main, ["generate", mixtral_dir, "--input", ids, "--max-new-tokens", "-3"], "--max-new-tokens"),
+        (cli.main, ["eval", mixtral_dir, "--data", garbage], garbage),
+        (cli.main, ["convert", "reshard", mixtral_dir, out, "--to-layout", "dp=x"], "--to-layout"),
+        (convert_ckpt, [mixtral_dir, out, "--to-layout", "dp=3,ep=3"], "--to-layout dp=3,ep=3"),
+        (preprocess, ["--input", txt, "--tokenizer", tok, "--output-prefix", out, "--eval-fraction", "1.5"],
+         "--eval-fraction"),
+        (preprocess, ["--input", txt, "--tokenizer", tok, "--output-prefix", out, "--workers", "0"], "--workers"),
+        (preprocess, ["--input", txt, "--tokenizer", tok, "--output-prefix", os.path.join(garbage, "x")], garbage),
+        (tokenizer, ["--input", txt, "--model-prefix", out, "--vocab-size", "3"], "vocab_size=3"),
+        (tokenizer, ["--input", txt, "--model-prefix", out, "--vocab-size", "300", "--character-coverage", "7"],
+         "character_coverage"),
+        (tokenizer, ["--input", txt, "--model-prefix", os.path.join(garbage, "tok"), "--vocab-size", "300"], garbage),
+    ]
+    for entry, argv, named in cases:
+        code, err = _call(entry, argv, capsys)
+        where = f"{getattr(entry, '__module__', entry)} {argv}: exit {code}\n{err[-1500:]}"
+        assert code == 2 and "Traceback" not in err, where
+        assert named in err, where
+    assert not os.path.exists(out) and not os.path.exists(out + ".npy")
+
+
+def test_tool_messages_name_the_file_and_a_fix_that_works(mixtral_dir, tmp_path, capsys):
+    from moetrain import cli
+
+    corpus_stats = _tool_cli("corpus_stats")
+    shard = tmp_path / "cut"                   # a truncated token file
+    for suffix in (".bin", ".idx.npy", ".json"):
+        shutil.copy(os.path.join(KJV, "kjv_tiny_eval" + suffix), str(shard) + suffix)
+    with open(str(shard) + ".bin", "r+b") as fh:
+        fh.truncate(100)
+    code, err = _call(corpus_stats, [str(shard)], capsys)
+    assert code == 2 and err.startswith(f"corpus_stats.py: error: corrupted token file '{shard}.bin': 100 bytes") \
+        and len(err.strip().splitlines()) == 1, err
+    code, err = _call(corpus_stats, [str(tmp_path / "nowhere")], capsys)
+    assert code == 2 and err.startswith(f"corpus_stats.py: error: token shard '{tmp_path / 'nowhere'}' is missing"), err
+
+    tokenizer = _tool_cli("train_tokenizer")
+    code, err = _call(tokenizer, ["--input", os.path.join(KJV, "kjv_tiny.txt"), "--model-prefix",
+                                  str(tmp_path / "tok"), "--vocab-size", "3"], capsys)
+    assert code == 2 and "vocab_size=3 is too small: 4 ids are reserved (unk, bos, eos, pad)" in err, err
+    assert "INTERNAL" not in err
+    few = tmp_path / "few.txt"
+    few.write_text("ab ab ab\nba ba\n")
+    code, err = _call(tokenizer, ["--input", str(few), "--model-prefix", str(tmp_path / "few"), "--vocab-size", "6"],
+                      capsys)
+    assert code == 2 and "one per distinct character of the input (3): use a vocab_size of at least 7" in err, err
+    assert _call(tokenizer, ["--input", str(few), "--model-prefix", str(tmp_path / "few"), "--vocab-size", "7"],
+                 capsys)[0] == 0                                           # the advice works
+
+    text = tmp_path / "ids.npy"
+    text.write_text("1 2 3\n")
+    code, err = _call(cli.main, ["forward", mixtral_dir, "--input", str(text), "--output", str(tmp_path / "o.npy")],
+                      capsys)
+    assert code == 2 and f"{text}: not a .npy array file" in err and "np.save" in err, err
+
+    convert_ckpt = _tool_cli("convert_ckpt")
+    code, err = _call(convert_ckpt, [mixtral_dir, str(tmp_path / "resharded"), "--to-layout", "dp=3,ep=3"], capsys)
+    assert code == 2 and "model.moe.num_experts (4) is not divisible by parallel.expert_parallel (3)" in err, err
+    assert "resume with ep=3" not in err
+    code, err = _call(convert_ckpt, [mixtral_dir, str(tmp_path / "resharded"), "--to-layout", "dp=2,ep=2"], capsys)
+    assert code == 2 and "resume with ep=2 directly" in err, err            # a valid size: that advice stands
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Hangs are named
+# ---------------------------------------------------------------------------------------------
+def test_a_hang_is_named_from_the_ranks_reports_whichever_timeout_fires_first(tmp_path, capsys):
+    """The launcher's watchdog (moetrain.dist.launch.Job.wait) on a 2-rank job whose rank 1 is stopped
+    (a real SIGSTOPped process stands for it) at step 5 while rank 0 waits for it, for each timeout
+    that can fire first: rank 0's collective times out, MindSpore's scheduler gives up on rank 1, msrun
+    exits on its own, or --hang-timeout. Each is reported as a hang on rank 1 with exit 124, never as
+    a failure of the healthy rank 0 or the scheduler; a plain failure of rank 0 is still rank 0's."""
+    from moetrain.dist import launch
+
+    stopped = subprocess.Popen(["sleep", "120"])
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        for first, stuck_pid in (("collective", stopped.pid), ("scheduler", stopped.pid), ("msrun", stopped.pid),
+                                 ("hang", stopped.pid), ("collective", None), ("raised", stopped.pid)):
+            job = launch.Job(["x"], 2, log_dir=str(tmp_path / f"{first}-{stuck_pid}"),
+                             hang_timeout=5 if first == "hang" else 1800)
+            os.makedirs(job.status_dir)
+            now = time.time()
+            with open(os.path.join(job.status_dir, "progress_0.json"), "w") as fh:
+                json.dump({"rank": 0, "step": 5, "phase": "step", "time": now - 30 * (first == "hang"),
+                           "pid": os.getpid()}, fh)
+            with open(os.path.join(job.status_dir, "progress_1.json"), "w") as fh:
+                json.dump({"rank": 1, "step": 5, "phase": "step", "time": now - 30, "pid": stuck_pid}, fh)
+            for rank, age in ((0, 0), (1, 30)):                  # rank 0 alive (waiting), rank 1 silent since the stop
+                with open(os.path.join(job.status_dir, f"alive_{rank}.json"), "w") as fh:
+                    json.dump({"rank": rank, "time": now - age, "pid": os.getpid()}, fh)
+            failing = {"collective": 0, "raised": 0, "scheduler": launch.SCHEDULER}.get(first)
+            if failing is not None:
+                log = "scheduler.log" if failing == launch.SCHEDULER else f"worker_{failing}.log"
+                with open(os.path.join(job.log_dir, log), "w") as fh:
+                    fh.write("RuntimeError: AllReduce: wait for the peers timed out after 30 s\n" if first != "raised"
+                             else "RuntimeError: rank 0 fails on purpose\n")
+                with open(os.path.join(job.status_dir, f"rank_{failing}.json"), "w") as fh:
+                    json.dump({"rank": failing, "returncode": 1, "finished_at": now}, fh)
+            command = ["sh", "-c", "exit 1"] if first == "msrun" else ["sleep", "60"]
+            job.proc = subprocess.Popen(command, start_new_session=True)
+            if first == "msrun":
+                job.proc.wait()
+            code = job.wait(poll_interval=0.1)
+            err = capsys.readouterr().err
+            where = f"{first} (stuck pid {stuck_pid}): exit {code}\n{err}"
+            if first == "raised":
+                assert code == 1 and "rank 0 exited with code 1" in err and "hangs" not in err, where
+                continue
+            assert code == 124 and "[moetrain.launch] the job hangs on rank 1 (step 5, " in err, where
+            assert ("its process is stopped" if stuck_pid else "no sign of life for 30 s") in err, where
+            assert {"collective": "rank 0 gave up waiting for it in a collective", "msrun": "msrun ended with code 1",
+                    "scheduler": "MindSpore's scheduler gave up on it",
+                    "hang": "no step reported for 5 s (--hang-timeout)"}[first] in err, where
+            assert "hangs on rank 0" not in err, where
+    finally:
+        stopped.kill()
+        stopped.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. SIGTERM at any moment
+# ---------------------------------------------------------------------------------------------
+SIGTERM_SEED = 37
+
+
+@pytest.mark.background_child
+@child_only(__name__)
+def test_sigterm_at_ten_seeded_moments(tiny_mnist, tmp_path):
+    """Ten `moetrain train` processes, each sent SIGTERM at a seeded moment in one tenth of a clean
+    run's lifetime (start-up, MindSpore's import, set-up, compile, steps, the final save, the exit),
+    then the documented recovery: the same command with --resume. Each ends with the clean run's
+    losses: stopped with 75 and resumed (from its checkpoint, or finding none and starting again), or
+    it had finished (0). A signal before moetrain's handler exists (the interpreter's start) kills
+    the process before it wrote anything; --resume then starts again too."""
+    from moetrain.faults import EXIT_PREEMPTED
+
+    sets = [f"data.path={tiny_mnist}", "model.hidden_size=16", "train.epochs=0", "train.steps=400",
+            "train.global_batch_size=32", "train.eval_batch_size=32", "checkpoint.save_steps=0",
+            "lr_schedule.warmup_steps=0", "logging.tensorboard=false", "logging.progress_bar=false"]
+
+    def command(out):
+        return [sys.executable, "-m", "moetrain.cli", "train", MNIST, *sets_args(sets + [f"train.output_dir={out}"])]
+
+    # a warm start first (MindSpore's files in the page cache), so the clean run's lifetime is the trials'
+    subprocess.run([sys.executable, "-c", "import moetrain.trainer"], env=ENV, capture_output=True, timeout=300)
+    start = time.time()
+    clean = subprocess.run(command(tmp_path / "clean"), env=ENV, cwd=str(tmp_path), capture_output=True, text=True,
+                           timeout=300)
+    lifetime = time.time() - start
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    reference = losses(str(tmp_path / "clean"))
+    assert len(reference) == 400
+    rng = np.random.default_rng(SIGTERM_SEED)
+    outcomes = []
+    for i in range(10):
+        moment = (i + rng.random()) / 10 * lifetime            # one moment in each tenth of the lifetime
+        run = tmp_path / f"t{i}"
+        proc = subprocess.Popen(command(run), env=ENV, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(moment)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+        where = f"trial {i}: SIGTERM at {moment:.2f} s of {lifetime:.2f}: exit {proc.returncode}\n{err[-2000:]}"
+        assert "Traceback" not in err, where
+        if proc.returncode == -signal.SIGTERM:             # before moetrain's handler: nothing written
+            assert not run.exists(), where
+            outcome = "killed at start-up"
+        elif proc.returncode == 0:                         # it had finished: complete as it is
+            outcome = "finished"
+        else:
+            assert proc.returncode == EXIT_PREEMPTED, where
+            saved = steps_of(str(run)) if run.exists() else []
+            if saved:
+                assert "the checkpoint is saved. Run the same command with --resume" in err, where
+                assert len(losses(str(run))) == saved[-1], where
+                outcome = f"stopped at step {saved[-1]}"
+            else:
+                assert re.search(r"[Nn]othing to resume: run the same command", err), where
+                outcome = "stopped in set-up"
+            resumed = subprocess.run(command(run) + ["--resume"], env=ENV, cwd=str(tmp_path), capture_output=True,
+                                     text=True, timeout=300)
+            assert resumed.returncode == 0, where + "\nresume:\n" + resumed.stderr[-2000:]
+            if not saved:
+                assert f"nothing to resume in {run} (no checkpoint yet): starting again from step 0" in \
+                    resumed.stdout + resumed.stderr, where
+        if outcome == "killed at start-up":
+            again = subprocess.run(command(run) + ["--resume"], env=ENV, cwd=str(tmp_path), capture_output=True,
+                                   text=True, timeout=300)
+            assert again.returncode == 0 and "starting again from step 0" in again.stdout + again.stderr, \
+                where + again.stderr[-2000:]
+        assert losses(str(run)) == reference, where      # bitwise: as if never stopped
+        assert not (run / ".moetrain.lock").exists(), where
+        outcomes.append(f"{moment:.2f}s: {outcome}")
+    print("SIGTERM outcomes: " + "; ".join(outcomes))
+
+
+def test_sigterm_at_ten_random_moments_then_resume_ends_with_the_clean_losses():
+    """Reads the outcome of the idle-priority child that ran the ten trials above."""
+    done = wait_for_background(__name__)
+    tail = done.stdout[-6000:]
+    assert done.returncode == 0, tail
+    assert "1 passed" in tail and "failed" not in tail, tail

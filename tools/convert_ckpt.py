@@ -13,11 +13,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moetrain.checkpoint.distributed import main  # noqa: E402
-from moetrain.checkpoint.manager import CheckpointError  # noqa: E402
+from moetrain.errors import run_main  # noqa: E402
+
+
+def cli(argv=None) -> int:
+    """The command line: bad input (a missing or damaged checkpoint, an existing output, a layout the
+    model cannot take) is one line and exit 2 (moetrain.errors)."""
+    return run_main("convert_ckpt", main, argv, exit_code=lambda code: code)
+
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
-        print(f"convert_ckpt: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(cli())

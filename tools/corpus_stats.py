@@ -11,10 +11,12 @@ must be below both to have learned anything from context.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
 from moetrain.data.lm import open_token_shard
+from moetrain.errors import run_main
 
 
 def token_counts(shard) -> np.ndarray:
@@ -54,5 +56,10 @@ def main(argv=None) -> dict:
     return stats
 
 
+def cli(argv=None) -> int:
+    """The command line: a missing or damaged shard is one line and exit 2 (moetrain.errors)."""
+    return run_main("corpus_stats.py", main, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -1,6 +1,6 @@
-r"""Fault drill: kill -9 a random rank at a random step of a training job that runs under
-`run_scripts/run_distributed.sh --max-restarts`, and check that the job still trains every step
-with exactly the losses of a clean run (docs/faults.md).
+r"""Fault drill: kill -9 (or stop: `--fault stop`, SIGSTOP, a hang) a random rank at a random step
+of a training job that runs under `run_scripts/run_distributed.sh --max-restarts`, and check that
+the job still trains every step with exactly the losses of a clean run (docs/faults.md).
 
     PYTHONPATH=$PWD python tools/fault_drill.py                       # 3 trials, moe_tiny on 4 ranks
     PYTHONPATH=$PWD python tools/fault_drill.py --trials 1 --nproc 2 --config configs/mnist_mlp.yaml \
@@ -14,6 +14,10 @@ every step, PyNative. First a clean run; then each trial launches the same job w
 <output_dir>/logs/.status/), kills that rank with SIGKILL, and lets the launcher relaunch every
 rank from the last complete checkpoint. A trial passes when the job exits 0 after at least one
 restart and its metrics.jsonl holds one loss per step, equal (bitwise) to the clean run's.
+`--fault stop` sends SIGSTOP instead (the rank hangs, alive): the launcher must then name that rank
+as the one the job hangs on and end the attempt with 124 (whichever timeout fires first: the
+collective's, MindSpore's heartbeat or --hang-timeout), before relaunching; `--collective-timeout`
+and `--hang-timeout` are passed to the launcher.
 Exit status: 0 when every trial passes.
 """
 from __future__ import annotations
@@ -49,6 +53,8 @@ def job_command(args, out_dir: str, restarts: int) -> List[str]:
     sets = (TINY_MOE if args.config.endswith("moe_tiny.yaml") else []) + COMMON + \
         [f"train.steps={args.steps}", "train.epochs=0", f"train.output_dir={out_dir}"] + args.set
     cmd = [SCRIPT, "--nproc", str(args.nproc)] + (["--max-restarts", str(restarts)] if restarts else [])
+    if restarts and args.fault == "stop":
+        cmd += ["--collective-timeout", str(args.collective_timeout), "--hang-timeout", str(args.hang_timeout)]
     return cmd + [args.config] + [a for s in sets for a in ("--set", s)]
 
 
@@ -93,7 +99,7 @@ def trial(args, number: int, rng: random.Random, reference: List[float]) -> bool
         while proc.poll() is None and killed_at is None and time.time() - started < args.timeout:
             beat = heartbeat(out, rank)
             if beat and beat["step"] >= step:
-                os.kill(int(beat["pid"]), signal.SIGKILL)
+                os.kill(int(beat["pid"]), signal.SIGSTOP if args.fault == "stop" else signal.SIGKILL)
                 killed_at = beat["step"]
             time.sleep(0.05)
         output, _ = proc.communicate(timeout=max(1, args.timeout - (time.time() - started)))
@@ -105,7 +111,13 @@ def trial(args, number: int, rng: random.Random, reference: List[float]) -> bool
     restarts = sum(1 for line in output.splitlines() if "[moetrain.launch] restart " in line)
     got = losses(out) if os.path.exists(os.path.join(out, "metrics.jsonl")) else []
     ok = proc.returncode == 0 and killed_at is not None and restarts >= 1 and got == reference
-    print(f"trial {number}: kill -9 of rank {rank} at step {killed_at} (aimed at {step}); exit {proc.returncode}, "
+    if args.fault == "stop":     # the hang is named: that rank, and the attempt ended with 124
+        named = f"[moetrain.launch] the job hangs on rank {rank} (" in output
+        ok = ok and named and "attempt 0 ended with code 124" in output
+        if not named:
+            print(f"trial {number}: the launcher did not name rank {rank} as the one the job hangs on", flush=True)
+    what = "SIGSTOP" if args.fault == "stop" else "kill -9"
+    print(f"trial {number}: {what} of rank {rank} at step {killed_at} (aimed at {step}); exit {proc.returncode}, "
           f"{restarts} restart(s), {len(got)} steps, losses {'equal to' if got == reference else 'DIFFER from'} the "
           f"clean run; {time.time() - started:.0f} s: {'PASS' if ok else 'FAIL'}", flush=True)
     if not ok:
@@ -124,12 +136,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="seed of the rank and step choices (default: random)")
     ap.add_argument("--workdir", default=os.path.join(REPO, "runs", "fault_drill"))
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    ap.add_argument("--fault", choices=("kill", "stop"), default="kill",
+                    help="kill: SIGKILL the rank (it dies); stop: SIGSTOP it (it hangs; the launcher must name it)")
+    ap.add_argument("--collective-timeout", type=int, default=30, help="with --fault stop: the launcher's")
+    ap.add_argument("--hang-timeout", type=int, default=60, help="with --fault stop: the launcher's")
     args = ap.parse_args(argv)
     if args.steps < 3:
         ap.error("--steps must be >= 3 (a kill needs a step after a checkpoint and before the end)")
     args.workdir = os.path.abspath(args.workdir)
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
-    print(f"fault drill: {args.trials} trial(s) of {args.config} on {args.nproc} ranks, {args.steps} steps, "
+    print(f"fault drill ({args.fault}): {args.trials} trial(s) of {args.config} on {args.nproc} ranks, {args.steps} steps, "
           f"--max-restarts {args.max_restarts}, seed {seed}; runs in {args.workdir}", flush=True)
     reference = clean_run(args)
     rng = random.Random(seed)

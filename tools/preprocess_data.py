@@ -22,6 +22,7 @@ import sys
 
 from moetrain.data.lm import shard_files
 from moetrain.data.preprocess import FORMATS, peak_rss_mb, preprocess, split_names
+from moetrain.errors import run_main
 from moetrain.fileio import check_output_files
 
 
@@ -48,15 +49,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace output shards that already exist (a run may be reading them: only when none is)")
     args = parser.parse_args(argv)
+    outputs = [f for name in split_names(args.output_prefix, args.eval_fraction).values() for f in shard_files(name)]
+    check_output_files(outputs, args.overwrite, "preprocess_data.py")
     try:
-        outputs = [f for name in split_names(args.output_prefix, args.eval_fraction).values() for f in shard_files(name)]
-        check_output_files(outputs, args.overwrite, "preprocess_data.py")
         metas = preprocess(args.input, args.tokenizer, args.output_prefix, args.eval_fraction, args.append_eos,
                            args.document_boundary, args.split_seed, args.json_key, args.input_format, args.workers,
                            args.eos_token, args.progress)
-    except (ValueError, FileNotFoundError, ImportError) as exc:     # bad input: the message, not a traceback
-        print(f"preprocess_data.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except ImportError as exc:          # e.g. parquet input without pyarrow: a message, not a traceback
+        raise ValueError(str(exc)) from None
     for split, meta in metas.items():
         print(f"{split}: {split_names(args.output_prefix, args.eval_fraction)[split]}  "
               f"documents={meta['num_documents']} tokens={meta['num_tokens']} dtype={meta['dtype']} "
@@ -69,5 +69,11 @@ def main(argv=None) -> dict:
     return metas
 
 
+def cli(argv=None) -> int:
+    """The command line: bad input (missing, empty, binary or non-UTF-8 inputs, a bad tokenizer, existing
+    outputs) is one line and exit 2 (moetrain.errors)."""
+    return run_main("preprocess_data.py", main, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -15,6 +15,7 @@ import sys
 import time
 
 from moetrain.data.tokenizer import Tokenizer, train_tokenizer
+from moetrain.errors import run_main
 from moetrain.fileio import check_output_files
 
 
@@ -33,14 +34,10 @@ def main(argv=None) -> Tokenizer:
                         help="replace an existing PREFIX.model / PREFIX.vocab (shards encoded with it will no longer match)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    try:
-        check_output_files([args.model_prefix + ".model", args.model_prefix + ".vocab"], args.overwrite,
-                           "train_tokenizer.py")
-        model_path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, args.model_type,
-                                     args.special_tokens, args.byte_fallback, args.character_coverage)
-    except (ValueError, FileNotFoundError) as exc:      # bad input: the message, not a traceback
-        print(f"train_tokenizer.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    check_output_files([args.model_prefix + ".model", args.model_prefix + ".vocab"], args.overwrite,
+                       "train_tokenizer.py")
+    model_path = train_tokenizer(args.input, args.model_prefix, args.vocab_size, args.model_type,
+                                 args.special_tokens, args.byte_fallback, args.character_coverage)
     tokenizer = Tokenizer(model_path)
     print(f"{model_path}: vocab_size={tokenizer.vocab_size} unk={tokenizer.unk_id} bos={tokenizer.bos_id} "
           f"eos={tokenizer.eos_id} pad={tokenizer.pad_id} sha256={tokenizer.checksum} "
@@ -48,5 +45,11 @@ def main(argv=None) -> Tokenizer:
     return tokenizer
 
 
+def cli(argv=None) -> int:
+    """The command line: bad input (a missing, binary or non-UTF-8 file, a vocab_size that cannot hold the
+    reserved ids and characters, an existing output) is one line and exit 2 (moetrain.errors)."""
+    return run_main("train_tokenizer.py", main, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
-import yaml
 from safetensors import safe_open
 
 from moetrain.checkpoint.manager import (MANIFEST, METADATA, CheckpointError, CheckpointSaveError, CheckpointWriter,
@@ -48,6 +47,7 @@ from moetrain.dist.sharding import MASTER_PREFIX, ShardSpec, reduction_group_kin
 from moetrain.dist.topology import ParallelContext
 from moetrain.faults import failed_ranks
 from moetrain.layout import Layout, LayoutError, check_layout
+from moetrain.fileio import read_yaml
 
 FORMAT = "moetrain-sharded-v1"
 PARTS = ("model", "optimizer")
@@ -564,8 +564,7 @@ class CheckpointReader:
 
 def _model_dir_metadata(path: str) -> Dict[str, Any]:
     """A model directory read as a step-0 checkpoint holding one whole piece per model tensor."""
-    with open(os.path.join(path, CONFIG_FILE)) as fh:
-        config = yaml.safe_load(fh) or {}
+    config = read_yaml(os.path.join(path, CONFIG_FILE)) or {}
     tensors = {}
     with safe_open(os.path.join(path, WEIGHTS_FILE), framework="np") as fh:
         for key in fh.keys():
@@ -696,6 +695,25 @@ def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int)
     return out
 
 
+def _check_layout_fits_model(src: str, layout: Dict[str, int]) -> None:
+    """The target layout must divide the saved model (experts over ep, heads and vocabulary over tp,
+    layers over pp): raises CheckpointError listing each problem with the sizes that fit."""
+    from moetrain.checkpoint.model_dir import build_config_from_dict
+    from moetrain.layout import Layout, ModelShape, layout_problems
+
+    try:
+        shape = ModelShape.of(build_config_from_dict((read_yaml(os.path.join(src, "config.yaml")) or {}).get("model")))
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        return                                  # no readable model config: the reader's own checks speak
+    target = Layout(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], etp=layout.get("etp", 1),
+                    num_micro_batches=layout["pp"], zero=layout["optimizer_shard"])
+    problems = layout_problems(target, shape, world=layout["world_size"])
+    if problems:
+        spec = ",".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "ep", "etp") if layout.get(k, 1) > 1)
+        raise CheckpointError(f"--to-layout {spec or 'dp=1'} cannot hold the model of {src}:\n  - "
+                              + "\n  - ".join(problems))
+
+
 def reshard(src: str, out_path: str, layout: Dict[str, int]) -> str:
     """Rewrite checkpoint (or model directory) `src` as the checkpoint `layout` would have saved.
 
@@ -704,6 +722,7 @@ def reshard(src: str, out_path: str, layout: Dict[str, int]) -> str:
     here (resume with the new layout directly instead); pipeline stages are assigned by the model,
     so the output has pp = 1 (any saved pp is fine)."""
     reader = CheckpointReader(src)
+    _check_layout_fits_model(src, layout)     # before any advice to resume with a size: it must be valid
     saved = reader.metadata.get("layout") or {"tp": 1, "pp": 1, "ep": 1}
     kinds = {p["slice_kind"] for e in reader.tensors.values() for p in e["pieces"] if p["axis"] is not None}
     for kind in ("tp", "ep"):

@@ -133,6 +133,12 @@ def list_checkpoints(root: str) -> List[Tuple[int, str]]:
     return [(step, path) for step, path, complete in _step_folders(root) if complete]
 
 
+def holds_checkpoint_folders(root: str) -> bool:
+    """Whether `root` holds any `step_*` checkpoint folder, complete or not (a resume has something to
+    choose from, or to refuse)."""
+    return bool(_step_folders(root, warn=False))
+
+
 def latest_checkpoint(root: str) -> Optional[str]:
     found = list_checkpoints(root)
     return found[-1][1] if found else None

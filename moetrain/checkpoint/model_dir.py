@@ -15,13 +15,13 @@ import os
 from typing import Any, Dict, Tuple
 
 import numpy as np
-import yaml
 from safetensors.numpy import load_file
 
 from moetrain.checkpoint.distributed import CheckpointReader
 from moetrain.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, model_section, save_model_dir  # noqa: F401
 from moetrain.config import model_config_from_dict
 from moetrain.registry import get_model, import_model_module
+from moetrain.fileio import read_yaml
 
 
 def load_model_dir(model_dir: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
@@ -36,8 +36,7 @@ def load_model_dir(model_dir: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray
             raise FileNotFoundError(f"{model_dir!r} is not a model directory: {name} is missing (expected "
                                     f"{CONFIG_FILE} and {WEIGHTS_FILE}, as written by training checkpoints "
                                     f"or `moetrain convert hf-import`)")
-    with open(os.path.join(model_dir, CONFIG_FILE)) as fh:
-        config_dict = yaml.safe_load(fh) or {}
+    config_dict = read_yaml(os.path.join(model_dir, CONFIG_FILE)) or {}
     model_section(config_dict, os.path.join(model_dir, CONFIG_FILE))
     return config_dict, load_file(os.path.join(model_dir, WEIGHTS_FILE))
 
@@ -48,8 +47,7 @@ def _load_sharded(path: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
     reader.verify(reader.files_of(keys))
     config_dict = reader.metadata.get("config") or {}
     if os.path.isfile(os.path.join(path, CONFIG_FILE)):
-        with open(os.path.join(path, CONFIG_FILE)) as fh:
-            config_dict = yaml.safe_load(fh) or {}
+        config_dict = read_yaml(os.path.join(path, CONFIG_FILE)) or {}
     model_section(config_dict, os.path.join(path, CONFIG_FILE))
     return config_dict, {key: reader.global_tensor(key) for key in keys}
 

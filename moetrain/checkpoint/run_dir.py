@@ -33,8 +33,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from moetrain.checkpoint.manager import (METADATA, CheckpointError, checkpoint_run_id, list_checkpoints,
-                                         newest_usable, resolve_resume_path, run_id_in, same_run)
+from moetrain.checkpoint.manager import (METADATA, CheckpointError, checkpoint_run_id, holds_checkpoint_folders,
+                                         list_checkpoints, newest_usable, resolve_resume_path, run_id_in, same_run)
 from moetrain.dist.launch import RESTART_ENV
 from moetrain.faults import broadcast_bytes, failed_ranks, world_sum
 from moetrain.fileio import file_in_the_way, temp_path
@@ -435,6 +435,11 @@ def plan_run(out: str, resume: Optional[str], overwrite: bool, restart: int = 0)
         path = resolve_resume_path(resume, out) if resume else None
         return _Plan(path, current, False, f"relaunch {restart}: no checkpoint of this run yet, starting again from "
                                            + (path or "scratch"))
+    if not resume and not overwrite and not holds_checkpoint_folders(root) and not holds_checkpoint_folders(out):
+        # nothing to resume (a run stopped, or killed, before its first checkpoint): start again, as
+        # the same command with --resume is the documented recovery of every stop (docs/faults.md)
+        return _Plan(None, current, False, f"nothing to resume in {out} (no checkpoint yet): starting again from "
+                                           f"step 0" + (f" (run {current})" if current else ""))
     inside = not resume or _inside(resume, out)
     if overwrite and inside:
         raise OutputDirError(f"--overwrite starts a new run in {out} and --resume {resume or ''} continues the one "

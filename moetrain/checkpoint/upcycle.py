@@ -102,14 +102,16 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true",
                     help="write into an out_dir that already holds files (never a training checkpoint or run folder)")
     args = ap.parse_args(argv)
+    from moetrain.errors import EXIT_BAD_INPUT, describe, expected_errors
+
     try:
         if os.path.realpath(args.out_dir) == os.path.realpath(args.dense_dir):
             raise ValueError(f"the output folder {args.out_dir!r} is the input folder; choose a new one")
         check_output_folder(args.out_dir, args.overwrite, "moetrain convert upcycle")
         model = upcycle(args.dense_dir, args.out_dir, args.num_experts, args.top_k, args.granularity, args.seed)[0]
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"moetrain convert upcycle: error: {exc}", file=sys.stderr)
-        return 2
+    except expected_errors() as exc:
+        print(f"moetrain convert upcycle: error: {describe(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     moe = model["moe"]
     print(f"wrote {args.out_dir}: moe_gpt, {model['num_layers']} MoE layers of {moe['num_experts']} experts "
           f"(ffn {moe['ffn_hidden_size']}), top-{moe['top_k']}; train on with checkpoint.load_path={args.out_dir}")

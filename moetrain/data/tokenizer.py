@@ -62,8 +62,18 @@ def train_tokenizer(input_files: Sequence[str], model_prefix: str, vocab_size: i
     """
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    if not 0 < character_coverage <= 1:
+        raise ValueError(f"character_coverage must be in (0, 1] (the share of the input's characters the vocabulary "
+                         f"covers; 1.0 for small alphabets, 0.9995 for CJK), got {character_coverage}")
     for path in input_files:
         check_text_file(path, "tokenizer training input")
+    reserved = 4 + len(special_tokens) + (256 if byte_fallback else 0)   # unk bos eos pad, specials, bytes
+    what = "unk, bos, eos, pad" + (f", {len(special_tokens)} special token(s)" if special_tokens else "") + \
+        (", 256 byte pieces (byte_fallback)" if byte_fallback else "")
+    if vocab_size <= reserved:
+        raise ValueError(f"vocab_size={vocab_size} is too small: {reserved} ids are reserved ({what}) before any "
+                         f"learned piece; use a vocab_size above {reserved} plus one per distinct character of the "
+                         f"input (e.g. {max(reserved + 256, 512)})")
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     try:
         spm.SentencePieceTrainer.train(
@@ -75,6 +85,16 @@ def train_tokenizer(input_files: Sequence[str], model_prefix: str, vocab_size: i
             input_sentence_size=0, shuffle_input_sentence=False, num_threads=1,
             minloglevel=2)
     except RuntimeError as e:  # e.g. "Vocabulary size too high (X). Please set it to a value <= Y."
+        if "required_chars_" in str(e):   # fewer ids than the reserved ones plus one per character
+            chars = set()
+            for path in input_files:
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    for line in fh:
+                        chars.update(line.rstrip("\n"))
+            raise ValueError(f"vocab_size={vocab_size} is too small for {list(input_files)}: it needs the {reserved} "
+                             f"reserved ids ({what}) plus one per distinct character of the input ({len(chars)}"
+                             + (f" at character_coverage={character_coverage:g}" if character_coverage < 1 else "")
+                             + f"): use a vocab_size of at least {reserved + len(chars)}") from None
         raise ValueError(f"sentencepiece could not train on {list(input_files)} with "
                          f"vocab_size={vocab_size}: {e}") from e
     return model_prefix + ".model"

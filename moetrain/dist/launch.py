@@ -35,6 +35,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -56,6 +57,8 @@ NOISE_PREFIXES = ("[INFO]", "[WARNING]", "[DEBUG]")
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300
 DEFAULT_HANG_TIMEOUT_S = 1800
 DEFAULT_PREEMPT_GRACE_S = 600
+ALIVE_INTERVAL_S = 2.0          # a rank's liveness beat; silent for ALIVE_STALE_BEATS of them while another beats: stuck
+ALIVE_STALE_BEATS = 4
 PR_SET_PDEATHSIG = 1
 
 
@@ -129,6 +132,16 @@ def read_statuses(status_dir: str) -> Dict[int, RankStatus]:
 
 def read_progress(status_dir: str) -> Dict[int, dict]:
     return {int(d["rank"]): d for d in _read_json_files(status_dir, "progress_")}
+
+
+def write_alive(status_dir: str, rank: int) -> None:
+    """A rank's liveness beat (a thread of the trainer, every ALIVE_INTERVAL_S): it goes on while the
+    rank computes or waits in a collective, and stops when the process is stopped, frozen or dead."""
+    _write_json(os.path.join(status_dir, f"alive_{rank}.json"), {"rank": rank, "time": time.time(), "pid": os.getpid()})
+
+
+def read_alive(status_dir: str) -> Dict[int, float]:
+    return {int(d["rank"]): float(d["time"]) for d in _read_json_files(status_dir, "alive_")}
 
 
 def read_wrapper_pids(status_dir: str) -> Dict[int, int]:
@@ -206,11 +219,21 @@ def _worker_wrapper(status_dir: str, cmd: Sequence[str]) -> int:
     """
     die_with_parent()
     rank, cmd = role_and_command(cmd, os.environ)
+    child, pending = None, []
+
+    def pass_on(signum, _frame):        # a signal before the rank exists is passed on once it does
+        if child is None:
+            pending.append(signum)
+        else:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):     # before the launcher can know (and signal) this pid
+        signal.signal(sig, pass_on)
     os.makedirs(status_dir, exist_ok=True)
     _write_json(os.path.join(status_dir, f"wrapper_{rank}.json"), {"rank": rank, "pid": os.getpid()})
     child = subprocess.Popen(cmd, env={**os.environ, STATUS_DIR_ENV: status_dir}, preexec_fn=die_with_parent)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    for signum in pending:
+        child.send_signal(signum)
     returncode = child.wait()
     _write_json(os.path.join(status_dir, f"rank_{rank}.json"),
                 {"rank": rank, "returncode": returncode, "finished_at": time.time()})
@@ -249,6 +272,8 @@ class Job:
         self.hang_timeout, self.preempt_grace = hang_timeout, preempt_grace
         self.proc: Optional[subprocess.Popen] = None
         self.preempt_deadline: Optional[float] = None
+        self.forwarded: Optional[int] = None     # the signal passed on to the ranks (also to ranks that start later)
+        self._signalled_pids: set = set()
         self.timed_out = False
         self.started_at = time.time()
 
@@ -280,16 +305,23 @@ class Job:
     def forward(self, signum: int) -> List[int]:
         """Pass `signum` to every local rank (through its wrapper); returns the ranks signalled.
         Their trainers save at the next step boundary and exit with EXIT_PREEMPTED."""
+        self.forwarded = signum
+        self.preempt_deadline = time.time() + self.preempt_grace
+        return self._forward_to_new_wrappers()
+
+    def _forward_to_new_wrappers(self) -> List[int]:
+        """Pass the forwarded signal to every wrapper not signalled yet: a signal that came while msrun
+        was still starting the ranks reaches them as they appear (the watchdog calls this each poll)."""
         signalled = []
         for rank, pid in sorted(read_wrapper_pids(self.status_dir).items()):
-            if rank == SCHEDULER:
+            if rank == SCHEDULER or pid in self._signalled_pids:
                 continue
             try:
-                os.kill(pid, signum)
+                os.kill(pid, self.forwarded)
                 signalled.append(rank)
             except ProcessLookupError:
                 pass
-        self.preempt_deadline = time.time() + self.preempt_grace
+            self._signalled_pids.add(pid)
         return signalled
 
     def kill(self) -> None:
@@ -328,11 +360,19 @@ class Job:
             failed = sorted((s for s in statuses.values() if s.failed), key=lambda s: s.finished_at)
             if failed:
                 running = [r for r in self.local_ranks if r not in statuses]
+                stuck = self._hang_behind(failed[0], statuses)
+                if stuck:       # a timeout fired first (a collective's, MindSpore's heartbeat): still a hang
+                    return self._report_hang(stuck, statuses, failed[0])
                 self.kill()
                 return self._report_failure(failed[0], running)
             returncode = self.proc.poll()
             if returncode is not None:
-                return self._finish(returncode, read_statuses(self.status_dir))
+                statuses = read_statuses(self.status_dir)
+                if returncode != 0 and not any(s.failed for s in statuses.values()):
+                    stuck = self.stuck_ranks(statuses, time.time())
+                    if stuck:   # msrun gave up on a silent rank (MindSpore's heartbeat) before anyone reported
+                        return self._report_hang(stuck, statuses, None, returncode)
+                return self._finish(returncode, statuses)
             now = time.time()
             if timeout is not None and now - self.started_at > timeout:
                 running = [r for r in self.local_ranks if r not in statuses]
@@ -342,6 +382,8 @@ class Job:
                      f"logs in {self.log_dir}")
                 self._print_progress(statuses)
                 return 124
+            if self.forwarded is not None:
+                self._forward_to_new_wrappers()
             if self.preempt_deadline is not None and now > self.preempt_deadline:
                 running = [r for r in self.local_ranks if r not in statuses]
                 self.kill()
@@ -350,9 +392,46 @@ class Job:
                 return 128 + signal.SIGTERM
             stalled = self.stalled_ranks(statuses, now)
             if stalled:
-                self.kill()
-                return self._report_hang(stalled, statuses)
+                stuck = [r for r in self.stuck_ranks(statuses, now) if r in stalled] or stalled
+                return self._report_hang(stuck, statuses)
             time.sleep(poll_interval)
+
+    def _hang_behind(self, first: RankStatus, statuses: Dict[int, RankStatus]) -> List[int]:
+        """When the first failure is a rank (or the scheduler) giving up on one that does not arrive --
+        a collective timeout, MindSpore's heartbeat timeout -- the ranks the job waits for (else [])."""
+        log = os.path.join(self.log_dir, "scheduler.log" if first.rank == SCHEDULER else f"worker_{first.rank}.log")
+        gave_up = first.rank == SCHEDULER or gave_up_waiting(log_tail(log, 60))
+        waiting = [s.rank for s in statuses.values() if s.failed and s.rank != SCHEDULER] if gave_up else []
+        return self.stuck_ranks(statuses, time.time(), gave_up=waiting, liveness=gave_up)
+
+    def stuck_ranks(self, statuses: Dict[int, RankStatus], now: float, gave_up: Sequence[int] = (),
+                    liveness: bool = True) -> List[int]:
+        """The local ranks still running that the others wait for, judged from the ranks' own reports
+        (docs/faults.md, "No hangs"), not from which process exits first:
+        1. (`liveness`: the job ends on a timeout, not on a rank's own error) a rank whose process is
+           stopped (SIGSTOP, a debugger) or whose liveness beat (a
+           thread of the trainer, every ALIVE_INTERVAL_S, on while it computes or waits in a collective:
+           measured, the GIL is free there) has been silent for ALIVE_STALE_BEATS beats while another
+           rank's went on: stopped, frozen or wedged;
+        2. else, when some ranks gave up waiting (`gave_up`: a collective timed out on them), the ranks
+           that did not, furthest behind in their step reports.
+        Empty when nothing tells them apart."""
+        running = [r for r in self.local_ranks if r not in statuses and r not in gave_up]
+        if not running:
+            return []
+        alive, progress = read_alive(self.status_dir), read_progress(self.status_dir)
+        stopped = [r for r in running if liveness and _process_stopped(progress.get(r, {}).get("pid"))]
+        if stopped:
+            return stopped
+        if alive and liveness:
+            freshest = max(alive.values())
+            silent = [r for r in running if r in alive and freshest - alive[r] > ALIVE_STALE_BEATS * ALIVE_INTERVAL_S]
+            if silent and len(silent) < len(alive):
+                return silent
+        if gave_up:
+            lowest = min((progress.get(r, {}).get("step", -1) for r in running), default=-1)
+            return [r for r in running if progress.get(r, {}).get("step", -1) == lowest]
+        return []
 
     def stalled_ranks(self, statuses: Dict[int, RankStatus], now: float) -> List[int]:
         """Local ranks still running whose last heartbeat (or the launch) is older than hang_timeout.
@@ -414,14 +493,57 @@ class Job:
         code = first.returncode
         return code if 0 < code < 256 else 128 + (-code if code < 0 else 1)
 
-    def _report_hang(self, stalled: List[int], statuses: Dict[int, RankStatus]) -> int:
-        progress = read_progress(self.status_dir)
-        named = ", ".join(f"rank {r} (" + (f"step {progress[r]['step']}" if r in progress else "no step yet") + ")"
-                          for r in stalled)
-        _say(f"no progress for {self.hang_timeout:.0f} s from {named}: the job hangs; killed it. "
-             f"Logs: {', '.join(os.path.join(self.log_dir, f'worker_{r}.log') for r in stalled)}")
+    def _report_hang(self, stuck: List[int], statuses: Dict[int, RankStatus], first: Optional[RankStatus] = None,
+                     msrun_code: Optional[int] = None) -> int:
+        """The job hangs on `stuck` (exit 124, relaunched by --max-restarts), whichever timeout noticed it:
+        --hang-timeout, a collective's (`first` gave up waiting), or MindSpore's heartbeat (`first` is
+        the scheduler, or msrun ended with `msrun_code`)."""
+        progress, alive, now = read_progress(self.status_dir), read_alive(self.status_dir), time.time()
+
+        def state(r):
+            where = f"step {progress[r]['step']}" if r in progress else "no step yet"
+            if _process_stopped(progress.get(r, {}).get("pid")):
+                return f"{where}, its process is stopped (SIGSTOP or a debugger)"
+            return where + (f", no sign of life for {now - alive[r]:.0f} s" if r in alive else "")
+
+        named = ", ".join(f"rank {r} ({state(r)})" for r in stuck)
+        if first is not None and first.rank == SCHEDULER:
+            noticed = f"MindSpore's scheduler gave up on it ({first.describe()}: its heartbeat timeout)"
+        elif first is not None:
+            noticed = f"{first.who} gave up waiting for it in a collective ({first.describe()}; --collective-timeout)"
+        elif msrun_code is not None:
+            noticed = f"msrun ended with code {msrun_code} (MindSpore's heartbeat timeout)"
+        else:
+            noticed = f"no step reported for {self.hang_timeout:.0f} s (--hang-timeout)"
+        self.kill()          # (after looking at the stuck processes)
+        _say(f"the job hangs on {named}: {noticed}; killed the job (exit code 124). "
+             f"Logs: {', '.join(os.path.join(self.log_dir, f'worker_{r}.log') for r in stuck)}")
         self._print_progress(statuses)
         return 124
+
+
+# how a rank's log says it gave up waiting in a collective: CPU (MS_CPU_COMM_OP_TIMEOUT) logs "Ring
+# ReduceScatter wait receiving [1,3] failed" and raises "Launch kernel failed, name:Default/AllReduce-op0";
+# HCCL / NCCL say "timeout"
+_GAVE_UP = re.compile(r"time ?out|timed out|wait receiving .*failed|launch kernel failed.*(allreduce|allgather|"
+                      r"broadcast|reducescatter|alltoall|send|receive)|(allreduce|allgather|broadcast)\w*kernelmod "
+                      r"launch failed", re.I)
+
+
+def gave_up_waiting(log_tail_text: str) -> bool:
+    """Whether a rank's log ends with it giving up on a collective (a peer did not arrive in time)."""
+    return bool(_GAVE_UP.search(log_tail_text))
+
+
+def _process_stopped(pid) -> bool:
+    """Whether process `pid` of this host is stopped (state T: SIGSTOP, a debugger); False if unknown."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{int(pid)}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 def _say(message: str) -> None:
