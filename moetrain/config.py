@@ -10,10 +10,12 @@ naming the file, the key path, the reason and the nearest valid key.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import difflib
 import inspect
+import io
 import os
 import sys
 import typing
@@ -26,6 +28,7 @@ from moetrain import registry
 from moetrain.data import DataError
 from moetrain.data.blend import parse_blend
 from moetrain.fileio import temp_path
+from moetrain.fileio import read_yaml
 from moetrain.layout import Layout, ModelShape, launched_world_size, layout_problems
 
 
@@ -210,8 +213,6 @@ def _to_plain(value):
 # Loading
 # --------------------------------------------------------------------------------------------
 def _read_yaml(path: str, chain=()) -> Dict[str, Any]:
-    from moetrain.fileio import read_yaml
-
     if os.path.isdir(path):
         raise ConfigError(f"{path!r} is a folder, not a config file: name the YAML file (configs live in configs/)")
     if not os.path.isfile(path):
@@ -288,9 +289,6 @@ def blame_overrides(exc: ConfigError, raw: Dict[str, Any], overrides: Sequence[s
     check of several keys (the layout, heads, blend weights) then names whichever of its keys a
     `--set` changed; an error the file alone causes stays the file's. Without a `--set` means with
     the file's value of its key (an earlier `--set` of the key is replaced too)."""
-    import contextlib
-    import io
-
     in_force = [i for i, item in enumerate(overrides)
                 if not any(_override_key(later) == _override_key(item)
                            or _override_key(item).startswith(_override_key(later) + ".")

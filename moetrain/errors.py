@@ -26,13 +26,23 @@ _OS_HINTS = {
 }
 
 
+_EXPECTED = [ValueError, OSError]
+
+
+def register_expected(cls: type) -> type:
+    """Declare another exception class bad input (moetrain.checkpoint.manager registers CheckpointError,
+    a RuntimeError: named, not the whole class). Registered where it is defined, so this module
+    imports nothing of moetrain."""
+    if cls not in _EXPECTED:
+        _EXPECTED.append(cls)
+    return cls
+
+
 def expected_errors() -> tuple:
     """The exception classes that are bad input, not bugs: ValueError (ConfigError, DataError,
     LayoutError, OutputDirError, OutputExistsError, JSON and Unicode decoding), OSError (missing
-    files, folders in place of files, permissions, full disks) and CheckpointError."""
-    from moetrain.checkpoint.manager import CheckpointError   # (a RuntimeError: named, not the whole class)
-
-    return ValueError, OSError, CheckpointError
+    files, folders in place of files, permissions, full disks) and the registered ones (CheckpointError)."""
+    return tuple(_EXPECTED)
 
 
 def describe(exc: BaseException) -> str:

@@ -19,11 +19,12 @@ import math
 import os
 import signal
 import sys
+import threading
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from moetrain.dist.progress import STATUS_DIR_ENV, write_progress
+from moetrain.dist.progress import ALIVE_INTERVAL_S, STATUS_DIR_ENV, write_alive, write_progress
 
 # Exit codes (sysexits.h numbers where one fits). The launcher does not relaunch after these.
 EXIT_BAD_INPUT = 2          # refused before work: config, data, output directory, checkpoint choice
@@ -260,10 +261,6 @@ class TrainerFaults:
         """The launcher's second report (besides the step heartbeats): a daemon thread rewrites
         `alive_<rank>.json` every few seconds, also while the main thread waits in a collective, so the
         launcher tells a stopped or frozen rank from the ranks waiting for it (docs/faults.md, "No hangs")."""
-        import threading
-
-        from moetrain.dist.launch import ALIVE_INTERVAL_S, write_alive
-
         stop, rank, folder = threading.Event(), self.pctx.rank, self.status_dir
 
         def beat():

@@ -7,6 +7,8 @@ import hashlib
 import os
 from typing import Optional, Sequence
 
+import yaml
+
 
 def sha256_of(path: str) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks."""
@@ -20,8 +22,6 @@ def sha256_of(path: str) -> str:
 def read_yaml(path: str):
     """The YAML document in file `path` (None when empty); a file that is not UTF-8 YAML is a
     ValueError naming it (PyYAML's own errors name no file the user gave, and are no ValueError)."""
-    import yaml
-
     try:
         with open(path, encoding="utf-8") as fh:
             return yaml.safe_load(fh)

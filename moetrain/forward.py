@@ -12,6 +12,7 @@ import sys
 import numpy as np
 
 from moetrain.checkpoint.model_dir import load_model
+from moetrain.errors import EXIT_BAD_INPUT, describe, expected_errors
 
 
 def compute_logits(model, token_ids: np.ndarray, batch_size: int = 8, jit: bool = False) -> np.ndarray:
@@ -75,7 +76,6 @@ def main(argv=None) -> int:
         ap.error(f"--output {args.output} is a folder: name the .npy file to write")
     import mindspore as ms   # after the arguments are parsed (see compute_logits)
 
-    from moetrain.errors import EXIT_BAD_INPUT, describe, expected_errors
 
     try:
         ms.set_device(args.device)

@@ -43,10 +43,11 @@ from safetensors import safe_open
 from moetrain.checkpoint.manager import (MANIFEST, METADATA, CheckpointError, CheckpointSaveError, CheckpointWriter,
                                          latest_of_run, prune_checkpoints, read_manifest, sha256_of, verify_files)
 from moetrain.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, save_model_dir
+from moetrain.config import model_config_from_dict
 from moetrain.dist.sharding import MASTER_PREFIX, ShardSpec, reduction_group_kind, shard_spec, tp_copies
 from moetrain.dist.topology import ParallelContext
 from moetrain.faults import failed_ranks
-from moetrain.layout import Layout, LayoutError, check_layout
+from moetrain.layout import Layout, LayoutError, ModelShape, check_layout, layout_problems
 from moetrain.fileio import read_yaml
 
 FORMAT = "moetrain-sharded-v1"
@@ -698,11 +699,9 @@ def _target_tensors(reader: CheckpointReader, layout: Dict[str, int], rank: int)
 def _check_layout_fits_model(src: str, layout: Dict[str, int]) -> None:
     """The target layout must divide the saved model (experts over ep, heads and vocabulary over tp,
     layers over pp): raises CheckpointError listing each problem with the sizes that fit."""
-    from moetrain.checkpoint.model_dir import build_config_from_dict
-    from moetrain.layout import Layout, ModelShape, layout_problems
-
     try:
-        shape = ModelShape.of(build_config_from_dict((read_yaml(os.path.join(src, "config.yaml")) or {}).get("model")))
+        shape = ModelShape.of(model_config_from_dict((read_yaml(os.path.join(src, "config.yaml")) or {}).get("model"),
+                                                     f"{src}/config.yaml"))
     except (OSError, ValueError, TypeError, AttributeError, KeyError):
         return                                  # no readable model config: the reader's own checks speak
     target = Layout(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], ep=layout["ep"], etp=layout.get("etp", 1),

@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from moetrain.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE
+from moetrain.errors import register_expected
 from moetrain.fileio import sha256_of
 
 MANIFEST = "manifest.json"
@@ -34,6 +35,7 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _OLD_STEP_DIR = re.compile(r"^\.old-step_(\d{8})-\d+$")   # a replaced folder, deleted once its successor is in place
 
 
+@register_expected
 class CheckpointError(RuntimeError):
     pass
 

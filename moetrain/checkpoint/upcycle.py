@@ -29,6 +29,7 @@ import numpy as np
 
 from moetrain.checkpoint.model_dir import (build_config_from_dict, build_model_from_dict, load_model_dir,
                                            load_model_state, save_model_dir)
+from moetrain.errors import EXIT_BAD_INPUT, describe, expected_errors
 from moetrain.fileio import check_output_folder
 
 
@@ -102,7 +103,6 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true",
                     help="write into an out_dir that already holds files (never a training checkpoint or run folder)")
     args = ap.parse_args(argv)
-    from moetrain.errors import EXIT_BAD_INPUT, describe, expected_errors
 
     try:
         if os.path.realpath(args.out_dir) == os.path.realpath(args.dense_dir):

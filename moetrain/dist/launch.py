@@ -45,7 +45,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from moetrain.dist.progress import STATUS_DIR_ENV, write_progress  # noqa: F401  (the ranks' side)
+from moetrain.dist.progress import (ALIVE_INTERVAL_S, STATUS_DIR_ENV, write_alive,  # noqa: F401  (the ranks' side)
+                                    write_progress)
 from moetrain.dist.progress import write_json as _write_json
 from moetrain.faults import EXIT_PREEMPTED, NO_RESTART_CODES
 
@@ -57,8 +58,7 @@ NOISE_PREFIXES = ("[INFO]", "[WARNING]", "[DEBUG]")
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300
 DEFAULT_HANG_TIMEOUT_S = 1800
 DEFAULT_PREEMPT_GRACE_S = 600
-ALIVE_INTERVAL_S = 2.0          # a rank's liveness beat; silent for ALIVE_STALE_BEATS of them while another beats: stuck
-ALIVE_STALE_BEATS = 4
+ALIVE_STALE_BEATS = 4          # a rank silent for this many liveness beats while another beats: stuck
 PR_SET_PDEATHSIG = 1
 
 
@@ -132,12 +132,6 @@ def read_statuses(status_dir: str) -> Dict[int, RankStatus]:
 
 def read_progress(status_dir: str) -> Dict[int, dict]:
     return {int(d["rank"]): d for d in _read_json_files(status_dir, "progress_")}
-
-
-def write_alive(status_dir: str, rank: int) -> None:
-    """A rank's liveness beat (a thread of the trainer, every ALIVE_INTERVAL_S): it goes on while the
-    rank computes or waits in a collective, and stops when the process is stopped, frozen or dead."""
-    _write_json(os.path.join(status_dir, f"alive_{rank}.json"), {"rank": rank, "time": time.time(), "pid": os.getpid()})
 
 
 def read_alive(status_dir: str) -> Dict[int, float]:

@@ -9,6 +9,7 @@ import os
 import time
 
 STATUS_DIR_ENV = "MOETRAIN_STATUS_DIR"   # the wrapper tells its rank where to write progress
+ALIVE_INTERVAL_S = 2.0                   # a rank's liveness beat (moetrain/faults.py writes it from a thread)
 
 
 def write_json(path: str, obj) -> None:
@@ -23,3 +24,9 @@ def write_progress(status_dir: str, rank: int, step: int, phase: str) -> None:
     """A rank's heartbeat: the last step boundary it passed (the trainer writes one per step)."""
     write_json(os.path.join(status_dir, f"progress_{rank}.json"),
                {"rank": rank, "step": step, "phase": phase, "time": time.time(), "pid": os.getpid()})
+
+
+def write_alive(status_dir: str, rank: int) -> None:
+    """A rank's liveness beat (a thread of the trainer, every ALIVE_INTERVAL_S): it goes on while the
+    rank computes or waits in a collective, and stops when the process is stopped, frozen or dead."""
+    write_json(os.path.join(status_dir, f"alive_{rank}.json"), {"rank": rank, "time": time.time(), "pid": os.getpid()})
