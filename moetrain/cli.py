@@ -39,6 +39,7 @@ def _train(args) -> int:
     except BaseException:
         release_claim(claim)      # refused before the run took the folder over: leave it as it was
         raise
+    args.training = True      # from here an OSError is the run's failure (exit 1, relaunched), not bad input
     result = trainer.fit()
     if result.get("preempted"):
         if trainer.rank == 0 and result.get("before_first_step"):
@@ -152,6 +153,8 @@ def _run(args) -> int:
         print(f"moetrain: {kind}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except expected_errors() as exc:
+        if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError) and getattr(args, "training", False):
+            raise     # an I/O error while training (a flaky filesystem): a failure --max-restarts relaunches
         print(f"moetrain: error: {describe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RuntimeError as exc:

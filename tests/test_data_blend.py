@@ -72,7 +72,8 @@ def test_config_checks_blends(tmp_path):
     cfg = load_config(os.path.join(REPO, base), ["data.path=[0.7, a/x_train, 0.3, b/y_train]",
                                                   "data.eval_path={x: [1, a/x_eval], y: [1, b/y_eval]}"])
     assert cfg.data.path == [0.7, "a/x_train", 0.3, "b/y_train"] and cfg.data.eval_path["y"] == [1, "b/y_eval"]
-    with pytest.raises(ConfigError, match=r"moe_tiny\.yaml: data\.eval_path: a blend is a list .*even length"):
+    with pytest.raises(ConfigError, match=r"--set data\.eval_path=\[0\.7, a/x_eval, 0\.3\] \(on top of .*moe_tiny\.yaml\): "
+                                          r"data\.eval_path: a blend is a list .*even length"):
         load_config(os.path.join(REPO, base), ["data.eval_path=[0.7, a/x_eval, 0.3]"])
     with pytest.raises(ConfigError, match=r"data\.path: the weight of 'a' must be a finite number >= 0, got -1"):
         load_config(os.path.join(REPO, base), ["data.path=[-1, a, 2, b]"])
