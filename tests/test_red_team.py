@@ -740,8 +740,7 @@ def mixtral_dir(tmp_path_factory):
 def test_every_cli_entry_point_refuses_malformed_inputs_without_a_traceback(mixtral_dir, tmp_path, capsys):
     """Every command a user runs, on a missing file, a folder, a garbage file, a model folder with a
     damaged config.yaml, and bad option values: a message naming what (and where), exit 2, no
-    traceback. (Not here: `moetrain plan --world 0`, a ZeroDivisionError in moetrain/plan.py, which
-    another change owns.)"""
+    traceback."""
     from moetrain import cli
 
     missing, folder, garbage = str(tmp_path / "missing"), str(tmp_path / "folder"), str(tmp_path / "garbage.bin")
@@ -790,6 +789,7 @@ def test_every_cli_entry_point_refuses_malformed_inputs_without_a_traceback(mixt
         (cli.main, ["forward", mixtral_dir, "--input", str(tmp_path / "text.npy"), "--output", out + ".npy"], "text.npy"),
         (cli.main, ["forward", mixtral_dir, "--input", ids, "--output", folder], "--output"),
         (cli.main, ["forward", mixtral_dir, "--input", ids, "--output", out + ".npy", "--batch-size", "0"], "--batch-size"),
+        (cli.main, ["plan", MNIST, "--world", "0"], "--world"),
         (cli.main, ["generate", mixtral_dir, "--input", ids, "--max-new-tokens", "-3"], "--max-new-tokens"),
         (cli.main, ["eval", mixtral_dir, "--data", garbage], garbage),
         (cli.main, ["convert", "reshard", mixtral_dir, out, "--to-layout", "dp=x"], "--to-layout"),

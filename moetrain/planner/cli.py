@@ -69,6 +69,10 @@ def main(argv=None) -> int:
     dry.add_argument("--layers", type=int, default=None, help="with --dry-run: build the first N layers at full "
                      "width (default: all, fewer where the plan is over 2 GiB); planned is for the same model")
     args = ap.parse_args(argv)
+    for flag, value, least in (("--world", args.world, 1), ("--rank", args.rank, 0), ("--seq", args.seq, 1),
+                               ("--layers", args.layers, 1)):
+        if value is not None and value < least:
+            ap.error(f"{flag} must be >= {least}, got {value}")
     try:
         cfg = load_plan_config(args.config, args.set)
         searched = args.search or cfg.parallel.mode == "auto"     # the search sets dp itself (and may refuse it)
@@ -91,7 +95,7 @@ def main(argv=None) -> int:
             result = plan(cfg, args.world, args.device)
         print(format_plan(result))
     except (ConfigError, LayoutError, ValueError) as exc:
-        print(f"moetrain plan: {exc}", file=sys.stderr)
+        print(f"moetrain plan: error: {exc}", file=sys.stderr)
         return 2
     return 0 if result.fits else 1
 
