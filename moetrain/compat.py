@@ -6,7 +6,7 @@ pin. Every check of the MindSpore version goes through this module (tests/test_c
 others); what differs between the versions of the range is gated here:
 
 * the oneDNN library bundled in the wheel, which the CPU kernels link (`onednn_library`):
-  `libdnnl.so.2` in 2.7 and 2.8, `libdnnl.so.3` in 2.10 (the same `dnnl_sgemm` C entry point);
+  `libdnnl.so.2` in 2.7 and 2.8, `libdnnl.so.3` in 2.9 and 2.10 (the same `dnnl_sgemm` entry point);
 * AllReduce in CPU sub-groups (`cpu_subgroup_collectives`): from 2.8; 2.7's CPU kernel takes only
   the world group, so there multi-process CPU runs need layouts whose every group is one rank or
   all of them (checked by `moetrain.dist.topology.init_parallel`). Ascend and GPU are unaffected.
@@ -24,7 +24,6 @@ from importlib import metadata
 from typing import Optional, Tuple
 
 OLDEST = "2.7.0"             # the oldest supported release; pyproject.toml's lower bound, tested in CI
-NEWEST_TESTED = "2.10.0"     # the release the whole suite runs on
 FIRST_UNSUPPORTED = "2.11"   # pyproject.toml's upper bound (exclusive)
 
 
