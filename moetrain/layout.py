@@ -80,7 +80,6 @@ class ModelShape:
     shared_ffn: int = 0
     expert_ffn: int = 0                     # a routed expert's FFN width (split over expert_tensor_parallel)
     mtp_depth: int = 0                      # multi-token-prediction modules (DeepSeek-V3)
-    latent_attention: bool = False          # multi-head latent attention (DeepSeek-V3's MLA)
 
     @classmethod
     def of(cls, model_cfg) -> "ModelShape":
@@ -93,8 +92,7 @@ class ModelShape:
                    ffn=get("ffn_hidden_size") if layers is None or len(moe_layers) < layers else None,
                    experts=moe.num_experts if moe is not None else 0,
                    shared_ffn=moe.shared_hidden_size if moe is not None else 0,
-                   expert_ffn=moe.ffn_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0,
-                   latent_attention=bool(get("kv_lora_rank")))
+                   expert_ffn=moe.ffn_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0)
 
 
 @dataclass(frozen=True)
@@ -311,9 +309,6 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
     if shape.layers is None or shape.heads is None:
         problems.append("parallel.context_parallel > 1 splits the sequences of a language model; this model "
                         "has no attention layers (model.num_layers / num_heads): set it to 1")
-    if shape.latent_attention:
-        problems.append(f"multi-head latent attention (model.kv_lora_rank, DeepSeek-V3) {not_yet}; "
-                        f"set parallel.context_parallel=1")
     if shape.mtp_depth:
         problems.append(f"multi-token prediction (model.mtp_depth={shape.mtp_depth}) {not_yet}: its depth k "
                         f"reads the positions k+1 ahead, across the split; set model.mtp_depth=0 or "

@@ -203,7 +203,6 @@ def test_layout_rules_of_context_parallel():
     assert "parallel.cp_comm_type must be one of" in problems(cp=2, cp_comm="ring")
     assert "model.num_kv_heads (2) is not divisible by parallel.context_parallel (4)" in problems(cp=4, cp_comm="a2a")
     assert "packed documents" in problems(cp=2, documents=True)
-    assert "kv_lora_rank" in problems(cp=2, shape=ModelShape(layers=2, heads=4, latent_attention=True))
     assert "model.mtp_depth=1" in problems(cp=2, shape=ModelShape(layers=2, heads=4, mtp_depth=1))
     assert "no attention layers" in problems(cp=2, shape=ModelShape())
     assert problems(cp=1, tp=2, documents=True) == ""                   # cp 1: nothing changes
@@ -241,23 +240,43 @@ def test_groups_of_a_dp2_tp2_cp2_layout():
     assert (single.cp_rank, single.dp_rank, single.group("cp").ranks, single.group("dp").ranks) == (1, 0, (0, 1), (0, 1))
 
 
-@pytest.mark.parametrize("comm_type", ["all_gather", "p2p", "a2a"])
-def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, comm_type, cp=2):
+def gqa_layer(seq):
+    from moetrain.layers import Attention
+
+    return Attention(32, 4, 2, 8, max_positions=seq)                       # GQA: 4 query heads, 2 K/V heads
+
+
+def mla_layer(seq):
+    """DeepSeek-V3's multi-head latent attention: RoPE on the decoupled part at the context's positions
+    (before `attend`), a value head narrower than the query/key head, YaRN's softmax scale."""
+    from models.deepseek_v3 import MultiHeadLatentAttention
+    from moetrain.config import load_config
+
+    cfg = load_config("configs/deepseek_v3_tiny.yaml", [
+        f"model.seq_length={seq}", "model.hidden_size=32", "model.q_lora_rank=24", "model.kv_lora_rank=16",
+        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.mtp_depth=0",
+        "model.yarn_factor=4", "model.yarn_original_max_positions=4", "model.yarn_mscale_all_dim=1"]).model
+    return MultiHeadLatentAttention(cfg)
+
+
+@pytest.mark.parametrize("family, comm_type", [("gqa", "all_gather"), ("gqa", "p2p"), ("gqa", "a2a"),
+                                               ("mla", "all_gather"), ("mla", "a2a")])
+def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, family, comm_type, cp=2):
     """An `Attention` layer (GQA 4/2 heads, RoPE) switched to `ContextParallelAttention`, each rank's
     local tokens with their global positions (`local_batch`), the collectives simulated in one process
     (every call of every rank gets what all ranks put into the same call; a few passes until each
     rank has seen the others' inputs): its outputs, put back in order, equal the layer on the whole
     sequence. all_gather: K|V gathered, blockwise attention; p2p: the blocks passed around the ring;
-    a2a: Ulysses' all-to-alls around the layer's own attention on 1/cp of the heads."""
+    a2a: Ulysses' all-to-alls around the layer's own attention on 1/cp of the heads. GQA (Llama) and
+    MLA (DeepSeek-V3)."""
     from mindspore import Tensor, ops
 
     from moetrain.dist.topology import Group
-    from moetrain.layers import Attention
     from moetrain.parallel import context_parallel as cpmod
 
     rng = np.random.default_rng(0)
     seq, hidden = 4 * cp, 32
-    layer = Attention(hidden, 4, 2, 8, max_positions=seq)
+    layer = {"gqa": gqa_layer, "mla": mla_layer}[family](seq)
     x = rng.normal(0, 1, (2, seq, hidden)).astype(np.float32)
     whole = layer(Tensor(x)).asnumpy()
 

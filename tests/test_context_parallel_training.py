@@ -1,6 +1,6 @@
 """Context parallelism under msrun: `configs/moe_tiny.yaml` at its real depth (4 MoE layers, 8 experts
 top-2, GQA 4/2 heads) with each 64-token sequence split over 2 ranks (load-balanced chunks) reproduces
-one process over 10 steps of 2 micro-batches of 4 sequences: loss, lm / aux / z losses within 1e-5
+one process over 10 steps of 2 micro-batches of 4 sequences: loss, lm / aux / sequence aux / z losses within 1e-5
 relative, grad_norm within 1e-4, expert loads exact for the first 5 steps and within a few tokens after
 (another summation order may flip a near-tied routing decision). Three runs:
   cp2             K|V all-gathered, blockwise attention merged by log-sum-exp; and the evaluation loss
@@ -59,12 +59,14 @@ def test_cp2_reproduces_one_process(runs, name):
     run_dirs, reference_dir = runs
     steps, reference = step_records(run_dirs[name]), step_records(reference_dir)
     assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
-    for key, rtol in (("loss", 1e-5), ("lm_loss", 1e-5), ("aux_loss", 1e-5), ("z_loss", 1e-5), ("grad_norm", 1e-4)):
+    for key, rtol in (("loss", 1e-5), ("lm_loss", 1e-5), ("aux_loss", 1e-5), ("seq_aux_loss", 1e-5), ("z_loss", 1e-5),
+                      ("grad_norm", 1e-4)):
         np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in reference], rtol=rtol, err_msg=key)
     for a, b in zip(reference[:EXACT_STEPS], steps[:EXACT_STEPS]):
         np.testing.assert_array_equal(b["expert_load"], a["expert_load"], err_msg=f"step {a['step']}")
     for a, b in zip(reference[EXACT_STEPS:], steps[EXACT_STEPS:]):
         assert np.abs(np.subtract(b["expert_load"], a["expert_load"])).max() <= 4, f"step {a['step']}"
+    assert [r["routed"] for r in steps] == [r["routed"] for r in reference]
     assert reference[0]["loss"] - reference[-1]["loss"] > 0.5          # it trains
     if name == "cp2":
         np.testing.assert_allclose(eval_loss(run_dirs[name]), eval_loss(reference_dir), rtol=1e-5)
