@@ -46,8 +46,10 @@ def test_local_batch_holds_the_chunks_labels_and_global_positions():
     assert pos.tolist() == [[2, 3, 4, 5]] * 2
     assert ids.tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
     assert (lab == ids + 1).all() and (docs == 0).all() and docs.dtype == np.int32 and pos.dtype == np.int32
-    with pytest.raises(LayoutError, match="packed documents"):
-        local_batch((tokens, labels, tokens, tokens), 2, 0)
+    docs, positions = tokens // 105, tokens % 3                       # packed documents: sliced alike
+    assert [a[0].tolist() for a in local_batch((tokens, labels, docs, positions), 2, 1)[2:]] == [[0, 0, 0, 1], [0, 1, 2, 0]]
+    with pytest.raises(LayoutError, match="arrays of one shape"):
+        local_batch((tokens, labels[:, :4]), 2, 0)
 
 
 def test_token_count_guard_names_the_counts():
@@ -185,7 +187,7 @@ MOE = ModelShape(layers=4, heads=4, kv_heads=2, vocab=2048, experts=8, expert_ff
 
 
 def problems(**kw):
-    known = {k: kw.pop(k) for k in ("world", "seq_length", "documents", "shape") if k in kw}
+    known = {k: kw.pop(k) for k in ("world", "seq_length", "shape") if k in kw}
     return "\n".join(layout_problems(Layout(**kw), known.pop("shape", MOE), **known))
 
 
@@ -202,10 +204,9 @@ def test_layout_rules_of_context_parallel():
     assert problems(cp=2, cp_comm="p2p", seq_length=64) == ""
     assert "parallel.cp_comm_type must be one of" in problems(cp=2, cp_comm="ring")
     assert "model.num_kv_heads (2) is not divisible by parallel.context_parallel (4)" in problems(cp=4, cp_comm="a2a")
-    assert "packed documents" in problems(cp=2, documents=True)
     assert "model.mtp_depth=1" in problems(cp=2, shape=ModelShape(layers=2, heads=4, mtp_depth=1))
     assert "no attention layers" in problems(cp=2, shape=ModelShape())
-    assert problems(cp=1, tp=2, documents=True) == ""                   # cp 1: nothing changes
+    assert problems(cp=1, tp=2) == ""                                   # cp 1: nothing changes
 
 
 def test_config_errors_name_the_key(tmp_path):
@@ -217,8 +218,6 @@ def test_config_errors_name_the_key(tmp_path):
                            ("parallel.context_parallel=0", "parallel.context_parallel")):
         with pytest.raises(ConfigError, match=text.replace(".", r"\.").replace("(", r"\(")):
             load_config("configs/moe_tiny.yaml", [override])
-    with pytest.raises(ConfigError, match=r"data\.reset_attention_mask"):
-        load_config("configs/moe_tiny.yaml", ["parallel.context_parallel=2", "data.reset_attention_mask=true"])
 
 
 def test_groups_of_a_dp2_tp2_cp2_layout():
@@ -259,16 +258,17 @@ def mla_layer(seq):
     return MultiHeadLatentAttention(cfg)
 
 
-@pytest.mark.parametrize("family, comm_type", [("gqa", "all_gather"), ("gqa", "p2p"), ("gqa", "a2a"),
-                                               ("mla", "all_gather"), ("mla", "a2a")])
-def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, family, comm_type, cp=2):
+@pytest.mark.parametrize("family, comm_type, packed", [
+    ("gqa", "all_gather", False), ("gqa", "p2p", False), ("gqa", "a2a", False), ("mla", "all_gather", False),
+    ("mla", "a2a", False), ("gqa", "all_gather", True), ("gqa", "p2p", True), ("gqa", "a2a", True)])
+def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, family, comm_type, packed, cp=2):
     """An `Attention` layer (GQA 4/2 heads, RoPE) switched to `ContextParallelAttention`, each rank's
     local tokens with their global positions (`local_batch`), the collectives simulated in one process
     (every call of every rank gets what all ranks put into the same call; a few passes until each
     rank has seen the others' inputs): its outputs, put back in order, equal the layer on the whole
     sequence. all_gather: K|V gathered, blockwise attention; p2p: the blocks passed around the ring;
     a2a: Ulysses' all-to-alls around the layer's own attention on 1/cp of the heads. GQA (Llama) and
-    MLA (DeepSeek-V3)."""
+    MLA (DeepSeek-V3); packed documents (document masks crossing the chunks, positions restarting)."""
     from mindspore import Tensor, ops
 
     from moetrain.dist.topology import Group
@@ -278,7 +278,14 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
     seq, hidden = 4 * cp, 32
     layer = {"gqa": gqa_layer, "mla": mla_layer}[family](seq)
     x = rng.normal(0, 1, (2, seq, hidden)).astype(np.float32)
-    whole = layer(Tensor(x)).asnumpy()
+    batch = [np.zeros((2, seq), np.int32)] * 2
+    if packed:   # row 0: documents of 3, 3 and 2 tokens; row 1: 5 and 3 (each crosses a chunk boundary)
+        docs = np.array([[0, 0, 0, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1]], np.int32)
+        starts = np.array([[0, 0, 0, 3, 3, 3, 6, 6], [0, 0, 0, 0, 0, 5, 5, 5]], np.int32)
+        batch += [docs, (np.arange(seq) - starts).astype(np.int32)]
+        whole = layer(Tensor(x), (Tensor(docs), Tensor(batch[3]))).asnumpy()
+    else:
+        whole = layer(Tensor(x)).asnumpy()
 
     sent, calls = {}, {}
     def record(group, value):   # noqa: E306  (-> every rank's input to this call, as far as known)
@@ -307,9 +314,10 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
         calls.clear()
         for r in range(cp):
             layer.context_parallel = cpmod.ContextParallelAttention(Group("cp", tuple(range(cp)), r, "fake"), seq,
-                                                                    comm_type)
-            _, _, docs, pos = cpmod.local_batch((np.zeros((2, seq), np.int32),) * 2, cp, r)
-            outs[r] = (pos[0], layer(Tensor(x[:, pos[0]]), (Tensor(docs), Tensor(pos))).asnumpy())
+                                                                    comm_type, packed)
+            _, _, docs, pos = cpmod.local_batch(batch, cp, r)
+            order = cpmod.chunk_order(seq, cp, r)
+            outs[r] = (order, layer(Tensor(x[:, order]), (Tensor(docs), Tensor(pos))).asnumpy())
     got = np.zeros_like(whole)
     for order, out in outs.values():
         got[:, order] = out
