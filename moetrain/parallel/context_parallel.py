@@ -406,6 +406,7 @@ def check_token_count(global_counts: Sequence[int], local_counts: Sequence[int],
                                   f"unequally (moetrain/parallel/context_parallel.py)")
     averaged = sum(local_counts) * cp * dp
     if averaged != global_tokens:
-        raise TokenCountError(f"context parallel: the loss is averaged over {averaged} tokens (local {sum(local_counts)} "
+        raise TokenCountError(f"context parallel: the loss is averaged over {averaged} tokens "
+                              f"(local {sum(local_counts)} "
                               f"x cp {cp} x dp {dp}), but the global batch holds {global_tokens} "
                               f"(train.global_batch_size x seq_length); check data.seq_length against model.seq_length")
