@@ -503,8 +503,7 @@ def validate(cfg: Config, source: str) -> None:
     if p.mode != "auto":   # the layout rules (the world size only when a launcher announced it)
         problems = layout_problems(Layout.of(cfg), ModelShape.of(cfg.model), world=launched_world_size(),
                                    global_batch_size=t.global_batch_size,
-                                   seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None),
-                                   documents=cfg.data.reset_attention_mask or cfg.data.reset_position_ids)
+                                   seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None))
         if problems:
             raise ConfigError(f"{source}: the parallel layout cannot run:\n  - " + "\n  - ".join(problems))
     _validate_data(cfg.data, source)

@@ -347,8 +347,9 @@ class CausalAttention(nn.Cell):
             return self.attend_sequence(q, k, v, scale, rope, context)
         if not cp.splits_heads:
             return cp.attend(q, k, v, scale, rope, context)
-        q, k, v = cp.to_heads(q, k, v)
-        return cp.from_heads(self.attend_sequence(q, k, v, scale, rope, None), v.shape[-1])
+        whole = cp.whole_context(context)
+        q, k, v = cp.to_heads(q, k, v, None if whole is None else whole[0])
+        return cp.from_heads(self.attend_sequence(q, k, v, scale, rope, whole), v.shape[-1])
 
     def attend_sequence(self, q, k, v, scale: float, rope=None, context=None):
         """`attend` over a whole sequence held here (the fused kernel or the plain path)."""

@@ -80,7 +80,6 @@ class ModelShape:
     shared_ffn: int = 0
     expert_ffn: int = 0                     # a routed expert's FFN width (split over expert_tensor_parallel)
     mtp_depth: int = 0                      # multi-token-prediction modules (DeepSeek-V3)
-    latent_attention: bool = False          # multi-head latent attention (DeepSeek-V3's MLA)
 
     @classmethod
     def of(cls, model_cfg) -> "ModelShape":
@@ -93,8 +92,7 @@ class ModelShape:
                    ffn=get("ffn_hidden_size") if layers is None or len(moe_layers) < layers else None,
                    experts=moe.num_experts if moe is not None else 0,
                    shared_ffn=moe.shared_hidden_size if moe is not None else 0,
-                   expert_ffn=moe.ffn_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0,
-                   latent_attention=bool(get("kv_lora_rank")))
+                   expert_ffn=moe.ffn_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0)
 
 
 @dataclass(frozen=True)
@@ -179,11 +177,9 @@ class Layout:
 
 
 def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world: Optional[int] = None,
-                    global_batch_size: Optional[int] = None, seq_length: Optional[int] = None,
-                    documents: bool = False) -> List[str]:
+                    global_batch_size: Optional[int] = None, seq_length: Optional[int] = None) -> List[str]:
     """Every reason `layout` cannot run (empty when it can), each naming the keys and a fix. Rules
-    that need what is not given (the world size, the model's sizes, the batch) are skipped.
-    `documents`: the batches carry packed-document ids (data.reset_attention_mask / reset_position_ids)."""
+    that need what is not given (the world size, the model's sizes, the batch) are skipped."""
     L, m = layout, shape or ModelShape()
     problems: List[str] = []
 
@@ -205,7 +201,7 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
              f"but {world} {'were' if world > 1 else 'was'} launched: "
              + world_fix(world, L.tp * L.pp * L.cp, global_batch_size, L.cp)
              + f", or launch {L.world} processes (run_scripts/run_distributed.sh --nproc {L.world} CONFIG)")
-    problems += context_parallel_problems(L, shape, seq_length, documents)
+    problems += context_parallel_problems(L, shape, seq_length)
     need(L.tp % L.etp == 0, f"parallel.expert_tensor_parallel ({L.etp}) must divide model_parallel ({L.tp}): the "
          f"ranks splitting one expert hold the same tokens, i.e. are tensor-parallel ranks; use one of "
          f"{divisors(L.tp)}")
@@ -275,8 +271,7 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
     return problems
 
 
-def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length: Optional[int],
-                              documents: bool = False) -> List[str]:
+def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length: Optional[int]) -> List[str]:
     """The rules of `parallel.context_parallel` (moetrain/parallel/context_parallel.py): the sequence
     cut into 2·cp chunks, and, for a model (`shape` given: config loading, the trainer, the planner),
     the combinations that do not run yet, refused by name rather than run wrong
@@ -313,16 +308,10 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
     if shape.layers is None or shape.heads is None:
         problems.append("parallel.context_parallel > 1 splits the sequences of a language model; this model "
                         "has no attention layers (model.num_layers / num_heads): set it to 1")
-    if shape.latent_attention:
-        problems.append(f"multi-head latent attention (model.kv_lora_rank, DeepSeek-V3) {not_yet}; "
-                        f"set parallel.context_parallel=1")
     if shape.mtp_depth:
         problems.append(f"multi-token prediction (model.mtp_depth={shape.mtp_depth}) {not_yet}: its depth k "
                         f"reads the positions k+1 ahead, across the split; set model.mtp_depth=0 or "
                         f"parallel.context_parallel=1")
-    if documents:
-        problems.append(f"packed documents (data.reset_attention_mask / data.reset_position_ids) {not_yet}; "
-                        f"set both to false or parallel.context_parallel=1")
     return problems
 
 
@@ -367,8 +356,7 @@ def check_config_layout(cfg, world: Optional[int] = None) -> Layout:
     """The layout of a config, checked against its model, batch and (when known) the world size."""
     layout = Layout.of(cfg)
     check_layout(layout, ModelShape.of(cfg.model), world=world, global_batch_size=cfg.train.global_batch_size,
-                 seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None),
-                 documents=cfg.data.reset_attention_mask or cfg.data.reset_position_ids)
+                 seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None))
     return layout
 
 

@@ -318,7 +318,8 @@ class Trainer:
         dumps = [os.path.join(root, f) for root, _, files in os.walk(os.environ.get("MS_OM_PATH", "."))
                  for f in files if f == "analyze_fail.ir"]
         return (f"the first training step of model {m.name!r} ({getattr(m, 'num_layers', '?')} layers) on layout "
-                f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep}{f' cp={p.cp}' if p.cp > 1 else ''} (ZeRO-{self.opt_step.level}, recompute="
+                f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep}{f' cp={p.cp}' if p.cp > 1 else ''} "
+                f"(ZeRO-{self.opt_step.level}, recompute="
                 f"{self.cfg.parallel.recompute}) failed while MindSpore compiled or first ran its graphs: "
                 f"{type(exc).__name__}: {first}"
                 + (f"\n  MindSpore's analysis: {dumps[0]}" if dumps else "")

@@ -46,15 +46,19 @@ def test_local_batch_holds_the_chunks_labels_and_global_positions():
     assert pos.tolist() == [[2, 3, 4, 5]] * 2
     assert ids.tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
     assert (lab == ids + 1).all() and (docs == 0).all() and docs.dtype == np.int32 and pos.dtype == np.int32
-    with pytest.raises(LayoutError, match="packed documents"):
-        local_batch((tokens, labels, tokens, tokens), 2, 0)
+    docs, positions = tokens // 105, tokens % 3                       # packed documents: sliced alike
+    packed = local_batch((tokens, labels, docs, positions), 2, 1)
+    assert [a[0].tolist() for a in packed[2:]] == [[0, 0, 0, 1], [0, 1, 2, 0]]
+    with pytest.raises(LayoutError, match="arrays of one shape"):
+        local_batch((tokens, labels[:, :4]), 2, 0)
 
 
 def test_token_count_guard_names_the_counts():
     from moetrain.parallel.context_parallel import TokenCountError, check_token_count
 
     check_token_count([64, 64], [32, 32], cp=2, dp=2, global_tokens=256)
-    with pytest.raises(TokenCountError, match="micro-batch 1 has 64 label tokens but this rank's loss averages over 30"):
+    with pytest.raises(TokenCountError, match="micro-batch 1 has 64 label tokens but this rank's loss averages "
+                                              "over 30"):
         check_token_count([64, 64], [32, 30], cp=2, dp=2, global_tokens=256)
     with pytest.raises(TokenCountError, match="averaged over 128 tokens .* global batch holds 256"):
         check_token_count([64], [32], cp=2, dp=2, global_tokens=256)
@@ -155,7 +159,8 @@ def test_blockwise_attention_equals_full_attention(ms, cp):
     if cp > 2:
         return
     plain32 = attention_and_grads(ms, full, arrays, weights, "float32")
-    for name, got, plain, want in zip(names, attention_and_grads(ms, split, arrays, weights, "float32"), plain32, truth):
+    split32 = attention_and_grads(ms, split, arrays, weights, "float32")
+    for name, got, plain, want in zip(names, split32, plain32, truth):
         error, plain_error = np.abs(got - want).max(), np.abs(plain - want).max()
         assert error <= 2 * plain_error + 1e-6, f"{name}, cp={cp}, float32: {error:.2e} vs plain {plain_error:.2e}"
 
@@ -185,7 +190,7 @@ MOE = ModelShape(layers=4, heads=4, kv_heads=2, vocab=2048, experts=8, expert_ff
 
 
 def problems(**kw):
-    known = {k: kw.pop(k) for k in ("world", "seq_length", "documents", "shape") if k in kw}
+    known = {k: kw.pop(k) for k in ("world", "seq_length", "shape") if k in kw}
     return "\n".join(layout_problems(Layout(**kw), known.pop("shape", MOE), **known))
 
 
@@ -194,7 +199,8 @@ def test_layout_rules_of_context_parallel():
     assert Layout(dp=2, cp=2).world == 4
     assert "2 x parallel.context_parallel = 6" in problems(cp=3, seq_length=128)
     assert "context_parallel (2) = 2 processes, but 4 were launched" in problems(cp=2, world=4)
-    for kw, key in ((dict(tp=2), "parallel.model_parallel=2"), (dict(pp=2, num_micro_batches=2), "parallel.pipeline_stage=2"),
+    for kw, key in ((dict(tp=2), "parallel.model_parallel=2"),
+                    (dict(pp=2, num_micro_batches=2), "parallel.pipeline_stage=2"),
                     (dict(ep=2, dp=2), "parallel.expert_parallel=2")):
         assert f"{key}" in problems(cp=2, **kw), kw
         assert "not supported with parallel.context_parallel > 1 yet" in problems(cp=2, **kw), kw
@@ -202,11 +208,9 @@ def test_layout_rules_of_context_parallel():
     assert problems(cp=2, cp_comm="p2p", seq_length=64) == ""
     assert "parallel.cp_comm_type must be one of" in problems(cp=2, cp_comm="ring")
     assert "model.num_kv_heads (2) is not divisible by parallel.context_parallel (4)" in problems(cp=4, cp_comm="a2a")
-    assert "packed documents" in problems(cp=2, documents=True)
-    assert "kv_lora_rank" in problems(cp=2, shape=ModelShape(layers=2, heads=4, latent_attention=True))
     assert "model.mtp_depth=1" in problems(cp=2, shape=ModelShape(layers=2, heads=4, mtp_depth=1))
     assert "no attention layers" in problems(cp=2, shape=ModelShape())
-    assert problems(cp=1, tp=2, documents=True) == ""                   # cp 1: nothing changes
+    assert problems(cp=1, tp=2) == ""                                   # cp 1: nothing changes
 
 
 def test_config_errors_name_the_key(tmp_path):
@@ -218,8 +222,6 @@ def test_config_errors_name_the_key(tmp_path):
                            ("parallel.context_parallel=0", "parallel.context_parallel")):
         with pytest.raises(ConfigError, match=text.replace(".", r"\.").replace("(", r"\(")):
             load_config("configs/moe_tiny.yaml", [override])
-    with pytest.raises(ConfigError, match=r"data\.reset_attention_mask"):
-        load_config("configs/moe_tiny.yaml", ["parallel.context_parallel=2", "data.reset_attention_mask=true"])
 
 
 def test_groups_of_a_dp2_tp2_cp2_layout():
@@ -238,28 +240,57 @@ def test_groups_of_a_dp2_tp2_cp2_layout():
         assert ctx.group("edp").ranks == ctx.group("dp").ranks and ctx.dp_cp == 4
     assert sorted(seen.values()) == sorted((d, c) for d in range(2) for c in range(2) for _ in range(2))
     single = ParallelContext.build(2, 1, dp=1, cp=2)
-    assert (single.cp_rank, single.dp_rank, single.group("cp").ranks, single.group("dp").ranks) == (1, 0, (0, 1), (0, 1))
+    assert (single.cp_rank, single.dp_rank) == (1, 0)
+    assert single.group("cp").ranks == single.group("dp").ranks == (0, 1)
 
 
-@pytest.mark.parametrize("comm_type", ["all_gather", "p2p", "a2a"])
-def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, comm_type, cp=2):
+def gqa_layer(seq):
+    from moetrain.layers import Attention
+
+    return Attention(32, 4, 2, 8, max_positions=seq)                       # GQA: 4 query heads, 2 K/V heads
+
+
+def mla_layer(seq):
+    """DeepSeek-V3's multi-head latent attention: RoPE on the decoupled part at the context's positions
+    (before `attend`), a value head narrower than the query/key head, YaRN's softmax scale."""
+    from models.deepseek_v3 import MultiHeadLatentAttention
+    from moetrain.config import load_config
+
+    cfg = load_config("configs/deepseek_v3_tiny.yaml", [
+        f"model.seq_length={seq}", "model.hidden_size=32", "model.q_lora_rank=24", "model.kv_lora_rank=16",
+        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6", "model.mtp_depth=0",
+        "model.yarn_factor=4", "model.yarn_original_max_positions=4", "model.yarn_mscale_all_dim=1"]).model
+    return MultiHeadLatentAttention(cfg)
+
+
+@pytest.mark.parametrize("family, comm_type, packed", [
+    ("gqa", "all_gather", False), ("gqa", "p2p", False), ("gqa", "a2a", False), ("mla", "all_gather", False),
+    ("mla", "a2a", False), ("gqa", "all_gather", True), ("gqa", "p2p", True), ("gqa", "a2a", True)])
+def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, family, comm_type, packed, cp=2):
     """An `Attention` layer (GQA 4/2 heads, RoPE) switched to `ContextParallelAttention`, each rank's
     local tokens with their global positions (`local_batch`), the collectives simulated in one process
     (every call of every rank gets what all ranks put into the same call; a few passes until each
     rank has seen the others' inputs): its outputs, put back in order, equal the layer on the whole
     sequence. all_gather: K|V gathered, blockwise attention; p2p: the blocks passed around the ring;
-    a2a: Ulysses' all-to-alls around the layer's own attention on 1/cp of the heads."""
+    a2a: Ulysses' all-to-alls around the layer's own attention on 1/cp of the heads. GQA (Llama) and
+    MLA (DeepSeek-V3); packed documents (document masks crossing the chunks, positions restarting)."""
     from mindspore import Tensor, ops
 
     from moetrain.dist.topology import Group
-    from moetrain.layers import Attention
     from moetrain.parallel import context_parallel as cpmod
 
     rng = np.random.default_rng(0)
     seq, hidden = 4 * cp, 32
-    layer = Attention(hidden, 4, 2, 8, max_positions=seq)
+    layer = {"gqa": gqa_layer, "mla": mla_layer}[family](seq)
     x = rng.normal(0, 1, (2, seq, hidden)).astype(np.float32)
-    whole = layer(Tensor(x)).asnumpy()
+    batch = [np.zeros((2, seq), np.int32)] * 2
+    if packed:   # row 0: documents of 3, 3 and 2 tokens; row 1: 5 and 3 (each crosses a chunk boundary)
+        docs = np.array([[0, 0, 0, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1]], np.int32)
+        starts = np.array([[0, 0, 0, 3, 3, 3, 6, 6], [0, 0, 0, 0, 0, 5, 5, 5]], np.int32)
+        batch += [docs, (np.arange(seq) - starts).astype(np.int32)]
+        whole = layer(Tensor(x), (Tensor(docs), Tensor(batch[3]))).asnumpy()
+    else:
+        whole = layer(Tensor(x)).asnumpy()
 
     sent, calls = {}, {}
     def record(group, value):   # noqa: E306  (-> every rank's input to this call, as far as known)
@@ -288,9 +319,10 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
         calls.clear()
         for r in range(cp):
             layer.context_parallel = cpmod.ContextParallelAttention(Group("cp", tuple(range(cp)), r, "fake"), seq,
-                                                                    comm_type)
-            _, _, docs, pos = cpmod.local_batch((np.zeros((2, seq), np.int32),) * 2, cp, r)
-            outs[r] = (pos[0], layer(Tensor(x[:, pos[0]]), (Tensor(docs), Tensor(pos))).asnumpy())
+                                                                    comm_type, packed)
+            _, _, docs, pos = cpmod.local_batch(batch, cp, r)
+            order = cpmod.chunk_order(seq, cp, r)
+            outs[r] = (order, layer(Tensor(x[:, order]), (Tensor(docs), Tensor(pos))).asnumpy())
     got = np.zeros_like(whole)
     for order, out in outs.values():
         got[:, order] = out

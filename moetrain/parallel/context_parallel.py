@@ -87,20 +87,23 @@ def chunk_order(seq_len: int, cp: int, rank: int) -> np.ndarray:
 
 
 def local_batch(batch: Sequence[np.ndarray], cp: int, rank: int) -> Tuple[np.ndarray, ...]:
-    """This rank's part of an LM batch `(input_ids, labels)` `[B, S]`: the local tokens and labels
-    `[B, S / cp]` and the attention context the model then needs, `(document_ids, position_ids)`
-    (one document per row; the global positions, which RoPE rotates at)."""
-    if len(batch) != 2:
-        raise LayoutError(f"parallel.context_parallel > 1 splits LM batches (input_ids, labels); this batch has "
-                          f"{len(batch)} arrays (packed documents are not split yet: docs/context_parallel.md)")
-    input_ids, labels = (np.asarray(a) for a in batch)
-    if input_ids.ndim != 2 or labels.shape != input_ids.shape:
-        raise LayoutError(f"parallel.context_parallel > 1 needs [batch, seq] token and label arrays, got "
-                          f"{input_ids.shape} and {labels.shape}")
+    """This rank's part of an LM batch `(input_ids, labels[, document_ids, position_ids])` `[B, S]`:
+    the local tokens and labels `[B, S / cp]` and the attention context the model then needs,
+    `(document_ids, position_ids)`: the batch's own, sliced alike (packed documents: docs/data.md), or
+    one document per row and the global positions, which RoPE rotates at."""
+    if len(batch) not in (2, 4):
+        raise LayoutError(f"parallel.context_parallel > 1 splits LM batches (input_ids, labels[, document_ids, "
+                          f"position_ids]); this batch has {len(batch)} arrays")
+    arrays = [np.asarray(a) for a in batch]
+    input_ids = arrays[0]
+    if input_ids.ndim != 2 or any(a.shape != input_ids.shape for a in arrays):
+        raise LayoutError(f"parallel.context_parallel > 1 needs [batch, seq] arrays of one shape, got "
+                          f"{[a.shape for a in arrays]}")
     order = chunk_order(input_ids.shape[1], cp, rank)
-    positions = np.broadcast_to(order.astype(np.int32), (input_ids.shape[0], order.size))
-    return (np.ascontiguousarray(input_ids[:, order]), np.ascontiguousarray(labels[:, order]),
-            np.zeros(positions.shape, np.int32), np.ascontiguousarray(positions))
+    if len(arrays) == 2:
+        positions = np.broadcast_to(np.arange(input_ids.shape[1], dtype=np.int32), input_ids.shape)
+        arrays += [np.zeros(input_ids.shape, np.int32), positions]
+    return tuple(np.ascontiguousarray(a[:, order]) for a in arrays)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,8 +117,10 @@ def _softmax_dtype(x):
 def block_attention(q, k, v, mask=None):
     """One block's softmax attention with its log-sum-exp. q `[B, h, g, Sq, d]` (pre-scaled; the g
     query heads sharing one of the h K/V heads), k `[B, h, Sk, d]`, v `[B, h, Sk, dv]`, mask None or
-    additive fp32 `[Sq, Sk]` -> `(out [B, h, g, Sq, dv], lse [B, h, g, Sq, 1])` in fp32 (fp64 for fp64
-    inputs), `out` normalised over this block's keys only. Every query row must see at least one key."""
+    additive fp32 `[Sq, Sk]` or `[B, 1, 1, Sq, Sk]` -> `(out [B, h, g, Sq, dv], lse [B, h, g, Sq, 1])` in
+    fp32 (fp64 for fp64 inputs), `out` normalised over this block's keys only. A row that sees no key
+    gets `lse` about −1e9 (the finite mask), so merging gives it no weight; the diagonal block shows
+    every row its own key."""
     batch, heads, group, rows, dim = q.shape
     keys = k.shape[2]
     dtype = _softmax_dtype(q)
@@ -153,41 +158,61 @@ def causal_mask(rows: int, positions) -> Tensor:
     return (pos.reshape(1, -1) > pos.reshape(-1, 1)).astype(ms.float32) * _MASKED
 
 
-def blockwise_attention(q, k_all, v_all, rank: int, cp: int, positions):
+def blockwise_attention(q, k_all, v_all, rank: int, cp: int, positions, documents=None):
     """Causal attention of rank `rank`'s local queries against every rank's keys, block by block in
     ring order, merged by log-sum-exp (module docstring). q `[B, h, g, L, d]` pre-scaled, the local
     L = S / cp tokens (chunk `rank`, then chunk 2·cp−1−rank); k_all `[B, h, cp·L, d]`, v_all
     `[B, h, cp·L, dv]`: rank j's local keys at `[j·L, (j+1)·L)` (what an all-gather over the cp group
-    gives); `positions`: an int32 arange at least L long -> `[B, h, g, L, dv]` fp32 (fp64 for fp64)."""
+    gives); `positions`: an int32 arange at least L long; `documents`: None, or `(query_docs [B, L],
+    key_docs [B, cp·L])` (packed documents) -> `[B, h, g, L, dv]` fp32 (fp64 for fp64)."""
     rows = q.shape[3]
     k_blocks = ops.split(k_all, [rows] * cp, 2)
     v_blocks = ops.split(v_all, [rows] * cp, 2)
     arrival = [(rank - step) % cp for step in range(cp)]
-    return ring_attention(q, [k_blocks[j] for j in arrival], [v_blocks[j] for j in arrival], rank, cp, positions)
+    if documents is not None:
+        doc_blocks = ops.split(documents[1], [rows] * cp, 1)
+        documents = (documents[0], [doc_blocks[j] for j in arrival])
+    return ring_attention(q, [k_blocks[j] for j in arrival], [v_blocks[j] for j in arrival], rank, cp, positions,
+                          documents)
 
 
-def ring_attention(q, k_blocks, v_blocks, rank: int, cp: int, positions):
+def ring_attention(q, k_blocks, v_blocks, rank: int, cp: int, positions, documents=None):
     """`blockwise_attention` on blocks in ring order: `k_blocks[t]`, `v_blocks[t]` `[B, h, L, d]` /
     `[B, h, L, dv]` are the local keys and values of rank (rank − t) mod cp, as a ring delivers them
-    (t = 0: this rank's own)."""
+    (t = 0: this rank's own). `documents`: None, or `(query_docs [B, L], doc_blocks)` with
+    `doc_blocks[t]` `[B, L]` the document ids of block t's keys (packed documents: a query sees only
+    keys of its own document)."""
     rows = q.shape[3]
+    masks = [None] * cp if documents is None else [_document_mask(documents[0], d) for d in documents[1]]
     # the diagonal block: the local tokens in increasing global order, so the plain causal mask
-    out, lse = block_attention(q, k_blocks[0], v_blocks[0], causal_mask(rows, positions))
+    diagonal = causal_mask(rows, positions)
+    if masks[0] is not None:
+        diagonal = diagonal + masks[0]
+    out, lse = block_attention(q, k_blocks[0], v_blocks[0], diagonal)
     first_out, second_out = _halves(out, 3)
     first_lse, second_lse = _halves(lse, 3)
     first, second = (first_out, first_lse), (second_out, second_lse)
     q_second = _halves(q, 3)[1]
     for step in range(1, cp):
         j = (rank - step) % cp
+        mask = masks[step]
         if j < rank:   # both local chunks see the block's first chunk, neither its second
-            out, lse = block_attention(q, _halves(k_blocks[step], 2)[0], _halves(v_blocks[step], 2)[0])
+            mask = None if mask is None else _halves(mask, 4)[0]
+            out, lse = block_attention(q, _halves(k_blocks[step], 2)[0], _halves(v_blocks[step], 2)[0], mask)
             out_a, out_b = _halves(out, 3)
             lse_a, lse_b = _halves(lse, 3)
             first = merge_partials(first, (out_a, lse_a))
             second = merge_partials(second, (out_b, lse_b))
         else:          # only the local second chunk sees the block, all of it
-            second = merge_partials(second, block_attention(q_second, k_blocks[step], v_blocks[step]))
+            mask = None if mask is None else _halves(mask, 3)[1]
+            second = merge_partials(second, block_attention(q_second, k_blocks[step], v_blocks[step], mask))
     return ops.concat((first[0], second[0]), 3)
+
+
+def _document_mask(query_docs, key_docs):
+    """Additive fp32 `[B, 1, 1, Sq, Sk]`: `_MASKED` where the key is in another document."""
+    other = query_docs.reshape(query_docs.shape[0], 1, 1, -1, 1) != key_docs.reshape(key_docs.shape[0], 1, 1, 1, -1)
+    return other.astype(ms.float32) * _MASKED
 
 
 def heads_major_queries(q, num_kv_heads: int):
@@ -218,8 +243,9 @@ class ContextParallelAttention(nn.Cell):
       `from_heads(out)` trades back. Query head h still reads K/V head h // g: rank r holds query heads
       [r·n/cp, (r+1)·n/cp) and K/V heads [r·n_kv/cp, (r+1)·n_kv/cp). `seq_length`: the whole sequence."""
 
-    def __init__(self, group, seq_length: int, comm_type: str = "all_gather"):
+    def __init__(self, group, seq_length: int, comm_type: str = "all_gather", packed: bool = False):
         super().__init__()
+        self.packed = packed          # packed documents: document masks cross the split, positions restart
         if comm_type not in ("all_gather", "p2p", "a2a"):
             raise LayoutError(f"parallel.cp_comm_type={comm_type!r} is not one of all_gather, p2p, a2a")
         self.group = group
@@ -238,13 +264,16 @@ class ContextParallelAttention(nn.Cell):
         self.to_natural = Tensor(np.argsort(ranks_order).astype(np.int32))
         self.to_ranks = Tensor(ranks_order.astype(np.int32))
 
-    def to_heads(self, q, k, v):
+    def to_heads(self, q, k, v, after=None):
         """Ulysses: local tokens of every head `[B, S/cp, heads, d]` -> the whole sequence, in order, of
-        this rank's 1/cp of the heads `[B, S, heads/cp, d]`, for q, k and v (in that order on every rank)."""
+        this rank's 1/cp of the heads `[B, S, heads/cp, d]`, for q, k and v (in that order on every rank,
+        after the tensor `after` when given)."""
         out = ()
         for x in (q, k, v):
             if out:
                 x = ops.depend(x, out[-1])
+            elif after is not None:
+                x = ops.depend(x, after)
             whole = comm.all_to_all(x, self.group, 2, 1)                   # rank order of the chunks
             if whole.shape[1] != self.seq_length:
                 raise ValueError(f"context parallel a2a: a sequence of {whole.shape[1]} tokens, the layer was set "
@@ -269,20 +298,35 @@ class ContextParallelAttention(nn.Cell):
         q = q * scale
         num_kv_heads, head_dim = k.shape[2], k.shape[3]
         queries = heads_major_queries(q, num_kv_heads)
+        docs = context[0].astype(ms.float32) if self.packed else None       # ids < 2^24: exact in fp32
         if self.ring:
             block = ops.concat((k, v), -1).transpose(0, 2, 1, 3)             # [B, n_kv, L, d + dv]
-            blocks = [block]
+            blocks, doc_blocks = [block], [docs]
             for _ in range(1, self.cp):                                     # rank r - t's block at step t
                 blocks.append(self.ring_shift(blocks[-1]))
+                if docs is not None:                                        # after the block: one order everywhere
+                    doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
             pairs = [ops.split(b, [head_dim, v.shape[-1]], -1) for b in blocks]
             out = ring_attention(queries, [p[0] for p in pairs], [p[1] for p in pairs], self.rank, self.cp,
-                                 self.positions)
+                                 self.positions, None if docs is None else (docs, doc_blocks))
             return tokens_major_output(out.astype(q.dtype))
         kv = comm.all_gather(ops.concat((k, v), -1), self.group, 1)          # [B, cp * L, n_kv, d + dv]
+        documents = None
+        if docs is not None:
+            documents = (docs, comm.all_gather(ops.depend(docs, kv), self.group, 1))
         kv = kv.transpose(0, 2, 1, 3)                                       # [B, n_kv, cp * L, d + dv]
         k_all, v_all = ops.split(kv, [head_dim, v.shape[-1]], -1)
-        out = blockwise_attention(queries, k_all, v_all, self.rank, self.cp, self.positions)
+        out = blockwise_attention(queries, k_all, v_all, self.rank, self.cp, self.positions, documents)
         return tokens_major_output(out.astype(q.dtype))
+
+    def whole_context(self, context):
+        """Ulysses: the attention context of the whole sequence, in order (packed documents: document
+        ids and positions all-gathered over the group; otherwise None: one document, positions 0..S−1)."""
+        if not self.packed:
+            return None
+        local = ops.stack((context[0], context[1]), -1).astype(ms.float32)  # ids and positions < 2^24: exact
+        whole = ops.gather(comm.all_gather(local, self.group, 1), self.to_natural, 1).astype(ms.int32)
+        return whole[:, :, 0], whole[:, :, 1]
 
     def ring_shift(self, block):
         """One ring step: `block` to the next rank of the cp group, the previous rank's block back
@@ -312,9 +356,10 @@ def parallelize_context(model, cfg, pctx) -> int:
     if not cells:
         raise LayoutError(f"parallel.context_parallel={pctx.cp}: model {type(model).__name__} has no causal attention "
                           f"layer (moetrain.layers.CausalAttention) to split the sequence for; set it to 1")
-    max_positions = cfg.data.seq_length or cfg.model.seq_length
+    seq_length = cfg.data.seq_length or cfg.model.seq_length
+    packed = cfg.data.reset_attention_mask or cfg.data.reset_position_ids
     for cell in cells:
-        cell.context_parallel = ContextParallelAttention(group, max_positions, cfg.parallel.cp_comm_type)
+        cell.context_parallel = ContextParallelAttention(group, seq_length, cfg.parallel.cp_comm_type, packed)
     for layer in moe_layers(model):
         if layer.aux_loss_scope == "micro_batch":   # the micro-batch's tokens are those of the whole cp group
             layer.set_aux_loss_scope("global", group)
@@ -359,6 +404,7 @@ def check_token_count(global_counts: Sequence[int], local_counts: Sequence[int],
                                   f"unequally (moetrain/parallel/context_parallel.py)")
     averaged = sum(local_counts) * cp * dp
     if averaged != global_tokens:
-        raise TokenCountError(f"context parallel: the loss is averaged over {averaged} tokens (local {sum(local_counts)} "
+        raise TokenCountError(f"context parallel: the loss is averaged over {averaged} tokens "
+                              f"(local {sum(local_counts)} "
                               f"x cp {cp} x dp {dp}), but the global batch holds {global_tokens} "
                               f"(train.global_batch_size x seq_length); check data.seq_length against model.seq_length")
