@@ -9,6 +9,11 @@ jobs) and the second half does not (launches start up, ranks wait for each other
 sleep; measured: about a third of the two cores idle over its last 13 minutes). A niced child takes
 next to nothing while the others are busy and the idle share when they are not, so a child pytest
 that would add two minutes at the end runs in time that was idle.
+
+The launcher's fault tests (tests/test_launch_faults.py) mostly wait on their own timeouts
+(collective timeouts, the hang watchdog, relaunches): their child starts at normal priority (a
+starved rank would miss its timeouts) once the shared jobs have ended, and runs beside the
+files that launch jobs of their own instead of after them.
 """
 import os
 import subprocess
@@ -26,6 +31,8 @@ class BackgroundRun:
     env: Dict[str, str]
     cwd: str
     timeout: float
+    nice: int = 19
+    after_shared_jobs: bool = False
     proc: Optional[subprocess.Popen] = None
     log_path: str = ""
     started: float = 0.0
@@ -34,21 +41,29 @@ class BackgroundRun:
 REGISTERED: Dict[str, BackgroundRun] = {}
 
 
-def run_in_background(module: str, argv: List[str], env: Dict[str, str], cwd: str, timeout: float) -> None:
-    """Register `argv` for the session's background (call at import, with `__name__`)."""
-    REGISTERED[module] = BackgroundRun(list(argv), dict(env), cwd, timeout)
+def run_in_background(module: str, argv: List[str], env: Dict[str, str], cwd: str, timeout: float,
+                      nice: int = IDLE_NICE, after_shared_jobs: bool = False) -> None:
+    """Register `argv` for the session's background (call at import, with `__name__`). By default it
+    starts at the session's first test at idle priority; `after_shared_jobs` starts it once the shared
+    msrun jobs have ended (tests/conftest.py), at priority `nice`."""
+    REGISTERED[module] = BackgroundRun(list(argv), dict(env), cwd, timeout, nice, after_shared_jobs)
 
 
-def start_selected(selected: set) -> None:
-    """Start the registered commands of the selected test files (tests/conftest.py, first test)."""
+def start_selected(selected: set, after_shared_jobs: bool = False) -> None:
+    """Start the registered commands of the selected test files that start at this point of the
+    session: the first test (tests/conftest.py), or the end of the shared jobs (`after_shared_jobs`)."""
     for module, run in REGISTERED.items():
-        if module in selected and run.proc is None:
-            fd, run.log_path = tempfile.mkstemp(prefix=f"moetrain-background-{module}-", suffix=".log")
-            log = os.fdopen(fd, "w")
-            run.started = time.time()
-            run.proc = subprocess.Popen(run.argv, cwd=run.cwd, env=run.env, stdout=log, stderr=subprocess.STDOUT,
-                                        preexec_fn=lambda: os.nice(IDLE_NICE))
-            log.close()
+        if module in selected and run.proc is None and run.after_shared_jobs == after_shared_jobs:
+            _start(module, run)
+
+
+def _start(module: str, run: BackgroundRun) -> None:
+    fd, run.log_path = tempfile.mkstemp(prefix=f"moetrain-background-{module}-", suffix=".log")
+    log = os.fdopen(fd, "w")
+    run.started = time.time()
+    run.proc = subprocess.Popen(run.argv, cwd=run.cwd, env=run.env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.nice(run.nice))
+    log.close()
 
 
 def wait_for_background(module: str) -> subprocess.CompletedProcess:
@@ -56,7 +71,7 @@ def wait_for_background(module: str) -> subprocess.CompletedProcess:
     from its start."""
     run = REGISTERED[module]
     if run.proc is None:     # not started by the session (e.g. the test run without conftest's hook)
-        start_selected({module})
+        _start(module, run)
     remaining = max(1.0, run.timeout - (time.time() - run.started))
     try:
         code = run.proc.wait(timeout=remaining)
@@ -87,10 +102,12 @@ def in_child(module: str) -> bool:
     return os.environ.get(CHILD_ENV) == module
 
 
-def heavy_tests_in_child(module: str, path: str, marker: str, cwd: str, timeout: float) -> None:
-    """Register a child pytest that runs the tests of file `path` marked `marker` (at idle priority,
-    from the session's first test); in that child nothing is registered. The parent skips those
-    tests (`child_only`) and a test of its own reads the child's outcome (`wait_for_background`)."""
+def heavy_tests_in_child(module: str, path: str, marker: str, cwd: str, timeout: float, nice: int = IDLE_NICE,
+                         after_shared_jobs: bool = False) -> None:
+    """Register a child pytest that runs the tests of file `path` marked `marker` (at idle priority
+    from the session's first test, or as `run_in_background` says); in that child nothing is
+    registered. The parent skips those tests (`child_only`) and a test of its own reads the child's
+    outcome (`wait_for_background`)."""
     import sys
 
     if in_child(module):
@@ -98,7 +115,7 @@ def heavy_tests_in_child(module: str, path: str, marker: str, cwd: str, timeout:
     env = dict(os.environ, **{CHILD_ENV: module})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     run_in_background(module, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, path],
-                      env=env, cwd=cwd, timeout=timeout)
+                      env=env, cwd=cwd, timeout=timeout, nice=nice, after_shared_jobs=after_shared_jobs)
 
 
 def child_only(module: str):

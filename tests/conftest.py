@@ -103,11 +103,16 @@ def shared_jobs(request, tmp_path_factory):
 
 
 def pytest_runtest_setup(item):
-    """No test starts while a shared job trains a run whose timings a test asserts on."""
+    """No test starts while a shared job trains a run whose timings a test asserts on; once the
+    shared jobs have ended, the children registered `after_shared_jobs` start (tests/background.py)."""
+    import background
     import distributed
 
     if distributed.ACTIVE_JOBS:
-        distributed.ACTIVE_JOBS[0].hold_while_quiet()
+        jobs = distributed.ACTIVE_JOBS[0]
+        jobs.hold_while_quiet()
+        if all(done.is_set() for done in jobs.done.values()):
+            background.start_selected(distributed.SELECTED_MODULES, after_shared_jobs=True)
 
 
 @pytest.fixture(scope="session")

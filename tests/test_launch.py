@@ -1,6 +1,5 @@
-"""moetrain.dist.launch and run_scripts/: failure handling, two nodes on one machine, and the
-launcher's pieces (msrun command line, rank status files, scheduler pinning)."""
-import json
+"""moetrain.dist.launch's pieces (msrun command line, rank status files, scheduler pinning); its
+msrun jobs (a killed rank, a raising rank under run_distributed.sh) are in tests/test_launch_faults.py."""
 import os
 import subprocess
 import sys
@@ -8,11 +7,7 @@ import time
 
 import pytest
 
-from distributed import REPO, kill_leftovers, require_msrun, run_workers
 from moetrain.dist import launch
-
-SCRIPTS = os.path.join(REPO, "run_scripts")
-WORKER = os.path.join(REPO, "tests", "workers", "allreduce_worker.py")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,45 +75,3 @@ def test_status_descriptions_and_log_tail(tmp_path):
     log = tmp_path / "worker_0.log"
     log.write_text("[WARNING] ME noise\nTraceback (most recent call last):\n[INFO] more noise\nValueError: bad\n")
     assert launch.log_tail(str(log)) == "Traceback (most recent call last):\nValueError: bad"
-
-
-# ---------------------------------------------------------------------------------------------
-# msrun jobs
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.distributed
-def test_a_killed_rank_stops_the_job_and_is_named(tmp_path):
-    run = run_workers(WORKER, nproc=2, args=["--fail-rank", "1", "--fail-mode", "kill", "--steps", "50"],
-                      timeout=150, job_dir=str(tmp_path))
-    ended = time.time()
-    failure = json.load(open(os.path.join(run.out_dir, "failure.json")))
-    log = os.path.join(run.log_dir, "worker_1.log")
-    assert run.returncode == 137, run.report()
-    assert f"rank 1 was killed by SIGKILL" in run.output and f"its log: {log}" in run.output, run.report()
-    assert ended - failure["time"] < 60, f"job ended {ended - failure['time']:.0f} s after the failure"
-    assert not run.leftovers, f"processes survived the job: {run.leftovers}"
-
-
-def _script_env(out_dir, **extra):
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
-    return {**env, "MOETRAIN_ENTRY": f"python {WORKER}", "MOETRAIN_OUTPUT_DIR": out_dir, "MOETRAIN_DEVICE": "cpu",
-            "MOETRAIN_TIMEOUT": "150",
-            **extra}
-
-
-@pytest.mark.distributed
-def test_run_distributed_sh_reports_a_rank_that_raises(tmp_path):
-    require_msrun()
-    job_dir = str(tmp_path)
-    results = os.path.join(job_dir, "results")
-    os.makedirs(results)
-    # The entry gets CONFIG first: here the worker's output folder.
-    proc = subprocess.run([os.path.join(SCRIPTS, "run_distributed.sh"), "--nproc", "2", results,
-                           "--fail-rank", "1", "--fail-mode", "raise"], cwd=job_dir, env=_script_env(job_dir),
-                          capture_output=True, text=True, timeout=240)
-    leftovers = kill_leftovers(os.path.join(job_dir, ""))
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 1, output[-3000:]
-    assert f"rank 1 exited with code 1" in output and os.path.join(job_dir, "logs", "worker_1.log") in output
-    assert "RuntimeError: rank 1 fails on purpose at step 1" in output   # the end of its log, echoed
-    assert not leftovers
-

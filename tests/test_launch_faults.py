@@ -1,8 +1,14 @@
 """The launcher's fault handling (docs/faults.md): collective timeouts, parent-death signals,
-preemption pass-through, the hang watchdog, automatic restarts; then msrun jobs: SIGTERM to the
-launcher of a dp2 run and an exact resume, one fault-drill trial, the shared-filesystem check."""
+preemption pass-through, the hang watchdog, automatic restarts; then msrun jobs: a killed rank, a
+raising rank under run_distributed.sh, SIGTERM to the launcher of a dp2 run and an exact resume, one
+fault-drill trial, the shared-filesystem check, two nodes relaunching, a full disk.
+
+The msrun jobs mostly wait on their own timeouts: they run in this file's child pytest, at normal
+priority, started when the suite's shared jobs end (tests/background.py), beside the files that
+launch jobs of their own; `test_the_msrun_jobs_of_this_file_pass` reads the child's outcome."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,11 +17,16 @@ import time
 import psutil
 import pytest
 
+from background import child_only, heavy_tests_in_child, wait_for_background
 from distributed import REPO, kill_leftovers, require_msrun, run_workers
 from moetrain.faults import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from moetrain.dist import launch
 
 MNIST = os.path.join(REPO, "configs", "mnist_mlp.yaml")
+SCRIPTS = os.path.join(REPO, "run_scripts")
+ALLREDUCE_WORKER = os.path.join(REPO, "tests", "workers", "allreduce_worker.py")
+heavy_tests_in_child(__name__, os.path.abspath(__file__), "background_child", cwd=REPO, timeout=1500, nice=0,
+                     after_shared_jobs=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +156,48 @@ def test_failed_attempts_are_relaunched_with_resume_up_to_max_restarts(tmp_path,
 # ---------------------------------------------------------------------------------------------
 # msrun jobs
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.background_child
+@child_only(__name__)
+def test_a_killed_rank_stops_the_job_and_is_named(tmp_path):
+    run = run_workers(ALLREDUCE_WORKER, nproc=2, args=["--fail-rank", "1", "--fail-mode", "kill", "--steps", "50"],
+                      timeout=150, job_dir=str(tmp_path))
+    ended = time.time()
+    failure = json.load(open(os.path.join(run.out_dir, "failure.json")))
+    log = os.path.join(run.log_dir, "worker_1.log")
+    assert run.returncode == 137, run.report()
+    assert "rank 1 was killed by SIGKILL" in run.output and f"its log: {log}" in run.output, run.report()
+    assert ended - failure["time"] < 60, f"job ended {ended - failure['time']:.0f} s after the failure"
+    assert not run.leftovers, f"processes survived the job: {run.leftovers}"
+
+
+def _script_env(out_dir, **extra):
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    return {**env, "MOETRAIN_ENTRY": f"python {ALLREDUCE_WORKER}", "MOETRAIN_OUTPUT_DIR": out_dir, "MOETRAIN_DEVICE": "cpu",
+            "MOETRAIN_TIMEOUT": "150",
+            **extra}
+
+
+@pytest.mark.distributed
+@pytest.mark.background_child
+@child_only(__name__)
+def test_run_distributed_sh_reports_a_rank_that_raises(tmp_path):
+    require_msrun()
+    job_dir = str(tmp_path)
+    results = os.path.join(job_dir, "results")
+    os.makedirs(results)
+    # The entry gets CONFIG first: here the worker's output folder.
+    proc = subprocess.run([os.path.join(SCRIPTS, "run_distributed.sh"), "--nproc", "2", results,
+                           "--fail-rank", "1", "--fail-mode", "raise"], cwd=job_dir, env=_script_env(job_dir),
+                          capture_output=True, text=True, timeout=240)
+    leftovers = kill_leftovers(os.path.join(job_dir, ""))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "rank 1 exited with code 1" in output and os.path.join(job_dir, "logs", "worker_1.log") in output
+    assert "RuntimeError: rank 1 fails on purpose at step 1" in output   # the end of its log, echoed
+    assert not leftovers
+
+
 def _mnist_args(data, out, *extra):
     sets = [f"data.path={data}", f"train.output_dir={out}", "model.hidden_size=32", "train.epochs=0",
             "train.global_batch_size=32", "train.eval_batch_size=32", "lr_schedule.warmup_steps=0",
@@ -196,6 +249,8 @@ def fault_drill(tiny_mnist, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.background_child
+@child_only(__name__)
 def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_resume_is_exact(tiny_mnist, tmp_path,
                                                                                                  fault_drill):
     require_msrun()
@@ -227,6 +282,8 @@ def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.background_child
+@child_only(__name__)
 def test_fault_drill_one_trial_on_dp2(fault_drill):
     """tools/fault_drill.py --fault stop: SIGSTOP of a random rank at a random step under
     --max-restarts; the launcher names that rank as the one the job hangs on and ends the attempt with
@@ -239,6 +296,8 @@ def test_fault_drill_one_trial_on_dp2(fault_drill):
 
 
 @pytest.mark.distributed
+@pytest.mark.background_child
+@child_only(__name__)
 def test_an_output_dir_that_is_not_shared_by_every_rank_is_refused(tmp_path):
     require_msrun()
     run = run_workers("tests/workers/shared_fs_worker.py", nproc=2, args=["--private-rank", "1"], timeout=150,
@@ -253,6 +312,8 @@ def test_an_output_dir_that_is_not_shared_by_every_rank_is_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.background_child
+@child_only(__name__)
 def test_two_nodes_relaunch_together_after_a_rank_fails(tmp_path):
     """run_multinode.sh --max-restarts 1: rank 3 (node 1) fails in the first attempt; node 1
     relaunches at once on port P+1, node 0 when its collectives time out; the second attempt runs
@@ -300,6 +361,8 @@ def test_two_nodes_relaunch_together_after_a_rank_fails(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.background_child
+@child_only(__name__)
 def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_previous_checkpoint(tiny_mnist, tmp_path):
     from moetrain.faults import EXIT_SAVE_FAILED
 
@@ -315,3 +378,11 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_prev
     rank1 = run.worker_log(1)
     assert "step_00000002" in rank1 and "No space left on device" in rank1 and "step_00000001 is intact" in rank1
     assert "failed on rank(s) [1]" in run.worker_log(0)
+
+
+def test_the_msrun_jobs_of_this_file_pass():
+    """The outcome of this file's child pytest (its msrun jobs, above)."""
+    done = wait_for_background(__name__)
+    tail = done.stdout[-6000:]
+    assert done.returncode == 0, tail
+    assert re.search(r"\b7 passed\b", tail) and "failed" not in tail, tail    # the 7 msrun tests above

@@ -1,4 +1,4 @@
-"""Worker of tests/test_launch.py and test_launch_faults.py: a few world all_reduces, then
+"""Worker of tests/test_launch_faults.py: a few world all_reduces, then
 optionally fail on one rank.
 
     python tests/workers/allreduce_worker.py OUT_DIR [--fail-rank R --fail-mode kill|raise] [--steps N]
