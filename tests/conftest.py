@@ -68,8 +68,9 @@ def pytest_collection_modifyitems(session, config, items):
     """After -k/-m deselection: the test files whose runs join the shared jobs, and the order: files
     of one-process tests first (they run while the shared jobs train in the background), then the
     files that read the shared jobs, then those that launch jobs of their own (after the shared jobs,
-    so their launches and timeouts see the machine as before), and last the files whose child
-    process runs in the background (tests/background.py: the more of the session it has had, the
+    so their launches and timeouts see the machine as before), then those whose own launch started
+    in the background when the shared jobs ended (distributed.DEFERRED_LAUNCHES: the later their
+    fixture joins it, the less it waits), and last the files whose child process runs in the background (tests/background.py: the more of the session it has had, the
     less its test waits). Whole files move, so module fixtures are built once."""
     import background
     import distributed
@@ -82,6 +83,7 @@ def pytest_collection_modifyitems(session, config, items):
     order = {}
     for item in items:
         rank = (3 if module(item) in background.REGISTERED else 1 if module(item) in shared
+                else 2.5 if module(item) in distributed.DEFERRED_LAUNCHES
                 else 2 if item.get_closest_marker("distributed") else 0)
         order[module(item)] = max(order.get(module(item), 0), rank)
     items[:] = sorted(items, key=lambda item: order[module(item)])
@@ -99,6 +101,7 @@ def shared_jobs(request, tmp_path_factory):
                                   {n: str(tmp_path_factory.mktemp(f"shared{n}")) for n in (2, 4)})
     yield jobs
     jobs.stop()
+    distributed.stop_deferred_launches()
     background.stop_all()
 
 
@@ -113,6 +116,7 @@ def pytest_runtest_setup(item):
         jobs.hold_while_quiet()
         if all(done.is_set() for done in jobs.done.values()):
             background.start_selected(distributed.SELECTED_MODULES, after_shared_jobs=True)
+            distributed.start_deferred_launches(item.session)
 
 
 @pytest.fixture(scope="session")

@@ -179,6 +179,60 @@ SHARED_RUNS: Dict[int, List[SharedRuns]] = {}
 SELECTED_MODULES: set = set()   # filled by tests/conftest.py once pytest has selected the tests
 
 
+class DeferredLaunch:
+    """A test file's own msrun job, launched in a thread once the shared jobs have ended
+    (tests/conftest.py), so that it trains beside the files that launch jobs of their own rather
+    than after them; its module fixture joins it (`join`). `start(session, job_dirs)` launches and
+    returns the job; it appends each job folder it uses to `job_dirs` (killed at the session's end
+    if the launch still runs)."""
+
+    def __init__(self, start):
+        self._start, self.thread, self.result, self.error, self.job_dirs = start, None, None, None, []
+
+    def start(self, session) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, args=(session,), name="deferred-launch", daemon=True)
+            self.thread.start()
+
+    def _run(self, session) -> None:
+        try:
+            self.result = self._start(session, self.job_dirs)
+        except BaseException as error:   # handed to the fixture that joins it
+            self.error = error
+
+    def join(self, session):
+        self.start(session)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def stop(self) -> None:
+        if self.thread is not None and self.thread.is_alive():
+            for job_dir in self.job_dirs:
+                kill_leftovers(os.path.join(job_dir, ""))
+
+
+DEFERRED_LAUNCHES: Dict[str, DeferredLaunch] = {}
+
+
+def launch_after_shared_jobs(module: str, start) -> DeferredLaunch:
+    """Register `module`'s own launch (see DeferredLaunch; call at import, with `__name__`)."""
+    DEFERRED_LAUNCHES[module] = DeferredLaunch(start)
+    return DEFERRED_LAUNCHES[module]
+
+
+def start_deferred_launches(session) -> None:
+    for module, launch in DEFERRED_LAUNCHES.items():
+        if module in SELECTED_MODULES:
+            launch.start(session)
+
+
+def stop_deferred_launches() -> None:
+    for launch in DEFERRED_LAUNCHES.values():
+        launch.stop()
+
+
 def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = False, references=None,
                quiet: bool = False) -> None:
     """Register a test file's runs for the shared `nproc`-rank job (call at import, with `__name__`);

@@ -20,13 +20,15 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 
-from distributed import REPO, run_workers
+from distributed import REPO, launch_after_shared_jobs, new_job_dir, run_workers
 from workers import ep_cases as C
 
 
@@ -153,36 +155,59 @@ def expected_expert_rows(case, ref, capacity):
     return ref["routed_here"]
 
 
-@pytest.fixture(scope="module")
-def ep_job(request, tmp_path_factory):
+def launch_ep_job(session, job_dirs):
     """One 4-rank msrun job: the dispatcher cases, then, when the training tests are selected, the
     dp4 training runs (one launch instead of two), with their one-process references in a process
-    beside it (tests/distributed.py: share_runs says what that overlaps). The first dispatch
-    capacities of the training runs are 4 times the even share (the bound), so the first sizing
-    shrinks them, and the routing's drift later overflows and re-runs a call (both checked).
-    Returns (the job, the references' process or None)."""
-    training_selected = any("training" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    beside it. Launched in the background when the suite's shared jobs end (tests/distributed.py:
+    DeferredLaunch), beside the files that launch jobs of their own. The first dispatch capacities
+    of the training runs are 4 times the even share (the bound), so the first sizing shrinks them,
+    and the routing's drift later overflows and re-runs a call (both checked).
+    Returns (the job, (the references' process, its log, its folder) or None)."""
+    training_selected = any("training" in getattr(item, "fixturenames", ()) for item in session.items)
     runs = [f"{name}:{TINY_MOE},parallel.data_parallel=4,{overrides}" for name, (_, overrides) in EP_RUNS.items()]
     runs.append(UNDERSIZED)
     references = None
     if training_selected:
-        out = str(tmp_path_factory.mktemp("ep-train-reference"))
+        out = tempfile.mkdtemp(prefix="moetrain-ep-train-reference-")
+        job_dirs.append(out)
         log = open(os.path.join(out, "reference.log"), "w+")     # a file: a pipe could fill and stall it
         references = subprocess.Popen([sys.executable, WORKER, out, CONFIG,
                                        *(f"{name}:{overrides}" for name, overrides in REFERENCES.items())],
                                       cwd=out, stdout=log,
                                       stderr=subprocess.STDOUT), log, out
+    job_dir = new_job_dir()
+    job_dirs.append(job_dir)
     try:
-        job = run_workers("tests/workers/ep_layer_worker.py", nproc=C.WORLD, timeout=1800,
-                          args=[CONFIG, *runs] if training_selected else []).check()
-        yield job, references
+        job = run_workers("tests/workers/ep_layer_worker.py", nproc=C.WORLD, timeout=1800, job_dir=job_dir,
+                          args=[CONFIG, *runs] if training_selected else [])
+    except BaseException:
+        stop_references(references)
+        raise
+    return job, references
+
+
+def stop_references(references):
+    if references is not None:
+        proc, log, _ = references
+        if proc.poll() is None:      # a failed launch: do not leave the references behind
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+EP_LAUNCH = launch_after_shared_jobs(__name__, launch_ep_job)
+
+
+@pytest.fixture(scope="module")
+def ep_job(request):
+    """(the 4-rank job, the references' process or None): see launch_ep_job."""
+    job, references = EP_LAUNCH.join(request.session)
+    try:
+        yield job.check(), references
     finally:
+        stop_references(references)
         if references is not None:
-            proc, log, _ = references
-            if proc.poll() is None:      # a failed launch: do not leave the references behind
-                proc.kill()
-                proc.wait()
-            log.close()
+            shutil.rmtree(references[2], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
