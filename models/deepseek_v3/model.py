@@ -42,11 +42,10 @@ from typing import List
 import mindspore as ms
 from mindspore import nn, ops
 
-from models.gpt import TransformerBlock
-from models.moe_gpt import MoEBlock, MoEGPT, MoEGPTConfig
+from models.gpt.model import TransformerBlock
+from models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig
 from moetrain.layers import CausalAttention, Linear, RMSNorm, RotaryEmbedding, YarnScaling, yarn_mscale
 from moetrain.modeling import MEAN, StatSpec, merge_stats
-from moetrain.registry import register_model
 
 LATENT_NORM_EPS = 1e-6   # HF builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
 
@@ -202,7 +201,6 @@ class MTPLayer(nn.Cell):
         return self.final_norm(x), stats
 
 
-@register_model("deepseek_v3", config=DeepSeekV3Config)
 class DeepSeekV3(MoEGPT):
     """`construct(input_ids, labels) -> (loss, stats)`; see the module docstring. The MTP modules are
     part of the head (`head_loss`): they need only the final hidden state, the labels and the

@@ -11,7 +11,7 @@ attention, a final RMSNorm and an (optionally tied) LM head. Parameter names:
     final_norm.weight
     lm_head.weight                      (absent with tie_embeddings)
 
-They map one-to-one onto Hugging Face Llama names (`moetrain/checkpoint/hf.py`).
+They map one-to-one onto Hugging Face Llama names (`models/gpt/hf.py`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding,
                              RMSNorm, SwiGLUMLP, compute_dtype_of, fp32)
 from moetrain.kv_cache import KVCache
 from moetrain.modeling import MEAN, StatSpec, attention_context, merge_stats, reused_block, run_blocks, split_specs
-from moetrain.registry import register_model
 
 
 @dataclass(kw_only=True)
@@ -108,7 +107,6 @@ class TransformerBlock(nn.Cell):
         return h + fp32(self.mlp(self.ffn_norm(h))), present
 
 
-@register_model("gpt", config=GPTConfig)
 class GPT(nn.Cell):
     """`construct(input_ids, labels[, document_ids, position_ids]) -> (loss, {"lm_loss"})`;
     `logits(input_ids[, document_ids, position_ids]) -> fp32 [B, S, V]`. With document and position

@@ -5,7 +5,6 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from moetrain.modeling import SUM, StatSpec
-from moetrain.registry import register_model
 
 
 @dataclass
@@ -22,7 +21,6 @@ class MnistMLPConfig:
             raise ValueError("num_hidden_layers and hidden_size must be >= 1")
 
 
-@register_model("mnist_mlp", config=MnistMLPConfig)
 class MnistMLP(nn.Cell):
     def __init__(self, cfg: MnistMLPConfig):
         super().__init__()

@@ -23,12 +23,11 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
 
-from models.gpt import GPT, GPTConfig, TransformerBlock, build_attention
+from models.gpt.model import GPT, GPTConfig, TransformerBlock, build_attention
 from moetrain.layers import RMSNorm, compute_dtype_of, fp32
 from moetrain.moe.config import MoEConfig
 from moetrain.modeling import reused_block
 from moetrain.moe.layer import MoELayer, update_expert_bias
-from moetrain.registry import register_model
 
 
 
@@ -94,7 +93,6 @@ class MoEBlock(nn.Cell):
         return h + fp32(self.moe.decode(self.ffn_norm(h))), present
 
 
-@register_model("moe_gpt", config=MoEGPTConfig)
 class MoEGPT(GPT):
     """GPT with MoE layers; see the module docstring for the loss and stats."""
 

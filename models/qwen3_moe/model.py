@@ -18,10 +18,9 @@ from typing import List
 
 from mindspore import nn
 
-from models.gpt import TransformerBlock
-from models.moe_gpt import MoEBlock, MoEGPT, MoEGPTConfig
+from models.gpt.model import TransformerBlock
+from models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig
 from moetrain.layers import Attention, RMSNorm
-from moetrain.registry import register_model
 
 
 @dataclass(kw_only=True)
@@ -63,7 +62,6 @@ class QKNormAttention(Attention):
         return q, k, self.heads(self.wv, x)
 
 
-@register_model("qwen3_moe", config=Qwen3MoEConfig)
 class Qwen3MoE(MoEGPT):
     """`construct(input_ids, labels) -> (loss, stats)` exactly as `moe_gpt`."""
 

@@ -79,7 +79,7 @@ def parallelize_moe(model, parallel_cfg, pctx) -> int:
         if pctx.ep > 1 or scope != "micro_batch":
             raise ValueError(f"parallel.expert_parallel={pctx.ep} / parallel.moe_aux_loss_scope={scope!r} apply to "
                              f"MoE layers, and model {type(model).__name__} has none: set them back to 1 / "
-                             f"'micro_batch' or use a MoE model (e.g. model.name: moe_gpt)")
+                             f"'micro_batch' or use a MoE model (one with MoE layers)")
         return 0
     ep_group = pctx.group("ep")
     for layer in layers:
