@@ -171,7 +171,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    model_module: str = ""             # user module imported first so it can register models
+    model_module: str = ""             # a user's families: dotted module, or path of a .py file / package folder
     source: str = field(default="", metadata={"internal": True})
 
     def to_dict(self) -> Dict[str, Any]:
@@ -336,7 +336,9 @@ def output_dir_of(path: str, overrides: Sequence[str] = ()) -> Optional[str]:
 
 def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
     raw = copy.deepcopy(raw)
-    registry.import_model_module(raw.get("model_module"))
+    if raw.get("model_module"):   # a path is kept absolute, so that a resolved config works from anywhere
+        base = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else ""
+        raw["model_module"] = registry.import_model_module(raw["model_module"], base)
     model_raw = raw.pop("model", None)
     if not isinstance(model_raw, dict) or "name" not in model_raw:
         raise ConfigError(f"{source}: key 'model.name' is required: name a registered model "
