@@ -16,7 +16,7 @@ same number of times in the global norm and share a weight-decay flag.
                         level 1/2: the optimizer on this rank's fp32 master rows, then all-gather
                         the rows into the parameters
 
-Where moetrain's CPU kernels run and the optimizer is fp32 AdamW / Adam (MOETRAIN_FUSED_OPTIMIZER=off
+Where moetrain's CPU kernels run and the optimizer is fp32 AdamW / Adam (`optimizer.fused: off`
 turns it off), prepare and apply touch the buffers only twice:
 `SumOfSquares` per buffer for the norm, then `FusedAdamW` per buffer, which takes unscale x clip as
 one gradient multiplier and updates the parameters (or the ZeRO master row) and both moments in
@@ -53,7 +53,6 @@ from moetrain.kernels.ops import FusedAdamW, SumOfSquares
 from moetrain.optim import build_optimizer, decays
 from moetrain.dist import comm
 from moetrain.dist.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec, tp_copies
-from moetrain.env import env_choice
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -153,10 +152,10 @@ class OptimizerStep:
             self.masters = [Parameter(Tensor(self._own_row(b)), name=f"{MASTER_PREFIX}buffer{i}")
                             for i, b in enumerate(self.buffers)]
             self.optimizer = build_optimizer(self.masters, optimizer_cfg, decay_flags=[b.decay for b in self.buffers])
-        # fused: None reads MOETRAIN_FUSED_OPTIMIZER (auto / on: wherever the kernels serve the
-        # optimizer; off: the plain path); tests pass False / True
+        # fused: None reads optimizer.fused (auto / on: wherever the kernels serve the optimizer;
+        # off: the plain path); tests pass False / True
         if fused is None:
-            fused = (env_choice("MOETRAIN_FUSED_OPTIMIZER", ("on", "off")) != "off"
+            fused = (optimizer_cfg.fused != "off"
                      and _fused_optimizer_runs(optimizer_cfg, self.optimizer.params))
         self.fused = fused
         if self.fused:

@@ -87,7 +87,8 @@ def parallelize_moe(model, parallel_cfg, pctx) -> int:
             shard_experts(layer.experts, pctx.ep_rank, pctx.ep)
             layer.dispatcher = build_ep_dispatcher(parallel_cfg.moe_token_dispatcher, layer.num_experts,
                                                    layer.top_k, layer.cfg.capacity_factor, ep_group,
-                                                   layer.experts.layout, layer.experts.ops.path)
+                                                   layer.experts.layout, layer.experts.ops.path,
+                                                   parallel_cfg.ep_splits)
         if pctx.etp > 1:
             split_expert_ffn(layer.experts, pctx.etp_rank, pctx.etp)
         layer.set_expert_groups(pctx.group("tp_tokens"), pctx.group("etp"))
