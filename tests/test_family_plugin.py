@@ -22,6 +22,7 @@ RUN = [
     f"train.steps={STEPS}", "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_interval=0",
     "lr_schedule.warmup_steps=0", "checkpoint.save_at_end=false", "checkpoint.save_steps=0",
     "logging.tensorboard=false", "logging.progress_bar=false", "parallel.moe_capacity=bound",
+    "train.jit=false",   # PyNative: 3 steps of this tiny model cost less than compiling them
     "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
     "model.ffn_hidden_size=64", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=16",
 ]
