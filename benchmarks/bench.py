@@ -1,6 +1,6 @@
 """Training-step benchmark: the trainer's own step on random tokens, one process, one JSON line.
 
-    python tools/bench.py --hidden 256 --layers 4 --heads 8 --kv-heads 8 --ffn 512 --experts 8 \\
+    python benchmarks/bench.py --hidden 256 --layers 4 --heads 8 --kv-heads 8 --ffn 512 --experts 8 \\
         --topk 2 --vocab 8192 --seq 256 --batch 8 --steps 10 --warmup 3 [--capacity-factor 1.25]
 
 It builds `moe_gpt` (`gpt` with `--dense`) through the registry, writes a shard of uniformly
@@ -28,8 +28,8 @@ graph compiles in the first) are not timed. Printed fields:
   loadavg           1-minute load average before and after the timed steps (other processes
                     share the cores: compare figures taken at similar load)
   step_ms_all       every timed step's wall time
-Everything else goes to stderr, so stdout is exactly the JSON line. Under `tools/turns.Referee`
-(`MOETRAIN_BENCH_TURNS` set; tools/bench_vs_peer.py) each step waits for its turn first.
+Everything else goes to stderr, so stdout is exactly the JSON line. Under `benchmarks/turns.Referee`
+(`MOETRAIN_BENCH_TURNS` set; benchmarks/bench_vs_peer.py) each step waits for its turn first.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools.turns import NoTurns, Turns  # noqa: E402
+from benchmarks.turns import NoTurns, Turns  # noqa: E402
 
 PEAK_MATMUL_SIZE = 2048
 
@@ -198,13 +198,13 @@ def run(args) -> dict:
                       "jit": not args.no_jit},
             "checkpoint": {"save_at_end": False},
             "logging": {"tensorboard": False, "progress_bar": False},
-        }, source="tools/bench.py")
+        }, source="benchmarks/bench.py")
         with contextlib.redirect_stdout(sys.stderr):
             trainer = Trainer(cfg)
             load_before = loadavg()
             times, cpu_times, records = [], [], []
             first_step_s = None
-            turns = Turns.from_env() or NoTurns()   # in turns with another benchmark (tools/bench_vs_peer.py)
+            turns = Turns.from_env() or NoTurns()   # in turns with another benchmark (benchmarks/bench_vs_peer.py)
             for step in range(args.warmup + args.steps):
                 turns.wait()
                 start, cpu_start = time.perf_counter(), time.process_time()

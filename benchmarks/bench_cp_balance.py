@@ -1,6 +1,6 @@
 """Per-rank attention time of context parallelism, load-balanced split against a contiguous one.
 
-    python tools/bench_cp_balance.py [--cp 4] [--seq 2048] [--repeats 5]
+    python benchmarks/bench_cp_balance.py [--cp 4] [--seq 2048] [--repeats 5]
 
 Each rank's share of one causal attention layer (batch 1, 8 query / 4 K/V heads of 64), forward and
 backward, timed in this process one rank after another (the K/V of the whole sequence given, as the

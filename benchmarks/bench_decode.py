@@ -1,6 +1,6 @@
 """Decoding benchmark: tokens/s of `moetrain generate` with the KV cache against a full forward per new token.
 
-    python tools/bench_decode.py [--config configs/moe_tiny.yaml] [--prompt 16] [--new 96] [--batch 1] [--rounds 3]
+    python benchmarks/bench_decode.py [--config configs/moe_tiny.yaml] [--prompt 16] [--new 96] [--batch 1] [--rounds 3]
 
 Builds the config's model (random init: speed does not depend on the weights; every MoE layer routes
 as trained), makes `--batch` random prompts of `--prompt` tokens and generates `--new` tokens greedily

@@ -1,10 +1,10 @@
 """Micro-benchmark of each fused CPU kernel against the plain MindSpore ops it replaces, in one process.
 
-    python tools/bench_kernels.py                          # every piece, the bench model's shapes
-    python tools/bench_kernels.py --pieces lm_head --rounds 7
+    python benchmarks/bench_kernels.py                          # every piece, the bench model's shapes
+    python benchmarks/bench_kernels.py --pieces lm_head --rounds 7
 
 Each piece is jitted twice per path, forward only and forward + backward (`value_and_grad` with
-respect to every float input), at the shapes of `tools/bench.py`'s reference model (batch 8 x
+respect to every float input), at the shapes of `benchmarks/bench.py`'s reference model (batch 8 x
 sequence 256, hidden 256, 8 heads of 32, vocab 8192, 8 experts top-2, FFN 512). "plain" is the
 MindSpore-ops path that runs where the kernels are not available (Ascend, GPU, no compiler). Rounds interleave the paths so that load
 from other processes hits them alike; the table gives the median wall time and the median process

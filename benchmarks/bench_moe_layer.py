@@ -1,7 +1,7 @@
 """Micro-benchmark of the MoE layer's dispatch schemes: forward + backward under `ms.jit` on CPU.
 
-    python tools/bench_moe_layer.py                       # all candidates, T=2048 H=256 F=512 E=8 k=2
-    python tools/bench_moe_layer.py --candidates rows capacity1.25 --rounds 3
+    python benchmarks/bench_moe_layer.py                       # all candidates, T=2048 H=256 F=512 E=8 k=2
+    python benchmarks/bench_moe_layer.py --candidates rows capacity1.25 --rounds 3
 
 Candidates (all compute the same function; dropless ones exactly, capacity ones drop overflow):
   rows            dropless: rows sorted by expert, one GEMM per expert (GroupedMatmul kernel; the

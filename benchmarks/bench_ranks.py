@@ -1,7 +1,7 @@
 """One host, several ranks: `msrun` data parallelism with one thread per rank against one process
 with every thread, interleaved rounds, the same config (issue 19, item 5; docs/performance.md).
 
-    python tools/bench_ranks.py [--config configs/moe_tiny.yaml] [--nproc 2] [--steps 30] [--rounds 3] [--set k=v]
+    python benchmarks/bench_ranks.py [--config configs/moe_tiny.yaml] [--nproc 2] [--steps 30] [--rounds 3] [--set k=v]
 
 Per round: one process (`moetrain train`, the kernels on all hardware threads), then `--nproc` ranks
 (`run_scripts/run_distributed.sh`, `MOETRAIN_KERNEL_THREADS=1 OMP_NUM_THREADS=1` each), the same

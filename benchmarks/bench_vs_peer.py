@@ -1,15 +1,15 @@
 """moetrain against the PyTorch reference, interleaved in one session (issue figures are ratios).
 
-    python tools/bench_vs_peer.py [--rounds 3] [--peer-python /tmp/peerenv/bin/python]
+    python benchmarks/bench_vs_peer.py [--rounds 3] [--peer-python /tmp/peerenv/bin/python]
                                   [--peer-script ../shared/peer-bench/hf_moe_bench.py] [--json OUT]
                                   [--interleave steps|processes]
 
 Each round measures the MoE pair (moetrain, transformers Mixtral) and then the dense pair (moetrain
-`--dense`, transformers Llama), every side a fresh process on the same dimensions (tools/bench.py's
+`--dense`, transformers Llama), every side a fresh process on the same dimensions (benchmarks/bench.py's
 defaults; the peer with 2 intra-op threads, this machine's cores).
 
 With `--interleave steps` (the default) the two processes of a pair take their steps in turns of
-four (tools/turns.py): this host's speed drifts by 10-40 % within seconds, and turns of ~2 s put both
+four (benchmarks/turns.py): this host's speed drifts by 10-40 % within seconds, and turns of ~2 s put both
 sides in every stretch of it. The first step of each turn follows a pause and runs at another speed
 than steps back to back (the peer's slower, this project's faster), so it is not compared: each side's
 figure is the median of the other three steps of its four timed turns (12 steps; one warm-up turn
@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools.turns import Referee  # noqa: E402
+from benchmarks.turns import Referee  # noqa: E402
 
 BATCH, SEQ = 8, 256
 DIMENSIONS = ["--hidden", "256", "--layers", "4", "--heads", "8", "--ffn", "512", "--experts", "8", "--topk", "2",
@@ -56,7 +56,7 @@ def run_json(command):
 
 def run_in_turns(commands, steps, block=1):
     """Runs the commands side by side, their `steps` steps taken in turns of `block` steps
-    (tools/turns.py); their JSON."""
+    (benchmarks/turns.py); their JSON."""
     referee, procs = Referee(), []
     with tempfile.TemporaryDirectory(prefix="bench-vs-peer-") as tmp:
         files = [(open(os.path.join(tmp, f"{i}.out"), "w+"), open(os.path.join(tmp, f"{i}.err"), "w+"))
@@ -114,10 +114,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.interleave == "steps":
         steps = ["--steps", str(TURNS_STEPS), "--warmup", str(TURNS_WARMUP)]
-        peer = [args.peer_python, os.path.join(ROOT, "tools", "peer_turns.py"), args.peer_script]
+        peer = [args.peer_python, os.path.join(ROOT, "benchmarks", "peer_turns.py"), args.peer_script]
     else:
         steps, peer = PROCESS_STEPS, [args.peer_python, args.peer_script]
-    ours = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), *DIMENSIONS, *steps]
+    ours = [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), *DIMENSIONS, *steps]
     peer += [*DIMENSIONS, *steps, "--threads", str(args.threads)]
     rounds = []
     for r in range(args.rounds):

@@ -1,6 +1,6 @@
 """First-step time against depth, per layout: does compilation stay (at most) linear in the layers?
 
-    python tools/compile_depth.py [--depths 4 8 16 32] [--layouts one tp2 pp2 dp2ep2] [--model moe|gpt]
+    python benchmarks/compile_depth.py [--depths 4 8 16 32] [--layouts one tp2 pp2 dp2ep2] [--model moe|gpt]
                                   [--json OUT.json]
 
 For each layout one process tree (one process, or an msrun job of 2 ranks) trains, depth after

@@ -2,8 +2,8 @@ r"""Fault drill: kill -9 (or stop: `--fault stop`, SIGSTOP, a hang) a random ran
 of a training job that runs under `run_scripts/run_distributed.sh --max-restarts`, and check that
 the job still trains every step with exactly the losses of a clean run (docs/faults.md).
 
-    PYTHONPATH=$PWD python tools/fault_drill.py                       # 3 trials, moe_tiny on 4 ranks
-    PYTHONPATH=$PWD python tools/fault_drill.py --trials 1 --nproc 2 --config configs/mnist_mlp.yaml \
+    PYTHONPATH=$PWD python benchmarks/fault_drill.py                       # 3 trials, moe_tiny on 4 ranks
+    PYTHONPATH=$PWD python benchmarks/fault_drill.py --trials 1 --nproc 2 --config configs/mnist_mlp.yaml \
         --set data.path=../shared/data/mnist --set model.hidden_size=32 --set train.global_batch_size=32
 
 The default job is configs/moe_tiny.yaml shrunk to 2 layers of hidden size 64, 8 steps of 8

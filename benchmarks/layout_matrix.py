@@ -1,6 +1,6 @@
 """Every expert-parallel layout of a config against one process, at the config's real settings.
 
-    python tools/layout_matrix.py [CONFIG] [--steps 20] [--layouts dp4_ep4,pp2_dp2_ep2]
+    python benchmarks/layout_matrix.py [CONFIG] [--steps 20] [--layouts dp4_ep4,pp2_dp2_ep2]
         [--capacity adaptive,bound] [--optimizer adamw,sgd] [--out runs/layout_matrix]
         [--table docs/layout_matrix.md] [--set key=value ...]
 

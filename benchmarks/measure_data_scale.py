@@ -1,6 +1,6 @@
 """The data pipeline's cost on a synthetic corpus; docs/data.md ("Scale") quotes its output.
 
-    python tools/measure_data_scale.py --size-gb 1 --workdir /tmp/moetrain_scale
+    python benchmarks/measure_data_scale.py --size-gb 1 --workdir /tmp/moetrain_scale
 
 1. Writes a JSONL corpus of about --size-gb: documents of 3-40 random verses of data/kjv_tiny.
 2. Encodes it with tools/preprocess_data.py (a subprocess each) with 1 and with 2 workers:

@@ -1,6 +1,6 @@
 """Activation memory of one training step under each recompute policy (`parallel.recompute`).
 
-    python tools/measure_recompute.py [--model moe_gpt] [--hidden 128] [--layers 2] [--heads 8]
+    python benchmarks/measure_recompute.py [--model moe_gpt] [--hidden 128] [--layers 2] [--heads 8]
         [--seq 256] [--batch 4,12] [--policies none,selective,full] [--modes jit,pynative] [--json]
 
 Every (mode, policy, batch) runs in a fresh process that builds the model, applies the policy's

@@ -1,8 +1,8 @@
 """Runs the peer benchmark (../shared/peer-bench/hf_moe_bench.py) unchanged, its steps taken in turns.
 
-    /tmp/peerenv/bin/python tools/peer_turns.py PEER_SCRIPT [its arguments]
+    /tmp/peerenv/bin/python benchmarks/peer_turns.py PEER_SCRIPT [its arguments]
 
-with `MOETRAIN_BENCH_TURNS` set by `tools/turns.Referee` (tools/bench_vs_peer.py does this). The peer
+with `MOETRAIN_BENCH_TURNS` set by `benchmarks/turns.Referee` (benchmarks/bench_vs_peer.py does this). The peer
 times each step between two `time.perf_counter()` calls:
 
     t_all = time.perf_counter()            # call 0
@@ -50,7 +50,7 @@ def main() -> int:
     script, argv = sys.argv[1], sys.argv[2:]
     turns = Turns.from_env()
     if turns is None:
-        raise SystemExit(f"{__file__}: MOETRAIN_BENCH_TURNS is not set (run it through tools/turns.Referee)")
+        raise SystemExit(f"{__file__}: MOETRAIN_BENCH_TURNS is not set (run it through benchmarks/turns.Referee)")
     spec = importlib.util.spec_from_file_location("peer_bench", script)
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
@@ -63,7 +63,7 @@ def main() -> int:
     peer.main(argv)
     if clock.calls != 2 * steps + 2:    # the pattern above, or the turns were not the steps
         raise SystemExit(f"{script}: perf_counter was called {clock.calls} times for {steps} steps, "
-                         f"not {2 * steps + 2}: its timing loop is not the one tools/peer_turns.py wraps")
+                         f"not {2 * steps + 2}: its timing loop is not the one benchmarks/peer_turns.py wraps")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Measured pipeline bubble of every schedule against its theoretical one.
 
-    python tools/pipeline_bubble.py [--pp 2,4] [--micro 8] [--steps 6] [--layers 8] [--hidden 128]
+    python benchmarks/pipeline_bubble.py [--pp 2,4] [--micro 8] [--steps 6] [--layers 8] [--hidden 128]
         [--seq 64] [--schedules 1f1b,interleaved_1f1b,zero_bubble_h1,zero_bubble_v] [--json]
 
 One msrun launch per pipeline size (tests/workers/train_runs_worker.py: the schedules train one

@@ -5,7 +5,7 @@ own CPU time per step moves with it, so it is not stolen time but slower cores).
 one after the other then compare different hosts. Taking turns step by step (A's step, B's step,
 A's step, ...) puts both in every stretch of the drift; each side still times only its own steps.
 
-Standard library only: `tools/bench.py` uses it in this project's environment, `tools/peer_turns.py`
+Standard library only: `benchmarks/bench.py` uses it in this project's environment, `benchmarks/peer_turns.py`
 in the peer's.
 
 The side (a benchmark process) gets two inherited pipe ends in `MOETRAIN_BENCH_TURNS` ("read,write")

@@ -7,7 +7,7 @@ while compiling the optimizer step, a 12-layer MoE forward took minutes, and tp2
 layers on (docs/performance.md, "Compile time at depth"). The model mixes dense and MoE layers
 (every second layer MoE, dropless) with tied embeddings, so the tp, pp and ep paths all see both.
 First-step times are recorded (`seconds` in the rank files) but not asserted: timings live in
-tools/compile_depth.py and docs/performance.md.
+benchmarks/compile_depth.py and docs/performance.md.
 """
 import json
 import os

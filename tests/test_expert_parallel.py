@@ -400,7 +400,7 @@ SGD = "optimizer.name=sgd,optimizer.lr=0.1,optimizer.clip_grad_norm=0,optimizer.
 EP_RUNS = {
     "ep4-alltoall": ("dropless", "parallel.expert_parallel=4,parallel.moe_token_dispatcher=alltoall"),
     # SGD checks the gradients' scale exactly; at the bound (one graph) it costs no recompiles, and
-    # the adaptive capacities are the AdamW run's (and the layout matrix's, tools/layout_matrix.py)
+    # the adaptive capacities are the AdamW run's (and the layout matrix's, benchmarks/layout_matrix.py)
     "ep4-alltoall-sgd": ("dropless-sgd", f"parallel.expert_parallel=4,parallel.moe_token_dispatcher=alltoall,{SGD},"
                                          f"parallel.moe_capacity=bound"),
     "ep2-allgather-zero2": ("dropless", "parallel.expert_parallel=2,parallel.moe_token_dispatcher=allgather,"

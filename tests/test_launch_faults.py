@@ -172,7 +172,7 @@ DRILL_STEPS = 10
 
 @pytest.fixture(scope="module")
 def fault_drill(tiny_mnist, tmp_path_factory):
-    """tools/fault_drill.py, one trial on dp2: a clean run of DRILL_STEPS, then SIGSTOP of a random rank
+    """benchmarks/fault_drill.py, one trial on dp2: a clean run of DRILL_STEPS, then SIGSTOP of a random rank
     at a random step under --max-restarts --hang-timeout 60 --collective-timeout 15 (issue 37: the
     launcher names the stopped rank, whichever timeout fires first, exit 124, and relaunches). Returns
     (exit code, workdir); workdir/clean is the clean run, also the uninterrupted reference of the
@@ -180,7 +180,7 @@ def fault_drill(tiny_mnist, tmp_path_factory):
     require_msrun()
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fault_drill", os.path.join(REPO, "tools", "fault_drill.py"))
+    spec = importlib.util.spec_from_file_location("fault_drill", os.path.join(REPO, "benchmarks", "fault_drill.py"))
     drill = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(drill)
     workdir = tmp_path_factory.mktemp("fault_drill")
@@ -228,7 +228,7 @@ def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fault_drill_one_trial_on_dp2(fault_drill):
-    """tools/fault_drill.py --fault stop: SIGSTOP of a random rank at a random step under
+    """benchmarks/fault_drill.py --fault stop: SIGSTOP of a random rank at a random step under
     --max-restarts; the launcher names that rank as the one the job hangs on and ends the attempt with
     124 (whichever timeout fired first; the drill checks its output), relaunches, and the job finishes
     every step with the clean run's losses."""

@@ -276,7 +276,7 @@ def cpu_ops_on_calling_thread() -> None:
     the spinning thread takes a core the work needs. Two costs, both measured on 2 cores: a rank
     waiting in a collective burnt a core the other ranks needed (10 s in an AllReduce = 10 s of CPU;
     a jitted graph waits without spinning), and in one process every host read (loss, stats) spun
-    beside the kernels' threads (tools/bench.py, MoE: 2,611-2,863 -> 3,084-3,098 tokens/s). The same
+    beside the kernels' threads (benchmarks/bench.py, MoE: 2,611-2,863 -> 3,084-3,098 tokens/s). The same
     kernels run in the same order, so values are unchanged. MindSpore reads the variable at the
     process's first PyNative op: call before any. Accelerators keep the asynchronous dispatch; a
     value the user set is kept."""

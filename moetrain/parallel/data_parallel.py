@@ -162,7 +162,7 @@ class OptimizerStep:
             self._bind_fused_kernels(optimizer_cfg)
         # The fused path is a few kernel calls per buffer, so it runs in PyNative: compiled, its graphs
         # would keep their last inputs, the step's flat gradient buffers, alive through the next step's
-        # backward (measured on tools/bench.py's MoE model: peak RSS 1,228-1,243 -> 1,068-1,072 MB, the
+        # backward (measured on benchmarks/bench.py's MoE model: peak RSS 1,228-1,243 -> 1,068-1,072 MB, the
         # step time unchanged, paired ratio 1.003 over 24 alternating steps).
         wrap = ms.jit if jit and not self.fused else (lambda fn: fn)
         self._prepare = wrap(self._prepare_fused_impl if self.fused else self._prepare_impl)
