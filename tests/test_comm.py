@@ -457,7 +457,8 @@ def test_bad_arguments_are_refused_with_the_numbers(call, message):
 
 
 def test_backend_and_target_are_checked(monkeypatch):
-    from moetrain.dist import comm, contract
+    from moetrain.dist import comm
+    from moetrain.testing import contract
 
     monkeypatch.setenv("MOETRAIN_COMM_BACKEND", "nccl")
     with pytest.raises(ValueError, match="use auto, emulated, native, contract"):
@@ -489,7 +490,7 @@ def test_contract_checks_each_call_locally(op, shape, dtype, params, error, mess
     """What the stand-ins refuse before any communication (also at ms.jit compile time)."""
     import mindspore as ms
 
-    from moetrain.dist import contract
+    from moetrain.testing import contract
 
     contract.register_group("contract_test_pair", (0, 1))
     dtype = getattr(ms, dtype)

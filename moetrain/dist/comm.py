@@ -33,7 +33,7 @@ Backends (`backend_name()`, `MOETRAIN_COMM_BACKEND=auto|emulated|native|contract
   exactly (x + 0 == x).
 * native (Ascend/GPU default): the MindSpore primitives. AlltoAll/AlltoAllV are Ascend-only, so on
   GPU `all_to_all(_v)` gather the outboxes with AllGather instead. UNVERIFIED on a device.
-* contract: the native code path on CPU, its primitives taken from `moetrain.dist.contract`
+* contract: the native code path on CPU, its primitives taken from `moetrain.testing.contract`
   (checked CPU references of the documented semantics) instead of `mindspore.ops`;
   `MOETRAIN_CONTRACT_TARGET=Ascend|GPU` picks which device's path. `primitives()` is the one place
   that choice is made.
@@ -63,7 +63,7 @@ from mindspore.ops import ReduceOp
 from mindspore.common.api import _pynative_executor
 from mindspore.communication import GlobalComm, get_group_size
 
-from moetrain.dist import contract
+from moetrain.testing import contract
 from moetrain.dist.topology import Group
 from moetrain.env import env_choice
 
@@ -79,7 +79,7 @@ BACKENDS = ("emulated", "native", "contract")
 
 def backend_name() -> str:
     """'emulated' (derived from AllReduce; CPU), 'native' (MindSpore primitives; Ascend/GPU) or
-    'contract' (the native code path on CPU, each primitive a checked reference: moetrain.dist.contract)."""
+    'contract' (the native code path on CPU, each primitive a checked reference: moetrain.testing.contract)."""
     forced = env_choice("MOETRAIN_COMM_BACKEND", BACKENDS)
     if forced != "auto":
         return forced

@@ -333,7 +333,7 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
     real_world, rank = get_group_size(), get_rank()
     if real_world != world:
         raise LayoutError(f"the launcher announced {world} processes but the communicator has {real_world}")
-    from moetrain.dist import contract   # imports MindSpore: as above, kept off ParallelContext's users
+    from moetrain.testing import contract   # imports MindSpore: as above, kept off ParallelContext's users
 
     ctx = ParallelContext.build(world, rank, dp, tp, pp, ep, etp, cp).with_world_name(GlobalComm.WORLD_COMM_GROUP)
     import mindspore as ms   # as above: kept off ParallelContext's users

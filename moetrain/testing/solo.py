@@ -181,7 +181,7 @@ class SoloPairLink:
 
 
 def _uncovered(op, *args, **kwargs):
-    raise RuntimeError(f"the dry run's solo stand-in (moetrain/dist/solo.py) does not cover comm op {op!r}: "
+    raise RuntimeError(f"the dry run's solo stand-in (moetrain/testing/solo.py) does not cover comm op {op!r}: "
                        f"add it to REPLACED there")
 
 

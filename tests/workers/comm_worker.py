@@ -255,7 +255,7 @@ class Worker:
     def _mutated(self, mutation, target):
         from mindspore.communication import GlobalComm
 
-        from moetrain.dist import contract
+        from moetrain.testing import contract
 
         overrides = {}
         if mutation == "alltoall_axes_swapped":

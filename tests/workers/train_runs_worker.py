@@ -71,7 +71,7 @@ def reuse_parallel_context(trainer_module):
 
             ctx = topology.ParallelContext.build(get_group_size(), get_rank(), *key).with_world_name(
                 GlobalComm.WORLD_COMM_GROUP)
-            from moetrain.dist import contract
+            from moetrain.testing import contract
 
             for name, ranks in ctx.communicators_to_create():
                 if name not in created:
@@ -106,7 +106,8 @@ def main():
     out_dir, runs = sys.argv[1], sys.argv[2:]
     from moetrain import trainer as trainer_module
     from moetrain.config import load_config
-    from moetrain.dist import comm, contract
+    from moetrain.dist import comm
+    from moetrain.testing import contract
     from moetrain.dist.sharding import shard_spec
     from moetrain.parallel.tensor_parallel import is_sequence_parallel
 
