@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Iterator, List, Mapping, Sequence
 
+from moetrain.family import family_of
 from moetrain.moe.layer import MoELayer
 from moetrain.parallel.tensor_parallel import modules_matching, parallelize_module
 from moetrain.registry import get_model, registered_models, replace_family
@@ -89,16 +90,18 @@ def parallelize_model(model, cfg, pctx):
     """Tensor/sequence parallelism (tp > 1) and recompute for the built single-device `model`, in place,
     following its family's plans (`moetrain.family.Family.tp_plan`, `.recompute`)."""
     name = getattr(model, "registered_name", type(model).__name__)
-    family = get_model(name).family
+    family = family_of(model) or (get_model(name).family if name in registered_models() else None)
+    tp_plan = family.tp_plan if family is not None else None
+    recompute = family.recompute if family is not None else {}
     p = cfg.parallel
     if pctx.tp > 1:
-        if family.tp_plan is None:
+        if tp_plan is None:
             raise ValueError(f"model {name!r} has no tensor-parallel plan (known: {sorted(TP_PLANS)}); set "
                              f"parallel.model_parallel=1 or declare one (Family.tp_plan, moetrain/family.py)")
-        parallelize_module(model, family.tp_plan, pctx.group("tp"), p.use_seq_parallel)
+        parallelize_module(model, tp_plan, pctx.group("tp"), p.use_seq_parallel)
     if p.recompute != "none":
-        if p.recompute not in family.recompute:
+        if p.recompute not in recompute:
             raise ValueError(f"parallel.recompute={p.recompute!r}: model {name!r} declares no such policy "
-                             f"(known: {sorted(family.recompute)}); set parallel.recompute=none")
-        apply_recompute(model, family.recompute[p.recompute])
+                             f"(known: {sorted(recompute)}); set parallel.recompute=none")
+        apply_recompute(model, recompute[p.recompute])
     return model
