@@ -91,9 +91,12 @@ def test_toy_family_plans_and_converts_through_hf(tmp_path, capsys):
     assert os.path.isabs(cfg.model_module) and cfg.model_module.endswith("toy_moe.py")
     model = get_model("toy_moe").cls(cfg.model)
     params = {p.name: p.asnumpy() for p in model.get_parameters()}
-    assert count_parameters(cfg.model)[0] == sum(v.size for v in params.values())
+    total = sum(v.size for v in params.values())
+    assert count_parameters(cfg.model)[0] == total
     assert plan_cli.main([path, "--world", "4", "--search", *sum((["--set", o] for o in small), [])]) == 0
-    assert "dp" in capsys.readouterr().out
+    report = capsys.readouterr().out                          # the search, then the chosen layout's plan
+    assert "layout search:" in report and "toy_moe: 2 layers, hidden 32" in report
+    assert f"({total:,}; trainable" in report and "FITS" in report
 
     model_dir, hf_dir, back = (str(tmp_path / n) for n in ("model", "hf", "back"))
     save_model_dir(model_dir, {"model": dataclasses.asdict(cfg.model), "model_module": cfg.model_module}, params)
