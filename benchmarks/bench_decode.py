@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     import mindspore as ms
 
     from moetrain.config import load_config
-    from moetrain.dist.topology import cpu_ops_on_calling_thread
+    from moetrain.distributed.topology import cpu_ops_on_calling_thread
     from moetrain.registry import get_model
 
     ms.set_device("CPU")

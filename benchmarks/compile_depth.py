@@ -86,7 +86,7 @@ def main(argv=None) -> int:
             command = [sys.executable, os.path.abspath(__file__), "--depths", *map(str, args.depths),
                        "--model", args.model, "--job-result", out_json, config, ",".join(layout)]
             if nproc > 1:
-                command = [sys.executable, "-m", "moetrain.dist.launch", "--nproc", str(nproc), "--log-dir",
+                command = [sys.executable, "-m", "moetrain.distributed.launch", "--nproc", str(nproc), "--log-dir",
                            os.path.join(job, "logs"), "--tail", "none", "--"] + command
             print(f"[{name}] {' '.join(command[:6])} ...", file=sys.stderr, flush=True)
             subprocess.run(command, cwd=job, check=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mindspore as ms
 
-from moetrain.dist.topology import cpu_ops_on_calling_thread
+from moetrain.distributed.topology import cpu_ops_on_calling_thread
 from moetrain.modeling import set_cell_reuse
 from moetrain.registry import get_model
 

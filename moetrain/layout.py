@@ -271,7 +271,7 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
     """The rules of `parallel.context_parallel` (moetrain/parallel/context_parallel.py): the sequence
     cut into 2·cp chunks, and, for a model (`shape` given: config loading, the trainer, the planner),
     the combinations that do not run yet, refused by name rather than run wrong
-    (docs/context_parallel.md lists what runs). The process groups themselves (dist/topology.py)
+    (docs/context_parallel.md lists what runs). The process groups themselves (distributed/topology.py)
     are general, so they are built and tested for any composition."""
     if L.cp == 1:
         return []

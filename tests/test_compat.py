@@ -147,7 +147,7 @@ def test_oldest_subset_names_tests_that_exist():
 def test_layouts_needing_cpu_sub_groups_are_refused_on_2_7_only():
     """MindSpore 2.7's CPU AllReduce takes only the world group: init_parallel refuses, in one line
     naming the group and the fix, a layout with smaller groups; groups of one rank or all pass."""
-    from moetrain.dist.topology import ParallelContext, cpu_world_only_problem
+    from moetrain.distributed.topology import ParallelContext, cpu_world_only_problem
 
     carved = ParallelContext.build(4, 0, dp=4, ep=2)                 # ep groups {0,1} {2,3}
     message = cpu_world_only_problem(carved, (2, 7, 0))

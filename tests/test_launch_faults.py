@@ -13,7 +13,7 @@ import pytest
 
 from distributed import REPO, kill_leftovers, require_msrun, run_workers
 from moetrain.faults import EXIT_BAD_INPUT, EXIT_PREEMPTED
-from moetrain.dist import launch
+from moetrain.distributed import launch
 
 MNIST = os.path.join(REPO, "configs", "mnist_mlp.yaml")
 
@@ -41,7 +41,7 @@ def test_relaunch_adds_resume_and_drops_overwrite():
 
 def _wrapper(status_dir, child_code, env=None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK_ID", "MS_ROLE")}
-    return subprocess.Popen([sys.executable, "-m", "moetrain.dist.launch", "_worker", str(status_dir),
+    return subprocess.Popen([sys.executable, "-m", "moetrain.distributed.launch", "_worker", str(status_dir),
                              sys.executable, "-c", child_code], env={**env, "RANK_ID": "3"})
 
 
@@ -159,7 +159,7 @@ def _losses(run_dir):
 
 
 def _train_cmd(job_dir, args, nproc=2, launcher_args=()):
-    cmd = [sys.executable, "-m", "moetrain.dist.launch", "--nproc", str(nproc), "--log-dir",
+    cmd = [sys.executable, "-m", "moetrain.distributed.launch", "--nproc", str(nproc), "--log-dir",
            os.path.join(job_dir, "logs"), "--tail", "none", "--timeout", "400", *launcher_args, "--",
            "python", "-m", "moetrain.cli", "train", MNIST, *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}

@@ -162,7 +162,7 @@ def test_cpu_capacity_layout_without_kernels_reproduces_the_rows_layout(ms, monk
 
 def test_alltoall_on_gpu_runs_as_allgather_with_one_log_line(ms, capsys):
     from moetrain.moe import ep_dispatcher
-    from moetrain.dist.topology import single_group
+    from moetrain.distributed.topology import single_group
 
     ep_dispatcher._logged_gpu_fallback.clear()
     for _ in range(2):
@@ -193,7 +193,7 @@ def test_exact_splits_on_the_ascend_path_only(ms, monkeypatch):
     splits, nothing for the capacity controller to size; elsewhere bucketed; parallel.ep_splits
     overrides, and refuses exact where no AlltoAllV with Tensor counts exists."""
     from moetrain.moe import ep_dispatcher
-    from moetrain.dist.topology import single_group
+    from moetrain.distributed.topology import single_group
 
     monkeypatch.setenv("MOETRAIN_COMM_BACKEND", "contract")
     monkeypatch.setenv("MOETRAIN_CONTRACT_TARGET", "Ascend")
@@ -250,7 +250,7 @@ def alltoall_dispatcher():
     """ep=4, 8 experts (2 per rank), top-2, capacity layout: a pair capacity per destination and
     an expert capacity."""
     from moetrain.moe.ep_dispatcher import AllToAllDispatcher
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
 
     return AllToAllDispatcher(8, 2, 0.0, ParallelContext.build(4, 0, 4, ep=4).group("ep"), "capacity")
 
@@ -352,7 +352,7 @@ def test_first_capacities_are_a_multiple_of_the_even_share(ms):
 def test_capacity_bound_leaves_every_buffer_at_its_bound(ms):
     """`parallel.moe_capacity: bound`: the step functions are wrapped plainly (no AdaptiveStep), so the
     dispatchers keep the bound for the whole run; the default manages them; another value is an error."""
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
     from moetrain.moe.capacity import AdaptiveStep, adaptive_steps
 
     dispatcher = alltoall_dispatcher()

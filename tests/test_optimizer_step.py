@@ -43,7 +43,7 @@ def run_step(ms, values, grads, name, level, fused, jit):
     from mindspore import Parameter, Tensor
 
     from moetrain.config import OptimizerConfig, ParallelConfig
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
     from moetrain.parallel.data_parallel import OptimizerStep
 
     params = [Parameter(Tensor(v), name=k) for k, v in values.items()]
@@ -95,7 +95,7 @@ def test_fused_optimizer_step_skips_a_non_finite_gradient(ms, monkeypatch):
     from mindspore import Parameter, Tensor
 
     from moetrain.config import OptimizerConfig, ParallelConfig
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
     from moetrain.parallel.data_parallel import OptimizerStep
 
     values = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}

@@ -245,9 +245,9 @@ def test_plan_keeps_this_ranks_slice_of_every_split_parameter(name, sequence_par
     import mindspore as ms
 
     from moetrain.parallel.plans import TP_PLANS
-    from moetrain.dist.sharding import shard_spec
+    from moetrain.distributed.sharding import shard_spec
     from moetrain.parallel.tensor_parallel import is_sequence_parallel, parallelize_module
-    from moetrain.dist.topology import Group
+    from moetrain.distributed.topology import Group
     from moetrain.registry import get_model
 
     ms.set_device("CPU")
@@ -299,7 +299,7 @@ def test_layout_checks_name_every_size_that_does_not_split():
     assert "model.mtp_depth=1" in problem and "use_seq_parallel=false" in problem
     with pytest.raises(ValueError, match="is not divisible by tp=2"):   # sizes found only while slicing
         from moetrain.parallel.tensor_parallel import shard_parameter
-        from moetrain.dist.topology import Group
+        from moetrain.distributed.topology import Group
         from moetrain.layers import Linear
 
         shard_parameter(Linear(4, 5).weight, 0, Group("tp", (0, 1), 0, "unused"))

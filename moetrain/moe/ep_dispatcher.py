@@ -46,8 +46,8 @@ from moetrain.moe.dispatcher import check_layout, expert_counts, kept_rows, rows
 from moetrain.moe.native_ops import MoEOps
 from moetrain.moe.permutation import (assignment_rows, capacity_layout, capacity_rows, expert_capacity,
                                       permute, sort_by_expert, unpermute)
-from moetrain.dist import comm
-from moetrain.dist.topology import Group
+from moetrain.distributed import comm
+from moetrain.distributed.topology import Group
 
 _logged_gpu_fallback = []
 SPLITS = ("exact", "bucketed")

@@ -51,8 +51,8 @@ from mindspore import Parameter, ParameterTuple, Tensor, ops
 from moetrain import kernels
 from moetrain.kernels.ops import FusedAdamW, SumOfSquares
 from moetrain.optim import build_optimizer, decays
-from moetrain.dist import comm
-from moetrain.dist.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec, tp_copies
+from moetrain.distributed import comm
+from moetrain.distributed.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec, tp_copies
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -393,7 +393,7 @@ def accumulate(acc, flats):
 
 def reduce_host_values(values: Dict[str, object], pctx, summed: Sequence[str]) -> Dict[str, object]:
     """Sum (keys in `summed`) or average numpy values over the data-parallel group (dp x cp ranks: a
-    context-parallel rank's loss is the mean over its equal share of the tokens, moetrain/dist/topology.py)."""
+    context-parallel rank's loss is the mean over its equal share of the tokens, moetrain/distributed/topology.py)."""
     keys = list(values)
     arrays = [np.asarray(values[k], np.float64) for k in keys]
     flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.float32)

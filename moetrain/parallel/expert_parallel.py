@@ -11,7 +11,7 @@ checkpoints can reassemble them). Because every rank slices the same full initia
 expert-parallel job starts from exactly the one-process model.
 
 MoE parallel folding (`parallel.expert_tensor_parallel`, ep spanning tp ranks; the layout is in
-moetrain/dist/topology.py): with etp > 1 each local expert keeps FFN columns `[etp_rank F/etp, ..)`
+moetrain/distributed/topology.py): with etp > 1 each local expert keeps FFN columns `[etp_rank F/etp, ..)`
 of `w_gate/w_up` (axis 2) and the same rows of `w_down` (axis 1), Megatron's column/row split; the
 MoE layer brings the dispatched rows into the etp region and sums the partial outputs over it. When
 folded, the tp ranks of a dp rank (which hold the same tokens) each dispatch one slice of them
@@ -31,7 +31,7 @@ from mindspore import Tensor
 from moetrain.moe.ep_dispatcher import build_ep_dispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.layer import moe_layers
-from moetrain.dist.sharding import mark_further_shard, mark_shard, shard_spec
+from moetrain.distributed.sharding import mark_further_shard, mark_shard, shard_spec
 
 
 def shard_experts(experts: GroupedExperts, ep_rank: int, ep: int) -> None:

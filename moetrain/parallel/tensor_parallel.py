@@ -49,9 +49,9 @@ from mindspore import Tensor, nn, ops
 from moetrain.family import (ColwiseParallel, HeadShared, RegionInput, RegionOutput, RowwiseParallel,  # noqa: F401
                              SequenceParallel, Style, VocabParallel, WholeSequence)
 from moetrain.layers import CrossEntropy, Embedding, Linear
-from moetrain.dist import comm
-from moetrain.dist.sharding import mark_role, mark_shard, param_role, shard_spec
-from moetrain.dist.topology import Group
+from moetrain.distributed import comm
+from moetrain.distributed.sharding import mark_role, mark_shard, param_role, shard_spec
+from moetrain.distributed.topology import Group
 
 SEQUENCE_AXIS = 1        # activations are [B, S, H]
 ENTRY_MODES = ("copy", "sequence", "none")    # how an input enters a column-parallel region

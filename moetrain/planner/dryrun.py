@@ -65,7 +65,7 @@ import mindspore as ms
 
 from moetrain.build import build_model, setup_device
 from moetrain.testing.solo import SoloComm
-from moetrain.dist.topology import ParallelContext
+from moetrain.distributed.topology import ParallelContext
 from moetrain.layout import Layout, check_config_layout
 from moetrain.moe.layer import moe_layers
 from moetrain.parallel.parallelize import parallelize

@@ -1,6 +1,6 @@
 """Contract backend: CPU stand-ins for the MindSpore primitives that comm's native path calls.
 
-`MOETRAIN_COMM_BACKEND=contract` runs the NATIVE code path of `moetrain.dist.comm` (the Ascend/GPU
+`MOETRAIN_COMM_BACKEND=contract` runs the NATIVE code path of `moetrain.distributed.comm` (the Ascend/GPU
 branches and `PairLink`'s Send/Receive) on CPU: comm instantiates its primitives from this module
 instead of `mindspore.ops` (`comm.primitives()`), and each class here has the constructor and call
 convention of its MindSpore 2.10 namesake, computes exactly what that primitive is documented to
@@ -107,7 +107,7 @@ def group_ranks(name: str) -> Tuple[int, ...]:
         raise TypeError(f"contract: group must be a str (the communicator name), got {type(name).__name__}")
     if name not in _GROUPS:
         raise ContractError(f"contract: communicator {name!r} does not exist; known: {sorted(_GROUPS)}. "
-                            f"Groups are created by moetrain.dist.topology.init_parallel")
+                            f"Groups are created by moetrain.distributed.topology.init_parallel")
     return _GROUPS[name]
 
 

@@ -1,4 +1,4 @@
-"""One process standing in for rank R of a larger world: every collective of `moetrain.dist.comm`
+"""One process standing in for rank R of a larger world: every collective of `moetrain.distributed.comm`
 replaced by a local function that returns what R would receive, shape for shape, if every other
 rank sent exactly what R sends ("a symmetric world"). No communicator is needed, so the real
 parallel code (tensor / sequence slicing, the expert split and dispatch, the pipeline cut, ZeRO's
@@ -25,9 +25,9 @@ Values are not those of a real run (sums are not summed); shapes, dtypes and the
 creates are. Gradients flow through the stand-ins as through any local op (their backward is
 autodiff's), so a backward has the same shapes too.
 
-How it plugs in: entering the context replaces the public functions of `moetrain.dist.comm` and
+How it plugs in: entering the context replaces the public functions of `moetrain.distributed.comm` and
 `comm.PairLink`, in that module and in every loaded module that imported them by name
-(`from moetrain.dist.comm import PairLink`); leaving restores them. A collective that is not
+(`from moetrain.distributed.comm import PairLink`); leaving restores them. A collective that is not
 covered (a new public function of comm) reaches `comm._op`, which is replaced by one that raises,
 so the dry run fails loudly instead of waiting for a peer that does not exist.
 """
@@ -42,8 +42,8 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 
-from moetrain.dist import comm
-from moetrain.dist.topology import Group
+from moetrain.distributed import comm
+from moetrain.distributed.topology import Group
 
 # comm's public collectives; each maps to one of the stand-in kinds below
 REPLACED = {"all_reduce": "identity", "broadcast": "identity", "copy_to_region": "identity",

@@ -1,4 +1,4 @@
-"""The ranks' progress files that the launcher's watchdog reads (moetrain/dist/launch.py): where they
+"""The ranks' progress files that the launcher's watchdog reads (moetrain/distributed/launch.py): where they
 go (`STATUS_DIR_ENV`, set by the launcher's wrapper) and how a rank writes its heartbeat. Apart from
 the launcher so that the trainer's fault handling (moetrain/faults.py), which the launcher imports
 for its exit codes, can write them without importing the launcher."""

@@ -119,7 +119,7 @@ def reduction_group_kind(param) -> str:
 def tp_copies(spec: ShardSpec, group_kind: str, pctx) -> int:
     """Tensor-parallel ranks holding the same piece besides its reduction group: tp for a tensor
     replicated over tp, 1 for one sliced over tp, and 1 for expert tensors of a folded layout (their
-    edp group already spans the tp ranks that hold the same experts, moetrain/dist/topology.py)."""
+    edp group already spans the tp ranks that hold the same experts, moetrain/distributed/topology.py)."""
     if spec.sliced_over("tp") or (group_kind == "edp" and pctx.expert_folded):
         return 1
     return pctx.tp

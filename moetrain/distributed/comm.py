@@ -64,7 +64,7 @@ from mindspore.common.api import _pynative_executor
 from mindspore.communication import GlobalComm, get_group_size
 
 from moetrain.testing import contract
-from moetrain.dist.topology import Group
+from moetrain.distributed.topology import Group
 from moetrain.env import env_choice
 
 COUNTER_KINDS = ("world", "tp", "dp", "cp", "pp", "ep", "edp", "embedding", "other")

@@ -345,7 +345,7 @@ def init_parallel(dp: Optional[int] = None, tp: int = 1, pp: int = 1, ep: int = 
     for name, ranks in ctx.communicators_to_create():
         create_group(name, list(ranks))
         contract.register_group(name, ranks)
-    if verbose and rank == 0:     # (the trainer's line adds the comm backend: moetrain.dist.comm.describe_backend)
+    if verbose and rank == 0:     # (the trainer's line adds the comm backend: moetrain.distributed.comm.describe_backend)
         cp_text = f" cp={cp}" if cp > 1 else ""
-        print(f"moetrain.dist: {world} ranks, dp={dp} tp={tp} pp={pp}{cp_text} ep={ep} etp={etp}", flush=True)
+        print(f"moetrain.distributed: {world} ranks, dp={dp} tp={tp} pp={pp}{cp_text} ep={ep} etp={etp}", flush=True)
     return ctx

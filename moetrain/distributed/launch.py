@@ -1,7 +1,7 @@
 """Launch an SPMD job with msrun and stop all of it, loudly, when one rank fails.
 
-    python -m moetrain.dist.launch --nproc 4 [--log-dir DIR] [--timeout S] -- python train.py ...
-    python -m moetrain.dist.launch --nnodes 2 --node-rank 1 --nproc 2 \\
+    python -m moetrain.distributed.launch --nproc 4 [--log-dir DIR] [--timeout S] -- python train.py ...
+    python -m moetrain.distributed.launch --nnodes 2 --node-rank 1 --nproc 2 \\
         --master-addr 10.0.0.1 --master-port 8118 -- python train.py ...
 
 What msrun 2.10 does by itself (measured on CPU workers): when a worker exits non-zero it
@@ -45,9 +45,9 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from moetrain.dist.progress import (ALIVE_INTERVAL_S, STATUS_DIR_ENV, write_alive,  # noqa: F401  (the ranks' side)
+from moetrain.distributed.progress import (ALIVE_INTERVAL_S, STATUS_DIR_ENV, write_alive,  # noqa: F401  (the ranks' side)
                                     write_progress)
-from moetrain.dist.progress import write_json as _write_json
+from moetrain.distributed.progress import write_json as _write_json
 from moetrain.faults import EXIT_PREEMPTED, NO_RESTART_CODES
 
 STATUS_DIR = ".status"
@@ -274,14 +274,14 @@ class Job:
     def msrun_command(self) -> List[str]:
         # msrun echoes the log of the rank given to --tail_worker_log; a rank that does not exist: none
         tail = str(self.tail) if self.tail is not None else str(self.nproc * self.nnodes)
-        cmd = [sys.executable, "-m", "moetrain.dist.launch", "_msrun", str(self.node_rank),
+        cmd = [sys.executable, "-m", "moetrain.distributed.launch", "_msrun", str(self.node_rank),
                f"--worker_num={self.nproc * self.nnodes}", f"--local_worker_num={self.nproc}",
                f"--master_addr={self.master_addr}", f"--master_port={self.master_port}",
                f"--node_rank={self.node_rank}", f"--log_dir={self.log_dir}", "--join=True",
                f"--cluster_time_out={self.cluster_timeout}", f"--tail_worker_log={tail}"]
         if self.bind_core:
             cmd.append("--bind_core=True")
-        return cmd + ["python", "-m", "moetrain.dist.launch", "_worker", self.status_dir] + self.cmd
+        return cmd + ["python", "-m", "moetrain.distributed.launch", "_worker", self.status_dir] + self.cmd
 
     def start(self) -> None:
         try:
@@ -655,10 +655,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["_msrun"]:       # internal: msrun itself, started by Job
         return _msrun(int(argv[1]), argv[2:])
     if "--" not in argv:
-        print("usage: python -m moetrain.dist.launch [options] -- COMMAND ...", file=sys.stderr)
+        print("usage: python -m moetrain.distributed.launch [options] -- COMMAND ...", file=sys.stderr)
         return 2
     split = argv.index("--")
-    ap = argparse.ArgumentParser(prog="python -m moetrain.dist.launch",
+    ap = argparse.ArgumentParser(prog="python -m moetrain.distributed.launch",
                                  description="msrun with a watchdog: any failing rank stops the whole job.")
     ap.add_argument("--nproc", type=int, required=True, help="processes on this node")
     ap.add_argument("--nnodes", type=int, default=1)
