@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import mindspore as ms
 
-from moetrain.dist.topology import cpu_ops_on_calling_thread
+from moetrain.distributed.topology import cpu_ops_on_calling_thread
+from moetrain.modeling import set_cell_reuse
 from moetrain.registry import get_model
 
 
@@ -25,4 +26,5 @@ def build_model(cfg):
     the model config takes `precision.compute_dtype`."""
     if hasattr(cfg.model, "compute_dtype"):
         cfg.model.compute_dtype = cfg.precision.compute_dtype
+    set_cell_reuse(cfg.train.cell_reuse)
     return get_model(cfg.model.name).cls(cfg.model)

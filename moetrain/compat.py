@@ -9,7 +9,7 @@ others); what differs between the versions of the range is gated here:
   `libdnnl.so.2` in 2.7 and 2.8, `libdnnl.so.3` in 2.9 and 2.10 (the same `dnnl_sgemm` entry point);
 * AllReduce in CPU sub-groups (`cpu_subgroup_collectives`): from 2.8; 2.7's CPU kernel takes only
   the world group, so there multi-process CPU runs need layouts whose every group is one rank or
-  all of them (checked by `moetrain.dist.topology.init_parallel`). Ascend and GPU are unaffected.
+  all of them (checked by `moetrain.distributed.topology.init_parallel`). Ascend and GPU are unaffected.
 
 CI runs the whole suite on the newest version and `tests/oldest_subset.txt` on OLDEST in a
 virtualenv of its own (`.ci/run`, docs/architecture.md "Supported MindSpore versions").

@@ -86,6 +86,9 @@ class ParallelConfig:
     # are this many times the even share
     moe_capacity: str = choice("adaptive", "adaptive", "bound")
     moe_capacity_prior: float = 2.0
+    # how the dropless alltoall dispatcher sizes its exchange (moetrain/moe/ep_dispatcher.py): auto picks
+    # exact split sizes on the Ascend path with Ascend's AlltoAllV and host-sized buckets elsewhere
+    ep_splits: str = choice("auto", "auto", "exact", "bucketed")
     data_parallel_inferred: bool = field(default=False, metadata={"internal": True})
 
 
@@ -99,6 +102,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     momentum: float = 0.9
     clip_grad_norm: float = 0.0        # 0: no clipping
+    # the CPU kernels' fused optimizer step (parallel/data_parallel.py): auto/on wherever the kernels
+    # serve the optimizer (fp32 AdamW / Adam), off: the plain ops
+    fused: str = choice("auto", "auto", "on", "off")
 
 
 @dataclass
@@ -129,6 +135,7 @@ class TrainConfig:
     device: str = choice("cpu", "cpu", "ascend", "gpu")
     stop_after: int = 0                # end this invocation after this many steps (time-sliced jobs); 0: run to the end
     jit: bool = True                   # compile the step with ms.jit; false: PyNative, for debugging
+    cell_reuse: bool = True            # compile one graph per block class, reused by every layer (modeling.reused_block)
     eval_interval: int = 0             # steps between evaluations; 0: only at the end
     eval_batch_size: int = 0           # 0: micro_batch_size
     eval_max_batches: int = 0          # evaluate the first N x global_batch_size samples (any layout); 0: all
@@ -171,7 +178,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    model_module: str = ""             # user module imported first so it can register models
+    model_module: str = ""             # a user's families: dotted module, or path of a .py file / package folder
     source: str = field(default="", metadata={"internal": True})
 
     def to_dict(self) -> Dict[str, Any]:
@@ -336,7 +343,9 @@ def output_dir_of(path: str, overrides: Sequence[str] = ()) -> Optional[str]:
 
 def config_from_dict(raw: Dict[str, Any], source: str = "<dict>") -> Config:
     raw = copy.deepcopy(raw)
-    registry.import_model_module(raw.get("model_module"))
+    if raw.get("model_module"):   # a path is kept absolute, so that a resolved config works from anywhere
+        base = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else ""
+        raw["model_module"] = registry.import_model_module(raw["model_module"], base)
     model_raw = raw.pop("model", None)
     if not isinstance(model_raw, dict) or "name" not in model_raw:
         raise ConfigError(f"{source}: key 'model.name' is required: name a registered model "

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from moetrain.dist.progress import ALIVE_INTERVAL_S, STATUS_DIR_ENV, write_alive, write_progress
+from moetrain.distributed.progress import ALIVE_INTERVAL_S, STATUS_DIR_ENV, write_alive, write_progress
 
 # Exit codes (sysexits.h numbers where one fits). The launcher does not relaunch after these.
 EXIT_BAD_INPUT = 2          # refused before work: config, data, output directory, checkpoint choice

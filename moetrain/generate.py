@@ -33,7 +33,7 @@ import numpy as np
 from moetrain.checkpoint.manager import CheckpointError, latest_checkpoint
 from moetrain.checkpoint.model_dir import load_model
 from moetrain.data.tokenizer import load_tokenizer
-from moetrain.dist.topology import cpu_ops_on_calling_thread
+from moetrain.distributed.topology import cpu_ops_on_calling_thread
 from moetrain.forward import read_token_ids
 
 

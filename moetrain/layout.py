@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from moetrain.family import family_of
+
 RECOMPUTE_MODES = ("none", "selective", "full")
 # the pipeline schedules (moetrain/parallel/schedules.py builds their instruction lists)
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble_h1", "zero_bubble_v")
@@ -83,16 +85,10 @@ class ModelShape:
 
     @classmethod
     def of(cls, model_cfg) -> "ModelShape":
-        get = lambda key: getattr(model_cfg, key, None)   # noqa: E731
-        moe = get("moe")
-        moe_layers = list(get("moe_layers") or [])
-        layers = get("num_layers")
-        return cls(layers=layers, heads=get("num_heads"), kv_heads=get("num_kv_heads") or get("num_heads"),
-                   vocab=get("vocab_size"),
-                   ffn=get("ffn_hidden_size") if layers is None or len(moe_layers) < layers else None,
-                   experts=moe.num_experts if moe is not None else 0,
-                   shared_ffn=moe.shared_hidden_size if moe is not None else 0,
-                   expert_ffn=moe.ffn_hidden_size if moe is not None else 0, mtp_depth=get("mtp_depth") or 0)
+        """The sizes of a registered family's model config (`moetrain.family.Family.shape`); a family
+        that declares none has nothing to split."""
+        family = family_of(model_cfg)
+        return family.shape(model_cfg) if family is not None and family.shape is not None else cls()
 
 
 @dataclass(frozen=True)
@@ -275,7 +271,7 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
     """The rules of `parallel.context_parallel` (moetrain/parallel/context_parallel.py): the sequence
     cut into 2·cp chunks, and, for a model (`shape` given: config loading, the trainer, the planner),
     the combinations that do not run yet, refused by name rather than run wrong
-    (docs/context_parallel.md lists what runs). The process groups themselves (dist/topology.py)
+    (docs/context_parallel.md lists what runs). The process groups themselves (distributed/topology.py)
     are general, so they are built and tested for any composition."""
     if L.cp == 1:
         return []

@@ -30,7 +30,7 @@ per family in `moetrain.parallel.plans` by module paths; expert parallelism find
 """
 from __future__ import annotations
 
-import os
+import functools
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
@@ -68,10 +68,23 @@ def reused_block(init):
     sub-graph is inlined in the frontend, after autodiff, so CPU and GPU run it as well as Ascend;
     the default policy fails on CPU with "Input[0] must be a Primitive ValueNode"). The first step's
     compile then grows far slower than the depth (docs/performance.md, "Compile time at depth");
-    results are bitwise the same. `MOETRAIN_CELL_REUSE=0` turns it off (A/B measurements)."""
-    if os.environ.get("MOETRAIN_CELL_REUSE", "1") == "0":
-        return init
-    return ms.lazy_inline(init, policy="front")
+    results are bitwise the same. `train.cell_reuse: false` turns it off (A/B measurements;
+    `set_cell_reuse`, read when a block is built)."""
+    reused = ms.lazy_inline(init, policy="front")
+
+    @functools.wraps(init)
+    def build(self, *args, **kwargs):
+        return (reused if CELL_REUSE[0] else init)(self, *args, **kwargs)
+
+    return build
+
+
+CELL_REUSE = [True]   # train.cell_reuse of the model being built (moetrain.build.build_model sets it)
+
+
+def set_cell_reuse(on: bool) -> None:
+    """Whether blocks built from now on compile one graph reused by every layer (`reused_block`)."""
+    CELL_REUSE[0] = bool(on)
 
 
 def split_specs(specs: Dict[str, StatSpec]) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:

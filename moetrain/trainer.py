@@ -32,8 +32,8 @@ from moetrain.config import Config, dump_config, validate
 from moetrain.data import build_datasets, build_sampler, fetch
 from moetrain.data.blend import evaluate_sources
 from moetrain.devices import get_device
-from moetrain.dist import comm
-from moetrain.dist.topology import init_parallel, launched_world_size
+from moetrain.distributed import comm
+from moetrain.distributed.topology import init_parallel, launched_world_size
 from moetrain.faults import TrainerFaults
 from moetrain.fileio import read_yaml
 from moetrain.layout import LayoutError, check_config_layout
@@ -90,7 +90,7 @@ def _init_parallel(cfg: Config):
     ctx = init_parallel(dp=p.data_parallel, tp=p.model_parallel, pp=p.pipeline_stage, ep=p.expert_parallel,
                         etp=p.expert_tensor_parallel, cp=p.context_parallel, verbose=False)
     if ctx.world_size > 1:
-        print_rank0(ctx.rank, f"moetrain.dist: {ctx.world_size} ranks, dp={ctx.dp} tp={ctx.tp} pp={ctx.pp}"
+        print_rank0(ctx.rank, f"moetrain.distributed: {ctx.world_size} ranks, dp={ctx.dp} tp={ctx.tp} pp={ctx.pp}"
                               + (f" cp={ctx.cp}" if ctx.cp > 1 else "") + f" ep={ctx.ep} etp={ctx.etp}, comm backend {comm.describe_backend()}")
     return ctx
 

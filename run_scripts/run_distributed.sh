@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch a moetrain job on this node: N msrun workers under moetrain's watchdog
-# (python -m moetrain.dist.launch), which stops the whole job when any rank fails.
+# (python -m moetrain.distributed.launch), which stops the whole job when any rank fails.
 #
 #   run_scripts/run_distributed.sh --nproc N [--max-restarts R] CONFIG [--set key=value ...] [--resume [DIR]] [--overwrite]
 #   (multi-node: add --nnodes K --node-rank R --master-addr A --master-port P; see run_multinode.sh)
@@ -89,7 +89,7 @@ if [[ "${MOETRAIN_COMPILE_CACHE:-0}" == "1" ]]; then
   export MS_COMPILER_CACHE_PATH="$OUT/compile_cache"
 fi
 
-LAUNCH=(python -m moetrain.dist.launch --nproc "$NPROC" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+LAUNCH=(python -m moetrain.distributed.launch --nproc "$NPROC" --nnodes "$NNODES" --node-rank "$NODE_RANK"
         --master-addr "$MASTER_ADDR" --log-dir "$OUT/logs")
 if [[ -n "$PORT" ]]; then LAUNCH+=(--master-port "$PORT"); fi
 if [[ -n "${MOETRAIN_TIMEOUT:-}" ]]; then LAUNCH+=(--timeout "$MOETRAIN_TIMEOUT"); fi

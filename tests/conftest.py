@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 os.environ.setdefault("GLOG_v", "3")
 # PyNative ops on the calling thread, as the trainer and `moetrain generate` run them on the CPU
-# (moetrain/dist/topology.py cpu_ops_on_calling_thread): MindSpore reads the switch at the process's
+# (moetrain/distributed/topology.py cpu_ops_on_calling_thread): MindSpore reads the switch at the process's
 # first op, which in a session is some earlier test's, so a module fixture that sets it later has no
 # effect; without it a queue thread spins beside every op-by-op test (same kernels, same values)
 os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")

@@ -70,7 +70,7 @@ class WorkerRun:
 def launcher_command(script: str, nproc: int, job_dir: str, args: Sequence[str] = (),
                      launcher_args: Sequence[str] = (), timeout: Optional[float] = None) -> List[str]:
     """The command line that launches `script` on `nproc` local ranks with outputs in `job_dir`."""
-    cmd = [sys.executable, "-m", "moetrain.dist.launch", "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "moetrain.distributed.launch", "--nproc", str(nproc),
            "--log-dir", os.path.join(job_dir, "logs"), "--tail", "none", *launcher_args]
     if timeout is not None:
         cmd += ["--timeout", str(timeout)]

@@ -1,5 +1,5 @@
 """Speed work of issue 8: the exact dropless MoE layout against the padded-block one, the step
-metrics (mfu, peak RSS), the profiler window, and tools/bench.py (the kernels: tests/test_kernels.py)."""
+metrics (mfu, peak RSS), the profiler window, and benchmarks/bench.py (the kernels: tests/test_kernels.py)."""
 import json
 import os
 import subprocess
@@ -60,7 +60,7 @@ def test_exact_dropless_layout_equals_capacity_layout(ms, kernel_ops, jit):
 
 def tiny_lm_config(tmp_path, **logging):
     from moetrain.config import config_from_dict
-    from tools.bench import write_random_shard
+    from benchmarks.bench import write_random_shard
 
     shard = str(tmp_path / "tokens")
     write_random_shard(shard, 64, 4000)
@@ -110,23 +110,23 @@ def test_profile_steps_validated(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# tools/bench.py
+# benchmarks/bench.py
 # ----------------------------------------------------------------------------------------------
 
 def test_bench_prints_one_sane_json_line(ms, tmp_path):
     from moetrain.config import model_config_from_dict
-    from tools.bench import model_section, parse_args
-    from tools.turns import Referee
+    from benchmarks.bench import model_section, parse_args
+    from benchmarks.turns import Referee
 
     argv = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "32", "--experts", "4",
             "--topk", "2", "--vocab", "128", "--seq", "32", "--batch", "2", "--steps", "3", "--warmup", "1",
             "--peak-matmul-size", "512"]
-    # run as tools/bench_vs_peer.py runs it: its 4 steps in turns with a (stand-in) peer's 4
+    # run as benchmarks/bench_vs_peer.py runs it: its 4 steps in turns with a (stand-in) peer's 4
     (tmp_path / "fake_peer.py").write_text(FAKE_PEER)
     referee, outs = Referee(), [open(tmp_path / f"{i}.{kind}", "w+") for i in (0, 1) for kind in ("out", "err")]
-    bench = referee.start([sys.executable, os.path.join(ROOT, "tools", "bench.py"), *argv],
+    bench = referee.start([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), *argv],
                           stdout=outs[0], stderr=outs[1], cwd=ROOT)
-    peer = referee.start([sys.executable, os.path.join(ROOT, "tools", "peer_turns.py"), str(tmp_path / "fake_peer.py"),
+    peer = referee.start([sys.executable, os.path.join(ROOT, "benchmarks", "peer_turns.py"), str(tmp_path / "fake_peer.py"),
                           "--steps", "3", "--warmup", "1"], stdout=outs[2], stderr=outs[3], cwd=ROOT)
     waiting_cpu = referee.alternate(4, block=2)
     for f in outs:
@@ -158,11 +158,11 @@ def test_bench_prints_one_sane_json_line(ms, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# tools/bench_ranks.py (one host, several ranks; its runs are a benchmark, not a test)
+# benchmarks/bench_ranks.py (one host, several ranks; its runs are a benchmark, not a test)
 # ----------------------------------------------------------------------------------------------
 
 def test_bench_ranks_reads_the_steps_after_warm_up(tmp_path):
-    from tools.bench_ranks import median_tokens_per_s
+    from benchmarks.bench_ranks import median_tokens_per_s
 
     records = [{"step": 1, "tokens_per_s": 1.0}, {"step": 2, "tokens_per_s": 2.0}, {"step": 3, "tokens_per_s": 30.0},
                {"step": 3, "eval_loss": 5.0},          # an eval record: no tokens_per_s
@@ -172,16 +172,16 @@ def test_bench_ranks_reads_the_steps_after_warm_up(tmp_path):
     assert median_tokens_per_s(str(tmp_path), skip=0) == 10.0        # 1, 2, 30, 10, 20
     with pytest.raises(SystemExit, match="no tokens_per_s after step 5"):
         median_tokens_per_s(str(tmp_path), skip=5)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_ranks.py"), "--steps", "3", "--skip", "5"],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_ranks.py"), "--steps", "3", "--skip", "5"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "--steps (3) must exceed --skip (5)" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------
-# tools/turns.py: two benchmark processes taking their steps in turns (tools/bench_vs_peer.py)
+# benchmarks/turns.py: two benchmark processes taking their steps in turns (benchmarks/bench_vs_peer.py)
 # ----------------------------------------------------------------------------------------------
 
-# A stand-in for ../shared/peer-bench/hf_moe_bench.py with its timing loop (the one tools/peer_turns.py
+# A stand-in for ../shared/peer-bench/hf_moe_bench.py with its timing loop (the one benchmarks/peer_turns.py
 # wraps): it busy-works each step and prints the clock's readings around every step.
 FAKE_PEER = '''
 import argparse, json, time
@@ -208,11 +208,11 @@ def main(argv=None):
     print(json.dumps({"side": "peer", "spans": spans, "wall": wall}))
 '''
 
-# This project's side, as tools/bench.py takes its turns.
+# This project's side, as benchmarks/bench.py takes its turns.
 OWN_SIDE = '''
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from tools.turns import Turns
+from benchmarks.turns import Turns
 turns, spans = Turns.from_env(), []
 for i in range(int(sys.argv[2])):
     turns.wait()
@@ -227,11 +227,11 @@ print(json.dumps({"side": "own", "spans": spans}))
 
 
 def test_turns_run_one_step_at_a_time_and_wrap_the_peer_clock_unchanged(tmp_path):
-    from tools.bench_vs_peer import run_in_turns
+    from benchmarks.bench_vs_peer import run_in_turns
 
     (tmp_path / "fake_peer.py").write_text(FAKE_PEER)
     (tmp_path / "own_side.py").write_text(OWN_SIDE)
-    peer = [sys.executable, os.path.join(ROOT, "tools", "peer_turns.py"), str(tmp_path / "fake_peer.py"),
+    peer = [sys.executable, os.path.join(ROOT, "benchmarks", "peer_turns.py"), str(tmp_path / "fake_peer.py"),
             "--steps", "4", "--warmup", "1"]
     own = [sys.executable, str(tmp_path / "own_side.py"), ROOT, "5"]
     for (first, second), block in (((own, peer), 1), ((peer, own), 2)):
@@ -255,7 +255,7 @@ def test_turns_run_one_step_at_a_time_and_wrap_the_peer_clock_unchanged(tmp_path
 
 
 def test_bench_vs_peer_compares_steps_that_follow_a_step_of_the_same_side():
-    from tools.bench_vs_peer import TURN, paired_ratio, warm_steps_ms
+    from benchmarks.bench_vs_peer import TURN, paired_ratio, warm_steps_ms
 
     assert TURN == 4
     # warm-up 4 = one turn, so timed steps 0, 4, 8, 12 start turns; warm-up 2: timed steps 2, 6 do

@@ -359,8 +359,8 @@ class _VirtualRank:
 
         from moetrain.config import OptimizerConfig, ParallelConfig
         from moetrain.parallel.data_parallel import OptimizerStep
-        from moetrain.dist.sharding import ShardSpec, mark_role, mark_shard
-        from moetrain.dist.topology import ParallelContext
+        from moetrain.distributed.sharding import ShardSpec, mark_role, mark_shard
+        from moetrain.distributed.topology import ParallelContext
 
         dp, tp, ep, zero = layout
         self.pctx = ParallelContext.build(dp * tp, rank, dp, tp, 1, ep)
@@ -603,7 +603,7 @@ def test_expert_pieces_cut_over_ep_and_etp_reassemble_and_a_missing_one_is_named
     """An expert tensor of a folded layout is cut along two axes (ep: experts, etp: FFN columns):
     its four pieces reassemble into the global tensor, and coverage names the missing (ep, etp) pair."""
     from moetrain.checkpoint.distributed import coverage_problems
-    from moetrain.dist.sharding import ShardSpec, assemble
+    from moetrain.distributed.sharding import ShardSpec, assemble
 
     value = np.arange(4 * 3 * 6, dtype=np.float32).reshape(4, 3, 6)          # [E, H, F]
     specs = [ShardSpec(value.shape, 0, ep, 2, "ep", ((2, etp, 2, "etp"),)) for ep in range(2) for etp in range(2)]

@@ -1,4 +1,4 @@
-"""moetrain.dist.comm on every backend, in one 4-rank msrun launch (tests/workers/comm_worker.py):
+"""moetrain.distributed.comm on every backend, in one 4-rank msrun launch (tests/workers/comm_worker.py):
 every op and its gradient against numpy (PyNative and ms.jit, world and 2-rank sub-groups) on the
 emulation, on the Ascend native path and on the GPU native path (both through the contract
 backend); byte ledgers against an independent count of the buffers that entered the primitives;
@@ -414,8 +414,8 @@ def test_exact_dispatch_with_every_token_on_one_rank_stays_exact(comm_job):
 def test_ops_on_a_trivial_group_are_the_identity():
     import mindspore as ms
 
-    from moetrain.dist import comm
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed import comm
+    from moetrain.distributed.topology import ParallelContext
 
     ctx = ParallelContext.single()
     x = ms.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
@@ -430,7 +430,7 @@ def test_ops_on_a_trivial_group_are_the_identity():
 
 
 def _fake_pair():
-    from moetrain.dist.topology import Group
+    from moetrain.distributed.topology import Group
 
     return Group("ep", (0, 1), 0, "moe_g0_1")
 
@@ -449,7 +449,7 @@ def _fake_pair():
 def test_bad_arguments_are_refused_with_the_numbers(call, message):
     import mindspore as ms
 
-    from moetrain.dist import comm
+    from moetrain.distributed import comm
 
     x = ms.Tensor(np.zeros((2, 3), np.float32))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -457,7 +457,8 @@ def test_bad_arguments_are_refused_with_the_numbers(call, message):
 
 
 def test_backend_and_target_are_checked(monkeypatch):
-    from moetrain.dist import comm, contract
+    from moetrain.distributed import comm
+    from moetrain.testing import contract
 
     monkeypatch.setenv("MOETRAIN_COMM_BACKEND", "nccl")
     with pytest.raises(ValueError, match="use auto, emulated, native, contract"):
@@ -489,7 +490,7 @@ def test_contract_checks_each_call_locally(op, shape, dtype, params, error, mess
     """What the stand-ins refuse before any communication (also at ms.jit compile time)."""
     import mindspore as ms
 
-    from moetrain.dist import contract
+    from moetrain.testing import contract
 
     contract.register_group("contract_test_pair", (0, 1))
     dtype = getattr(ms, dtype)

@@ -118,7 +118,7 @@ VERSION_CHECK = re.compile(r"(mindspore|\bms)\.__version__|version\(\s*[\"']mind
 
 def test_every_mindspore_version_check_goes_through_compat():
     offenders = []
-    for top in ("moetrain", "models", "tools", "run_scripts"):
+    for top in ("moetrain", "models", "tools", "benchmarks", "run_scripts"):
         for folder, _, files in os.walk(os.path.join(ROOT, top)):
             for name in files:
                 path = os.path.join(folder, name)
@@ -147,7 +147,7 @@ def test_oldest_subset_names_tests_that_exist():
 def test_layouts_needing_cpu_sub_groups_are_refused_on_2_7_only():
     """MindSpore 2.7's CPU AllReduce takes only the world group: init_parallel refuses, in one line
     naming the group and the fix, a layout with smaller groups; groups of one rank or all pass."""
-    from moetrain.dist.topology import ParallelContext, cpu_world_only_problem
+    from moetrain.distributed.topology import ParallelContext, cpu_world_only_problem
 
     carved = ParallelContext.build(4, 0, dp=4, ep=2)                 # ep groups {0,1} {2,3}
     message = cpu_world_only_problem(carved, (2, 7, 0))

@@ -7,7 +7,7 @@ while compiling the optimizer step, a 12-layer MoE forward took minutes, and tp2
 layers on (docs/performance.md, "Compile time at depth"). The model mixes dense and MoE layers
 (every second layer MoE, dropless) with tied embeddings, so the tp, pp and ep paths all see both.
 First-step times are recorded (`seconds` in the rank files) but not asserted: timings live in
-tools/compile_depth.py and docs/performance.md.
+benchmarks/compile_depth.py and docs/performance.md.
 """
 import json
 import os
@@ -157,7 +157,8 @@ from moetrain.build import build_model, setup_device
 
 setup_device("cpu")
 cfg = load_config({config!r}, ["model.num_layers=3", "model.first_k_dense=1", "model.tie_embeddings=true",
-                                "model.hidden_size=32", "model.moe.num_experts=4", "model.moe.ffn_hidden_size=32"])
+                                "model.hidden_size=32", "model.moe.num_experts=4", "model.moe.ffn_hidden_size=32",
+                                "train.cell_reuse=" + sys.argv[2]])
 ms.set_seed(0)
 model = build_model(cfg)
 params = model.trainable_params()
@@ -186,9 +187,8 @@ def test_cell_reuse_compiles_one_block_graph_with_bitwise_the_same_results(tmp_p
     results = {}
     for reuse in ("1", "0"):
         out = tmp_path / f"reuse{reuse}.npz"
-        env = {**os.environ, "MOETRAIN_CELL_REUSE": reuse}
-        proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env,
-                              timeout=600)
+        proc = subprocess.run([sys.executable, str(script), str(out), {"1": "true", "0": "false"}[reuse]],
+                              capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[reuse] = dict(np.load(out))
     assert sorted(results["1"]) == sorted(results["0"]) and len(results["1"]) > 10

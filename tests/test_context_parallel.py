@@ -227,7 +227,7 @@ def test_config_errors_name_the_key(tmp_path):
 def test_groups_of_a_dp2_tp2_cp2_layout():
     """Megatron order tp-cp-dp-pp: cp ranks of one dp rank hold one sequence; the dp group (gradient
     replicas) spans dp x cp; dp_rank is the data coordinate (which samples a rank reads)."""
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
 
     seen = {}
     for rank in range(8):
@@ -276,7 +276,7 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
     MLA (DeepSeek-V3); packed documents (document masks crossing the chunks, positions restarting)."""
     from mindspore import Tensor, ops
 
-    from moetrain.dist.topology import Group
+    from moetrain.distributed.topology import Group
     from moetrain.parallel import context_parallel as cpmod
 
     rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
 """The native code paths train under msrun on CPU: with `MOETRAIN_COMM_BACKEND=contract` every
 MindSpore primitive the Ascend or the GPU path calls is a checked CPU reference
-(`moetrain/dist/contract.py`), and the real Trainer trains a moe_tiny-width model on
+(`moetrain/testing/contract.py`), and the real Trainer trains a moe_tiny-width model on
 
     2 ranks (shared job):  dp2·ep2, alltoall dispatcher, dropless   Ascend path (AlltoAll, jit),
                                                                     GPU path (AllGather, PyNative),

@@ -425,7 +425,7 @@ SGD = "optimizer.name=sgd,optimizer.lr=0.1,optimizer.clip_grad_norm=0,optimizer.
 EP_RUNS = {
     "ep4-alltoall": ("dropless", "parallel.expert_parallel=4,parallel.moe_token_dispatcher=alltoall"),
     # SGD checks the gradients' scale exactly; at the bound (one graph) it costs no recompiles, and
-    # the adaptive capacities are the AdamW run's (and the layout matrix's, tools/layout_matrix.py)
+    # the adaptive capacities are the AdamW run's (and the layout matrix's, benchmarks/layout_matrix.py)
     "ep4-alltoall-sgd": ("dropless-sgd", f"parallel.expert_parallel=4,parallel.moe_token_dispatcher=alltoall,{SGD},"
                                          f"parallel.moe_capacity=bound"),
     "ep2-allgather-zero2": ("dropless", "parallel.expert_parallel=2,parallel.moe_token_dispatcher=allgather,"
@@ -539,7 +539,7 @@ def test_one_rank_dispatchers_equal_sort_dispatcher(ms, capacity_factor):
     from moetrain.moe.dispatcher import SortDispatcher
     from moetrain.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher
     from moetrain.moe.experts import GroupedExperts
-    from moetrain.dist.topology import single_group
+    from moetrain.distributed.topology import single_group
 
     idx, weight = C.routing("skewed", 0)
     x = Tensor(C.tokens("one-rank", 0))
@@ -587,8 +587,8 @@ def test_parallelize_moe_slices_experts_and_gradient_groups(ms):
     from moetrain.parallel.data_parallel import OptimizerStep
     from moetrain.moe.layer import moe_layers
     from moetrain.parallel.expert_parallel import parallelize_moe
-    from moetrain.dist.sharding import shard_spec
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.sharding import shard_spec
+    from moetrain.distributed.topology import ParallelContext
 
     ms.set_seed(7)
     model = tiny_moe_gpt()
@@ -643,7 +643,7 @@ def test_configuration_errors_say_what_to_change(ms):
     from moetrain.moe.layer import MoELayer
     from moetrain.moe.config import MoEConfig
     from moetrain.parallel.expert_parallel import parallelize_moe
-    from moetrain.dist.topology import ParallelContext, single_group
+    from moetrain.distributed.topology import ParallelContext, single_group
 
     pctx = ParallelContext.build(world_size=4, rank=0, dp=4, ep=4)
     parallel = SimpleNamespace(moe_token_dispatcher="alltoall", moe_aux_loss_scope="micro_batch")

@@ -367,7 +367,7 @@ def test_a_failing_process_does_not_wait_for_its_background_save(tmp_path):
     script = f"""
 import time, sys
 from moetrain.checkpoint import distributed
-from moetrain.dist.topology import ParallelContext
+from moetrain.distributed.topology import ParallelContext
 distributed.write_rank_pieces = lambda *args: time.sleep(120)        # a save that takes long
 saver = distributed.ShardedCheckpointer({str(tmp_path)!r}, ParallelContext.single(), 2, async_save=True)
 saver.save(1, [], {{"layout": {{"tp": 1, "pp": 1, "ep": 1}}, "step": 1}}, "unused")

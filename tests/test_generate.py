@@ -17,7 +17,7 @@ VOCAB = 64
 def ms():
     import mindspore
 
-    from moetrain.dist.topology import cpu_ops_on_calling_thread
+    from moetrain.distributed.topology import cpu_ops_on_calling_thread
 
     mindspore.set_device("CPU")
     cpu_ops_on_calling_thread()      # as `moetrain generate` does: ~5x faster op-by-op decoding here
@@ -240,7 +240,7 @@ def kjv_model(ms, tmp_path_factory):
     from moetrain.checkpoint.distributed import FORMAT, LocalTensor, finish_checkpoint, write_rank_pieces
     from moetrain.checkpoint.manager import CheckpointWriter
     from moetrain.checkpoint.model_dir import model_state, save_model_dir
-    from moetrain.dist.sharding import ShardSpec
+    from moetrain.distributed.sharding import ShardSpec
 
     root = tmp_path_factory.mktemp("generate")
     model = build(ms, "moe_gpt", vocab_size=2048, seed=1)

@@ -23,7 +23,7 @@ TOLERANCE = 1e-4
 def ms():
     import mindspore
 
-    from moetrain.dist.topology import cpu_ops_on_calling_thread
+    from moetrain.distributed.topology import cpu_ops_on_calling_thread
 
     mindspore.set_device("CPU")
     cpu_ops_on_calling_thread()      # as `moetrain generate` does: op-by-op decoding without a spinning queue

@@ -18,10 +18,10 @@ PACKAGES = ("moetrain", "models")
 # layers below. Each entry is a module or a package (its modules); the longest entry that names a
 # module decides its layer. The same order is written down in docs/architecture.md ("Layers").
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("base", ("moetrain", "moetrain.compat", "moetrain.errors", "moetrain.env", "moetrain.fileio", "moetrain.layout", "moetrain.devices",
+    ("base", ("moetrain", "moetrain.compat", "moetrain.errors", "moetrain.env", "moetrain.family", "moetrain.fileio", "moetrain.layout", "moetrain.devices",
               "moetrain.kernels")),
     ("data, config", ("moetrain.data", "moetrain.registry", "moetrain.config")),
-    ("primitives", ("moetrain.dist", "moetrain.faults", "moetrain.layers", "moetrain.modeling",
+    ("primitives", ("moetrain.distributed", "moetrain.testing", "moetrain.faults", "moetrain.layers", "moetrain.modeling",
                     "moetrain.kv_cache", "moetrain.optim", "moetrain.logger")),
     ("moe", ("moetrain.moe",)),
     ("models", ("models",)),

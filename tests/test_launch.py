@@ -1,4 +1,4 @@
-"""moetrain.dist.launch's pieces (msrun command line, rank status files, scheduler pinning); its
+"""moetrain.distributed.launch's pieces (msrun command line, rank status files, scheduler pinning); its
 msrun jobs (a killed rank, a raising rank under run_distributed.sh) are in tests/test_launch_faults.py."""
 import os
 import subprocess
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from moetrain.dist import launch
+from moetrain.distributed import launch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -17,12 +17,12 @@ def test_msrun_command_line(tmp_path):
     job = launch.Job(["python", "w.py", "--x"], 2, nnodes=3, node_rank=1, master_addr="10.0.0.5",
                      master_port=8118, log_dir=str(tmp_path), tail=None)
     cmd = job.msrun_command()
-    assert cmd[1:5] == ["-m", "moetrain.dist.launch", "_msrun", "1"]
+    assert cmd[1:5] == ["-m", "moetrain.distributed.launch", "_msrun", "1"]
     for arg in ("--worker_num=6", "--local_worker_num=2", "--master_addr=10.0.0.5", "--master_port=8118",
                 "--node_rank=1", f"--log_dir={tmp_path}", "--join=True", "--tail_worker_log=6"):
         assert arg in cmd
     assert "--bind_core=True" not in cmd
-    assert cmd[-8:] == ["python", "-m", "moetrain.dist.launch", "_worker",
+    assert cmd[-8:] == ["python", "-m", "moetrain.distributed.launch", "_worker",
                         os.path.join(str(tmp_path), ".status"), "python", "w.py", "--x"]
     assert job.local_ranks == [2, 3]
 
@@ -53,7 +53,7 @@ def test_scheduler_is_pinned_to_node_zero(monkeypatch):
 ])
 def test_worker_wrapper_records_how_each_rank_ended(tmp_path, child, rank_env, code, recorded):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK_ID", "MS_ROLE")}
-    out = subprocess.run([sys.executable, "-m", "moetrain.dist.launch", "_worker", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "moetrain.distributed.launch", "_worker", str(tmp_path),
                           sys.executable, "-c", child], env={**env, **rank_env})
     assert out.returncode == code
     status = launch.read_statuses(str(tmp_path))[recorded["rank"]]

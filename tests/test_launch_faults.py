@@ -20,7 +20,7 @@ import pytest
 from background import child_only, heavy_tests_in_child, wait_for_background
 from distributed import REPO, kill_leftovers, require_msrun, run_workers
 from moetrain.faults import EXIT_BAD_INPUT, EXIT_PREEMPTED
-from moetrain.dist import launch
+from moetrain.distributed import launch
 
 MNIST = os.path.join(REPO, "configs", "mnist_mlp.yaml")
 SCRIPTS = os.path.join(REPO, "run_scripts")
@@ -52,7 +52,7 @@ def test_relaunch_adds_resume_and_drops_overwrite():
 
 def _wrapper(status_dir, child_code, env=None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK_ID", "MS_ROLE")}
-    return subprocess.Popen([sys.executable, "-m", "moetrain.dist.launch", "_worker", str(status_dir),
+    return subprocess.Popen([sys.executable, "-m", "moetrain.distributed.launch", "_worker", str(status_dir),
                              sys.executable, "-c", child_code], env={**env, "RANK_ID": "3"})
 
 
@@ -212,7 +212,7 @@ def _losses(run_dir):
 
 
 def _train_cmd(job_dir, args, nproc=2, launcher_args=()):
-    cmd = [sys.executable, "-m", "moetrain.dist.launch", "--nproc", str(nproc), "--log-dir",
+    cmd = [sys.executable, "-m", "moetrain.distributed.launch", "--nproc", str(nproc), "--log-dir",
            os.path.join(job_dir, "logs"), "--tail", "none", "--timeout", "400", *launcher_args, "--",
            "python", "-m", "moetrain.cli", "train", MNIST, *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
@@ -225,7 +225,7 @@ DRILL_STEPS = 10
 
 @pytest.fixture(scope="module")
 def fault_drill(tiny_mnist, tmp_path_factory):
-    """tools/fault_drill.py, one trial on dp2: a clean run of DRILL_STEPS, then SIGSTOP of a random rank
+    """benchmarks/fault_drill.py, one trial on dp2: a clean run of DRILL_STEPS, then SIGSTOP of a random rank
     at a random step under --max-restarts --hang-timeout 60 --collective-timeout 15 (issue 37: the
     launcher names the stopped rank, whichever timeout fires first, exit 124, and relaunches). Returns
     (exit code, workdir); workdir/clean is the clean run, also the uninterrupted reference of the
@@ -233,7 +233,7 @@ def fault_drill(tiny_mnist, tmp_path_factory):
     require_msrun()
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fault_drill", os.path.join(REPO, "tools", "fault_drill.py"))
+    spec = importlib.util.spec_from_file_location("fault_drill", os.path.join(REPO, "benchmarks", "fault_drill.py"))
     drill = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(drill)
     workdir = tmp_path_factory.mktemp("fault_drill")
@@ -285,7 +285,7 @@ def test_sigterm_to_the_launcher_of_a_dp2_run_saves_one_step_on_every_rank_then_
 @pytest.mark.background_child
 @child_only(__name__)
 def test_fault_drill_one_trial_on_dp2(fault_drill):
-    """tools/fault_drill.py --fault stop: SIGSTOP of a random rank at a random step under
+    """benchmarks/fault_drill.py --fault stop: SIGSTOP of a random rank at a random step under
     --max-restarts; the launcher names that rank as the one the job hangs on and ends the attempt with
     124 (whichever timeout fired first; the drill checks its output), relaunches, and the job finishes
     every step with the clean run's losses."""

@@ -162,7 +162,7 @@ def test_cpu_capacity_layout_without_kernels_reproduces_the_rows_layout(ms, monk
 
 def test_alltoall_on_gpu_runs_as_allgather_with_one_log_line(ms, capsys):
     from moetrain.moe import ep_dispatcher
-    from moetrain.dist.topology import single_group
+    from moetrain.distributed.topology import single_group
 
     ep_dispatcher._logged_gpu_fallback.clear()
     for _ in range(2):
@@ -190,10 +190,10 @@ def test_grouped_matmul_contract_takes_a_different_row_count_every_call(ms, nati
 
 def test_exact_splits_on_the_ascend_path_only(ms, monkeypatch):
     """Dropless alltoall on the Ascend MoE path with Ascend's AlltoAllV (native or contract): exact
-    splits, nothing for the capacity controller to size; elsewhere bucketed; MOETRAIN_EP_SPLITS
+    splits, nothing for the capacity controller to size; elsewhere bucketed; parallel.ep_splits
     overrides, and refuses exact where no AlltoAllV with Tensor counts exists."""
     from moetrain.moe import ep_dispatcher
-    from moetrain.dist.topology import single_group
+    from moetrain.distributed.topology import single_group
 
     monkeypatch.setenv("MOETRAIN_COMM_BACKEND", "contract")
     monkeypatch.setenv("MOETRAIN_CONTRACT_TARGET", "Ascend")
@@ -205,21 +205,18 @@ def test_exact_splits_on_the_ascend_path_only(ms, monkeypatch):
     assert capped.splits == "bucketed"             # capacity_factor > 0: fixed GShard buffers
     with pytest.raises(ValueError, match="exact splits need the rows layout"):
         ep_dispatcher.AllToAllDispatcher(4, 2, 0.0, single_group("ep"), "capacity", "exact")
-    monkeypatch.setenv("MOETRAIN_EP_SPLITS", "bucketed")
-    bucketed = ep_dispatcher.build_ep_dispatcher("alltoall", 4, 2, 0.0, single_group("ep"), "rows", "ascend")
+    bucketed = ep_dispatcher.build_ep_dispatcher("alltoall", 4, 2, 0.0, single_group("ep"), "rows", "ascend",
+                                                 "bucketed")
     assert bucketed.splits == "bucketed" and bucketed.capacity_fields() == ("pair_capacity",)
-    monkeypatch.setenv("MOETRAIN_EP_SPLITS", "exact")
     monkeypatch.setenv("MOETRAIN_CONTRACT_TARGET", "GPU")
-    with pytest.raises(ValueError, match="MOETRAIN_EP_SPLITS=exact needs the Ascend MoE path with Ascend's AlltoAllV"):
-        ep_dispatcher.dispatch_splits("ascend")
-    monkeypatch.setenv("MOETRAIN_EP_SPLITS", "auto")
-    assert ep_dispatcher.dispatch_splits("ascend") == "bucketed"
+    with pytest.raises(ValueError, match="parallel.ep_splits=exact needs the Ascend MoE path with Ascend's AlltoAllV"):
+        ep_dispatcher.dispatch_splits("ascend", "exact")
+    assert ep_dispatcher.dispatch_splits("ascend", "auto") == "bucketed"
     monkeypatch.setenv("MOETRAIN_COMM_BACKEND", "emulated")
     monkeypatch.setenv("MOETRAIN_CONTRACT_TARGET", "Ascend")
     assert ep_dispatcher.dispatch_splits("ascend") == "bucketed"
-    monkeypatch.setenv("MOETRAIN_EP_SPLITS", "fixed")
-    with pytest.raises(ValueError, match="MOETRAIN_EP_SPLITS='fixed': use auto, exact, bucketed"):
-        ep_dispatcher.dispatch_splits("ascend")
+    with pytest.raises(ValueError, match="parallel.ep_splits='fixed': use auto, exact, bucketed"):
+        ep_dispatcher.dispatch_splits("ascend", "fixed")
 
 
 def test_platform_and_implementation_selection(monkeypatch, native_ops):
@@ -253,7 +250,7 @@ def alltoall_dispatcher():
     """ep=4, 8 experts (2 per rank), top-2, capacity layout: a pair capacity per destination and
     an expert capacity."""
     from moetrain.moe.ep_dispatcher import AllToAllDispatcher
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
 
     return AllToAllDispatcher(8, 2, 0.0, ParallelContext.build(4, 0, 4, ep=4).group("ep"), "capacity")
 
@@ -355,7 +352,7 @@ def test_first_capacities_are_a_multiple_of_the_even_share(ms):
 def test_capacity_bound_leaves_every_buffer_at_its_bound(ms):
     """`parallel.moe_capacity: bound`: the step functions are wrapped plainly (no AdaptiveStep), so the
     dispatchers keep the bound for the whole run; the default manages them; another value is an error."""
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
     from moetrain.moe.capacity import AdaptiveStep, adaptive_steps
 
     dispatcher = alltoall_dispatcher()

@@ -43,7 +43,7 @@ def run_step(ms, values, grads, name, level, fused, jit):
     from mindspore import Parameter, Tensor
 
     from moetrain.config import OptimizerConfig, ParallelConfig
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
     from moetrain.parallel.data_parallel import OptimizerStep
 
     params = [Parameter(Tensor(v), name=k) for k, v in values.items()]
@@ -95,16 +95,14 @@ def test_fused_optimizer_step_skips_a_non_finite_gradient(ms, monkeypatch):
     from mindspore import Parameter, Tensor
 
     from moetrain.config import OptimizerConfig, ParallelConfig
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
     from moetrain.parallel.data_parallel import OptimizerStep
 
     values = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
     params = [Parameter(Tensor(v), name=k) for k, v in values.items()]
-    make = lambda: OptimizerStep(params, OptimizerConfig(name="adamw"), ParallelConfig(),  # noqa: E731
-                                 ParallelContext.build(1, 0, 1), clip=CLIP, jit=True)
-    monkeypatch.setenv("MOETRAIN_FUSED_OPTIMIZER", "off")
-    assert not make().fused                                       # off: the plain path
-    monkeypatch.delenv("MOETRAIN_FUSED_OPTIMIZER")
+    make = lambda fused="auto": OptimizerStep(params, OptimizerConfig(name="adamw", fused=fused),  # noqa: E731
+                                              ParallelConfig(), ParallelContext.build(1, 0, 1), clip=CLIP, jit=True)
+    assert not make("off").fused                                  # optimizer.fused: off: the plain path
     step = make()
     assert step.fused                                             # the default: picked where the kernels run
     grads = [np.ones(p.shape, np.float32) for p in step.params]

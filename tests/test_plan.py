@@ -435,7 +435,7 @@ def _held_by_rank(model_cfg, layout, rank=0):
     import mindspore as ms
 
     from moetrain.config import ParallelConfig
-    from moetrain.dist.topology import ParallelContext
+    from moetrain.distributed.topology import ParallelContext
     from moetrain.parallel.expert_parallel import parallelize_moe
     from moetrain.parallel.plans import TP_PLANS
     from moetrain.parallel.tensor_parallel import parallelize_module

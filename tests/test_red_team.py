@@ -593,7 +593,7 @@ def test_every_exit_code_is_in_the_faults_table():
     table = table.split("\n## ")[0]
     rows = set(re.findall(r"^\| (\d+)", table, re.M))
     used = {str(v) for k, v in vars(faults).items() if k.startswith("EXIT_")}
-    for path in ("moetrain/cli.py", "moetrain/dist/launch.py", "run_scripts/run_distributed.sh",
+    for path in ("moetrain/cli.py", "moetrain/distributed/launch.py", "run_scripts/run_distributed.sh",
                  "run_scripts/run_8p.sh", "run_scripts/run_multinode.sh"):
         text = open(os.path.join(ROOT, path), encoding="utf-8").read()
         used |= set(re.findall(r"\breturn (\d+)\b", text)) | set(re.findall(r"\bexit (\d+)\b", text))
@@ -857,12 +857,12 @@ def test_tool_messages_name_the_file_and_a_fix_that_works(mixtral_dir, tmp_path,
 # 8. Hangs are named
 # ---------------------------------------------------------------------------------------------
 def test_a_hang_is_named_from_the_ranks_reports_whichever_timeout_fires_first(tmp_path, capsys):
-    """The launcher's watchdog (moetrain.dist.launch.Job.wait) on a 2-rank job whose rank 1 is stopped
+    """The launcher's watchdog (moetrain.distributed.launch.Job.wait) on a 2-rank job whose rank 1 is stopped
     (a real SIGSTOPped process stands for it) at step 5 while rank 0 waits for it, for each timeout
     that can fire first: rank 0's collective times out, MindSpore's scheduler gives up on rank 1, msrun
     exits on its own, or --hang-timeout. Each is reported as a hang on rank 1 with exit 124, never as
     a failure of the healthy rank 0 or the scheduler; a plain failure of rank 0 is still rank 0's."""
-    from moetrain.dist import launch
+    from moetrain.distributed import launch
 
     stopped = subprocess.Popen(["sleep", "120"])
     os.kill(stopped.pid, signal.SIGSTOP)

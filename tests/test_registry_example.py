@@ -2,7 +2,6 @@
 import json
 import os
 import re
-import sys
 
 import pytest
 
@@ -21,11 +20,10 @@ def test_readme_model_example_trains(tiny_mnist, tmp_path, monkeypatch):
     (tmp_path / "my_models.py").write_text(readme_blocks("python")[0])
     config = readme_blocks("yaml")[0].replace("base: configs/", f"base: {ROOT}/configs/")
     (tmp_path / "my_model.yaml").write_text(config)
-    monkeypatch.syspath_prepend(str(tmp_path))
     command = readme_blocks("bash")[0].split()
-    assert command[:3] == ["PYTHONPATH=.", "moetrain", "train"]
+    assert command[:2] == ["moetrain", "train"]
     out = tmp_path / "run"
-    argv = command[2:] + ["--set", f"data.path={tiny_mnist}", "--set", f"train.output_dir={out}",
+    argv = command[1:] + ["--set", f"data.path={tiny_mnist}", "--set", f"train.output_dir={out}",
                           "--set", "logging.tensorboard=false", "--set", "train.global_batch_size=32",
                           "--set", "lr_schedule.warmup_steps=0", "--set", "optimizer.lr=0.01"]
     monkeypatch.chdir(tmp_path)
@@ -36,4 +34,4 @@ def test_readme_model_example_trains(tiny_mnist, tmp_path, monkeypatch):
     assert len(train) == 256 // 32                      # one epoch of the 256-sample set
     assert train[-1]["loss"] < train[0]["loss"]
     assert [r for r in records if "eval_accuracy" in r][-1]["eval_accuracy"] > 0.5
-    sys.modules.pop("my_models", None)
+    assert registry.model_module_of("softmax_regression") == str(tmp_path / "my_models.py")   # found by path

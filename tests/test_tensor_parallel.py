@@ -8,7 +8,7 @@ relative). Tensor parallelism combined with data, pipeline and expert parallelis
 recompute is tested in tests/test_parallel_3d.py.
 Single process: plan slicing and marking on a 2-rank group that never communicates, the layout
 checks, and recompute (same loss, stats and gradients over two jitted steps; activation memory
-measured by tools/measure_recompute.py).
+measured by benchmarks/measure_recompute.py).
 
 The jobs compile the whole training step several times; on an idle 2-core machine they take a few
 minutes, several times that when the machine is shared.
@@ -245,9 +245,9 @@ def test_plan_keeps_this_ranks_slice_of_every_split_parameter(name, sequence_par
     import mindspore as ms
 
     from moetrain.parallel.plans import TP_PLANS
-    from moetrain.dist.sharding import shard_spec
+    from moetrain.distributed.sharding import shard_spec
     from moetrain.parallel.tensor_parallel import is_sequence_parallel, parallelize_module
-    from moetrain.dist.topology import Group
+    from moetrain.distributed.topology import Group
     from moetrain.registry import get_model
 
     ms.set_device("CPU")
@@ -299,7 +299,7 @@ def test_layout_checks_name_every_size_that_does_not_split():
     assert "model.mtp_depth=1" in problem and "use_seq_parallel=false" in problem
     with pytest.raises(ValueError, match="is not divisible by tp=2"):   # sizes found only while slicing
         from moetrain.parallel.tensor_parallel import shard_parameter
-        from moetrain.dist.topology import Group
+        from moetrain.distributed.topology import Group
         from moetrain.layers import Linear
 
         shard_parameter(Linear(4, 5).weight, 0, Group("tp", (0, 1), 0, "unused"))
@@ -388,14 +388,14 @@ def test_family_recompute_plans_name_their_cells(name, policy):
 
 
 def test_recompute_lowers_activation_memory_in_pynative():
-    """tools/measure_recompute.py: peak RSS rise over one PyNative training step, a fresh process per
+    """benchmarks/measure_recompute.py: peak RSS rise over one PyNative training step, a fresh process per
     policy. (Under ms.jit the CPU backend of MindSpore 2.10 runs recomputed ops early and the peak does
     not drop; the numbers are in docs/parallel_engine.md.) The MoE model: its selective policy also
     recomputes the routed experts, a clear saving (measured 238 / 185 / 163 MB for none / selective /
     full), whereas the dense GPT's selective policy (the attention core) saves little when the fused
     attention kernel already recomputes its probabilities in the backward (187 vs 185 MB)."""
     batch = 12
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "measure_recompute.py"), "--json", "--model", "moe_gpt",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "measure_recompute.py"), "--json", "--model", "moe_gpt",
            "--modes", "pynative", "--batch", str(batch)]
     result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout)
     peak = {policy: result[f"pynative/{policy}"]["step_peak_mb"][str(batch)] for policy in ("none", "selective", "full")}

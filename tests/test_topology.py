@@ -1,9 +1,9 @@
-"""Rank layout, groups and layout validation of moetrain.dist.topology (pure Python)."""
+"""Rank layout, groups and layout validation of moetrain.distributed.topology (pure Python)."""
 import itertools
 
 import pytest
 
-from moetrain.dist.topology import GROUP_KINDS, ParallelContext, init_parallel, launched_world_size
+from moetrain.distributed.topology import GROUP_KINDS, ParallelContext, init_parallel, launched_world_size
 from moetrain.layout import LayoutError
 
 LAYOUTS = [  # dp, tp, pp, ep, etp: before folding (etp 1, ep dividing dp), then folded

@@ -153,7 +153,7 @@ def test_a_cpu_trainer_runs_pynative_ops_on_the_calling_thread(mnist_overrides, 
     import subprocess
     import sys
 
-    from moetrain.dist.topology import HOST_BLOCKING_RUN, cpu_ops_on_calling_thread
+    from moetrain.distributed.topology import HOST_BLOCKING_RUN, cpu_ops_on_calling_thread
 
     script = ("import glob, os, sys\n"
               "from moetrain.config import load_config\n"

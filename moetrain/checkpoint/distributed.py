@@ -17,7 +17,7 @@ is `<state prefix>.<parameter name>` (`adam_m.layers.0.attn.wq.weight`) at any Z
 fp32 masters are `zero_master.<parameter name>` (at level 0 the parameter is its own master).
 
 A piece is the tensor a rank holds: a `ShardSpec` slice of the global tensor (tensor / expert
-parallel, see `moetrain.dist.sharding`) and, under ZeRO, the `flat` range [start, stop) of that
+parallel, see `moetrain.distributed.sharding`) and, under ZeRO, the `flat` range [start, stop) of that
 slice's flattened elements (the padding past the end is not saved). Inside a shard file a piece is
 stored under its key. Replicas are written once, by the first holder: rank 0 of the parameter's
 reduction group (dp, or edp for expert parameters) and tensor-parallel rank 0 unless the tensor is
@@ -44,8 +44,8 @@ from moetrain.checkpoint.manager import (MANIFEST, METADATA, CheckpointError, Ch
                                          latest_of_run, prune_checkpoints, read_manifest, sha256_of, verify_files)
 from moetrain.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, save_model_dir
 from moetrain.config import model_config_from_dict
-from moetrain.dist.sharding import MASTER_PREFIX, ShardSpec, reduction_group_kind, shard_spec, tp_copies
-from moetrain.dist.topology import ParallelContext
+from moetrain.distributed.sharding import MASTER_PREFIX, ShardSpec, reduction_group_kind, shard_spec, tp_copies
+from moetrain.distributed.topology import ParallelContext
 from moetrain.faults import failed_ranks
 from moetrain.layout import Layout, LayoutError, ModelShape, check_layout, layout_problems
 from moetrain.fileio import read_yaml

@@ -35,7 +35,7 @@ from typing import Dict, Optional
 
 from moetrain.checkpoint.manager import (METADATA, CheckpointError, checkpoint_run_id, holds_checkpoint_folders,
                                          list_checkpoints, newest_usable, resolve_resume_path, run_id_in, same_run)
-from moetrain.dist.launch import RESTART_ENV
+from moetrain.distributed.launch import RESTART_ENV
 from moetrain.faults import broadcast_bytes, failed_ranks, world_sum
 from moetrain.fileio import file_in_the_way, temp_path
 from moetrain.layout import launched_world_size

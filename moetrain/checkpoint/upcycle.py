@@ -1,4 +1,5 @@
-"""Dense-to-MoE upcycling: a dense `gpt` model directory -> a `moe_gpt` model directory with the same forward.
+"""Dense-to-MoE upcycling: a dense model directory -> a MoE model directory with the same forward
+(the family declares it, `moetrain.family.Upcycling`: dense `gpt` -> `moe_gpt` ships).
 
     moetrain convert upcycle DENSE_MODEL_DIR OUT --num-experts E --top-k K [--granularity G]
 
@@ -19,7 +20,6 @@ experts, weights summing to 1). Exact up to float rounding (the test bounds it b
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import sys
@@ -29,53 +29,40 @@ import numpy as np
 
 from moetrain.checkpoint.model_dir import (build_config_from_dict, build_model_from_dict, load_model_dir,
                                            load_model_state, save_model_dir)
+from moetrain.family import Upcycling
+from moetrain.registry import get_model, registered_models
 from moetrain.errors import EXIT_BAD_INPUT, describe, expected_errors
 from moetrain.fileio import check_output_folder
 
 
-def upcycled_model_section(dense: Dict[str, Any], num_experts: int, top_k: int, granularity: int) -> Dict[str, Any]:
-    """The `moe_gpt` `model:` section for upcycling the `gpt` section `dense`."""
-    if dense.get("name") != "gpt":
+def _upcycling(dense: Dict[str, Any]) -> Upcycling:
+    try:
+        family = get_model(dense.get("name")).family
+    except KeyError:
+        family = None
+    if family is None or family.upcycle is None:
+        offered = sorted(name for name, e in registered_models().items() if e.family.upcycle is not None)
         raise ValueError(f"upcycle: the model directory holds a {dense.get('name')!r} model; it upcycles dense "
-                         f"`gpt` models")
+                         f"{' / '.join(f'`{name}`' for name in offered)} models")
+    return family.upcycle
+
+
+def upcycled_model_section(dense: Dict[str, Any], num_experts: int, top_k: int, granularity: int) -> Dict[str, Any]:
+    """The MoE `model:` section for upcycling the dense section `dense` (its family's `Upcycling`)."""
+    upcycling = _upcycling(dense)
     for key, value, low in (("--num-experts", num_experts, 1), ("--top-k", top_k, 1), ("--granularity", granularity, 1)):
         if value < low:
             raise ValueError(f"upcycle: {key} must be >= {low}, got {value}")
     if top_k > num_experts:
         raise ValueError(f"upcycle: --top-k ({top_k}) cannot exceed --num-experts ({num_experts})")
-    ffn = dense["ffn_hidden_size"]
-    if ffn % granularity:
-        raise ValueError(f"upcycle: --granularity {granularity} must divide the FFN width model.ffn_hidden_size "
-                         f"({ffn})")
-    model = copy.deepcopy(dense)
-    model.update(name="moe_gpt", first_k_dense=0, moe_layer_freq=1, moe={
-        "num_experts": num_experts * granularity, "top_k": top_k * granularity, "ffn_hidden_size": ffn // granularity,
-        "num_shared_experts": 0, "score_func": "softmax", "norm_topk_prob": True, "route_scale": float(granularity),
-        "num_groups": 1, "topk_groups": 1, "capacity_factor": 0.0})
-
-    return dataclasses.asdict(build_config_from_dict(model))
+    return dataclasses.asdict(build_config_from_dict(upcycling.section(dense, num_experts, top_k, granularity)))
 
 
-def upcycle_state(state: Dict[str, np.ndarray], model: Dict[str, Any], num_experts: int, granularity: int,
-                  seed: int = 0) -> Dict[str, np.ndarray]:
-    """The upcycled model's tensors from the dense `state` (see the module docstring for the layout)."""
-    rng = np.random.default_rng(seed)
-    hidden, slice_width = model["hidden_size"], model["moe"]["ffn_hidden_size"]
-    out = {name: value for name, value in state.items() if ".mlp." not in name}
-    for i in range(model["num_layers"]):
-        w_gate, w_up, w_down = (state[f"layers.{i}.mlp.{n}.weight"] for n in ("w_gate", "w_up", "w_down"))  # [F, H], [H, F]
-        slices = range(granularity)
-        gate = [w_gate[g * slice_width:(g + 1) * slice_width].T for g in slices]            # [H, F/G]
-        up = [w_up[g * slice_width:(g + 1) * slice_width].T for g in slices]
-        down = [w_down[:, g * slice_width:(g + 1) * slice_width].T for g in slices]          # [F/G, H]
-        prefix = f"layers.{i}.moe."
-        out[prefix + "experts.w_gate"] = np.stack(gate * num_experts)                       # expert c*G + g
-        out[prefix + "experts.w_up"] = np.stack(up * num_experts)
-        out[prefix + "experts.w_down"] = np.stack(down * num_experts)
-        rows = (model["init_std"] * rng.standard_normal((num_experts, hidden))).astype(np.float32)
-        out[prefix + "router.weight"] = np.repeat(rows, granularity, axis=0)                 # one row per copy
-        out[prefix + "expert_bias"] = np.zeros(num_experts * granularity, np.float32)
-    return out
+def upcycle_state(state: Dict[str, np.ndarray], dense: Dict[str, Any], model: Dict[str, Any], num_experts: int,
+                  granularity: int, seed: int = 0) -> Dict[str, np.ndarray]:
+    """The upcycled model's tensors from the dense `state` of the section `dense` (see the module
+    docstring for the layout)."""
+    return _upcycling(dense).state(state, model, num_experts, granularity, seed)
 
 
 def upcycle(dense_dir: str, out_dir: str, num_experts: int, top_k: int, granularity: int = 1,
@@ -83,7 +70,7 @@ def upcycle(dense_dir: str, out_dir: str, num_experts: int, top_k: int, granular
     """Write the upcycled model directory; returns its `(model section, state)`."""
     config, state = load_model_dir(dense_dir)
     model = upcycled_model_section(config["model"], num_experts, top_k, granularity)
-    new_state = upcycle_state(state, model, num_experts, granularity, seed)
+    new_state = upcycle_state(state, config["model"], model, num_experts, granularity, seed)
 
     load_model_state(build_model_from_dict(model), new_state, strict=True)   # every name and shape fits
     save_model_dir(out_dir, {"model": model}, new_state)
@@ -91,9 +78,9 @@ def upcycle(dense_dir: str, out_dir: str, num_experts: int, top_k: int, granular
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="moetrain convert upcycle", description="dense gpt model directory -> "
-                                 "moe_gpt model directory with the same forward (continue with checkpoint.load_path)")
-    ap.add_argument("dense_dir", help="model directory or training checkpoint of a `gpt` model")
+    ap = argparse.ArgumentParser(prog="moetrain convert upcycle", description="dense model directory -> "
+                                 "MoE model directory with the same forward (continue with checkpoint.load_path)")
+    ap.add_argument("dense_dir", help="model directory or training checkpoint of a dense model whose family upcycles")
     ap.add_argument("out_dir", help="model directory to write")
     ap.add_argument("--num-experts", type=int, required=True, help="expert copies E")
     ap.add_argument("--top-k", type=int, required=True, help="copies per token K")
@@ -113,7 +100,7 @@ def main(argv=None) -> int:
         print(f"moetrain convert upcycle: error: {describe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     moe = model["moe"]
-    print(f"wrote {args.out_dir}: moe_gpt, {model['num_layers']} MoE layers of {moe['num_experts']} experts "
+    print(f"wrote {args.out_dir}: {model['name']}, {model['num_layers']} MoE layers of {moe['num_experts']} experts "
           f"(ffn {moe['ffn_hidden_size']}), top-{moe['top_k']}; train on with checkpoint.load_path={args.out_dir}")
     return 0
 

@@ -42,8 +42,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 from mindspore import Tensor
 
-from moetrain.dist import comm
-from moetrain.dist.topology import ParallelContext
+from moetrain.distributed import comm
+from moetrain.distributed.topology import ParallelContext
 
 
 PRIOR = 2.0          # before any counts: capacities for PRIOR x the even share (parallel.moe_capacity_prior)

@@ -9,7 +9,7 @@ assignments, so summing both over the data-parallel group gives the one-process 
 
 * `AllToAllDispatcher` (`parallel.moe_token_dispatcher: alltoall`, Megatron's alltoall; needs
   AlltoAll: CPU (emulated) and Ascend):
-  - dropless, bucketed splits (CPU; Ascend with `MOETRAIN_EP_SPLITS=bucketed`): sort by expert
+  - dropless, bucketed splits (CPU; Ascend with `parallel.ep_splits: bucketed`): sort by expert
     (hence by destination), exchange the per-expert counts `[ep, L]`, then the tokens in one
     all-to-all-v: destination j gets `C_j` rows from every source, its run padded to that
     (`pair_capacity`, sized by `moetrain.moe.capacity` from the counts, re-run on overflow; unset =
@@ -41,14 +41,13 @@ from typing import Tuple
 import mindspore as ms
 from mindspore import nn, ops
 
-from moetrain.env import env_choice
 from moetrain.moe.capacity import DroplessSizing
 from moetrain.moe.dispatcher import check_layout, expert_counts, kept_rows, rows_layout
 from moetrain.moe.native_ops import MoEOps
 from moetrain.moe.permutation import (assignment_rows, capacity_layout, capacity_rows, expert_capacity,
                                       permute, sort_by_expert, unpermute)
-from moetrain.dist import comm
-from moetrain.dist.topology import Group
+from moetrain.distributed import comm
+from moetrain.distributed.topology import Group
 
 _logged_gpu_fallback = []
 SPLITS = ("exact", "bucketed")
@@ -324,28 +323,29 @@ class AllGatherDispatcher(_EPDispatcher):
         return comm.reduce_scatter(partial, self.group)
 
 
-def dispatch_splits(path: str) -> str:
+def dispatch_splits(path: str, forced: str = "auto") -> str:
     """How the dropless alltoall dispatcher sizes its exchange on code path `path`: "exact" (counts
     on the device, AlltoAllV with Tensor split sizes) on the Ascend path when comm runs Ascend's
     AlltoAllV (native, or its contract), "bucketed" (host-sized static capacities) elsewhere.
-    `MOETRAIN_EP_SPLITS=exact|bucketed` overrides (e.g. bucketed on Ascend for static shapes)."""
-    forced = env_choice("MOETRAIN_EP_SPLITS", SPLITS)
+    `forced` (`parallel.ep_splits`: exact | bucketed) overrides (e.g. bucketed on Ascend for static shapes)."""
+    if forced not in ("auto", *SPLITS):
+        raise ValueError(f"parallel.ep_splits={forced!r}: use auto, {', '.join(SPLITS)}")
     has_alltoallv = comm.backend_name() != "emulated" and comm.native_target() == "Ascend"
     if forced == "exact" and not (path == "ascend" and has_alltoallv):
-        raise ValueError(f"MOETRAIN_EP_SPLITS=exact needs the Ascend MoE path with Ascend's AlltoAllV (this process: "
+        raise ValueError(f"parallel.ep_splits=exact needs the Ascend MoE path with Ascend's AlltoAllV (this process: "
                          f"MoE path {path!r}, comm backend {comm.backend_name()!r} for {comm.native_target()}); "
-                         f"unset it or use bucketed")
+                         f"set it to auto or bucketed")
     if forced != "auto":
         return forced
     return "exact" if path == "ascend" and has_alltoallv else "bucketed"
 
 
 def build_ep_dispatcher(name: str, num_experts: int, top_k: int, capacity_factor: float, group: Group,
-                        layout: str = "rows", path: str = "cpu") -> nn.Cell:
+                        layout: str = "rows", path: str = "cpu", splits: str = "auto") -> nn.Cell:
     """The expert-parallel dispatcher named by `parallel.moe_token_dispatcher` on code path `path`
     (`native_ops.platform()`): GPU has no AlltoAll in MindSpore 2.10, so "alltoall" runs the
     allgather dispatcher there (said once in the log); on Ascend the dropless alltoall exchange
-    uses exact split sizes (`dispatch_splits`)."""
+    uses exact split sizes (`dispatch_splits`; `splits`: `parallel.ep_splits`)."""
     if name not in ("alltoall", "allgather"):
         raise ValueError(f"parallel.moe_token_dispatcher: {name!r} is not one of 'alltoall', 'allgather'")
     if name == "alltoall" and path == "gpu":
@@ -356,6 +356,6 @@ def build_ep_dispatcher(name: str, num_experts: int, top_k: int, capacity_factor
                   flush=True)
         name = "allgather"
     if name == "alltoall":
-        splits = dispatch_splits(path) if capacity_factor == 0 else "bucketed"
+        splits = dispatch_splits(path, splits) if capacity_factor == 0 else "bucketed"
         return AllToAllDispatcher(num_experts, top_k, capacity_factor, group, layout, splits)
     return AllGatherDispatcher(num_experts, top_k, capacity_factor, group, layout)

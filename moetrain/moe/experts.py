@@ -20,7 +20,7 @@ from mindspore import Tensor, nn, ops
 from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, GroupedMatmulPair, shared
 from moetrain.layers import compute_dtype_of, normal_parameter
 from moetrain.moe.native_ops import MoEOps
-from moetrain.dist.sharding import mark_role
+from moetrain.distributed.sharding import mark_role
 
 COMPUTES = ("kernel", "gmm", "bmm")
 

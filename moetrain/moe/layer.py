@@ -20,7 +20,7 @@ from moetrain.moe.dispatcher import SortDispatcher, expert_counts
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.losses import load_balancing_loss, tokens_per_expert, z_loss
 from moetrain.moe.router import TopKRouter
-from moetrain.dist import comm
+from moetrain.distributed import comm
 
 # Token sets the Switch aux loss can balance over (config key parallel.moe_aux_loss_scope).
 AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global")

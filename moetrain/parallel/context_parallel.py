@@ -19,7 +19,7 @@ comes before chunk 2·cp−1−i), so inside a rank's own block the mask is the 
 Everything but attention works on the local tokens unchanged: embedding, norms, MLP / MoE and the
 loss. Each rank's loss is the mean over its S/cp tokens of each sequence, the same count on every
 rank, so the mean over the cp ranks (the trainer averages step values and sums gradients over the
-`dp` group, which spans dp x cp ranks: moetrain/dist/topology.py) is the mean over all tokens of
+`dp` group, which spans dp x cp ranks: moetrain/distributed/topology.py) is the mean over all tokens of
 the global batch, exactly as on one process; `ContextParallelRunner` checks that count every step
 (`TokenCountError`). MoE statistics that mix tokens of one micro-batch (the Switch aux loss's
 per-expert sums, the sequence-wise aux loss) are all-reduced over the cp group first
@@ -57,7 +57,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from moetrain.dist import comm
+from moetrain.distributed import comm
 from moetrain.layers import CausalAttention
 from moetrain.layout import LayoutError
 from moetrain.parallel.expert_parallel import moe_layers

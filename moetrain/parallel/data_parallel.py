@@ -16,7 +16,7 @@ same number of times in the global norm and share a weight-decay flag.
                         level 1/2: the optimizer on this rank's fp32 master rows, then all-gather
                         the rows into the parameters
 
-Where moetrain's CPU kernels run and the optimizer is fp32 AdamW / Adam (MOETRAIN_FUSED_OPTIMIZER=off
+Where moetrain's CPU kernels run and the optimizer is fp32 AdamW / Adam (`optimizer.fused: off`
 turns it off), prepare and apply touch the buffers only twice:
 `SumOfSquares` per buffer for the norm, then `FusedAdamW` per buffer, which takes unscale x clip as
 one gradient multiplier and updates the parameters (or the ZeRO master row) and both moments in
@@ -51,9 +51,8 @@ from mindspore import Parameter, ParameterTuple, Tensor, ops
 from moetrain import kernels
 from moetrain.kernels.ops import FusedAdamW, SumOfSquares
 from moetrain.optim import build_optimizer, decays
-from moetrain.dist import comm
-from moetrain.dist.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec, tp_copies
-from moetrain.env import env_choice
+from moetrain.distributed import comm
+from moetrain.distributed.sharding import MASTER_PREFIX, param_role, reduction_group_kind, shard_spec, tp_copies
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
@@ -153,17 +152,17 @@ class OptimizerStep:
             self.masters = [Parameter(Tensor(self._own_row(b)), name=f"{MASTER_PREFIX}buffer{i}")
                             for i, b in enumerate(self.buffers)]
             self.optimizer = build_optimizer(self.masters, optimizer_cfg, decay_flags=[b.decay for b in self.buffers])
-        # fused: None reads MOETRAIN_FUSED_OPTIMIZER (auto / on: wherever the kernels serve the
-        # optimizer; off: the plain path); tests pass False / True
+        # fused: None reads optimizer.fused (auto / on: wherever the kernels serve the optimizer;
+        # off: the plain path); tests pass False / True
         if fused is None:
-            fused = (env_choice("MOETRAIN_FUSED_OPTIMIZER", ("on", "off")) != "off"
+            fused = (optimizer_cfg.fused != "off"
                      and _fused_optimizer_runs(optimizer_cfg, self.optimizer.params))
         self.fused = fused
         if self.fused:
             self._bind_fused_kernels(optimizer_cfg)
         # The fused path is a few kernel calls per buffer, so it runs in PyNative: compiled, its graphs
         # would keep their last inputs, the step's flat gradient buffers, alive through the next step's
-        # backward (measured on tools/bench.py's MoE model: peak RSS 1,228-1,243 -> 1,068-1,072 MB, the
+        # backward (measured on benchmarks/bench.py's MoE model: peak RSS 1,228-1,243 -> 1,068-1,072 MB, the
         # step time unchanged, paired ratio 1.003 over 24 alternating steps).
         wrap = ms.jit if jit and not self.fused else (lambda fn: fn)
         self._prepare = wrap(self._prepare_fused_impl if self.fused else self._prepare_impl)
@@ -394,7 +393,7 @@ def accumulate(acc, flats):
 
 def reduce_host_values(values: Dict[str, object], pctx, summed: Sequence[str]) -> Dict[str, object]:
     """Sum (keys in `summed`) or average numpy values over the data-parallel group (dp x cp ranks: a
-    context-parallel rank's loss is the mean over its equal share of the tokens, moetrain/dist/topology.py)."""
+    context-parallel rank's loss is the mean over its equal share of the tokens, moetrain/distributed/topology.py)."""
     keys = list(values)
     arrays = [np.asarray(values[k], np.float64) for k in keys]
     flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.float32)

@@ -11,7 +11,7 @@ checkpoints can reassemble them). Because every rank slices the same full initia
 expert-parallel job starts from exactly the one-process model.
 
 MoE parallel folding (`parallel.expert_tensor_parallel`, ep spanning tp ranks; the layout is in
-moetrain/dist/topology.py): with etp > 1 each local expert keeps FFN columns `[etp_rank F/etp, ..)`
+moetrain/distributed/topology.py): with etp > 1 each local expert keeps FFN columns `[etp_rank F/etp, ..)`
 of `w_gate/w_up` (axis 2) and the same rows of `w_down` (axis 1), Megatron's column/row split; the
 MoE layer brings the dispatched rows into the etp region and sums the partial outputs over it. When
 folded, the tp ranks of a dp rank (which hold the same tokens) each dispatch one slice of them
@@ -31,7 +31,7 @@ from mindspore import Tensor
 from moetrain.moe.ep_dispatcher import build_ep_dispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.layer import moe_layers
-from moetrain.dist.sharding import mark_further_shard, mark_shard, shard_spec
+from moetrain.distributed.sharding import mark_further_shard, mark_shard, shard_spec
 
 
 def shard_experts(experts: GroupedExperts, ep_rank: int, ep: int) -> None:
@@ -79,7 +79,7 @@ def parallelize_moe(model, parallel_cfg, pctx) -> int:
         if pctx.ep > 1 or scope != "micro_batch":
             raise ValueError(f"parallel.expert_parallel={pctx.ep} / parallel.moe_aux_loss_scope={scope!r} apply to "
                              f"MoE layers, and model {type(model).__name__} has none: set them back to 1 / "
-                             f"'micro_batch' or use a MoE model (e.g. model.name: moe_gpt)")
+                             f"'micro_batch' or use a MoE model (one with MoE layers)")
         return 0
     ep_group = pctx.group("ep")
     for layer in layers:
@@ -87,7 +87,8 @@ def parallelize_moe(model, parallel_cfg, pctx) -> int:
             shard_experts(layer.experts, pctx.ep_rank, pctx.ep)
             layer.dispatcher = build_ep_dispatcher(parallel_cfg.moe_token_dispatcher, layer.num_experts,
                                                    layer.top_k, layer.cfg.capacity_factor, ep_group,
-                                                   layer.experts.layout, layer.experts.ops.path)
+                                                   layer.experts.layout, layer.experts.ops.path,
+                                                   parallel_cfg.ep_splits)
         if pctx.etp > 1:
             split_expert_ffn(layer.experts, pctx.etp_rank, pctx.etp)
         layer.set_expert_groups(pctx.group("tp_tokens"), pctx.group("etp"))

@@ -67,9 +67,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn
 
-from moetrain.dist import comm
-from moetrain.dist.comm import PairLink
-from moetrain.dist.sharding import mark_role
+from moetrain.distributed import comm
+from moetrain.distributed.comm import PairLink
+from moetrain.distributed.sharding import mark_role
 from moetrain.layout import split_layers
 from moetrain.modeling import StatSpec, attention_context, keep_stage, merge_stats, split_specs, stat_rows
 from moetrain.parallel.runner import as_tensors

@@ -1,9 +1,9 @@
-"""How each model family is parallelized: tensor-parallel plans and recompute policies, in one place.
+"""Applies a model family's tensor-parallel plan and recompute policy (both declared in the family's
+`moetrain.family.Family`, in its folder under `models/`).
 
-Model code stays single-device. `parallelize_model(model, cfg, pctx)` (called by the trainer right
-after `build_model`) looks up the plan of `model.registered_name`, checks the sizes, slices the
-model over the tp group (`tensor_parallel.parallelize_module`) and marks the cells to recompute.
-A model family from a user module registers its own with `register_plans`.
+Model code stays single-device. `parallelize_model(model, cfg, pctx)` (called right after the model
+is built) reads the family of `model.registered_name`, slices the model over the tp group
+(`tensor_parallel.parallelize_module`) and marks the cells to recompute.
 
 Recompute (`parallel.recompute`, MindSpore's `cell.recompute()` on the cells a policy names): "full"
 recomputes every transformer block in the backward (only block inputs are kept; a MoE block is
@@ -15,97 +15,45 @@ drop; under ms.jit MindSpore 2.10 does not lower the CPU peak.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Sequence
+from typing import Iterator, List, Mapping, Sequence
 
+from moetrain.family import family_of
 from moetrain.moe.layer import MoELayer
-from moetrain.parallel.tensor_parallel import (ColwiseParallel, HeadShared, RegionInput, RegionOutput,
-                                               RowwiseParallel, SequenceParallel, VocabParallel, WholeSequence,
-                                               modules_matching, parallelize_module)
-
-# Llama-style GPT: attention and MLP are tensor-parallel regions between sequence-parallel norms.
-GPT_TP_PLAN = {
-    "embed": VocabParallel(),
-    "layers.*.attention_norm": SequenceParallel(),
-    "layers.*.attention": RegionInput(),
-    "layers.*.attention.wq": ColwiseParallel(),
-    "layers.*.attention.wk": ColwiseParallel(),
-    "layers.*.attention.wv": ColwiseParallel(),
-    "layers.*.attention.wo": RowwiseParallel(),
-    "layers.*.ffn_norm": SequenceParallel(),
-    "layers.*.mlp": RegionInput(),
-    "layers.*.mlp.w_gate": ColwiseParallel(),
-    "layers.*.mlp.w_up": ColwiseParallel(),
-    "layers.*.mlp.w_down": RowwiseParallel(),
-    "final_norm": (SequenceParallel(), RegionOutput()),
-    "lm_head": ColwiseParallel(),
-    "cross_entropy": VocabParallel(),
-}
-
-# MoE layers are replicated over tp (router and experts on every tp rank, on the whole sequence, so
-# routing, capacity and aux losses equal one process); the shared experts are split inside them.
-MOE_GPT_TP_PLAN = {
-    **GPT_TP_PLAN,
-    "layers.*.moe": WholeSequence(),
-    "layers.*.moe.shared_experts": RegionInput(sequence=False),
-    "layers.*.moe.shared_experts.w_gate": ColwiseParallel(),
-    "layers.*.moe.shared_experts.w_up": ColwiseParallel(),
-    "layers.*.moe.shared_experts.w_down": RowwiseParallel(sequence=False),
-}
-
-# Qwen3-MoE: the per-head q/k norms (one weight over head_dim) run on this rank's heads.
-QWEN3_MOE_TP_PLAN = {
-    **MOE_GPT_TP_PLAN,
-    "layers.*.attention.q_norm": HeadShared(),
-    "layers.*.attention.k_norm": HeadShared(),
-}
+from moetrain.parallel.tensor_parallel import modules_matching, parallelize_module
+from moetrain.registry import get_model, registered_models, replace_family
 
 
-def _as_mtp_block(plan: Mapping) -> Dict:
-    """The `layers.*.` entries of `plan` for the multi-token-prediction blocks (`mtp.*.block.`)."""
-    return {"mtp.*.block." + key[len("layers.*."):]: style for key, style in plan.items()
-            if key.startswith("layers.*.")}
+class _FamilyPlans(Mapping):
+    """{family name: its plan} read from the registered families (`field`: "tp_plan" or "recompute");
+    families that declare none are left out."""
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def _plans(self):
+        return {name: getattr(entry.family, self.field) for name, entry in registered_models().items()
+                if getattr(entry.family, self.field)}
+
+    def __getitem__(self, name: str):
+        return self._plans()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._plans())
+
+    def __len__(self) -> int:
+        return len(self._plans())
 
 
-# DeepSeek-V3's MLA: the up-projections wq_b (wq without a query latent) and wkv_b give whole heads,
-# column-wise; the down-projections, the latent norms and the shared RoPE key stay whole (each rank
-# computes them; their gradient is summed over tp); wo is row-parallel (the GPT entry). The MTP
-# blocks are split as the layers are, and an MTP depth's final norm feeds the vocabulary-parallel
-# head as the model's does. Sequence parallelism with MTP is refused by moetrain.layout.
-_DEEPSEEK_V3_LAYERS = {
-    **MOE_GPT_TP_PLAN,
-    "layers.*.attention.wq_a": HeadShared(),
-    "layers.*.attention.q_norm": HeadShared(),
-    "layers.*.attention.wq_b": ColwiseParallel(),
-    "layers.*.attention.wkv_a": HeadShared(),
-    "layers.*.attention.kv_norm": HeadShared(),
-    "layers.*.attention.wkv_b": ColwiseParallel(),
-}
-DEEPSEEK_V3_TP_PLAN = {
-    **_DEEPSEEK_V3_LAYERS,
-    **_as_mtp_block(_DEEPSEEK_V3_LAYERS),
-    "mtp.*.final_norm": (SequenceParallel(), RegionOutput()),
-}
-
-# Cells to recompute per policy (module path patterns).
-GPT_RECOMPUTE = {"full": ("layers.*",), "selective": ("layers.*.attention.core",)}
-MOE_GPT_RECOMPUTE = {"full": ("layers.*",), "selective": ("layers.*.attention.core", "layers.*.moe.experts")}
-DEEPSEEK_V3_RECOMPUTE = {"full": ("layers.*", "mtp.*"),
-                         "selective": MOE_GPT_RECOMPUTE["selective"] + ("mtp.*.block.attention.core",
-                                                                        "mtp.*.block.moe.experts")}
-
-TP_PLANS: Dict[str, Mapping] = {"gpt": GPT_TP_PLAN, "moe_gpt": MOE_GPT_TP_PLAN, "qwen3_moe": QWEN3_MOE_TP_PLAN,
-                                "deepseek_v3": DEEPSEEK_V3_TP_PLAN}
-RECOMPUTE_PLANS: Dict[str, Mapping[str, Sequence[str]]] = {"gpt": GPT_RECOMPUTE, "moe_gpt": MOE_GPT_RECOMPUTE,
-                                                           "qwen3_moe": MOE_GPT_RECOMPUTE,
-                                                           "deepseek_v3": DEEPSEEK_V3_RECOMPUTE}
+TP_PLANS = _FamilyPlans("tp_plan")           # read-only views for tools and tests
+RECOMPUTE_PLANS = _FamilyPlans("recompute")
 
 
 def register_plans(model_name: str, tp_plan: Mapping = None, recompute: Mapping[str, Sequence[str]] = None) -> None:
-    """Declare how a (user) model family is parallelized; see GPT_TP_PLAN for the format."""
-    if tp_plan is not None:
-        TP_PLANS[model_name] = tp_plan
-    if recompute is not None:
-        RECOMPUTE_PLANS[model_name] = recompute
+    """Give a registered family a tensor-parallel plan and/or recompute policies (a family declares
+    them in its `moetrain.family.Family`; this is for one registered with `register_model`)."""
+    changes = {key: value for key, value in (("tp_plan", tp_plan), ("recompute", recompute)) if value is not None}
+    if changes:
+        replace_family(model_name, **changes)
 
 
 def recompute_boundaries(cell) -> List:
@@ -139,17 +87,21 @@ def apply_recompute(model, patterns: Sequence[str]) -> int:
 
 
 def parallelize_model(model, cfg, pctx):
-    """Tensor/sequence parallelism (tp > 1) and recompute for the built single-device `model`, in place."""
+    """Tensor/sequence parallelism (tp > 1) and recompute for the built single-device `model`, in place,
+    following its family's plans (`moetrain.family.Family.tp_plan`, `.recompute`)."""
     name = getattr(model, "registered_name", type(model).__name__)
+    family = family_of(model) or (get_model(name).family if name in registered_models() else None)
+    tp_plan = family.tp_plan if family is not None else None
+    recompute = family.recompute if family is not None else {}
     p = cfg.parallel
     if pctx.tp > 1:
-        if name not in TP_PLANS:
+        if tp_plan is None:
             raise ValueError(f"model {name!r} has no tensor-parallel plan (known: {sorted(TP_PLANS)}); set "
-                             f"parallel.model_parallel=1 or declare one with moetrain.parallel.plans.register_plans")
-        parallelize_module(model, TP_PLANS[name], pctx.group("tp"), p.use_seq_parallel)
+                             f"parallel.model_parallel=1 or declare one (Family.tp_plan, moetrain/family.py)")
+        parallelize_module(model, tp_plan, pctx.group("tp"), p.use_seq_parallel)
     if p.recompute != "none":
-        if p.recompute not in RECOMPUTE_PLANS.get(name, {}):
+        if p.recompute not in recompute:
             raise ValueError(f"parallel.recompute={p.recompute!r}: model {name!r} declares no such policy "
-                             f"(known: {sorted(RECOMPUTE_PLANS.get(name, {}))}); set parallel.recompute=none")
-        apply_recompute(model, RECOMPUTE_PLANS[name][p.recompute])
+                             f"(known: {sorted(recompute)}); set parallel.recompute=none")
+        apply_recompute(model, recompute[p.recompute])
     return model

@@ -2,7 +2,7 @@
 
 Every rank builds the whole model with the same seed (so all hold the same global weights), then
 `parallelize_module(model, plan, group, sequence_parallel)` slices it in place following a plan of
-styles keyed by module path (`moetrain/parallel/plans.py` declares them per model family):
+styles keyed by module path (each model family declares its plan, `moetrain/family.py`):
 
     layer                       tp rank r of n keeps               communication (Megatron f / g)
     ColumnParallelLinear        weight rows [r·out/n, (r+1)·out/n)  input enters the region: copy_to_region
@@ -46,10 +46,12 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from moetrain.family import (ColwiseParallel, HeadShared, RegionInput, RegionOutput, RowwiseParallel,  # noqa: F401
+                             SequenceParallel, Style, VocabParallel, WholeSequence)
 from moetrain.layers import CrossEntropy, Embedding, Linear
-from moetrain.dist import comm
-from moetrain.dist.sharding import mark_role, mark_shard, param_role, shard_spec
-from moetrain.dist.topology import Group
+from moetrain.distributed import comm
+from moetrain.distributed.sharding import mark_role, mark_shard, param_role, shard_spec
+from moetrain.distributed.topology import Group
 
 SEQUENCE_AXIS = 1        # activations are [B, S, H]
 ENTRY_MODES = ("copy", "sequence", "none")    # how an input enters a column-parallel region
@@ -293,89 +295,62 @@ class PlanContext:
     sequence_parallel: bool
 
 
-@dataclass(frozen=True)
-class ColwiseParallel:
-    """Linear -> ColumnParallelLinear whose input the parent module already brought into the region."""
-
-    def apply(self, module, ctx: PlanContext) -> None:
-        ColumnParallelLinear.from_linear(module, ctx.group, entry="none")
+def _colwise(style: ColwiseParallel, module, ctx: PlanContext) -> None:
+    ColumnParallelLinear.from_linear(module, ctx.group, entry="none")
 
 
-@dataclass(frozen=True)
-class RowwiseParallel:
-    """Linear -> RowParallelLinear; `sequence=False` keeps the plain all-reduce under SP (a region
-    nested in a whole-sequence module, e.g. shared experts inside the MoE layer)."""
-    sequence: bool = True
-
-    def apply(self, module, ctx: PlanContext) -> None:
-        exit = "sequence" if ctx.sequence_parallel and self.sequence else "reduce"
-        RowParallelLinear.from_linear(module, ctx.group, exit=exit)
+def _rowwise(style: RowwiseParallel, module, ctx: PlanContext) -> None:
+    exit = "sequence" if ctx.sequence_parallel and style.sequence else "reduce"
+    RowParallelLinear.from_linear(module, ctx.group, exit=exit)
 
 
-@dataclass(frozen=True)
-class VocabParallel:
-    """Embedding -> VocabParallelEmbedding; CrossEntropy -> VocabParallelCrossEntropy."""
-
-    def apply(self, module, ctx: PlanContext) -> None:
-        if isinstance(module, CrossEntropy):
-            VocabParallelCrossEntropy.from_cross_entropy(module, ctx.group)
-        else:
-            VocabParallelEmbedding.from_embedding(module, ctx.group, "sequence" if ctx.sequence_parallel else "reduce")
+def _vocab(style: VocabParallel, module, ctx: PlanContext) -> None:
+    if isinstance(module, CrossEntropy):
+        VocabParallelCrossEntropy.from_cross_entropy(module, ctx.group)
+    else:
+        VocabParallelEmbedding.from_embedding(module, ctx.group, "sequence" if ctx.sequence_parallel else "reduce")
 
 
-@dataclass(frozen=True)
-class RegionInput:
-    """The module's input enters the region (torchtitan's PrepareModuleInput)."""
-    sequence: bool = True
-
-    def apply(self, module, ctx: PlanContext) -> None:
-        entry = "sequence" if ctx.sequence_parallel and self.sequence else "copy"
-        switch_class(module, _RegionInput, tp_group=ctx.group, tp_entry=entry)
+def _region_input(style: RegionInput, module, ctx: PlanContext) -> None:
+    entry = "sequence" if ctx.sequence_parallel and style.sequence else "copy"
+    switch_class(module, _RegionInput, tp_group=ctx.group, tp_entry=entry)
 
 
-@dataclass(frozen=True)
-class RegionOutput:
-    """The module's output enters the region (torchtitan's PrepareModuleOutput)."""
-
-    def apply(self, module, ctx: PlanContext) -> None:
-        entry = "sequence" if ctx.sequence_parallel else "copy"
-        switch_class(module, _RegionOutput, tp_group=ctx.group, tp_entry=entry)
+def _region_output(style: RegionOutput, module, ctx: PlanContext) -> None:
+    entry = "sequence" if ctx.sequence_parallel else "copy"
+    switch_class(module, _RegionOutput, tp_group=ctx.group, tp_entry=entry)
 
 
-@dataclass(frozen=True)
-class SequenceParallel:
-    """A module of the residual stream (a norm): with SP it runs on this rank's sequence chunk and
-    its parameters get their gradients summed over tp; without SP it is simply replicated."""
-
-    def apply(self, module, ctx: PlanContext) -> None:
-        if ctx.sequence_parallel:
-            for param in module.get_parameters():
-                mark_sequence_parallel(param)
-
-
-@dataclass(frozen=True)
-class HeadShared:
-    """A module kept whole inside a tensor-parallel region whose output feeds only this rank's heads
-    (MLA's wq_a / q_norm / wkv_a / kv_norm, Qwen3's q_norm / k_norm): every rank computes it on the
-    same input, but its parameters' gradient on a rank comes from that rank's heads only, so it is
-    summed over tp (the input's gradient is summed by the region's entry, as for every projection)."""
-
-    def apply(self, module, ctx: PlanContext) -> None:
+def _sequence(style: SequenceParallel, module, ctx: PlanContext) -> None:
+    if ctx.sequence_parallel:
         for param in module.get_parameters():
             mark_sequence_parallel(param)
 
 
-@dataclass(frozen=True)
-class WholeSequence:
-    """Replicated over tp; with SP it gathers the whole sequence first (see `_WholeSequence`)."""
+def _head_shared(style: HeadShared, module, ctx: PlanContext) -> None:
+    """Every rank computes the module on the same input, but its parameters' gradient on a rank comes
+    from that rank's heads only, so it is summed over tp (the input's gradient is summed by the
+    region's entry, as for every projection)."""
+    for param in module.get_parameters():
+        mark_sequence_parallel(param)
 
-    def apply(self, module, ctx: PlanContext) -> None:
-        if ctx.sequence_parallel:
-            switch_class(module, _WholeSequence, tp_group=ctx.group)
+
+def _whole_sequence(style: WholeSequence, module, ctx: PlanContext) -> None:
+    if ctx.sequence_parallel:
+        switch_class(module, _WholeSequence, tp_group=ctx.group)
 
 
-Style = Union[ColwiseParallel, RowwiseParallel, VocabParallel, RegionInput, RegionOutput, SequenceParallel,
-              HeadShared, WholeSequence]
+# what each style (declared in moetrain/family.py, so that model families can name them) does
+APPLY = {ColwiseParallel: _colwise, RowwiseParallel: _rowwise, VocabParallel: _vocab, RegionInput: _region_input,
+         RegionOutput: _region_output, SequenceParallel: _sequence, HeadShared: _head_shared,
+         WholeSequence: _whole_sequence}
+
+
+def apply_style(style: Style, module, ctx: PlanContext) -> None:
+    """Apply one plan entry's style to `module`."""
+    if type(style) not in APPLY:
+        raise ValueError(f"{style!r} is not a tensor-parallel style (moetrain.family: {sorted(c.__name__ for c in APPLY)})")
+    APPLY[type(style)](style, module, ctx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,5 +382,5 @@ def parallelize_module(model: nn.Cell, plan: Mapping[str, Union[Style, Tuple[Sty
                for pattern, styles in plan.items() for _, cell in modules_matching(model, pattern)]
     for cell, styles in matches:      # resolved first: styles change classes, not the module tree
         for style in styles:
-            style.apply(cell, ctx)
+            apply_style(style, cell, ctx)
     return model

@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from moetrain.family import family_of
 from moetrain.layout import Layout, LayoutError, ModelShape, layout_problems
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -20,7 +21,7 @@ DISPATCH_ROW_MARGIN = 1.1
 
 @dataclass(frozen=True)
 class Arch:
-    """The shape numbers of a `gpt` / `moe_gpt` model config that the formulas use."""
+    """The shape numbers of a transformer model config that the formulas use (its family's `arch`)."""
     vocab: int
     hidden: int
     layers: int
@@ -44,25 +45,12 @@ class Arch:
 
     @classmethod
     def of(cls, model_cfg) -> "Arch":
-        required = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "head_dim")
-        missing = [key for key in required if not hasattr(model_cfg, key)]
-        if missing:
-            raise LayoutError(f"the planner models Llama-style transformers (model.name gpt or moe_gpt); "
-                              f"model {getattr(model_cfg, 'name', model_cfg)!r} lacks {', '.join(missing)}")
-        arch = dict(vocab=model_cfg.vocab_size, hidden=model_cfg.hidden_size, layers=model_cfg.num_layers,
-                    heads=model_cfg.num_heads, kv_heads=model_cfg.num_kv_heads or model_cfg.num_heads,
-                    head_dim=model_cfg.head_dim, ffn=model_cfg.ffn_hidden_size, tied=model_cfg.tie_embeddings)
-        if getattr(model_cfg, "kv_lora_rank", 0):
-            arch.update(value_dim=model_cfg.v_head_dim, q_lora_rank=model_cfg.q_lora_rank,
-                        kv_lora_rank=model_cfg.kv_lora_rank, rope_dim=model_cfg.qk_rope_head_dim,
-                        mtp_depth=model_cfg.mtp_depth)
-        arch["qk_norm"] = getattr(model_cfg, "name", "") == "qwen3_moe"
-        moe = getattr(model_cfg, "moe", None)
-        if moe is not None:
-            arch.update(moe_layers=tuple(model_cfg.moe_layers), experts=moe.num_experts, top_k=moe.top_k,
-                        expert_ffn=moe.ffn_hidden_size, shared_ffn=moe.shared_hidden_size,
-                        capacity_factor=float(moe.capacity_factor))
-        return cls(**arch)
+        """The shape numbers the model's family declares (`moetrain.family.Family.arch`)."""
+        family = family_of(model_cfg)
+        if family is None or family.arch is None:
+            raise LayoutError(f"the planner models the families that declare their shape numbers (Family.arch, "
+                              f"moetrain/family.py); model {getattr(model_cfg, 'name', model_cfg)!r} declares none")
+        return cls(**family.arch(model_cfg))
 
     @property
     def v_dim(self) -> int:

@@ -218,7 +218,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
             pass_costs.append((forward, backward_input, total - forward - backward_input))
 
     # ---- communication (bytes per device)
-    # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/dist/comm.py):
+    # Emulated on CPU by an all-reduce of a buffer with one slot per rank (moetrain/distributed/comm.py):
     # all-gather and reduce-scatter move 2x the native bytes, all-to-all 2 x ep x.
     gather_factor = 2 if device.emulated_collectives else 1
     a2a_factor = 2 * L.ep if device.emulated_collectives else 1

@@ -9,7 +9,7 @@ What runs: the model is built whole from the run's seed and handed to the traine
 `moetrain.parallel.parallelize.parallelize` with rank R's view of the world
 (`ParallelContext.build(world, R, dp, tp, pp, ep)`): the same tensor / sequence slicing, expert
 split and dispatcher, pipeline cut, optimizer and ZeRO flat buffers as training. The collectives
-are replaced by `moetrain.dist.solo.SoloComm` (shape-correct local stand-ins, no other ranks).
+are replaced by `moetrain.testing.solo.SoloComm` (shape-correct local stand-ins, no other ranks).
 Then this rank's step runner (`runner.train_step`: gradient accumulation, or the pipeline
 schedule) runs forward and backward on random tokens, and the optimizer step once.
 
@@ -64,8 +64,8 @@ import numpy as np
 import mindspore as ms
 
 from moetrain.build import build_model, setup_device
-from moetrain.dist.solo import SoloComm
-from moetrain.dist.topology import ParallelContext
+from moetrain.testing.solo import SoloComm
+from moetrain.distributed.topology import ParallelContext
 from moetrain.layout import Layout, check_config_layout
 from moetrain.moe.layer import moe_layers
 from moetrain.parallel.parallelize import parallelize

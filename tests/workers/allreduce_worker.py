@@ -36,8 +36,8 @@ def main():
     import mindspore as ms
 
     ms.set_device("CPU")
-    from moetrain.dist import comm
-    from moetrain.dist.topology import init_parallel
+    from moetrain.distributed import comm
+    from moetrain.distributed.topology import init_parallel
 
     ctx = init_parallel()
     world = ctx.group("world")

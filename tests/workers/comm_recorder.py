@@ -35,7 +35,7 @@ class Recorder:
     def install(self):
         from mindspore import ops
 
-        from moetrain.dist import contract
+        from moetrain.testing import contract
 
         self._wrap(ops.AllReduce, "mindspore", "AllReduce")
         for name in CONTRACT_PRIMS:

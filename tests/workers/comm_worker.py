@@ -1,5 +1,5 @@
 """Worker of tests/test_comm.py (4 ranks, dp=2 x tp=2), one launch for every backend phase
-(comm_cases.PHASES): every op of moetrain.dist.comm, its output and gradient (PyNative and ms.jit),
+(comm_cases.PHASES): every op of moetrain.distributed.comm, its output and gradient (PyNative and ms.jit),
 per-op byte ledgers beside the primitive calls recorded by comm_recorder, PairLink exchanges, and
 on the contract backend mutated native call sites. Writes <out>/rank_<r>.npz (arrays) and
 <out>/rank_<r>.json (ledgers, records, errors, timings).
@@ -22,7 +22,7 @@ from comm_cases import (CASES, DYNAMIC_CASES, EXACT_EXPERTS, EXACT_FFN, EXACT_HI
 from comm_recorder import CONTRACT_PRIMS, Recorder  # noqa: E402
 from mindspore import ops  # noqa: E402
 
-from moetrain.dist import comm  # noqa: E402
+from moetrain.distributed import comm  # noqa: E402
 
 
 def apply(op, x, group, kw):
@@ -255,7 +255,7 @@ class Worker:
     def _mutated(self, mutation, target):
         from mindspore.communication import GlobalComm
 
-        from moetrain.dist import contract
+        from moetrain.testing import contract
 
         overrides = {}
         if mutation == "alltoall_axes_swapped":
@@ -337,7 +337,7 @@ def main():
     import mindspore as ms
 
     ms.set_device("CPU")
-    from moetrain.dist.topology import init_parallel
+    from moetrain.distributed.topology import init_parallel
 
     ctx = init_parallel(dp=2, tp=2)
     recorder = Recorder()

@@ -47,9 +47,9 @@ def main():
     from moetrain.moe.ep_dispatcher import build_ep_dispatcher
     from moetrain.moe.experts import GroupedExperts
     from moetrain.moe.layer import MoELayer
-    from moetrain.dist import comm
+    from moetrain.distributed import comm
     from moetrain.parallel.expert_parallel import shard_experts
-    from moetrain.dist.topology import init_parallel
+    from moetrain.distributed.topology import init_parallel
 
     from moetrain import compat
 

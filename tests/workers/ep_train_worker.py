@@ -33,7 +33,7 @@ def train_runs(out_dir, config, runs, contexts=None):
     initialised by the caller (e.g. the layer worker of the same msrun job) are reused."""
     from moetrain import trainer as trainer_module
     from moetrain.config import load_config
-    from moetrain.dist import comm, topology
+    from moetrain.distributed import comm, topology
     from moetrain.moe.accounting import DispatchInvariantError
 
     # Runs after the first reuse the device setting and the communicators of an earlier run with

@@ -20,7 +20,7 @@ def main():
 
     ms.set_device("CPU")
     from moetrain.checkpoint.run_dir import LOCK_FILE, OutputDirError, read_lock, start_run
-    from moetrain.dist.topology import init_parallel
+    from moetrain.distributed.topology import init_parallel
 
     ctx = init_parallel()
     result = {"rank": ctx.rank}

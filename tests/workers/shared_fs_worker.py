@@ -23,7 +23,7 @@ def main():
 
     ms.set_device("CPU")
     from moetrain.checkpoint.run_dir import OutputDirError, check_shared_filesystem
-    from moetrain.dist.topology import init_parallel
+    from moetrain.distributed.topology import init_parallel
 
     ctx = init_parallel()
     folder = os.path.join(args.out_dir, f"private_{ctx.rank}" if ctx.rank == args.private_rank else "run")

@@ -138,7 +138,7 @@ def main():
     import mindspore as ms
 
     ms.set_device("CPU", 0)   # explicit id: init() keeps it, so each Trainer's set_device("CPU") agrees
-    from moetrain.dist.topology import init_parallel
+    from moetrain.distributed.topology import init_parallel
 
     pctx = init_parallel(dp=args.dp, tp=args.tp, verbose=False)
     if args.layers:

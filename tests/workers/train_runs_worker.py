@@ -44,7 +44,7 @@ def reuse_parallel_context(trainer_module):
     """Let several Trainers run one after another in this process (also under msrun): MindSpore starts
     its device and communication once per process, so later runs reuse the device setting and the
     communicators of an earlier run with the same members."""
-    from moetrain.dist import topology
+    from moetrain.distributed import topology
     from moetrain.layout import check_config_layout
 
     contexts = {}
@@ -71,7 +71,7 @@ def reuse_parallel_context(trainer_module):
 
             ctx = topology.ParallelContext.build(get_group_size(), get_rank(), *key).with_world_name(
                 GlobalComm.WORLD_COMM_GROUP)
-            from moetrain.dist import contract
+            from moetrain.testing import contract
 
             for name, ranks in ctx.communicators_to_create():
                 if name not in created:
@@ -106,8 +106,9 @@ def main():
     out_dir, runs = sys.argv[1], sys.argv[2:]
     from moetrain import trainer as trainer_module
     from moetrain.config import load_config
-    from moetrain.dist import comm, contract
-    from moetrain.dist.sharding import shard_spec
+    from moetrain.distributed import comm
+    from moetrain.testing import contract
+    from moetrain.distributed.sharding import shard_spec
     from moetrain.parallel.tensor_parallel import is_sequence_parallel
 
     reuse_parallel_context(trainer_module)

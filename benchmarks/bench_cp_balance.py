@@ -1,0 +1,80 @@
+"""Per-rank attention time of context parallelism, load-balanced split against a contiguous one.
+
+    python benchmarks/bench_cp_balance.py [--cp 4] [--seq 2048] [--repeats 5]
+
+Each rank's share of one causal attention layer (batch 1, 8 query / 4 K/V heads of 64), forward and
+backward, timed in this process one rank after another (the K/V of the whole sequence given, as the
+all-gather leaves it): the load-balanced split of moetrain (rank i holds chunks i and 2·cp−1−i,
+`moetrain.parallel.context_parallel.blockwise_attention`) and a contiguous split (rank i holds chunk
+i of cp: it attends to i earlier chunks and its own diagonal). Prints the median time per rank and
+the slowest / fastest ratio of each.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    from moetrain.parallel.context_parallel import (block_attention, blockwise_attention, causal_mask,
+                                                    chunk_order, merge_partials)
+
+    ms.set_device("CPU")
+    cp, seq, heads, kv_heads, dim = args.cp, args.seq, 8, 4, 64
+    rng = np.random.default_rng(0)
+    q = rng.normal(0, 0.1, (1, kv_heads, heads // kv_heads, seq, dim)).astype(np.float32)
+    k, v = (rng.normal(0, 0.1, (1, kv_heads, seq, dim)).astype(np.float32) for _ in range(2))
+    positions = Tensor(np.arange(seq, dtype=np.int32))
+    local = seq // cp
+
+    def balanced(r):
+        order = chunk_order(seq, cp, r)
+        k_all = np.concatenate([k[:, :, chunk_order(seq, cp, j)] for j in range(cp)], 2)
+        v_all = np.concatenate([v[:, :, chunk_order(seq, cp, j)] for j in range(cp)], 2)
+        return (Tensor(q[:, :, :, order]), Tensor(k_all), Tensor(v_all)), \
+            lambda q_, k_, v_: blockwise_attention(q_, k_, v_, r, cp, positions)
+
+    def contiguous(r):
+        rows = slice(r * local, (r + 1) * local)
+
+        def attend(q_, k_, v_):
+            ks, vs = ops.split(k_, [local] * cp, 2), ops.split(v_, [local] * cp, 2)
+            out = block_attention(q_, ks[r], vs[r], causal_mask(local, positions))
+            for j in range(r):
+                out = merge_partials(out, block_attention(q_, ks[j], vs[j]))
+            return out[0]
+        return (Tensor(q[:, :, :, rows]), Tensor(k), Tensor(v)), attend
+
+    results = {}
+    for name, make in (("balanced", balanced), ("contiguous", contiguous)):
+        times = []
+        for r in range(cp):
+            inputs, attend = make(r)
+            step = ms.value_and_grad(lambda *x: attend(*x).sum(), grad_position=(0, 1, 2))
+            step(*inputs)                                   # warm-up
+            samples = []
+            for _ in range(args.repeats):
+                start = time.process_time()
+                loss, grads = step(*inputs)
+                float(loss.asnumpy())
+                samples.append(time.process_time() - start)
+            times.append(float(np.median(samples)))
+        results[name] = times
+        print(f"{name:>10}: per rank " + ", ".join(f"{t * 1e3:.0f} ms" for t in times)
+              + f"; slowest / fastest {max(times) / min(times):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

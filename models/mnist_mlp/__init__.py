@@ -1,0 +1,7 @@
+"""The MNIST MLP family ("mnist_mlp"): data parallelism only, nothing to split or convert."""
+from moetrain.family import Family
+from moetrain.registry import register_family
+
+from models.mnist_mlp.model import MnistMLP, MnistMLPConfig
+
+FAMILY = register_family(Family(name="mnist_mlp", config=MnistMLPConfig, model=MnistMLP))
