@@ -106,14 +106,13 @@ def shared_jobs(request, tmp_path_factory):
 
 
 def pytest_runtest_setup(item):
-    """No test starts while a shared job trains a run whose timings a test asserts on; once the
-    shared jobs have ended, the children registered `after_shared_jobs` start (tests/background.py)."""
+    """Once the shared jobs have ended, the children registered `after_shared_jobs`
+    (tests/background.py) and the deferred launches (tests/distributed.py) start."""
     import background
     import distributed
 
     if distributed.ACTIVE_JOBS:
         jobs = distributed.ACTIVE_JOBS[0]
-        jobs.hold_while_quiet()
         if all(done.is_set() for done in jobs.done.values()):
             background.start_selected(distributed.SELECTED_MODULES, after_shared_jobs=True)
             distributed.start_deferred_launches(item.session)

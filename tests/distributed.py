@@ -172,7 +172,6 @@ class SharedRuns:
     last: bool = False          # run after the others (e.g. runs that install a primitive recorder in the process)
     references: object = None   # references(fixture) -> specs of one-process runs, trained in one process
     #                             beside the launch (see shared_reference_dirs)
-    quiet: bool = False         # runs whose timings a test asserts on: no test starts while they train
 
 
 SHARED_RUNS: Dict[int, List[SharedRuns]] = {}
@@ -233,14 +232,13 @@ def stop_deferred_launches() -> None:
         launch.stop()
 
 
-def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = False, references=None,
-               quiet: bool = False) -> None:
+def share_runs(nproc: int, module: str, specs, timeout: float, last: bool = False, references=None) -> None:
     """Register a test file's runs for the shared `nproc`-rank job (call at import, with `__name__`);
     its fixtures read the runs' folders with `shared_run_dirs(out_dir, module)`. `references(fixture)`
     (optional) gives one-process runs that train beside the launch, in one process for all files; read
     with `shared_reference_dirs`. They fill what the launch leaves idle (start-up, the launcher's polling,
     ranks waiting for each other: on the CPU they block rather than spin, see topology.init_parallel)."""
-    SHARED_RUNS.setdefault(nproc, []).append(SharedRuns(module, specs, timeout, last, references, quiet))
+    SHARED_RUNS.setdefault(nproc, []).append(SharedRuns(module, specs, timeout, last, references))
 
 
 def prepare_shared_job(nproc: int, fixture, job_dir: str) -> Optional[dict]:
@@ -251,15 +249,11 @@ def prepare_shared_job(nproc: int, fixture, job_dir: str) -> Optional[dict]:
     if not groups:
         return None
     out_dir = os.path.join(job_dir, "out")
-    specs = [_quiet(f"{g.module}.{spec}", g.quiet) for g in groups for spec in g.specs(fixture, out_dir)]
+    specs = [f"{g.module}.{spec}" for g in groups for spec in g.specs(fixture, out_dir)]
     references = [f"{g.module}.{spec}" for g in groups if g.references for spec in g.references(fixture)]
     # the environment as it is now: a test running meanwhile may patch os.environ (monkeypatch.setenv)
     return dict(nproc=nproc, job_dir=job_dir, out_dir=out_dir, specs=specs, references=references,
                 timeout=sum(g.timeout for g in groups), env=dict(os.environ))
-
-
-def _quiet(spec: str, quiet: bool) -> str:
-    return spec + ("" if spec.endswith(":") else ",") + QUIET_FLAG if quiet else spec
 
 
 def launch_shared_job(job: dict) -> str:
@@ -284,8 +278,7 @@ class SharedJobs:
     in a thread at the first test while pytest goes on with the one-process tests, which
     tests/conftest.py orders first: the launches' ranks start up for ~15 s and wait for each other,
     time the one-process tests fill. `wait(nproc)` blocks for a job's output folder
-    (None: no selected file has runs for it). Runs registered `quiet` (timings they assert on)
-    keep pytest from starting a test while they train (`hold_while_quiet`)."""
+    (None: no selected file has runs for it)."""
 
     def __init__(self, fixture, job_dirs: Dict[int, str]):
         planned = {f"shared_job_{n}": os.path.join(d, "out") for n, d in job_dirs.items()}
@@ -316,14 +309,6 @@ class SharedJobs:
             raise error
         return out_dir
 
-    def hold_while_quiet(self, limit: float = 600.0) -> None:
-        """Block while a quiet run trains (its ranks hold OUT/quiet.<pid> files) and its job runs."""
-        deadline = time.time() + limit
-        for n, job in self.jobs.items():
-            while (job and not self.done[n].is_set() and time.time() < deadline
-                   and any(name.startswith("quiet.") for name in _listdir(job["out_dir"]))):
-                time.sleep(0.2)
-
     def stop(self) -> None:
         """Session end: kill what still runs (an interrupted session must not leave ranks behind)."""
         for n, job in self.jobs.items():
@@ -334,15 +319,7 @@ class SharedJobs:
         ACTIVE_JOBS.clear()
 
 
-def _listdir(path: str) -> List[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
 ACTIVE_JOBS: List["SharedJobs"] = []   # this session's (tests/conftest.py starts it)
-QUIET_FLAG = "+quiet"   # a run override: the worker's ranks hold OUT/quiet.<pid> while the run trains
 
 
 def shared_run_dirs(out_dir: str, module: str, names: Sequence[str]) -> Dict[str, str]:

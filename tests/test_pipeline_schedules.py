@@ -52,7 +52,7 @@ def spec(name, extra=()):
 
 for _nproc, _runs in LAUNCHES.items():   # the suite's shared msrun jobs (tests/distributed.py: share_runs)
     share_runs(_nproc, __name__, lambda fixture, out_dir, runs=_runs: [spec(n, p) for n, p in runs.items()],
-               timeout=1500, quiet=_nproc == 2)     # pp2: their measured bubbles are compared
+               timeout=1500)
 
 
 def load_runs(out_dir, nproc):

@@ -12,8 +12,7 @@ An override whose key starts with MOETRAIN_ sets that environment variable for t
 job can take different native paths); the previous value is restored after the run. The override
 `+record_primitives` records the primitives the native path calls during `fit` (tests/workers/
 comm_recorder.py; PyNative, so with train.jit=false) beside the comm ledger's totals: the rank file
-gets `primitive_calls` and `ledger`. `+quiet` holds OUT_DIR/quiet.<pid> while the run trains (pytest
-starts no test meanwhile: tests/distributed.py SharedJobs).
+gets `primitive_calls` and `ledger`.
 
 Works under msrun (several runs in one job: MindSpore starts its communication once per process,
 so runs after the first reuse the device setting and the communicators of an earlier run with the
@@ -118,10 +117,6 @@ def main():
         overrides = [o for o in re.split(r",(?![^\[]*\])", overrides) if o]     # not the commas of a [list]
         env = dict(o.split("=", 1) for o in overrides if o.startswith("MOETRAIN_"))
         record_calls = "+record_primitives" in overrides
-        # +quiet: the test asserts on this run's timings; pytest starts no test while OUT/quiet.<pid> exists
-        quiet_file = os.path.join(out_dir, f"quiet.{os.getpid()}") if "+quiet" in overrides else None
-        if quiet_file:
-            open(quiet_file, "w").close()
         resume = next((o[len("resume="):] for o in overrides if o.startswith("resume=")), None)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -133,8 +128,6 @@ def main():
         with recorded(record_calls) as calls, comm.CommLedger() as ledger:
             result = trainer.fit()
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        if quiet_file:
-            os.remove(quiet_file)
         traffic = {"primitive_calls": [c for c in calls if c["source"] == "contract"],
                    "ledger": {"native": ledger.bytes_by_group(backward=True),
                               "emulated": ledger.bytes_by_group(backward=True, emulated=True)}} if record_calls else {}
