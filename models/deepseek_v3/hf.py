@@ -12,9 +12,9 @@ from typing import Any, Dict
 
 from moetrain.family import HFFormat, rename
 
-from models.gpt.hf import (Defaults, copy_reason, dense_mlp_maps, layer_maps, llama_config, llama_model_dict, refuse,
+from moetrain.models.gpt.hf import (Defaults, copy_reason, dense_mlp_maps, layer_maps, llama_config, llama_model_dict, refuse,
                            stack_maps, tied_head_copy)
-from models.moe_gpt.hf import check_moe_export, moe_maps, moe_section, refuse_export
+from moetrain.models.moe_gpt.hf import check_moe_export, moe_maps, moe_section, refuse_export
 
 DEFAULTS = {"deepseek_v3": Defaults(1e4, 1e-6)}
 # aux-loss-free balancing: bias step per update (paper: 0.001) and sequence-wise aux loss
