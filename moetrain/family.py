@@ -10,7 +10,7 @@ so every layer may read them; `moetrain.parallel.tensor_parallel` applies the st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Container, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -132,13 +132,27 @@ class HFFormat:
     and HF tensors that duplicate one of ours (HF name -> ours; export writes them, import checks
     them); `fused_layers(hf_layer_prefix)` says which layers hold routed experts in the fused layout.
     `import_copies(model)`: more copies import accepts but export does not write (a tied head some
-    writers keep). `copy_reason(hf_name)`: why moetrain shares such a tensor, for the error."""
+    writers keep). `copy_reason(hf_name)`: why moetrain shares such a tensor, for the error.
+    `missing_layers(model, hf_names)`: the layers config.json describes that the checkpoint lacks, as
+    a `MissingLayers` (None: nothing missing, or nothing the family can leave out)."""
     model_types: Tuple[str, ...]
     to_model: Callable[[Dict[str, Any]], Dict[str, Any]]
     to_hf: Callable[[Any], Dict[str, Any]]
     tensor_maps: Callable[..., Tuple[List[TensorMap], Dict[str, str]]]
     import_copies: Callable[[Dict[str, Any]], Dict[str, str]] = lambda model: {}
     copy_reason: Callable[[str], str] = lambda name: "the checkpoint repeats a tensor moetrain keeps once"
+    missing_layers: Callable[[Dict[str, Any], Container[str]], Optional["MissingLayers"]] = lambda model, names: None
+
+
+@dataclass(frozen=True)
+class MissingLayers:
+    """Optional layers a checkpoint's config.json describes but its tensors lack (DeepSeek-V3's MTP
+    layers: transformers' `save_pretrained` writes none). Import leaves them out (`held`: the `model:`
+    section of what the checkpoint holds) or initialises them fresh (`prefixes`: the moetrain tensor
+    names of the missing layers start with one of them). `what`: the one line import prints says it."""
+    held: Dict[str, Any]
+    prefixes: Tuple[str, ...]
+    what: str
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ The cache holds, per layer, whatever that layer's attention keeps (`layers[i]`, 
 tensors over the T columns so far): K (after RoPE) and V, head-major `[B, n_kv, T, head_dim]`, for
 grouped-query attention (`moetrain.layers.Attention.decode`, Qwen3's q/k-norm variant included);
 the normed compressed latent `[B, T, kv_lora_rank]` and the rotary key `[B, T, qk_rope_head_dim]`
-for MLA (`models.deepseek_v3.MultiHeadLatentAttention.decode`). Rows of unequal length share one
+for MLA (`moetrain.models.deepseek_v3.MultiHeadLatentAttention.decode`). Rows of unequal length share one
 cache by left-padding: row b's first `pad[b]` columns are padding that no query sees, and its real
 token at column j sits at position `j - pad[b]`, so each row gets the positions and the attention
 it would have alone.

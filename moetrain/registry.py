@@ -67,15 +67,16 @@ def replace_family(name: str, **changes) -> Family:
 
 
 def _load_zoo() -> None:
-    """Import every module of the `models` package so their decorators run. Discovery by name, as
+    """Import every module of the `moetrain.models` package (the repository's `models/` folder) so
+    their decorators run. Discovery by name, as
     for a user's `model_module`: the zoo sits above moetrain's layers, which never import it."""
     global _ZOO_LOADED
     if _ZOO_LOADED:
         return
     _ZOO_LOADED = True
-    models = importlib.import_module("models")
-    for info in pkgutil.iter_modules(models.__path__):
-        importlib.import_module(f"models.{info.name}")
+    zoo = importlib.import_module("moetrain.models")
+    for info in pkgutil.iter_modules(zoo.__path__):
+        importlib.import_module(f"moetrain.models.{info.name}")
 
 
 def import_model_module(module: Optional[str], base: str = "") -> str:

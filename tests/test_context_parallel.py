@@ -253,7 +253,7 @@ def gqa_layer(seq):
 def mla_layer(seq):
     """DeepSeek-V3's multi-head latent attention: RoPE on the decoupled part at the context's positions
     (before `attend`), a value head narrower than the query/key head, YaRN's softmax scale."""
-    from models.deepseek_v3 import MultiHeadLatentAttention
+    from moetrain.models.deepseek_v3 import MultiHeadLatentAttention
     from moetrain.config import load_config
 
     cfg = load_config("configs/deepseek_v3_tiny.yaml", [

@@ -38,19 +38,19 @@ def family_config(family, vocab_size=VOCAB):
     common = dict(vocab_size=vocab_size, hidden_size=32, num_layers=4, num_heads=4, ffn_hidden_size=48,
                   seq_length=24, init_std=0.1)
     if family == "gpt":
-        from models.gpt import GPTConfig
+        from moetrain.models.gpt import GPTConfig
 
         return GPTConfig(num_kv_heads=2, **common)
     if family == "moe_gpt":
-        from models.moe_gpt import MoEGPTConfig
+        from moetrain.models.moe_gpt import MoEGPTConfig
 
         return MoEGPTConfig(num_kv_heads=2, moe=_moe(), **common)
     if family == "qwen3_moe":
-        from models.qwen3_moe import Qwen3MoEConfig
+        from moetrain.models.qwen3_moe import Qwen3MoEConfig
 
         return Qwen3MoEConfig(num_kv_heads=2, head_dim=12, mlp_only_layers=[1], moe=_moe(norm_topk_prob=True),
                               **common)
-    from models.deepseek_v3 import DeepSeekV3Config
+    from moetrain.models.deepseek_v3 import DeepSeekV3Config
 
     q_lora = 24 if family == "deepseek_v3" else 0
     moe = _moe(top_k=3, num_shared_experts=1, score_func="sigmoid", num_groups=4, topk_groups=2, group_score_topk=2,

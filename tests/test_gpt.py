@@ -182,7 +182,7 @@ def ms():
 
 
 def tiny_gpt_config(**over):
-    from models.gpt import GPTConfig
+    from moetrain.models.gpt import GPTConfig
 
     kw = dict(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
               ffn_hidden_size=40, seq_length=16, rope_theta=500.0, norm_eps=1e-5)
@@ -191,7 +191,7 @@ def tiny_gpt_config(**over):
 
 
 def build(ms, seed=0, **over):
-    from models.gpt import GPT
+    from moetrain.models.gpt import GPT
 
     ms.set_seed(seed)
     cfg = tiny_gpt_config(**over)
@@ -212,7 +212,7 @@ def test_config_validation_names_the_key():
 
 def test_registered():
     from moetrain.registry import get_model
-    from models.gpt import GPT, GPTConfig
+    from moetrain.models.gpt import GPT, GPTConfig
 
     entry = get_model("gpt")
     assert entry.cls is GPT and entry.config_cls is GPTConfig

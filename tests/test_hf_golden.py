@@ -109,7 +109,7 @@ def test_import_reproduces_transformers_logits(ms, tmp_path, name, layout):
 def test_deepseek_v3_as_transformers_saves_it(ms, tmp_path, capsys):
     """transformers' DeepseekV3ForCausalLM holds no MTP layer, so `save_pretrained` writes none of its
     tensors while config.json keeps `num_nextn_predict_layers: 1`: import without it (one line says
-    so) and reproduce transformers' logits; `init_missing_mtp` adds fresh MTP layers instead."""
+    so) and reproduce transformers' logits; `init_missing_layers` adds fresh MTP layers instead."""
     from moetrain.checkpoint.hf import hf_import
     from moetrain.checkpoint.model_dir import load_model, load_model_dir
 
@@ -125,7 +125,7 @@ def test_deepseek_v3_as_transformers_saves_it(ms, tmp_path, capsys):
     model, _ = load_model(str(tmp_path / "model"))
     np.testing.assert_allclose(model.logits(ms.Tensor(ids)).asnumpy(), expected, rtol=1e-5, atol=1e-5)
 
-    model_section = hf_import(saved, str(tmp_path / "with_mtp"), init_missing_mtp=True)
+    model_section = hf_import(saved, str(tmp_path / "with_mtp"), init_missing_layers=True)
     assert model_section["mtp_depth"] == 1 and "initialised fresh" in capsys.readouterr().out
     _, state = load_model_dir(str(tmp_path / "with_mtp"))
     assert state["mtp.0.eh_proj.weight"].std() > 0

@@ -8,11 +8,14 @@ from __future__ import annotations
 import ast
 import functools
 import os
+import subprocess
+import sys
 from collections import defaultdict
 from typing import Dict, List, Set, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("moetrain", "models")
+# {folder: the package it installs as}: the zoo's folder models/ is moetrain.models (setup.py)
+PACKAGES = {"moetrain": "moetrain", "models": "moetrain.models"}
 
 # The layers, lowest first. A module may import modules of its own layer (without a cycle) and of the
 # layers below. Each entry is a module or a package (its modules); the longest entry that names a
@@ -24,7 +27,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("primitives", ("moetrain.distributed", "moetrain.testing", "moetrain.faults", "moetrain.layers", "moetrain.modeling",
                     "moetrain.kv_cache", "moetrain.optim", "moetrain.logger")),
     ("moe", ("moetrain.moe",)),
-    ("models", ("models",)),
+    ("models", ("moetrain.models",)),
     ("parallel", ("moetrain.parallel",)),
     ("checkpoint", ("moetrain.checkpoint",)),
     ("build, planner", ("moetrain.build", "moetrain.planner")),
@@ -40,12 +43,13 @@ MAX_IN_FUNCTION = 58
 def package_modules(root: str = ROOT) -> Dict[str, str]:
     """Dotted module name -> file, for every module of `PACKAGES`."""
     found = {}
-    for package in PACKAGES:
-        for folder, _, files in os.walk(os.path.join(root, package)):
+    for top, package in PACKAGES.items():
+        for folder, _, files in os.walk(os.path.join(root, top)):
             for name in files:
                 if name.endswith(".py"):
                     path = os.path.join(folder, name)
-                    module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                    inside = os.path.relpath(path, os.path.join(root, top))[:-3].replace(os.sep, ".")
+                    module = package + "." + inside
                     found[module[:-len(".__init__")] if module.endswith(".__init__") else module] = path
     return found
 
@@ -236,8 +240,15 @@ def test_the_checks_see_what_they_check(tmp_path):
     (pkg / "parallel" / "__init__.py").write_text("")
     (pkg / "parallel" / "runner.py").write_text("from moetrain.layout import _hidden\nfrom . import other\n")
     (pkg / "parallel" / "other.py").write_text("import os\n\n\ndef g():\n    # optional\n    import json\n")
+    (tmp_path / "models" / "toy").mkdir(parents=True)     # the zoo's folder is the package moetrain.models
+    (tmp_path / "models" / "__init__.py").write_text("")
+    (tmp_path / "models" / "toy" / "__init__.py").write_text("from .model import Toy\n")
+    (tmp_path / "models" / "toy" / "model.py").write_text("from moetrain.layout import ModelShape\n")
     modules = package_modules(str(tmp_path))
+    assert {"moetrain.models", "moetrain.models.toy", "moetrain.models.toy.model"} <= set(modules)
     edges, nested = read_imports(modules)
+    assert ("moetrain.models.toy", "moetrain.models.toy.model") in [(e.importer, e.target) for e in edges]
+    edges = [e for e in edges if not e.importer.startswith("moetrain.models")]
     assert find_cycles(edges) == [["moetrain.layout", "moetrain.parallel.runner", "moetrain.layout"]]
     assert [(e.importer, e.target) for e in edges if layer_of(e.target) > layer_of(e.importer)] == \
         [("moetrain.layout", "moetrain.parallel.runner")]
@@ -245,3 +256,16 @@ def test_the_checks_see_what_they_check(tmp_path):
     assert ("moetrain.parallel.runner", "moetrain.parallel.other") in [(e.importer, e.target) for e in edges]
     assert [(m, line, has_reason(lines, line)) for m, line, _, lines in nested] == \
         [("moetrain.layout", 2, False), ("moetrain.parallel.other", 6, True)]
+
+
+def test_the_zoo_installs_inside_the_package(tmp_path):
+    """The folder models/ is the package `moetrain.models` (setup.py), never a top-level `models` that
+    would collide with another on a user's path: seen from a folder outside the repository."""
+    probe = ("import importlib.util as u, os; spec = u.find_spec('moetrain.models.gpt'); "
+             "print(os.path.dirname(os.path.dirname(spec.origin))); print(u.find_spec('models'))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=str(tmp_path), env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    zoo, top_level = out.stdout.split("\n")[:2]
+    assert os.path.basename(zoo) == "models" and top_level == "None", out.stdout    # editable: ROOT/models

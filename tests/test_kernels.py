@@ -402,7 +402,7 @@ def test_lm_head_logit_stats_compose_a_vocab_parallel_loss(ms, kernel_ops, jit):
 def test_gpt_fused_head_loss_equals_plain_path(ms, kernel_ops, jit, tie):
     """The GPT model with the fused LM head + cross-entropy and with the plain head and loss: same
     loss and the same gradient for every parameter (the tied embedding gets both contributions)."""
-    from models.gpt import GPT, GPTConfig
+    from moetrain.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=97, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=24, seq_length=8,
                     tie_embeddings=tie)
@@ -997,7 +997,7 @@ ms.set_device("CPU")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     from moetrain import kernels
-    from models.gpt import GPT, GPTConfig
+    from moetrain.models.gpt import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden_size=16,
                           seq_length=8))
     ids = ms.Tensor(np.zeros((1, 8), np.int32))

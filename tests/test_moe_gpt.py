@@ -19,7 +19,7 @@ def ms():
 
 
 def tiny_moe_config(moe=None, **over):
-    from models.moe_gpt import MoEGPTConfig
+    from moetrain.models.moe_gpt import MoEGPTConfig
     from moetrain.moe.config import MoEConfig
 
     moe_kw = dict(num_experts=4, top_k=2, ffn_hidden_size=16, aux_loss_coeff=0.0, capacity_factor=0.0)
@@ -31,7 +31,7 @@ def tiny_moe_config(moe=None, **over):
 
 
 def build(ms, seed=0, moe=None, **over):
-    from models.moe_gpt import MoEGPT
+    from moetrain.models.moe_gpt import MoEGPT
 
     ms.set_seed(seed)
     cfg = tiny_moe_config(moe, **over)
@@ -52,7 +52,7 @@ def test_moe_layer_placement():
 
 def test_registered_and_parameter_names(ms):
     from moetrain.registry import get_model
-    from models.moe_gpt import MoEGPT, MoEGPTConfig
+    from moetrain.models.moe_gpt import MoEGPT, MoEGPTConfig
 
     entry = get_model("moe_gpt")
     assert entry.cls is MoEGPT and entry.config_cls is MoEGPTConfig

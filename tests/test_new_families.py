@@ -20,7 +20,7 @@ def ms():
 
 
 def tiny_deepseek(**over):
-    from models.deepseek_v3 import DeepSeekV3Config
+    from moetrain.models.deepseek_v3 import DeepSeekV3Config
     from moetrain.moe.config import MoEConfig
 
     moe = dict(num_experts=8, top_k=2, ffn_hidden_size=16, num_shared_experts=1, score_func="sigmoid", num_groups=4,
@@ -47,7 +47,7 @@ def cross_entropy(logits, labels):
 
 
 def test_deepseek_loss_is_lm_plus_aux_plus_weighted_mtp(ms):
-    from models.deepseek_v3 import DeepSeekV3
+    from moetrain.models.deepseek_v3 import DeepSeekV3
 
     model = DeepSeekV3(tiny_deepseek())
     ids, labels = batch(ms)
@@ -64,7 +64,7 @@ def test_deepseek_loss_is_lm_plus_aux_plus_weighted_mtp(ms):
 def test_mtp_loss_needs_only_the_final_hidden_state_and_labels(ms):
     """Depth k at position i reads the embedding of labels[i+k-1] and predicts labels[i+k]; recomputed here
     from the main stack's output h and the labels with numpy cross-entropy."""
-    from models.deepseek_v3 import DeepSeekV3
+    from moetrain.models.deepseek_v3 import DeepSeekV3
 
     model = DeepSeekV3(tiny_deepseek())
     ids, labels = batch(ms, seed=1)
@@ -81,7 +81,7 @@ def test_mtp_loss_needs_only_the_final_hidden_state_and_labels(ms):
 
 
 def test_balancing_bias_moves_in_the_mtp_blocks_too(ms):
-    from models.deepseek_v3 import DeepSeekV3
+    from moetrain.models.deepseek_v3 import DeepSeekV3
 
     model = DeepSeekV3(tiny_deepseek())
     assert len(model.moe_modules()) == 3 and model.moe_modules()[-1] is model.mtp[1].block.moe
@@ -107,7 +107,7 @@ def test_deepseek_config_errors_name_the_key(change, message):
 
 
 def test_qwen3_layer_placement_and_qk_norm(ms):
-    from models.qwen3_moe import Qwen3MoE, Qwen3MoEConfig
+    from moetrain.models.qwen3_moe import Qwen3MoE, Qwen3MoEConfig
     from moetrain.moe.config import MoEConfig
 
     cfg = Qwen3MoEConfig(vocab_size=64, hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=12,

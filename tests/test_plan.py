@@ -23,7 +23,7 @@ EXACT = DeviceProfile(name="exact", description="test device", memory_bytes=1024
 
 
 def tiny_gpt(**over):
-    from models.gpt import GPTConfig
+    from moetrain.models.gpt import GPTConfig
 
     kw = dict(vocab_size=32, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, ffn_hidden_size=16,
               seq_length=4)
@@ -32,7 +32,7 @@ def tiny_gpt(**over):
 
 
 def tiny_moe(moe=None, **over):
-    from models.moe_gpt import MoEGPTConfig
+    from moetrain.models.moe_gpt import MoEGPTConfig
     from moetrain.moe.config import MoEConfig
 
     moe_kw = dict(num_experts=8, top_k=2, ffn_hidden_size=16)

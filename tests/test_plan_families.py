@@ -12,7 +12,7 @@ SEQ = 16
 
 
 def deepseek(**over):
-    from models.deepseek_v3 import DeepSeekV3Config
+    from moetrain.models.deepseek_v3 import DeepSeekV3Config
     from moetrain.moe.config import MoEConfig
 
     kw = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, ffn_hidden_size=48, seq_length=SEQ,
@@ -24,7 +24,7 @@ def deepseek(**over):
 
 
 def qwen3(**over):
-    from models.qwen3_moe import Qwen3MoEConfig
+    from moetrain.models.qwen3_moe import Qwen3MoEConfig
     from moetrain.moe.config import MoEConfig
 
     kw = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=12,

@@ -6,10 +6,10 @@ from typing import Dict, Mapping
 from moetrain.family import ColwiseParallel, Family, HeadShared, RegionOutput, SequenceParallel
 from moetrain.registry import register_family
 
-from models.gpt import transformer_shape
-from models.moe_gpt import RECOMPUTE as MOE_GPT_RECOMPUTE, TP_PLAN as MOE_GPT_TP_PLAN, moe_arch
-from models.deepseek_v3 import hf
-from models.deepseek_v3.model import (DeepSeekV3, DeepSeekV3Config, MTPLayer,  # noqa: F401  (the family's API)
+from moetrain.models.gpt import transformer_shape
+from moetrain.models.moe_gpt import RECOMPUTE as MOE_GPT_RECOMPUTE, TP_PLAN as MOE_GPT_TP_PLAN, moe_arch
+from moetrain.models.deepseek_v3 import hf
+from moetrain.models.deepseek_v3.model import (DeepSeekV3, DeepSeekV3Config, MTPLayer,  # noqa: F401  (the family's API)
                                       MultiHeadLatentAttention)
 
 

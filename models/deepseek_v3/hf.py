@@ -8,13 +8,13 @@ LM head, which moetrain shares: import checks that they are copies, export write
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
-from moetrain.family import HFFormat, rename
+from moetrain.family import HFFormat, MissingLayers, rename
 
-from models.gpt.hf import (Defaults, copy_reason, dense_mlp_maps, layer_maps, llama_config, llama_model_dict, refuse,
+from moetrain.models.gpt.hf import (Defaults, copy_reason, dense_mlp_maps, layer_maps, llama_config, llama_model_dict, refuse,
                            stack_maps, tied_head_copy)
-from models.moe_gpt.hf import check_moe_export, moe_maps, moe_section, refuse_export
+from moetrain.models.moe_gpt.hf import check_moe_export, moe_maps, moe_section, refuse_export
 
 DEFAULTS = {"deepseek_v3": Defaults(1e4, 1e-6)}
 # aux-loss-free balancing: bias step per update (paper: 0.001) and sequence-wise aux loss
@@ -114,5 +114,20 @@ def _tensor_maps(model, cfg, fused_layers):
     return maps, copies
 
 
+def _missing_mtp_layers(model: Dict[str, Any], hf_names) -> Optional[MissingLayers]:
+    """The MTP depths config.json promises (`num_nextn_predict_layers`) past the ones the checkpoint
+    holds (`model.layers.{L + k}.eh_proj`): transformers' model has no MTP layer, so `save_pretrained`
+    writes none while its config.json keeps the number."""
+    promised, present = model.get("mtp_depth", 0), 0
+    while present < promised and f"model.layers.{model['num_layers'] + present}.eh_proj.weight" in hf_names:
+        present += 1
+    if present == promised:
+        return None
+    return MissingLayers(held=dict(model, mtp_depth=present),
+                         prefixes=tuple(f"mtp.{k}." for k in range(present, promised)),
+                         what=f"config.json has num_nextn_predict_layers={promised} but the checkpoint holds "
+                              f"{present} MTP layer(s) (transformers' save_pretrained writes none)")
+
+
 FORMAT = HFFormat(model_types=tuple(DEFAULTS), to_model=_to_model, to_hf=_to_hf, tensor_maps=_tensor_maps,
-                  import_copies=tied_head_copy, copy_reason=copy_reason)
+                  import_copies=tied_head_copy, copy_reason=copy_reason, missing_layers=_missing_mtp_layers)

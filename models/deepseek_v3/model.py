@@ -42,8 +42,8 @@ from typing import List
 import mindspore as ms
 from mindspore import nn, ops
 
-from models.gpt.model import TransformerBlock
-from models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig
+from moetrain.models.gpt.model import TransformerBlock
+from moetrain.models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig
 from moetrain.layers import CausalAttention, Linear, RMSNorm, RotaryEmbedding, YarnScaling, yarn_mscale
 from moetrain.modeling import MEAN, StatSpec, merge_stats
 

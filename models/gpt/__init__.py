@@ -12,8 +12,8 @@ from moetrain.family import (ColwiseParallel, Family, RegionInput, RegionOutput,
 from moetrain.layout import ModelShape
 from moetrain.registry import register_family
 
-from models.gpt import hf, upcycle
-from models.gpt.model import GPT, GPTConfig, TransformerBlock, build_attention  # noqa: F401  (the family's API)
+from moetrain.models.gpt import hf, upcycle
+from moetrain.models.gpt.model import GPT, GPTConfig, TransformerBlock, build_attention  # noqa: F401  (the family's API)
 
 # Attention and MLP are tensor-parallel regions between sequence-parallel norms.
 TP_PLAN = {

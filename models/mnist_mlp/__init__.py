@@ -2,6 +2,6 @@
 from moetrain.family import Family
 from moetrain.registry import register_family
 
-from models.mnist_mlp.model import MnistMLP, MnistMLPConfig
+from moetrain.models.mnist_mlp.model import MnistMLP, MnistMLPConfig
 
 FAMILY = register_family(Family(name="mnist_mlp", config=MnistMLPConfig, model=MnistMLP))

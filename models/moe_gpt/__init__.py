@@ -6,9 +6,9 @@ from typing import Any, Dict
 from moetrain.family import ColwiseParallel, Family, RegionInput, RowwiseParallel, WholeSequence
 from moetrain.registry import register_family
 
-from models.gpt import TP_PLAN as GPT_TP_PLAN, transformer_arch, transformer_shape
-from models.moe_gpt import hf
-from models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig  # noqa: F401  (the family's API)
+from moetrain.models.gpt import TP_PLAN as GPT_TP_PLAN, transformer_arch, transformer_shape
+from moetrain.models.moe_gpt import hf
+from moetrain.models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig  # noqa: F401  (the family's API)
 
 # MoE layers are replicated over tp (router and experts on every tp rank, on the whole sequence, so
 # routing, capacity and aux losses equal one process); the shared experts are split inside them.

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from moetrain.family import HFFormat, TensorMap, experts_fused, experts_per_expert, rename, unbiased_routing
 
-from models.gpt.hf import (ATTENTION, SWIGLU, Defaults, copy_reason, dense_mlp_maps, layer_maps, llama_config,
+from moetrain.models.gpt.hf import (ATTENTION, SWIGLU, Defaults, copy_reason, dense_mlp_maps, layer_maps, llama_config,
                            llama_model_dict, stack_maps, tied_head_copy)
 
 DEFAULTS = {"mixtral": Defaults(1e6, 1e-5)}

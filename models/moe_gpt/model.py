@@ -23,7 +23,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import nn, ops
 
-from models.gpt.model import GPT, GPTConfig, TransformerBlock, build_attention
+from moetrain.models.gpt.model import GPT, GPTConfig, TransformerBlock, build_attention
 from moetrain.layers import RMSNorm, compute_dtype_of, fp32
 from moetrain.moe.config import MoEConfig
 from moetrain.modeling import reused_block

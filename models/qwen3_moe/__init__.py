@@ -4,10 +4,10 @@ from __future__ import annotations
 from moetrain.family import Family, HeadShared
 from moetrain.registry import register_family
 
-from models.gpt import transformer_shape
-from models.moe_gpt import RECOMPUTE, TP_PLAN as MOE_GPT_TP_PLAN, moe_arch
-from models.qwen3_moe import hf
-from models.qwen3_moe.model import QKNormAttention, Qwen3MoE, Qwen3MoEConfig  # noqa: F401  (the family's API)
+from moetrain.models.gpt import transformer_shape
+from moetrain.models.moe_gpt import RECOMPUTE, TP_PLAN as MOE_GPT_TP_PLAN, moe_arch
+from moetrain.models.qwen3_moe import hf
+from moetrain.models.qwen3_moe.model import QKNormAttention, Qwen3MoE, Qwen3MoEConfig  # noqa: F401  (the family's API)
 
 # the per-head q/k norms (one weight over head_dim) run on this rank's heads
 TP_PLAN = {

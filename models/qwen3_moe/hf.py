@@ -6,9 +6,9 @@ from typing import Any, Dict
 
 from moetrain.family import HFFormat
 
-from models.gpt.hf import (ATTENTION, Defaults, copy_reason, dense_mlp_maps, layer_maps, llama_config, llama_model_dict,
+from moetrain.models.gpt.hf import (ATTENTION, Defaults, copy_reason, dense_mlp_maps, layer_maps, llama_config, llama_model_dict,
                            stack_maps, tied_head_copy)
-from models.moe_gpt.hf import check_moe_export, moe_maps, moe_section
+from moetrain.models.moe_gpt.hf import check_moe_export, moe_maps, moe_section
 
 DEFAULTS = {"qwen3_moe": Defaults(1e4, 1e-6, use_sliding_window=False)}
 QK_NORM_ATTENTION = dict(ATTENTION, q_norm="q_norm", k_norm="k_norm")

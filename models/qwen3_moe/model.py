@@ -18,8 +18,8 @@ from typing import List
 
 from mindspore import nn
 
-from models.gpt.model import TransformerBlock
-from models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig
+from moetrain.models.gpt.model import TransformerBlock
+from moetrain.models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig
 from moetrain.layers import Attention, RMSNorm
 
 

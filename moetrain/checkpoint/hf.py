@@ -10,8 +10,8 @@ HF side: `config.json` plus `*.safetensors` (one file, or shards listed in
 `model_type`, translates the config and maps every tensor; it consumes every tensor or fails naming
 the leftovers. Routed experts are read in both HF layouts (`per_expert`, `fused`; export writes the
 one asked for). Tensors become fp32 exactly, so export after import reproduces the HF tensors bit for
-bit (in fp32). Multi-token-prediction layers that a checkpoint lacks (`mtp_depth`) are left out or
-initialised fresh.
+bit (in fp32). Optional layers a checkpoint lacks (the family's `HFFormat.missing_layers`, e.g.
+DeepSeek-V3's multi-token prediction) are left out or initialised fresh.
 """
 from __future__ import annotations
 
@@ -122,10 +122,9 @@ def hf_to_state(hf: Dict[str, np.ndarray], model: Dict[str, Any]) -> Dict[str, n
     for m in maps:
         absent = [n for n in m.theirs if n not in hf]
         if absent:
-            depth = f", MTP depth {model['mtp_depth']}" if model.get("mtp_depth") else ""
             layers = f" with {model['num_layers']} layers" if "num_layers" in model else ""
             raise ValueError(f"the HF checkpoint has no tensor {absent[0]!r} (needed for a {model['name']} model"
-                             f"{layers}{depth})")
+                             f"{layers}, as config.json describes it)")
         used.update(m.theirs)
         state.update(zip(m.ours, m.to_ours(*(hf[n] for n in m.theirs))))
     for name, ours in copies.items():
@@ -157,29 +156,20 @@ def state_to_hf(state: Dict[str, np.ndarray], model: Dict[str, Any], layout: str
 # ----------------------------------------------------------------------------------------------
 # Entry points
 # ----------------------------------------------------------------------------------------------
-def mtp_layers_present(hf: Dict[str, np.ndarray], model: Dict[str, Any]) -> int:
-    """How many of the MTP layers `model` describes the checkpoint holds (`model.layers.{L + k}.eh_proj`)."""
-    depth = 0
-    while depth < model.get("mtp_depth", 0) and f"model.layers.{model['num_layers'] + depth}.eh_proj.weight" in hf:
-        depth += 1
-    return depth
-
-
-def _fresh_mtp_layers(model: Dict[str, Any], first: int) -> Dict[str, np.ndarray]:
-    """Freshly initialised tensors of MTP layers `first..mtp_depth-1` (the model's own init)."""
+def _fresh_tensors(model: Dict[str, Any], prefixes: Tuple[str, ...]) -> Dict[str, np.ndarray]:
+    """Freshly initialised tensors whose names start with one of `prefixes` (the model's own init)."""
     fresh = build_model_from_dict(model)
-    wanted = tuple(f"mtp.{k}." for k in range(first, model["mtp_depth"]))
-    return {p.name: p.asnumpy() for p in fresh.get_parameters() if p.name.startswith(wanted)}
+    return {p.name: p.asnumpy() for p in fresh.get_parameters() if p.name.startswith(prefixes)}
 
 
-def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_mtp: bool = False,
+def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_layers: bool = False,
               log: Callable[[str], None] = print, overwrite: bool = False) -> Dict[str, Any]:
     """HF checkpoint directory -> moetrain model directory; returns the `model:` section.
 
-    DeepSeek-V3's MTP depth is what the checkpoint holds: transformers' model has no MTP layer, so
-    `save_pretrained` writes none while its config.json keeps `num_nextn_predict_layers`. Missing
-    MTP layers are left out (depth = the layers present), or with `init_missing_mtp` initialised
-    fresh for training; either way one line says so.
+    Optional layers that config.json describes but the checkpoint lacks (the family says which,
+    `HFFormat.missing_layers`: DeepSeek-V3's MTP layers, which transformers' `save_pretrained` never
+    writes) are left out, or with `init_missing_layers` initialised fresh for training; either way one
+    line says so.
     With `check`, the model is built and the weights loaded strictly (names and shapes).
     `out_dir` must be new or empty (with `overwrite`, a folder of files to replace), never a training
     checkpoint or run folder (`moetrain.fileio.check_output_folder`)."""
@@ -198,21 +188,16 @@ def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_mtp: b
         raise ValueError(config_path + message[len("config.json"):] if message.startswith("config.json")
                          else message) from None
     hf = load_hf_weights(hf_dir, hf_config.get("quantization_config"))
-    promised, present = model.get("mtp_depth", 0), mtp_layers_present(hf, model)
-    if present < promised:
-        model["mtp_depth"] = present
-    state = hf_to_state(hf, model)
-    if present < promised:
-        missing = f"{promised - present} of its {promised}"
-        if init_missing_mtp:
-            model["mtp_depth"] = promised
-            state.update(_fresh_mtp_layers(model, present))
-            log(f"moetrain convert hf-import: config.json has num_nextn_predict_layers={promised} but the checkpoint "
-                f"holds {present} MTP layer(s); {missing} MTP layer(s) initialised fresh (--init-missing-mtp)")
-        else:
-            log(f"moetrain convert hf-import: config.json has num_nextn_predict_layers={promised} but the checkpoint "
-                f"holds {present} MTP layer(s) (transformers' save_pretrained writes none); imported with "
-                f"mtp_depth {present} (--init-missing-mtp initialises {missing} fresh instead)")
+    missing = _family_with_format(build_config_from_dict(model)).hf.missing_layers(model, hf.keys())
+    state = hf_to_state(hf, missing.held if missing else model)
+    if missing and init_missing_layers:
+        state.update(_fresh_tensors(model, missing.prefixes))
+        log(f"moetrain convert hf-import: {missing.what}; the missing layers are initialised fresh "
+            f"(--init-missing-layers)")
+    elif missing:
+        model = missing.held
+        log(f"moetrain convert hf-import: {missing.what}; imported without the missing layers "
+            f"(--init-missing-layers initialises them fresh instead)")
     if check:
         load_model_state(build_model_from_dict(model), state, strict=True)
     source = model_module_of(model["name"])   # a family registered by a user's model_module: load it again
@@ -265,16 +250,16 @@ def main_import(argv=None) -> int:
                                  description="Hugging Face checkpoint (a model_type some registered family reads) -> moetrain model directory")
     ap.add_argument("hf_dir", help="folder with config.json and *.safetensors")
     ap.add_argument("out_dir", help="model directory to write (config.yaml + model.safetensors)")
-    ap.add_argument("--init-missing-mtp", action="store_true",
-                    help="multi-token prediction: MTP layers config.json promises but the checkpoint lacks (transformers' "
-                         "save_pretrained writes none) are initialised fresh instead of left out")
+    ap.add_argument("--init-missing-layers", "--init-missing-mtp", dest="init_missing_layers", action="store_true",
+                    help="optional layers config.json describes but the checkpoint lacks (DeepSeek-V3's multi-token "
+                         "prediction: transformers' save_pretrained writes none) are initialised fresh instead of left out")
     ap.add_argument("--overwrite", action="store_true",
                     help="write into an OUT_DIR that already holds files, replacing config.yaml and model.safetensors "
                          "(never a training checkpoint or run folder)")
 
     def go(args):
         args = ap.parse_args(args)
-        model = hf_import(args.hf_dir, args.out_dir, init_missing_mtp=args.init_missing_mtp, overwrite=args.overwrite)
+        model = hf_import(args.hf_dir, args.out_dir, init_missing_layers=args.init_missing_layers, overwrite=args.overwrite)
         print(f"wrote {args.out_dir}: model {model['name']}, {model['num_layers']} layers")
 
     return _run(go, argv)
