@@ -296,8 +296,7 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
                 f"{fits} or a sequence length that is a multiple of {need_chunks}")
     if shape is None:
         return problems
-    for key, value, fix in (("model_parallel", L.tp, "set it to 1"), ("pipeline_stage", L.pp, "set it to 1"),
-                            ("expert_tensor_parallel", L.etp, "set it to 1")):
+    for key, value, fix in (("expert_tensor_parallel", L.etp, "set it to 1"),):
         if value > 1:
             problems.append(f"parallel.{key}={value} {not_yet}; {fix}")
     if L.cp_comm == "a2a":
