@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distributed import (share_runs, shared_reference_dirs, shared_run_dirs, step_records,  # noqa: E402
-                         train_one_process)
+from distributed import share_runs, shared_reference_dirs, shared_run_dirs, step_records  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KJV = os.path.join(ROOT, "data", "kjv_tiny", "kjv_tiny")
 STEPS, EXACT_STEPS = 10, 5
+CONFIG = "configs/moe_tiny.yaml"
 RUN = [f"data.path={KJV}_train", f"data.eval_path={KJV}_eval", f"data.tokenizer={KJV}.model",
        "model.seq_length=64", f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4",
        "train.eval_interval=0",
@@ -34,8 +34,8 @@ CP2 = ["parallel.context_parallel=2"]
 PACKED = ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
 
 
-def spec(name, extra=()):
-    return f"{name}:configs/moe_tiny.yaml:" + ",".join(RUN + list(extra))
+def spec(name, extra=(), config="configs/moe_tiny.yaml"):
+    return f"{name}:{config}:" + ",".join(RUN + list(extra))
 
 
 SAVED_AT = 5
@@ -51,7 +51,14 @@ RESUMED = {"cp2_resumed_tp2": ["parallel.model_parallel=2", "data.eval_path="]} 
 # experts folded over dp x cp (Megatron-Core's MoE parallel folding): dp2 cp2, the 8 experts over all
 # 4 ranks (2 each), the ring; dropless at the static bound (one graph: no capacity re-compiles)
 RUNS4 = {"dp2_cp2_ep4": CP2 + ["parallel.data_parallel=2", "parallel.expert_parallel=4", "parallel.cp_comm_type=p2p",
-                               "parallel.moe_capacity=bound", "data.eval_path="]}
+                               "parallel.moe_capacity=bound", "data.eval_path="],
+         # cp inside a pipeline: each stage passes 1/cp of every sequence, its attention split over cp
+         "pp2_cp2": CP2 + ["parallel.pipeline_stage=2", "parallel.cp_comm_type=p2p", "data.eval_path="],
+         # Qwen3-MoE (q/k norms, head_dim 48) with tensor + sequence parallelism: the cp group of each tp rank
+         # carries its heads' K|V; the sequence-parallel split cuts the local S/cp tokens by tp
+         "qwen3_tp2_cp2_sp": CP2 + ["parallel.model_parallel=2", "parallel.use_seq_parallel=true",
+                                    "parallel.moe_capacity=bound", "data.eval_path="]}
+QWEN3 = "configs/qwen3_moe_tiny.yaml"
 
 
 def saved(out_dir):
@@ -61,7 +68,11 @@ def saved(out_dir):
 share_runs(2, __name__, lambda fixture, out_dir: [spec(name, extra) for name, extra in RUNS.items()]
            + [spec(name, extra + [f"resume={saved(out_dir)}"]) for name, extra in RESUMED.items()], timeout=900,
            references=lambda fixture: [spec("reference"), spec("reference_packed", PACKED + ["data.eval_path="])])
-share_runs(4, __name__, lambda fixture, out_dir: [spec(name, extra) for name, extra in RUNS4.items()], timeout=900)
+share_runs(4, __name__, lambda fixture, out_dir: [spec(name, extra, QWEN3 if name.startswith("qwen3") else CONFIG)
+                                                  for name, extra in RUNS4.items()], timeout=1500,
+           # beside the 4-rank launch, which starts after the 2-rank job: cp2's checkpoint is there by then
+           references=lambda fixture: [spec("reference_qwen3", ["data.eval_path="], QWEN3),
+                                       spec("resumed_one", ["data.eval_path=", f"resume={saved(fixture('shared_job_2'))}"])])
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +139,7 @@ def test_cp2_reproduces_one_process(runs, name):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_cp2_checkpoint_resumes_on_tp2_and_one_process(runs, tmp_path):
+def test_cp2_checkpoint_resumes_on_tp2_and_one_process(runs, shared_job_4):
     """cp2's step-5 checkpoint (the weights replicas over cp) resumed on tp2 (sliced by heads and
     columns) and on one process: steps 6-10 are the uninterrupted one-process run's."""
     run_dirs, reference_dirs = runs
@@ -136,9 +147,30 @@ def test_cp2_checkpoint_resumes_on_tp2_and_one_process(runs, tmp_path):
     tp2 = run_dirs["cp2_resumed_tp2"]
     assert [r["tp_rank"] for r in rank_records(tp2)] == [0, 1]
     assert_reproduces(step_records(tp2), reference, first=SAVED_AT + 1)
-    checkpoint = saved(os.path.dirname(run_dirs["cp2"]))
-    one = train_one_process(str(tmp_path), spec("resumed_one", ["data.eval_path=", f"resume={checkpoint}"]))
+    one = shared_reference_dirs(shared_job_4, __name__, ["resumed_one"])["resumed_one"]   # trained beside job 4
     assert_reproduces(step_records(one), reference, first=SAVED_AT + 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp2_cp2", "qwen3_tp2_cp2_sp"])
+def test_cp_with_pipeline_and_tensor_parallelism(runs, shared_job_4, name):
+    """pp2 cp2 (moe_tiny, 1F1B, the ring) and tp2 cp2 with sequence parallelism (qwen3_moe_tiny) reproduce
+    one process over 10 steps."""
+    if name.startswith("qwen3"):
+        reference = step_records(shared_reference_dirs(shared_job_4, __name__, ["reference_qwen3"])["reference_qwen3"])
+    else:
+        reference = step_records(runs[1]["reference"])
+    run_dir = shared_run_dirs(shared_job_4, __name__, RUNS4)[name]
+    assert_reproduces(step_records(run_dir), reference)
+    ranks = rank_records(run_dir, 4)
+    assert [r["cp_rank"] for r in ranks] == ([0, 1, 0, 1] if name == "pp2_cp2" else [0, 0, 1, 1])
+    if name == "pp2_cp2":
+        assert [r["pp_rank"] for r in ranks] == [0, 0, 1, 1]
+        assert all(r["context_parallel_layers"] == 2 for r in ranks)   # each stage's 2 attention layers
+    else:
+        assert [r["tp_rank"] for r in ranks] == [0, 1, 0, 1]
+        assert all(r["context_parallel_layers"] == 4 for r in ranks)
 
 
 @pytest.mark.distributed
