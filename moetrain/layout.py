@@ -123,8 +123,9 @@ class Layout:
     def expert_folded(self) -> bool:
         """MoE parallel folding: the experts live on the tp x dp ranks of a stage as etp x ep x edp
         (each tp rank dispatches its own slice of the tokens). Otherwise (etp 1 and ep dividing dp, the
-        layout before folding) the experts are replicated over tp and ep is carved out of dp."""
-        return self.etp > 1 or self.dp % max(1, self.ep) != 0
+        layout before folding) the experts are replicated over tp and ep is carved out of dp. With
+        context parallelism the data-parallel ranks are the dp x cp ones (their tokens differ too)."""
+        return self.etp > 1 or (self.dp * self.cp) % max(1, self.ep) != 0
 
     @property
     def token_slices(self) -> int:
@@ -201,10 +202,11 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
     need(L.tp % L.etp == 0, f"parallel.expert_tensor_parallel ({L.etp}) must divide model_parallel ({L.tp}): the "
          f"ranks splitting one expert hold the same tokens, i.e. are tensor-parallel ranks; use one of "
          f"{divisors(L.tp)}")
-    expert_ranks = L.dp * L.tp // L.etp if L.tp % L.etp == 0 else L.dp
-    need(expert_ranks % L.ep == 0, f"parallel.expert_parallel ({L.ep}) must divide data_parallel ({L.dp}) x "
+    expert_ranks = (L.dp * L.cp * L.tp // L.etp if L.tp % L.etp == 0 else L.dp * L.cp)
+    cp_text = f" x context_parallel ({L.cp})" if L.cp > 1 else ""
+    need(expert_ranks % L.ep == 0, f"parallel.expert_parallel ({L.ep}) must divide data_parallel ({L.dp}){cp_text} x "
          f"model_parallel ({L.tp}) / expert_tensor_parallel ({L.etp}) = {expert_ranks}: the experts of a stage "
-         f"live on its tp x dp ranks as etp x ep x edp; use one of {divisors(expert_ranks)}")
+         f"live on its tp x dp{' x cp' if L.cp > 1 else ''} ranks as etp x ep x edp; use one of {divisors(expert_ranks)}")
     if m.experts:
         need(m.experts % L.ep == 0, f"model.moe.num_experts ({m.experts}) is not divisible by "
              f"parallel.expert_parallel ({L.ep}): every rank must hold as many experts; use one of "
@@ -290,9 +292,7 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
                 f"{fits} or a sequence length that is a multiple of {need_chunks}")
     if shape is None:
         return problems
-    for key, value, fix in (("model_parallel", L.tp, "set it to 1"), ("pipeline_stage", L.pp, "set it to 1"),
-                            ("expert_parallel", L.ep, "set it to 1 (experts then replicate over dp x cp)"),
-                            ("expert_tensor_parallel", L.etp, "set it to 1")):
+    for key, value, fix in (("expert_tensor_parallel", L.etp, "set it to 1"),):
         if value > 1:
             problems.append(f"parallel.{key}={value} {not_yet}; {fix}")
     if L.cp_comm == "a2a":

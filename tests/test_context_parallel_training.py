@@ -24,6 +24,7 @@ from distributed import share_runs, shared_reference_dirs, shared_run_dirs, step
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KJV = os.path.join(ROOT, "data", "kjv_tiny", "kjv_tiny")
 STEPS, EXACT_STEPS = 10, 5
+CONFIG = "configs/moe_tiny.yaml"
 RUN = [f"data.path={KJV}_train", f"data.eval_path={KJV}_eval", f"data.tokenizer={KJV}.model",
        "model.seq_length=64", f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4",
        "train.eval_interval=0",
@@ -33,26 +34,78 @@ CP2 = ["parallel.context_parallel=2"]
 PACKED = ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
 
 
-def spec(name, extra=()):
-    return f"{name}:configs/moe_tiny.yaml:" + ",".join(RUN + list(extra))
+def spec(name, extra=(), config="configs/moe_tiny.yaml"):
+    return f"{name}:{config}:" + ",".join(RUN + list(extra))
 
 
-RUNS = {"cp2": CP2,                                                        # K|V all-gathered, blockwise attention
-        "cp2_p2p_packed": CP2 + ["parallel.cp_comm_type=p2p", "data.eval_path="] + PACKED,   # the ring, documents
-        "cp2_a2a_zero1": CP2 + ["parallel.cp_comm_type=a2a", "parallel.optimizer_shard=1", "data.eval_path="]}
-share_runs(2, __name__, lambda fixture, out_dir: [spec(name, extra) for name, extra in RUNS.items()], timeout=900,
+SAVED_AT = 5
+CONTRACT = "MOETRAIN_COMM_BACKEND=contract"
+RUNS = {"cp2": CP2 + [f"checkpoint.save_steps={SAVED_AT}"],          # K|V all-gathered; saves step 5
+        # the ring on packed documents, on the native Ascend path (AlltoAllV one row each way)
+        "cp2_p2p_packed": CP2 + ["parallel.cp_comm_type=p2p", "data.eval_path=", CONTRACT,
+                                 "MOETRAIN_CONTRACT_TARGET=Ascend"] + PACKED,
+        # Ulysses with ZeRO-1, on the native GPU path (AllGather-built all-to-all, ReduceScatter)
+        "cp2_a2a_zero1": CP2 + ["parallel.cp_comm_type=a2a", "parallel.optimizer_shard=1", "data.eval_path=",
+                                CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]}
+RESUMED = {"cp2_resumed_tp2": ["parallel.model_parallel=2", "data.eval_path="]}   # cp2's step 5 on tp2
+# experts folded over dp x cp (Megatron-Core's MoE parallel folding): dp2 cp2, the 8 experts over all
+# 4 ranks (2 each), the ring; dropless at the static bound (one graph: no capacity re-compiles)
+RUNS4 = {"dp2_cp2_ep4": CP2 + ["parallel.data_parallel=2", "parallel.expert_parallel=4", "parallel.cp_comm_type=p2p",
+                               "parallel.moe_capacity=bound", "data.eval_path="],
+         # cp inside a pipeline: each stage passes 1/cp of every sequence, its attention split over cp
+         "pp2_cp2": CP2 + ["parallel.pipeline_stage=2", "parallel.cp_comm_type=p2p", "data.eval_path="],
+         # Qwen3-MoE (q/k norms, head_dim 48) with tensor + sequence parallelism: the cp group of each tp rank
+         # carries its heads' K|V; the sequence-parallel split cuts the local S/cp tokens by tp
+         "qwen3_tp2_cp2_sp": CP2 + ["parallel.model_parallel=2", "parallel.use_seq_parallel=true",
+                                    "parallel.moe_capacity=bound", "data.eval_path="]}
+QWEN3 = "configs/qwen3_moe_tiny.yaml"
+
+
+def saved(out_dir):
+    return os.path.join(out_dir, f"{__name__}.cp2", "checkpoints", f"step_{SAVED_AT:08d}")
+
+
+share_runs(2, __name__, lambda fixture, out_dir: [spec(name, extra) for name, extra in RUNS.items()]
+           + [spec(name, extra + [f"resume={saved(out_dir)}"]) for name, extra in RESUMED.items()], timeout=900,
            references=lambda fixture: [spec("reference"), spec("reference_packed", PACKED + ["data.eval_path="])])
+share_runs(4, __name__, lambda fixture, out_dir: [spec(name, extra, QWEN3 if name.startswith("qwen3") else CONFIG)
+                                                  for name, extra in RUNS4.items()], timeout=1500,
+           # beside the 4-rank launch, which starts after the 2-rank job: cp2's checkpoint is there by then
+           references=lambda fixture: [spec("reference_qwen3", ["data.eval_path="], QWEN3),
+                                       spec("resumed_one", ["data.eval_path=", f"resume={saved(fixture('shared_job_2'))}"])])
 
 
 @pytest.fixture(scope="module")
 def runs(shared_job_2):
-    return (shared_run_dirs(shared_job_2, __name__, RUNS),
+    return (shared_run_dirs(shared_job_2, __name__, list(RUNS) + list(RESUMED)),
             shared_reference_dirs(shared_job_2, __name__, ["reference", "reference_packed"]))
 
 
 def eval_loss(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         return [r["eval_loss"] for r in map(json.loads, fh) if "eval_loss" in r]
+
+
+def rank_records(run_dir, nproc=2):
+    return [json.load(open(os.path.join(run_dir, f"rank_{r}.json"))) for r in range(nproc)]
+
+
+def assert_reproduces(steps, reference, first=1):
+    """Steps `first`..STEPS of a run against the one-process reference's: losses within 1e-5 relative,
+    grad_norm within 1e-4, expert loads exact for the first EXACT_STEPS steps, within 4 tokens after."""
+    reference = reference[first - 1:]
+    assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(first, STEPS + 1))
+    for key, rtol in (("loss", 1e-5), ("lm_loss", 1e-5), ("aux_loss", 1e-5), ("seq_aux_loss", 1e-5), ("z_loss", 1e-5),
+                      ("grad_norm", 1e-4)):
+        np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in reference], rtol=rtol, err_msg=key)
+    for a, b in zip(reference, steps):
+        most = 0 if a["step"] <= EXACT_STEPS else 4
+        assert np.abs(np.subtract(b["expert_load"], a["expert_load"])).max() <= most, f"step {a['step']}"
+    assert [r["routed"] for r in steps] == [r["routed"] for r in reference]
+
+
+# the native path each run takes (comm under the contract backend: the primitives it built), None: the CPU's
+NATIVE = {"cp2_p2p_packed": ("Ascend", "AlltoAllV"), "cp2_a2a_zero1": ("GPU", "AllGather")}
 
 
 @pytest.mark.distributed
@@ -62,25 +115,74 @@ def test_cp2_reproduces_one_process(runs, name):
     run_dirs, reference_dirs = runs
     reference_dir = reference_dirs["reference_packed" if name.endswith("packed") else "reference"]
     steps, reference = step_records(run_dirs[name]), step_records(reference_dir)
-    assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
-    for key, rtol in (("loss", 1e-5), ("lm_loss", 1e-5), ("aux_loss", 1e-5), ("seq_aux_loss", 1e-5), ("z_loss", 1e-5),
-                      ("grad_norm", 1e-4)):
-        np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in reference], rtol=rtol, err_msg=key)
-    for a, b in zip(reference[:EXACT_STEPS], steps[:EXACT_STEPS]):
-        np.testing.assert_array_equal(b["expert_load"], a["expert_load"], err_msg=f"step {a['step']}")
-    for a, b in zip(reference[EXACT_STEPS:], steps[EXACT_STEPS:]):
-        assert np.abs(np.subtract(b["expert_load"], a["expert_load"])).max() <= 4, f"step {a['step']}"
-    assert [r["routed"] for r in steps] == [r["routed"] for r in reference]
+    assert_reproduces(steps, reference)
     if name.endswith("packed"):                                        # the documents change what is learnt
         unpacked = step_records(reference_dirs["reference"])
         assert abs(reference[-1]["loss"] - unpacked[-1]["loss"]) > 1e-3
     assert reference[0]["loss"] - reference[-1]["loss"] > 0.5          # it trains
     if name == "cp2":
         np.testing.assert_allclose(eval_loss(run_dirs[name]), eval_loss(reference_dir), rtol=1e-5)
-    ranks = [json.load(open(os.path.join(run_dirs[name], f"rank_{r}.json"))) for r in range(2)]
+    ranks = rank_records(run_dirs[name])
     assert [r["cp_rank"] for r in ranks] == [0, 1] and [r["dp_rank"] for r in ranks] == [0, 0]
     assert all(r["context_parallel_layers"] == 4 for r in ranks)      # every attention layer split
+    if name in NATIVE:                                                 # the native path, not the emulation
+        target, primitive = NATIVE[name]
+        assert all(r["comm_backend"] == "contract" and r["native_target"] == target for r in ranks)
+        assert all(r["contract_primitives"].get(primitive, 0) > 0 for r in ranks), ranks[0]["contract_primitives"]
+    else:
+        assert all(r["comm_backend"] == "emulated" for r in ranks)
     if name == "cp2_a2a_zero1":                                        # the optimizer state sharded over the 2 ranks
         assert all(r["zero_level"] == 1 for r in ranks)
-        whole = json.load(open(os.path.join(run_dirs["cp2"], "rank_0.json")))["optimizer_state_bytes"]
+        whole = rank_records(run_dirs["cp2"])[0]["optimizer_state_bytes"]
         assert all(r["optimizer_state_bytes"] == pytest.approx(whole / 2, rel=0.01) for r in ranks)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp2_checkpoint_resumes_on_tp2_and_one_process(runs, shared_job_4):
+    """cp2's step-5 checkpoint (the weights replicas over cp) resumed on tp2 (sliced by heads and
+    columns) and on one process: steps 6-10 are the uninterrupted one-process run's."""
+    run_dirs, reference_dirs = runs
+    reference = step_records(reference_dirs["reference"])
+    tp2 = run_dirs["cp2_resumed_tp2"]
+    assert [r["tp_rank"] for r in rank_records(tp2)] == [0, 1]
+    assert_reproduces(step_records(tp2), reference, first=SAVED_AT + 1)
+    one = shared_reference_dirs(shared_job_4, __name__, ["resumed_one"])["resumed_one"]   # trained beside job 4
+    assert_reproduces(step_records(one), reference, first=SAVED_AT + 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp2_cp2", "qwen3_tp2_cp2_sp"])
+def test_cp_with_pipeline_and_tensor_parallelism(runs, shared_job_4, name):
+    """pp2 cp2 (moe_tiny, 1F1B, the ring) and tp2 cp2 with sequence parallelism (qwen3_moe_tiny) reproduce
+    one process over 10 steps."""
+    if name.startswith("qwen3"):
+        reference = step_records(shared_reference_dirs(shared_job_4, __name__, ["reference_qwen3"])["reference_qwen3"])
+    else:
+        reference = step_records(runs[1]["reference"])
+    run_dir = shared_run_dirs(shared_job_4, __name__, RUNS4)[name]
+    assert_reproduces(step_records(run_dir), reference)
+    ranks = rank_records(run_dir, 4)
+    assert [r["cp_rank"] for r in ranks] == ([0, 1, 0, 1] if name == "pp2_cp2" else [0, 0, 1, 1])
+    if name == "pp2_cp2":
+        assert [r["pp_rank"] for r in ranks] == [0, 0, 1, 1]
+        assert all(r["context_parallel_layers"] == 2 for r in ranks)   # each stage's 2 attention layers
+    else:
+        assert [r["tp_rank"] for r in ranks] == [0, 1, 0, 1]
+        assert all(r["context_parallel_layers"] == 4 for r in ranks)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_experts_folded_over_dp_cp(runs, shared_job_4):
+    """dp2·cp2·ep4: each rank dispatches its own tokens (a sequence's two cp halves are different
+    tokens) to the 8 experts spread 2 a rank over all 4 ranks; dropless, it is one process's step."""
+    reference = step_records(runs[1]["reference"])
+    run_dir = shared_run_dirs(shared_job_4, __name__, RUNS4)["dp2_cp2_ep4"]
+    assert_reproduces(step_records(run_dir), reference)
+    ranks = rank_records(run_dir, 4)
+    assert [(r["dp_rank"], r["cp_rank"], r["ep_rank"]) for r in ranks] == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    assert all(r["context_parallel_layers"] == 4 for r in ranks)
+    experts = [r["shapes"][k] for r in ranks for k in r["shapes"] if k.endswith("experts.w_gate")]
+    assert experts and all(shape[0] == 2 for shape in experts), experts   # 8 experts / ep 4

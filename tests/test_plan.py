@@ -303,7 +303,7 @@ def test_memory_forces_sharding():
     L = search.chosen.layout
     assert search.chosen.fits and (L.zero >= 1 or L.tp * L.pp * L.ep > 1)
     unfit = search.with_status("does not fit")
-    plain = [c for c in unfit if (c.layout.zero, c.layout.tp, c.layout.pp, c.layout.ep) == (0, 1, 1, 1)]
+    plain = [c for c in unfit if (c.layout.zero, c.layout.tp, c.layout.pp, c.layout.ep, c.layout.cp) == (0, 1, 1, 1, 1)]
     assert len(plain) == 3               # the replicated layout (1 sequence per rank) in every recompute mode
     assert all("GiB >" in c.reason and "GiB usable" in c.reason for c in plain)
     with pytest.raises(LayoutError, match="fits in memory"):
@@ -479,7 +479,7 @@ def test_folded_layout_costs_and_search():
 
     layouts = candidate_layouts(job, 4)
     assert any(L.etp == 2 for L in layouts) and any(L.ep > L.dp for L in layouts)
-    assert all((L.dp * L.tp // L.etp) % L.ep == 0 and L.tp % L.etp == 0 for L in layouts)
+    assert all((L.dp * L.cp * L.tp // L.etp) % L.ep == 0 and L.tp % L.etp == 0 for L in layouts)
 
 
 def test_flops_per_token_equals_the_gemms_of_one_moe_tiny_step():

@@ -20,11 +20,12 @@ tp x dp ranks of a stage also hold the experts as etp x ep x edp. A rank's exper
     ep_rank = u % ep,  edp_rank = u // ep          ep over adjacent ranks first (Megatron's order): within
                                                   a lane, global rank = lane + etp * u, so the group orders agree
 
-Folding is on when etp > 1 or ep does not divide dp (`Layout.expert_folded`). Without it (etp 1, ep
+Folding is on when etp > 1 or ep does not divide dp x cp (`Layout.expert_folded`). Without it (etp 1, ep
 dividing dp: the layout before folding) lane = tp_rank and u = dp_rank: the experts are replicated
 over tp, every tp rank runs all of its dp rank's tokens, and ep / edp are carved out of dp as before.
 With cp > 1 the data-parallel rank in these formulas is the dp x cp rank `cp_rank + cp * dp_rank`
-(expert weights replicate over cp like the dense ones; cp > 1 runs with ep = etp = 1 so far).
+(Megatron-Core's MoE parallel folding of ep over dp x cp: the cp ranks of a sequence hold different
+tokens, so for the experts they are data-parallel ranks like any other; folding is judged on dp x cp).
 
 Groups (kind -> members of this rank's group):
 
@@ -196,7 +197,7 @@ class ParallelContext:
 
     @property
     def expert_folded(self) -> bool:
-        return Layout(dp=self.dp, tp=self.tp, ep=self.ep, etp=self.etp).expert_folded
+        return Layout(dp=self.dp, tp=self.tp, ep=self.ep, etp=self.etp, cp=self.cp).expert_folded
 
     @property
     def token_slices(self) -> int:

@@ -49,12 +49,17 @@ def parallelize(model, cfg, pctx, seq_length: int = 0, rebuild=None) -> Parallel
             another = rebuild()
             parallelize_model(another, cfg, pctx)
             parallelize_moe(another, p, pctx)
+            parallelize_context(another, cfg, pctx)
             return another
 
-        pipeline = Pipeline(model, specs, cfg, pctx, seq_length or cfg.model.seq_length,
+        # context parallel: the stages pass this rank's 1/cp of each sequence
+        pipeline = Pipeline(model, specs, cfg, pctx, (seq_length or cfg.model.seq_length) // pctx.cp,
                             more_models if rebuild is not None else None)
         opt_step = OptimizerStep(pipeline.stage.trainable_params(), *optimizer)
-        return ParallelModel(pipeline.stage, opt_step, pipeline.bind(opt_step), specs, over_dp)
+        runner = pipeline.bind(opt_step)
+        if pctx.cp > 1:
+            runner = ContextParallelRunner(runner, pctx, cfg.train.global_batch_size * (seq_length or cfg.model.seq_length))
+        return ParallelModel(pipeline.stage, opt_step, runner, specs, over_dp)
     opt_step = OptimizerStep(model.trainable_params(), *optimizer)
     runner = MicroBatchRunner(model, opt_step, specs, cfg.train.jit, pctx, p.moe_capacity, p.moe_capacity_prior)
     if pctx.cp > 1:

@@ -203,9 +203,6 @@ def plan_problems(job: Job, layout: Layout, world_size: Optional[int] = None) ->
                                global_batch_size=job.global_batch_size, seq_length=job.seq_length)
     if job.optimizer not in OPTIMIZER_FP32_STATES:
         problems.append(f"optimizer.name {job.optimizer!r} is not one of {sorted(OPTIMIZER_FP32_STATES)}")
-    if layout.cp > 1:
-        problems.append(f"parallel.context_parallel={layout.cp}: the planner and the dry run do not model context "
-                        f"parallelism yet (docs/context_parallel.md); plan the layout with context_parallel=1")
     return problems
 
 

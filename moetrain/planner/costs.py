@@ -13,6 +13,7 @@ from typing import Dict, List, Tuple, Union
 from moetrain.devices import DeviceProfile, get_device
 from moetrain.layout import RECOMPUTE_MODES, Layout
 from moetrain.parallel import schedules
+from moetrain.planner import context
 from moetrain.planner.arch import (DTYPE_BYTES, FP32, OPTIMIZER_FP32_STATES, Arch, Job, ParamCount,
                                    attention_flops_per_token, validate_plan)
 from moetrain.planner.schedule import last_stage, pipeline_bubble, pipeline_in_flight, pipeline_peak, chunk_layer_lists
@@ -100,7 +101,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     state_bytes = FP32 * OPTIMIZER_FP32_STATES[job.optimizer] + (FP32 if L.zero >= 1 else 0)
     wire_bytes = DTYPE_BYTES[job.grad_dtype]
     # replicas of an expert slice: ep carved out of dp, or folded over tp x dp = etp x ep x edp
-    edp = L.dp * L.tp // (L.etp * L.ep) if L.expert_folded else L.dp // L.ep
+    dp = context.replicas(L)              # dense replicas: dp x cp (context parallel)
+    edp = dp * L.tp // (L.etp * L.ep) if L.expert_folded else dp // L.ep
 
     # ---- parameters held by one device of this stage
     dense = expert = frozen = 0.0
@@ -118,8 +120,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         dense += arch.vocab * h / t
     if last:
         dense += h + (arch.vocab * h / t if not arch.tied or L.pp > 1 else 0)
-    zero_grads = (L.dp, edp) if L.zero >= 2 else (1, 1)
-    zero_states = (L.dp, edp) if L.zero >= 1 else (1, 1)
+    zero_grads = (dp, edp) if L.zero >= 2 else (1, 1)
+    zero_states = (dp, edp) if L.zero >= 1 else (1, 1)
     memory = {
         "weights": (dense + expert) * weight_bytes + frozen * FP32,
         "gradients": (dense / zero_grads[0] + expert / zero_grads[1]) * grad_bytes,
@@ -130,7 +132,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     # accumulation). With one, the pipeline keeps only each in-flight micro-batch's chunk INPUT and
     # recomputes the chunk in its backward (moetrain/parallel/pipeline.py): `pipeline_peak` walks the
     # schedule's instruction list with one chunk's activations live inside a pass.
-    tokens = L.micro_batch_size * s
+    tokens = context.local_tokens(L, L.micro_batch_size * s)
     in_flight = pipeline_in_flight(L, stage)
     fused = device.name == "cpu" and d == FP32       # moetrain.kernels: CPU only, fp32 compute
     exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
@@ -168,6 +170,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
                                        FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
                    for mode in RECOMPUTE_MODES}
+    by_mode = context.add_held_kv(by_mode, arch, L, tokens, d, len(layer_ids), fused)
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
 
@@ -245,7 +248,9 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     if L.pp > 1:
         # activations forward, gradients backward, at every chunk boundary that crosses to another stage
         per_mb["pp"] = sends * layer_input
-    spans = {"tp": t, "sp": t, "ep": L.etp * L.ep if L.expert_folded else t * L.ep, "pp": L.world}
+    per_mb["cp"] = context.traffic_per_micro_batch(arch, L, tokens, d, len(layer_ids), device.emulated_collectives)
+    spans = {"tp": t, "sp": t, "ep": L.etp * L.ep if L.expert_folded else t * L.ep, "pp": L.world,
+             "cp": context.span(L)}
     comm_bytes = {dim: per_mb[dim] * L.num_micro_batches for dim in per_mb}
     comm_seconds = {dim: comm_bytes[dim] / _bandwidth(device, spans[dim]) for dim in per_mb}
     # each exchange also costs a fixed latency, whatever its size: what more chunks a stage pay
@@ -257,9 +262,9 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         if L.zero == 0:
             return 2 * (group - 1) / group * params * wire_bytes
         return (group - 1) / group * params * (wire_bytes + weight_bytes) * gather_factor
-    dense_sync, expert_sync = sync_bytes(dense, L.dp), sync_bytes(expert, edp)
+    dense_sync, expert_sync = sync_bytes(dense, dp), sync_bytes(expert, edp)
     comm_bytes["dp"] = dense_sync + expert_sync
-    dp_seconds = (dense_sync + expert_sync) / _bandwidth(device, t * L.dp)
+    dp_seconds = (dense_sync + expert_sync) / _bandwidth(device, t * dp)
     comm_seconds["dp"] = dp_seconds
     return StageCost(stage=stage, layers=len(layer_ids), params=int(dense + expert + frozen), memory=memory,
                      in_flight=in_flight, in_flight_bytes=stage_inputs,

@@ -320,13 +320,14 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
         held = measured["gradients"] if layout.num_micro_batches > 1 else 0   # at the peak: see the docstring
         measured["activations"] = step_pool.peak_above_start - held
         with PoolRecorder() as optimizer_pool:
-            parallel.opt_step(grads, 1e-4, 1, 1.0 / (layout.num_micro_batches * layout.dp))
+            parallel.opt_step(grads, 1e-4, 1, 1.0 / (layout.num_micro_batches * layout.dp * layout.cp))
         detail["optimizer_step_transient"] = optimizer_pool.peak_above_start
         # after the step: the dispatch capacities are those the step settled on (sized from the routed
         # counts, moetrain/moe/capacity.py), not the first call's bound. A MoE layer's input: this
-        # rank's sequence shard under sequence parallelism (it gathers the rest)
+        # rank's sequence shard under sequence parallelism (it gathers the rest), 1/cp of it under context parallelism
         dispatch = measure_dispatch(parallel.model, solo, layout.micro_batch_size,
-                                    seq // layout.tp if layout.sequence_parallel else seq, run.model.hidden_size)
+                                    seq // layout.cp // (layout.tp if layout.sequence_parallel else 1),
+                                    run.model.hidden_size)
     measured["dispatch_buffers"] = dispatch["per_layer"] * dispatch["layers"]
     detail.update(rss_before_step=rss_before, peak_rss=rss_bytes()["VmHWM"],
                   max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -7,6 +7,7 @@ from typing import Dict, List
 
 from moetrain.devices import GiB
 from moetrain.layout import RECOMPUTE_MODES
+from moetrain.planner import context
 from moetrain.planner.arch import DTYPE_BYTES, FP32, OPTIMIZER_FP32_STATES, attention_flops_per_token
 from moetrain.planner.costs import MEMORY_SAFETY, PlanResult
 
@@ -55,13 +56,15 @@ def format_plan(result: PlanResult) -> str:
         lines.append(f"              MoE: {len(a.moe_layers)} of {a.layers} layers, {a.experts} experts top-{a.top_k}, "
                      f"expert ffn {a.expert_ffn}{shared}{capacity}")
     lines += [
-        f" layout       dp {L.dp} x tp {L.tp} x pp {L.pp} = {L.world} devices; ep {L.ep}"
+        f" layout       dp {L.dp} x tp {L.tp} x pp {L.pp}" + (f" x cp {L.cp} ({L.cp_comm})" if L.cp > 1 else "")
+        + f" = {L.world} devices; ep {L.ep}"
         + (f" ({a.experts // L.ep} experts/device)" if a.moe_layers else "")
         + (f", etp {L.etp} (1/{L.etp} of each expert's ffn)" if L.etp > 1 else "")
         + f"; ZeRO-{L.zero}; recompute {L.recompute}; sequence parallel {'on' if L.sequence_parallel else 'off'}"
         + (f"; {L.schedule}" if L.pp > 1 else ""),
         f" batch        {job.global_batch_size} sequences x {job.seq_length} = {r.tokens_per_step:,} tokens/step; "
-        f"{L.num_micro_batches} micro-batch(es) of {L.micro_batch_size} per dp rank; {job.compute_dtype} compute",
+        f"{L.num_micro_batches} micro-batch(es) of {L.micro_batch_size} per dp rank"
+        + (f", {job.seq_length // L.cp} tokens of each sequence per cp rank" if L.cp > 1 else "") + f"; {job.compute_dtype} compute",
         rule,
         f" parameters   total {format_count(p.total)} ({p.total:,}; trainable {p.trainable:,}); active per token "
         f"{format_count(p.active)} ({p.active / p.total:.1%}); per device {format_count(r.stages[r.peak_stage].params)}",
@@ -90,10 +93,10 @@ def format_plan(result: PlanResult) -> str:
     ]
     names = {"dp": f"dp gradients ({'all-reduce' if L.zero == 0 else 'ZeRO reduce-scatter + all-gather'})",
              "tp": "tp all-reduces", "sp": "sp all-gather / reduce-scatter", "pp": "pp activations p2p",
-             "ep": "ep all-to-all (dispatch + combine)"}
-    spans = {"dp": L.tp * L.dp, "tp": L.tp, "sp": L.tp, "pp": L.world,
-             "ep": L.etp * L.ep if L.expert_folded else L.tp * L.ep}
-    for dim in ("dp", "tp", "sp", "pp", "ep"):
+             "ep": "ep all-to-all (dispatch + combine)", "cp": context.describe_traffic(L)}
+    spans = {"dp": L.tp * context.replicas(L), "tp": L.tp, "sp": L.tp, "pp": L.world,
+             "ep": L.etp * L.ep if L.expert_folded else L.tp * L.ep, "cp": context.span(L)}
+    for dim in ("dp", "tp", "sp", "pp", "ep") + (("cp",) if L.cp > 1 else ()):
         volume = r.comm_bytes[dim]
         link = "intra-node" if spans[dim] <= dev.devices_per_node else "inter-node"
         lines.append(f"   {names[dim]}".ljust(56) + (f"{format_bytes(volume)} {r.comm_seconds[dim]:9.3f} s   {link}"

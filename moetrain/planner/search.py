@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 from moetrain.devices import GiB, DeviceProfile, get_device
 from moetrain.layout import RECOMPUTE_MODES, Layout, LayoutError, divisors
 from moetrain.parallel import schedules
+from moetrain.planner import context
 from moetrain.planner.arch import Arch, Job, plan_problems
 from moetrain.planner.costs import PlanResult, plan_layout, plan_valid_layout
 from moetrain.planner.report import format_search
@@ -25,7 +26,8 @@ def plan(cfg, world_size: Optional[int] = None, device=None) -> PlanResult:
     """Plan the layout `cfg` names (or, with `parallel.mode: auto`, the one `choose_layout` picks)
     on `world_size` devices (default: dp x tp x pp of the config) of `device` (default: train.device)."""
     if cfg.parallel.mode == "auto":
-        world = world_size or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
+        world = world_size or (cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
+                               * cfg.parallel.context_parallel)
         return choose_layout(cfg, world, device)[1].chosen
     return plan_layout(Job.of(cfg), Layout.of(cfg), _device_of(cfg, device), world_size, source=cfg.source)
 
@@ -80,34 +82,35 @@ def pipeline_splits(arch: Arch, pp: int, interleave: int) -> List[Optional[Tuple
 
 
 def candidate_layouts(job: Job, world_size: int) -> List[Layout]:
-    """Every dp x tp x pp = world, ep, micro-batching, ZeRO level, recompute, sequence-parallel,
-    pipeline-schedule and layer-split combination worth costing (ZeRO levels are all the same
-    layout when dp = 1)."""
+    """Every dp x tp x pp x cp = world (cp: `context.search_degrees`), ep, micro-batching, ZeRO level,
+    recompute, sequence-parallel, pipeline-schedule and layer-split combination worth costing (ZeRO
+    levels are all the same layout when dp x cp = 1)."""
     arch = job.arch
     layouts = []
-    for tp in divisors(world_size):
-        for pp in divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            eps = divisors(world_size) if arch.moe_layers else [1]
-            per_rank = job.global_batch_size // dp if job.global_batch_size % dp == 0 else 1
-            etps = divisors(tp) if arch.moe_layers else [1]
-            for etp, ep, count, zero, recompute, sp in itertools.product(
-                    etps, eps, divisors(per_rank), (0, 1, 2) if dp > 1 else (0,),
-                    RECOMPUTE_MODES, (False, True) if tp > 1 else (False,)):
-                if (dp * tp // etp) % ep:      # ep up to dp x tp / etp (MoE folding, moetrain/layout.py)
-                    continue
-                for schedule, interleave in pipeline_schedules(arch, pp, count):
-                    for split in pipeline_splits(arch, pp, interleave):
-                        layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp,
-                                              micro_batch_size=max(1, per_rank // count), num_micro_batches=count,
-                                              zero=zero, recompute=recompute, sequence_parallel=sp,
-                                              schedule=schedule, interleave=interleave, pipeline_layers=split))
+    for tp, pp, cp, cp_comm in ((tp, pp, cp, comm) for tp in divisors(world_size) for pp in divisors(world_size // tp)
+                                for cp, comm in context.search_degrees(job, world_size // (tp * pp))):
+        dp = world_size // (tp * pp * cp)
+        eps = divisors(world_size) if arch.moe_layers else [1]
+        per_rank = job.global_batch_size // dp if job.global_batch_size % dp == 0 else 1
+        etps = divisors(tp) if arch.moe_layers else [1]
+        for etp, ep, count, zero, recompute, sp in itertools.product(
+                etps, eps, divisors(per_rank), (0, 1, 2) if dp * cp > 1 else (0,),
+                RECOMPUTE_MODES, (False, True) if tp > 1 else (False,)):
+            if (dp * cp * tp // etp) % ep:      # ep up to dp x cp x tp / etp (MoE folding, moetrain/layout.py)
+                continue
+            for schedule, interleave in pipeline_schedules(arch, pp, count):
+                for split in pipeline_splits(arch, pp, interleave):
+                    layouts.append(Layout(dp=dp, tp=tp, pp=pp, ep=ep, etp=etp,
+                                          micro_batch_size=max(1, per_rank // count), num_micro_batches=count,
+                                          zero=zero, recompute=recompute, sequence_parallel=sp,
+                                          schedule=schedule, interleave=interleave, pipeline_layers=split,
+                                          cp=cp, cp_comm=cp_comm))
     return layouts
 
 
 def _tie_key(result: PlanResult):
     L = result.layout
-    return (result.total_comm_bytes, L.zero, RECOMPUTE_MODES.index(L.recompute), L.tp, L.pp,
+    return (result.total_comm_bytes, L.cp, L.zero, RECOMPUTE_MODES.index(L.recompute), L.tp, L.pp,
             L.sequence_parallel, -L.micro_batch_size, L.ep, L.etp, L.chunks, L.schedule in schedules.SPLIT_BACKWARD)
 
 

@@ -1,0 +1,128 @@
+"""Context parallelism's terms in the cost model (`parallel.context_parallel: cp`,
+docs/context_parallel.md "Planner"), kept apart from costs.py, which calls them in a few places:
+
+    local_tokens(L, tokens)          each rank holds 1/cp of a micro-batch's tokens: activations,
+                                     matmul and attention work, the MoE rows all scale by 1/cp
+    replicas(L)                      dense-weight replicas, dp x cp: ZeRO shards and the gradient
+                                     all-reduce span them (Megatron-Core's dp group "with cp")
+    add_held_kv(...)                 what the split attention keeps per layer beside the local
+                                     activations: the other ranks' K|V blocks and the blockwise
+                                     path's softmax terms (all_gather / p2p)
+    traffic_per_micro_batch(...)     bytes the cp group moves per device and micro-batch
+    span(L)                          ranks one cp group spans (link placement: tp innermost)
+
+Attention work per token stays that of the whole sequence (2 S a (d_qk + d_v)): the load-balanced
+chunks give every rank the same share of the causal pairs. Traffic, per layer and pass (forward,
+backward; + one forward under full recompute), with K|V the keys and values of the local tokens:
+
+    all_gather, p2p (ring)   (cp - 1) x K|V_local = (cp - 1) / cp of the sequence's K|V
+                             (the backward sends dK|dV back the same way), i.e. Megatron's ring
+                             2 (cp - 1) / cp of the KV per layer per pass counted as K and V of
+                             one head group each
+    a2a (Ulysses)            four all-to-alls (q, k, v, o), each (cp - 1) / cp of its local tensor
+
+On the CPU the collectives are derived from AllReduce (moetrain/distributed/comm.py): the all-gather
+moves 2x, an all-to-all 2 cp x, a ring step (AlltoAllV over a [cp, cp, block] buffer) 2 cp x of the
+native bytes. Overlap assumption: none. moetrain runs the ring's steps in the order the graph gives
+them (no double buffering), so the cp traffic is costed on the critical path like tp's; Megatron
+overlaps each step with the block before, which this model does not credit.
+"""
+from __future__ import annotations
+
+from moetrain.layout import Layout
+
+OVERLAP = 0.0        # fraction of the cp traffic hidden behind the attention blocks (none: see above)
+
+
+def local_tokens(L: Layout, tokens: int) -> int:
+    """Tokens of one micro-batch that one rank holds."""
+    return tokens // L.cp
+
+
+def replicas(L: Layout) -> int:
+    """Ranks holding the same dense weights: dp x cp (ZeRO and the gradient sync span them)."""
+    return L.dp * L.cp
+
+
+def span(L: Layout) -> int:
+    """Consecutive ranks a cp group spans (rank order tp-cp-dp-pp)."""
+    return L.tp * L.cp
+
+
+def kv_bytes_per_token(arch, dtype_bytes: int, tp: int) -> float:
+    """K and V of one token as attention receives them on one tp rank (MLA: expanded per head, as
+    its `attend` gets them; its latent does not cross the split)."""
+    kv_heads = arch.heads if arch.kv_lora_rank else arch.kv_heads
+    return dtype_bytes * kv_heads * (arch.head_dim + arch.v_dim) / tp
+
+
+def held_kv_bytes(arch, L: Layout, tokens: int, dtype_bytes: int) -> float:
+    """Bytes one layer keeps for backward beyond the local activations: the K|V of the other cp - 1
+    ranks (all_gather gathers them, the ring keeps every block it was passed); Ulysses keeps the
+    whole sequence of 1/cp of the heads, the local tensors' size (counted already)."""
+    if L.cp == 1 or L.cp_comm == "a2a":
+        return 0.0
+    return (L.cp - 1) * tokens * kv_bytes_per_token(arch, dtype_bytes, L.tp)
+
+
+def block_probability_bytes(arch, L: Layout, tokens: int, micro_batch_size: int) -> float:
+    """The blockwise attention's saved fp32 softmax terms of one layer (all_gather / p2p run plain ops,
+    not the fused kernel): scores, their exponentials and the probabilities (measured: 12-13 bytes a
+    query-key pair at moe_tiny width) for the pairs one rank computes, l^2 (cp + 1) / 2 per sequence
+    and head with l = S / cp (the diagonal block whole, every other block half)."""
+    if L.cp == 1 or L.cp_comm == "a2a":
+        return 0.0
+    rows = tokens / micro_batch_size
+    return 3 * 4 * arch.heads / L.tp * micro_batch_size * rows * rows * (L.cp + 1) / 2
+
+
+def add_held_kv(by_mode, arch, L: Layout, tokens: int, dtype_bytes: int, layers: int, fused: bool) -> dict:
+    """`by_mode` (activations per recompute mode) with what the split attention holds per layer: the
+    other ranks' K|V, and where the model's formula assumed the fused kernel (`fused`: the CPU, no
+    probabilities kept), the blockwise path's softmax terms (elsewhere its probabilities term
+    stands for them). Under full recompute only the layer being recomputed holds them."""
+    held = held_kv_bytes(arch, L, tokens, dtype_bytes)
+    if fused:
+        held += block_probability_bytes(arch, L, tokens, L.micro_batch_size)
+    return {mode: value + held * (1 if mode == "full" else layers) for mode, value in by_mode.items()}
+
+
+def traffic_per_micro_batch(arch, L: Layout, tokens: int, dtype_bytes: int, layers: int,
+                            emulated: bool) -> float:
+    """Bytes one device sends over the cp group per micro-batch (`tokens`: its local tokens)."""
+    if L.cp == 1 or not layers:
+        return 0.0
+    passes = 2 + (L.recompute == "full")
+    if L.cp_comm == "a2a":
+        q = arch.heads * arch.head_dim
+        o = arch.heads * arch.v_dim
+        kv = (arch.heads if arch.kv_lora_rank else arch.kv_heads) * (arch.head_dim + arch.v_dim)
+        per_pass = (L.cp - 1) / L.cp * tokens * dtype_bytes * (q + kv + o) / L.tp
+        factor = 2 * L.cp if emulated else 1
+    else:
+        per_pass = (L.cp - 1) * tokens * kv_bytes_per_token(arch, dtype_bytes, L.tp)
+        factor = (2 if L.cp_comm == "all_gather" else 2 * L.cp) if emulated else 1
+    return layers * passes * per_pass * factor * (1 - OVERLAP)
+
+
+def describe_traffic(L: Layout) -> str:
+    """The report's name for the cp traffic."""
+    what = {"a2a": "Ulysses all-to-all of q, k, v, o", "p2p": "ring K|V p2p", "all_gather": "K|V all-gather"}
+    return f"cp {what.get(L.cp_comm, L.cp_comm)} (not overlapped)"
+
+
+def search_degrees(job, ranks: int):
+    """`(cp, cp_comm)` pairs the layout search tries on `ranks` = world / (tp x pp) devices: cp 1, and
+    each cp > 1 dividing them that cuts the sequence into 2 cp equal chunks, with the K|V all-gather
+    (the ring moves the same bytes natively and holds the same blocks, more bytes on the CPU) and,
+    where the heads divide, Ulysses (a2a)."""
+    arch, seq = job.arch, job.seq_length
+    tried = [(1, "all_gather")]
+    for cp in range(2, ranks + 1):
+        if ranks % cp or seq % (2 * cp):
+            continue
+        tried.append((cp, "all_gather"))
+        kv_heads = arch.heads if arch.kv_lora_rank else arch.kv_heads
+        if arch.heads % cp == 0 and kv_heads % cp == 0:
+            tried.append((cp, "a2a"))
+    return tried
