@@ -21,7 +21,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("base", ("moetrain", "moetrain.compat", "moetrain.errors", "moetrain.env", "moetrain.fileio", "moetrain.layout", "moetrain.devices",
               "moetrain.kernels")),
     ("data, config", ("moetrain.data", "moetrain.registry", "moetrain.config")),
-    ("primitives", ("moetrain.dist", "moetrain.faults", "moetrain.layers", "moetrain.modeling",
+    ("primitives", ("moetrain.dist", "moetrain.faults", "moetrain.param_init", "moetrain.layers", "moetrain.modeling",
                     "moetrain.kv_cache", "moetrain.optim", "moetrain.logger")),
     ("moe", ("moetrain.moe",)),
     ("models", ("models",)),

@@ -32,6 +32,7 @@ from moetrain.moe.ep_dispatcher import build_ep_dispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.layer import moe_layers
 from moetrain.dist.sharding import mark_further_shard, mark_shard, shard_spec
+from moetrain.param_init import is_deferred
 
 
 def shard_experts(experts: GroupedExperts, ep_rank: int, ep: int) -> None:
@@ -44,9 +45,10 @@ def shard_experts(experts: GroupedExperts, ep_rank: int, ep: int) -> None:
         if shard_spec(param).axis is not None:
             raise ValueError(f"{param.name} is already sharded ({shard_spec(param)}); parallelize_moe must run "
                              f"once, on the freshly built model")
-        full = param.asnumpy()
-        param.set_data(Tensor(np.ascontiguousarray(np.split(full, ep, axis=0)[ep_rank])))
-        mark_shard(param, full.shape, axis=0, index=ep_rank, count=ep, group_kind="ep")
+        whole = tuple(int(d) for d in param.shape)
+        if not is_deferred(param):   # built whole: keep the slice (deferred: only the slice is ever made)
+            param.set_data(Tensor(np.ascontiguousarray(np.split(param.asnumpy(), ep, axis=0)[ep_rank])))
+        mark_shard(param, whole, axis=0, index=ep_rank, count=ep, group_kind="ep")
     experts.num_local_experts = num_experts // ep
 
 
@@ -60,12 +62,12 @@ def split_expert_ffn(experts: GroupedExperts, etp_rank: int, etp: int) -> None:
                              f"parallel.expert_tensor_parallel={etp} ranks; choose etp dividing "
                              f"model.moe.ffn_hidden_size")
         spec = shard_spec(param)
-        local = np.ascontiguousarray(np.split(param.asnumpy(), etp, axis=axis)[etp_rank])
+        if not is_deferred(param):
+            param.set_data(Tensor(np.ascontiguousarray(np.split(param.asnumpy(), etp, axis=axis)[etp_rank])))
         if spec.slicings():
             mark_further_shard(param, axis, etp_rank, etp, "etp")
         else:
-            mark_shard(param, tuple(int(d) for d in param.shape), axis, etp_rank, etp, "etp")
-        param.set_data(Tensor(local))
+            mark_shard(param, tuple(int(d) for d in spec.global_shape), axis, etp_rank, etp, "etp")
 
 
 def parallelize_moe(model, parallel_cfg, pctx) -> int:

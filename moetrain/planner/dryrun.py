@@ -305,8 +305,8 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
     with SoloComm() as solo:
         ms.set_seed(run.train.seed)
         # `rebuild`: the further model chunks of a stage (interleaved 1F1B, ZB-V), as the trainer builds them
-        parallel = parallelize(build_model(run), run, pctx, seq,
-                               rebuild=lambda: (ms.set_seed(run.train.seed), build_model(run))[1])
+        parallel = parallelize(build_model(run, pctx), run, pctx, seq,
+                               rebuild=lambda chunk: build_model(run, pctx, chunk))
         detail["build_s"] = time.perf_counter() - started
         measured = {"weights": nbytes(parallel.model.get_parameters()),
                     "optimizer": nbytes(parallel.opt_step.state_parameters())}
