@@ -130,7 +130,7 @@ def _normal_into(out: np.ndarray, flat_index: np.ndarray, key: np.uint64, h: np.
     out *= f
 
 
-def _runs(shape: Sequence[int], region: Sequence[Tuple[int, int]]) -> Tuple[np.ndarray, int]:
+def region_runs(shape: Sequence[int], region: Sequence[Tuple[int, int]]) -> Tuple[np.ndarray, int]:
     """The region of a C-order tensor as contiguous runs: `(global start of each run, in the
     region's C order; run length)`."""
     cut = [a for a, (lo, hi) in enumerate(region) if (lo, hi) != (0, shape[a])]
@@ -158,7 +158,7 @@ def keyed_normal(seed: int, name: str, shape: Sequence[int], region: Sequence[Tu
     if not flat.size:
         return out
     key = key_of(seed, name)
-    starts, run = _runs(shape, region)
+    starts, run = region_runs(shape, region)
     h, t = np.empty(_CHUNK, np.uint64), np.empty(_CHUNK, np.uint64)
     f, index = np.empty(_CHUNK, np.float32), np.empty(_CHUNK, np.uint64)
     pos = 0
