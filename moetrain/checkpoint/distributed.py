@@ -568,7 +568,7 @@ class CheckpointReader:
             if not inside.any():
                 continue
             dest = out[target].reshape(-1) if out[target].flags.c_contiguous else None
-            staged = np.zeros(int(np.prod(out[target].shape)), entry["dtype"]) if dest is None else dest
+            staged = out[target].reshape(-1) if dest is None else dest   # a copy: other pieces' values kept
             for j in np.nonzero(inside)[0]:
                 lo, hi = max(int(runs[j]), start), min(int(runs[j]) + length, stop)
                 offset = j * length + lo - int(runs[j])
