@@ -53,16 +53,13 @@ class InitRecipe:
 @contextlib.contextmanager
 def deferred_parameters():
     """Parameters created by `parameter(...)` inside the block get their shape but no memory until
-    `materialize`."""
+    `materialize`; any other Parameter (a MindSpore layer's, a small tensor made from numpy) is
+    created with its data as usual."""
     _DEFERRING[0] += 1
-    saved = getattr(Parameter, "init_param", True)
-    Parameter.init_param = False
     try:
         yield
     finally:
         _DEFERRING[0] -= 1
-        if not _DEFERRING[0]:
-            Parameter.init_param = saved
 
 
 def deferring() -> bool:
@@ -73,7 +70,13 @@ def parameter(shape, name: str, kind: str = "normal", std: float = 0.02) -> Para
     """An fp32 Parameter that starts as `InitRecipe(kind, std)`: deferred (no memory) inside
     `deferred_parameters`, else drawn at once by MindSpore's initializer (seeded by `ms.set_seed`)."""
     init = {"normal": Normal(sigma=std), "ones": "ones", "zeros": "zeros"}[kind]
-    param = Parameter(initializer(init, tuple(int(d) for d in shape), ms.float32), name=name)
+    saved = getattr(Parameter, "init_param", True)
+    if deferring():       # MindSpore's switch, for this Parameter only (others, e.g. nn.Dense's, are unaffected)
+        Parameter.init_param = False
+    try:
+        param = Parameter(initializer(init, tuple(int(d) for d in shape), ms.float32), name=name)
+    finally:
+        Parameter.init_param = saved
     setattr(param, _RECIPE_ATTR, InitRecipe(kind, std))
     return param
 
