@@ -2,13 +2,14 @@
 over the `etp` group), and wire the expert-parallel dispatcher, the token slices and the aux loss's
 token set.
 
-    model = build_model(cfg)                       # every rank, same seed: identical full model
-    parallelize_moe(model, cfg.parallel, pctx)     # keep this rank's E/ep experts, swap dispatchers
+    model = build_model(cfg, pctx)                 # this rank's part, parameters deferred
+    parallelize_moe(model, cfg.parallel, pctx)     # record this rank's E/ep experts, swap dispatchers
 
 Rank `ep_rank` keeps global experts `[ep_rank L, (ep_rank + 1) L)`, `L = E / ep`, of
 `experts.w_gate/w_up/w_down` (sliced along axis 0 and marked with `mark_shard(..., "ep")` so
-checkpoints can reassemble them). Because every rank slices the same full initialisation, an
-expert-parallel job starts from exactly the one-process model.
+checkpoints can reassemble them). Deferred expert tensors are only marked, then generated as that
+slice of the one-process values (moetrain/param_init.py), so an expert-parallel job starts from
+exactly the one-process model without any rank building the other experts.
 
 MoE parallel folding (`parallel.expert_tensor_parallel`, ep spanning tp ranks; the layout is in
 moetrain/dist/topology.py): with etp > 1 each local expert keeps FFN columns `[etp_rank F/etp, ..)`

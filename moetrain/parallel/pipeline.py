@@ -3,16 +3,19 @@
 
     stage 0: embed + layers[0:a]    stage s: layers[a:b]    stage P-1: layers[..:L] + head and loss
 
-Every rank of a pipeline stage builds the whole model with the same seed (so the split model
-starts exactly where a one-process run starts, tied embeddings included), then `keep_stage`
-(moetrain/modeling.py) cuts it down to its stage; parameter names stay the whole model's. The
+Every rank constructs only its stage's layers (`moetrain.build.build_model(cfg, pctx)`, named as in
+the whole model), then `keep_stage` (moetrain/modeling.py) drops the embedding and head cells it
+does not keep (built deferred: never given memory); the kept parameters are then generated as the
+one-process values (`moetrain.param_init`), so the split model starts exactly where a one-process
+run starts, tied embeddings included. The
 stage runs the model's own pieces (`embed_tokens`, `run_layers`, `head_loss`): no model code here.
 
 Model chunks. Interleaved 1F1B (`parallel.pp_interleave_num: v`) and ZB-V (always 2) put several
 chunks on a stage: the layers are split into P·v virtual stages (`parallel.pipeline_layers` lists
 them, in virtual-stage order) and chunk c of stage s runs virtual stage c·P + s (ZB-V: s and
-2P-1-s, a V whose turn is on stage P-1 and whose loss is on stage 0). Each chunk is cut from its
-own identical whole model (`more_models`); ZB-V's first and last chunk share one tied embedding.
+2P-1-s, a V whose turn is on stage P-1 and whose loss is on stage 0). Each chunk is a model built
+once with that chunk's layers only (`more_models(c)`); ZB-V's first and last chunk share one tied
+embedding.
 
 Schedules (`build_schedules`) are per-stage instruction lists (`Op`) of forward, backward, weight
 and exchange instructions over (chunk, micro-batch). 1F1B and GPipe: Megatron's order with its

@@ -1,8 +1,9 @@
 """Tensor parallelism (Megatron-LM) and sequence parallelism, applied to a BUILT single-device model.
 
-Every rank builds the whole model with the same seed (so all hold the same global weights), then
-`parallelize_module(model, plan, group, sequence_parallel)` slices it in place following a plan of
-styles keyed by module path (`moetrain/parallel/plans.py` declares them per model family):
+`parallelize_module(model, plan, group, sequence_parallel)` slices a model in place following a plan
+of styles keyed by module path. A model from `build_model(cfg, pctx)` has deferred parameters
+(moetrain/param_init.py): they are only marked, and `parallelize` later generates each as exactly
+its slice of the one-process values; a model built whole and materialized is sliced in place (`moetrain/parallel/plans.py` declares them per model family):
 
     layer                       tp rank r of n keeps               communication (Megatron f / g)
     ColumnParallelLinear        weight rows [r·out/n, (r+1)·out/n)  input enters the region: copy_to_region

@@ -5,7 +5,8 @@ plan of the same job.
     result = dry_run(cfg, rank=0)              # DryRun: planned / measured bytes per category
     print(format_dry_run(result))              # or result.to_json()
 
-What runs: the model is built whole from the run's seed and handed to the trainer's own
+What runs: rank R's part of the model is built (`build_model(cfg, pctx)`: its stage's layers,
+parameters deferred, then generated as its slices) and handed to the trainer's own
 `moetrain.parallel.parallelize.parallelize` with rank R's view of the world
 (`ParallelContext.build(world, R, dp, tp, pp, ep)`): the same tensor / sequence slicing, expert
 split and dispatcher, pipeline cut, optimizer and ZeRO flat buffers as training. The collectives
