@@ -541,7 +541,7 @@ def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_mtp: b
                 f"holds {present} MTP layer(s) (transformers' save_pretrained writes none); imported with "
                 f"mtp_depth {present} (--init-missing-mtp initialises {missing} fresh instead)")
     if check:
-        load_model_state(build_model_from_dict(model), state, strict=True)
+        load_model_state(build_model_from_dict(model, deferred=True), state, strict=True)
     save_model_dir(out_dir, {"model": model}, state)
     return model
 
