@@ -147,9 +147,16 @@ class GPT(nn.Cell):
         return TransformerBlock(self.cfg)
 
     def block_returns_stats(self, layer_index: int) -> bool:
-        """Whether block `layer_index` of the whole model returns stats (known without building it:
-        a pipeline chunk builds only its own blocks). Override with `build_block`."""
-        return False
+        """Whether block `layer_index` of the whole model returns stats, known without building it (a
+        pipeline chunk builds only its own blocks). A family that overrides `build_block` overrides
+        this too; otherwise it is answered from the blocks built, and a block not built is refused."""
+        if type(self).build_block is GPT.build_block:
+            return False
+        start, end = self.built_range
+        if not start <= layer_index < end:
+            raise NotImplementedError(f"{type(self).__name__} overrides build_block but not block_returns_stats, "
+                                      f"which a pipeline stage needs for the layers it does not build")
+        return bool(self.layers[layer_index - start].returns_stats)
 
     def whole_layer_stat_specs(self):
         """The stat specs of the whole model's blocks (a chunk may hold none of the blocks that
