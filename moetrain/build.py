@@ -2,10 +2,14 @@
 one rank of a layout the way training does, without importing the trainer)."""
 from __future__ import annotations
 
+import contextlib
+
 import mindspore as ms
 
 from moetrain.distributed.topology import cpu_ops_on_calling_thread
-from moetrain.modeling import set_cell_reuse
+from moetrain.modeling import building_layers, set_cell_reuse
+from moetrain.parallel.pipeline import chunk_layer_ranges
+from moetrain.param_init import deferred_parameters, materialize
 from moetrain.registry import get_model
 
 
@@ -21,10 +25,28 @@ def setup_device(device: str) -> None:
     cpu_ops_on_calling_thread()
 
 
-def build_model(cfg):
-    """The whole model of `cfg` (every rank builds it from the same seed, then keeps its part);
-    the model config takes `precision.compute_dtype`."""
+def build_model(cfg, pctx=None, chunk: int = 0):
+    """The model of `cfg`; the model config takes `precision.compute_dtype`.
+
+    Without `pctx`: the whole model, materialized. With a parallel context: only what this rank
+    constructs, its parameters deferred (shapes, no memory; `moetrain.param_init`): with pp > 1 the
+    blocks of model chunk `chunk` of its pipeline stage, named as in the whole model (the other
+    stages' layers are never built; the embedding and head cells a stage does not keep are built
+    deferred and dropped by the cut). `moetrain.parallel.parallelize` records the tp / ep / etp
+    slicing, cuts the stage and then materializes each parameter as exactly its slice. Either way a
+    parameter's initial values are a function of `train.seed`, its full name and the index, so
+    every layout starts from the one-process model."""
     if hasattr(cfg.model, "compute_dtype"):
         cfg.model.compute_dtype = cfg.precision.compute_dtype
     set_cell_reuse(cfg.train.cell_reuse)
-    return get_model(cfg.model.name).cls(cfg.model)
+    cls = get_model(cfg.model.name).cls
+    if pctx is None:
+        with deferred_parameters():
+            model = cls(cfg.model)
+        materialize([model], cfg.train.seed)
+        return model
+    layers = contextlib.nullcontext()
+    if pctx.pp > 1 and hasattr(cfg.model, "num_layers"):
+        layers = building_layers(*chunk_layer_ranges(cfg, pctx.pp, pctx.pp_rank)[chunk])
+    with deferred_parameters(), layers:
+        return cls(cfg.model)

@@ -20,11 +20,11 @@ import numpy as np
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Normal, initializer
 
 from moetrain import kernels
 from moetrain.kernels.ops import (FusedCausalAttention, FusedLMHeadCrossEntropy, FusedRMSNorm, FusedSwiGLU, LinearMatmul,
                                   shared)
+from moetrain.param_init import parameter
 
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 _BMM, _BMM_NT = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)   # decoding (PyNative) only
@@ -45,8 +45,10 @@ def fp32(x):
 
 
 def normal_parameter(shape, std: float, name: str) -> Parameter:
-    """An fp32 Parameter drawn from N(0, std^2) (seeded by `ms.set_seed`)."""
-    return Parameter(initializer(Normal(sigma=std), tuple(shape), ms.float32), name=name)
+    """An fp32 Parameter that starts as N(0, std^2): deferred inside `moetrain.param_init.deferred_parameters`
+    (then its values are a function of seed, full name and index: the same slice on any layout),
+    else drawn at once (seeded by `ms.set_seed`)."""
+    return parameter(shape, name, "normal", std)
 
 
 class Linear(nn.Cell):
@@ -109,7 +111,7 @@ class RMSNorm(nn.Cell):
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
         super().__init__()
-        self.weight = Parameter(initializer("ones", (hidden_size,), ms.float32), name="weight")
+        self.weight = parameter((hidden_size,), "weight", "ones")
         self.eps = eps
         self.fused = None
         if kernels.available():

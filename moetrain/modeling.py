@@ -30,9 +30,10 @@ per family in `moetrain.parallel.plans` by module paths; expert parallelism find
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mindspore as ms
 from mindspore import nn, ops
@@ -147,6 +148,53 @@ def stat_rows(blocks) -> int:
     return sum(1 for block in blocks if getattr(block, "returns_stats", False))
 
 
+# ---------------------------------------------------------------------------------------------
+# Building a part of a model: the layers of one pipeline chunk, not the whole stack
+# ---------------------------------------------------------------------------------------------
+_LAYER_RANGE: List[Optional[Tuple[int, int]]] = [None]
+
+
+@contextlib.contextmanager
+def building_layers(start: int, end: int):
+    """Models constructed inside the block build only their blocks `[start, end)` (one pipeline
+    chunk: `moetrain.build.build_model` with a parallel context), named as in the whole model."""
+    saved, _LAYER_RANGE[0] = _LAYER_RANGE[0], (int(start), int(end))
+    try:
+        yield
+    finally:
+        _LAYER_RANGE[0] = saved
+
+
+def build_layers(model, build_block, num_layers: int) -> None:
+    """Set `model.layers` to the blocks `build_block(i)` of the layer range being built (all
+    `num_layers`, or `building_layers`' range), each named `layers.{i}.` as in the whole model, and
+    `model.built_range` to that range."""
+    start, end = _LAYER_RANGE[0] or (0, num_layers)
+    if not 0 <= start < end <= num_layers:
+        raise LayoutError(f"layers [{start}, {end}) are not within the model's {num_layers} layers")
+    blocks = []
+    for i in range(start, end):
+        block = build_block(i)
+        block.update_parameters_name(f"layers.{i}.")
+        blocks.append(block)
+    auto_prefix = model._auto_prefix   # the blocks are named already: no renaming by position
+    model._auto_prefix = False
+    try:
+        model.layers = nn.CellList(blocks, auto_prefix=False)
+    finally:
+        model._auto_prefix = auto_prefix
+    model.built_range = (start, end)
+
+
+def layer_stat_rows(model, start: int, end: int) -> int:
+    """Per-layer stat rows of the whole model's blocks `[start, end)`, built here or not (the model's
+    `block_returns_stats`; without it, the blocks it holds)."""
+    if hasattr(model, "block_returns_stats"):
+        return sum(1 for i in range(start, end) if model.block_returns_stats(i))
+    built = getattr(model, "built_range", (0, len(model.layers)))
+    return stat_rows(model.layers[i - built[0]] for i in range(start, end))
+
+
 def keep_stage(model, start: int, end: int, first: bool, last: bool) -> None:
     """Cut `model` down, in place, to one pipeline stage: its blocks `[start, end)`, the embedding on
     the first stage (and on the last when the head reads it), the head cells on the last. Parameter
@@ -158,7 +206,10 @@ def keep_stage(model, start: int, end: int, first: bool, last: bool) -> None:
         raise LayoutError(f"parallel.pipeline_stage > 1 needs a layered model (moetrain/modeling.py: layers, "
                           f"embed_tokens, run_layers, head_loss, EMBEDDING_CELLS, HEAD_CELLS); "
                           f"{type(model).__name__} lacks {missing}: set parallel.pipeline_stage=1")
-    kept = [model.layers[i] for i in range(start, end)]
+    built = getattr(model, "built_range", (0, len(model.layers)))
+    if not built[0] <= start < end <= built[1]:
+        raise LayoutError(f"a pipeline stage of layers [{start}, {end}) cut from a model built with layers {built}")
+    kept = [model.layers[i - built[0]] for i in range(start, end)]
     auto_prefix = model._auto_prefix   # no renaming: the kept blocks keep their global names
     model._auto_prefix = False
     try:
@@ -169,4 +220,4 @@ def keep_stage(model, start: int, end: int, first: bool, last: bool) -> None:
                 setattr(model, name, None)
     finally:
         model._auto_prefix = auto_prefix
-    model.stage_range = (start, end)
+    model.stage_range = model.built_range = (start, end)

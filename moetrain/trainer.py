@@ -231,9 +231,10 @@ class Trainer:
         self.tokens_per_sample = getattr(self.train_set, "tokens_per_sample", 0)
 
         ms.set_seed(t.seed)
-        # every rank builds the whole model (same seed, same weights), then keeps its part of it
-        self.parallel = parallelize(build_model(cfg), cfg, self.pctx, self.tokens_per_sample,
-                                    rebuild=lambda: (ms.set_seed(t.seed), build_model(cfg))[1])   # model chunks
+        # each rank constructs only its part (its stage's layers, deferred), then parallelize gives
+        # each parameter exactly its slice of the one-process model's values (moetrain/param_init.py)
+        self.parallel = parallelize(build_model(cfg, self.pctx), cfg, self.pctx, self.tokens_per_sample,
+                                    rebuild=lambda chunk: build_model(cfg, self.pctx, chunk))   # model chunks
         self.model, self.opt_step, self.runner = self.parallel.model, self.parallel.opt_step, self.parallel.runner
         self.summed = summed_stats(self.parallel.specs)
         self.scaler = LossScaler(cfg.precision.loss_scale, cfg.precision.initial_loss_scale,

@@ -24,7 +24,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("base", ("moetrain", "moetrain.compat", "moetrain.errors", "moetrain.env", "moetrain.family", "moetrain.fileio", "moetrain.layout", "moetrain.devices",
               "moetrain.kernels")),
     ("data, config", ("moetrain.data", "moetrain.registry", "moetrain.config")),
-    ("primitives", ("moetrain.distributed", "moetrain.testing", "moetrain.faults", "moetrain.layers", "moetrain.modeling",
+    ("primitives", ("moetrain.distributed", "moetrain.testing", "moetrain.faults", "moetrain.param_init", "moetrain.layers", "moetrain.modeling",
                     "moetrain.kv_cache", "moetrain.optim", "moetrain.logger")),
     ("moe", ("moetrain.moe",)),
     ("models", ("moetrain.models",)),

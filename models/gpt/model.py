@@ -24,7 +24,8 @@ from mindspore import nn, ops
 from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
                              RMSNorm, SwiGLUMLP, compute_dtype_of, fp32)
 from moetrain.kv_cache import KVCache
-from moetrain.modeling import MEAN, StatSpec, attention_context, merge_stats, reused_block, run_blocks, split_specs
+from moetrain.modeling import (MEAN, StatSpec, attention_context, build_layers, merge_stats, reused_block, run_blocks,
+                               split_specs)
 
 
 @dataclass(kw_only=True)
@@ -125,7 +126,7 @@ class GPT(nn.Cell):
         self.cfg = cfg
         self.max_positions = cfg.seq_length
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
-        self.layers = nn.CellList([self.build_block(i) for i in range(cfg.num_layers)])
+        build_layers(self, self.build_block, cfg.num_layers)   # all layers, or one pipeline chunk's
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.tie_embeddings = cfg.tie_embeddings
         if cfg.tie_embeddings:
@@ -137,12 +138,28 @@ class GPT(nn.Cell):
         self.vocab_size = cfg.vocab_size
         # the LM head and loss in one kernel, never storing [tokens, vocab] logits (CPU, fp32)
         self.fused_head_loss = LMHeadCrossEntropy() if LMHeadCrossEntropy.supported(cfg.compute_dtype) else None
-        self.layer_stat_specs = {name: spec for block in self.layers if block.returns_stats
-                                 for name, spec in block.stat_specs.items()}
+        self.layer_stat_specs = self.whole_layer_stat_specs()
         self.layer_stats = split_specs(self.layer_stat_specs)   # (summed, stacked) names, graph-safe
 
     def build_block(self, layer_index: int) -> nn.Cell:
         return TransformerBlock(self.cfg)
+
+    def block_returns_stats(self, layer_index: int) -> bool:
+        """Whether block `layer_index` of the whole model returns stats, known without building it (a
+        pipeline chunk builds only its own blocks). A family that overrides `build_block` overrides
+        this too; otherwise it is answered from the blocks built, and a block not built is refused."""
+        if type(self).build_block is GPT.build_block:
+            return False
+        start, end = self.built_range
+        if not start <= layer_index < end:
+            raise NotImplementedError(f"{type(self).__name__} overrides build_block but not block_returns_stats, "
+                                      f"which a pipeline stage needs for the layers it does not build")
+        return bool(self.layers[layer_index - start].returns_stats)
+
+    def whole_layer_stat_specs(self):
+        """The stat specs of the whole model's blocks (a chunk may hold none of the blocks that
+        produce them); by default those of the blocks built. Override with `build_block`."""
+        return {name: spec for block in self.layers if block.returns_stats for name, spec in block.stat_specs.items()}
 
     @property
     def needs_embedding_in_head(self) -> bool:

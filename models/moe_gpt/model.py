@@ -27,7 +27,7 @@ from moetrain.models.gpt.model import GPT, GPTConfig, TransformerBlock, build_at
 from moetrain.layers import RMSNorm, compute_dtype_of, fp32
 from moetrain.moe.config import MoEConfig
 from moetrain.modeling import reused_block
-from moetrain.moe.layer import MoELayer, update_expert_bias
+from moetrain.moe.layer import MoELayer, moe_stat_specs, update_expert_bias
 
 
 
@@ -98,6 +98,12 @@ class MoEGPT(GPT):
 
     def build_block(self, layer_index: int) -> nn.Cell:
         return MoEBlock(self.cfg) if self.cfg.is_moe_layer(layer_index) else TransformerBlock(self.cfg)
+
+    def block_returns_stats(self, layer_index: int) -> bool:
+        return self.cfg.is_moe_layer(layer_index)
+
+    def whole_layer_stat_specs(self):
+        return moe_stat_specs(self.cfg.moe.num_experts)
 
     def moe_modules(self):
         """The MoE layers this model holds, in layer order (row `j` of its `expert_load`)."""

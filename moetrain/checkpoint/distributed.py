@@ -47,10 +47,13 @@ from moetrain.config import model_config_from_dict
 from moetrain.distributed.sharding import MASTER_PREFIX, ShardSpec, reduction_group_kind, shard_spec, tp_copies
 from moetrain.distributed.topology import ParallelContext
 from moetrain.faults import failed_ranks
+from moetrain.param_init import region_runs
 from moetrain.layout import Layout, LayoutError, ModelShape, check_layout, layout_problems
 from moetrain.fileio import read_yaml
 
 FORMAT = "moetrain-sharded-v1"
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32",
+                      "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 PARTS = ("model", "optimizer")
 _INDEX = "pieces-rank{rank:05d}.json"    # one rank's piece list; merged into metadata.json by rank 0
 _FAILED = "failed-rank{rank:05d}.txt"    # an asynchronous save failed on that rank: rank 0 stops waiting
@@ -290,12 +293,13 @@ def _slice_shape(global_shape, slicings) -> Tuple[int, ...]:
     return tuple(shape)
 
 
-def _slice_region(global_shape, slicings) -> Tuple[slice, ...]:
-    region = [slice(None)] * len(global_shape)
+def _piece_box(global_shape, slicings) -> Tuple[Tuple[int, int], ...]:
+    """`[lo, hi)` per axis of the global tensor that a piece cut by `slicings` covers."""
+    box = [(0, int(d)) for d in global_shape]
     for axis, index, count in slicings:
         size = global_shape[axis] // count
-        region[axis] = slice(index * size, (index + 1) * size)
-    return tuple(region)
+        box[axis] = (index * size, (index + 1) * size)
+    return tuple(box)
 
 
 def finish_checkpoint(writer: CheckpointWriter, world_size: int, metadata: Dict[str, Any], config_file: str) -> str:
@@ -513,14 +517,32 @@ class CheckpointReader:
             verify_files(self.path, self.manifest, new)
             self._verified.update(new)
 
-    def _read(self, filename: str, key: str) -> np.ndarray:
+    def _handle(self, filename: str):
         self.verify([filename])
         if filename not in self._handles:
             self._handles[filename] = safe_open(os.path.join(self.path, filename), framework="np")
-        return self._handles[filename].get_tensor(key)
+        return self._handles[filename]
+
+    def _read(self, filename: str, key: str, box: Optional[Tuple[Tuple[int, int], ...]] = None) -> np.ndarray:
+        """A stored tensor, or only `box` (`[lo, hi)` per axis) of it: a safetensors slice read, so
+        nothing else of the file's tensor is brought into memory."""
+        handle = self._handle(filename)
+        if box is None:
+            return handle.get_tensor(key)
+        return handle.get_slice(key)[tuple(slice(lo, hi) for lo, hi in box)]
 
     def global_tensor(self, key: str) -> np.ndarray:
-        """The whole tensor, reassembled from its pieces."""
+        """The whole tensor, reassembled from its pieces (offline tools: consolidate, export)."""
+        entry = self.tensors.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.path} has no tensor {key!r}")
+        return self.read_region(key, tuple((0, d) for d in entry["global_shape"]))
+
+    def read_region(self, key: str, region: Tuple[Tuple[int, int], ...]) -> np.ndarray:
+        """`region` (`[lo, hi)` per axis) of the global tensor `key`, read straight from the files:
+        from each saved piece only its intersection with the region (a slice read), so a rank never
+        holds what it does not own. A ZeRO piece (a flat range of its slice) is read run by run:
+        the region's contiguous runs inside the slice, cut to the piece's range."""
         entry = self.tensors.get(key)
         if entry is None:
             raise CheckpointError(f"{self.path} has no tensor {key!r}")
@@ -528,35 +550,57 @@ class CheckpointReader:
         if problems:
             raise CheckpointError(f"{self.path}: " + "; ".join(problems))
         shape = tuple(entry["global_shape"])
-        out = np.zeros(shape, entry["dtype"])
-        flat_buffers: Dict[tuple, np.ndarray] = {}
+        out = np.zeros(tuple(hi - lo for lo, hi in region), entry["dtype"])
         for piece in entry["pieces"]:
-            slicings = _slicings(piece)
-            value = self._read(piece["file"], key)
+            box = _piece_box(shape, _slicings(piece))
+            inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, region))
+            if any(lo >= hi for lo, hi in inter):
+                continue
+            target = tuple(slice(lo - r, hi - r) for (lo, hi), (r, _) in zip(inter, region))
             if piece["flat"] is None:
-                out[_slice_region(shape, slicings)] = value.reshape(_slice_shape(shape, slicings))
-            else:
-                buffer = flat_buffers.setdefault(tuple(slicings), np.zeros(int(np.prod(_slice_shape(shape, slicings))),
-                                                                           entry["dtype"]))
-                buffer[piece["flat"][0]:piece["flat"][1]] = value.reshape(-1)
-        for slicings, buffer in flat_buffers.items():
-            out[_slice_region(shape, slicings)] = buffer.reshape(_slice_shape(shape, slicings))
+                out[target] = self._read(piece["file"], key, tuple((lo - b, hi - b) for (lo, hi), (b, _) in
+                                                                    zip(inter, box))).reshape(out[target].shape)
+                continue
+            start, stop = piece["flat"]
+            box_shape = tuple(hi - lo for lo, hi in box)
+            runs, length = region_runs(box_shape, tuple((lo - b, hi - b) for (lo, hi), (b, _) in zip(inter, box)))
+            inside = ((runs + length) > start) & (runs < stop)
+            if not inside.any():
+                continue
+            dest = out[target].reshape(-1) if out[target].flags.c_contiguous else None
+            staged = out[target].reshape(-1) if dest is None else dest   # a copy: other pieces' values kept
+            for j in np.nonzero(inside)[0]:
+                lo, hi = max(int(runs[j]), start), min(int(runs[j]) + length, stop)
+                offset = j * length + lo - int(runs[j])
+                staged[offset:offset + hi - lo] = self._read(piece["file"], key, ((lo - start, hi - start),))
+            if dest is None:
+                out[target] = staged.reshape(out[target].shape)
         return out
 
     def local_value(self, t: LocalTensor) -> np.ndarray:
-        """What `t`'s rank holds of the saved tensor, in its own layout (slice, then ZeRO range)."""
+        """What `t`'s rank holds of the saved tensor, in its own layout (slice, then ZeRO range), read
+        straight into its slice (`read_region`); for a ZeRO range, the rows of the slice's first axis
+        that the range touches (the range plus at most two rows)."""
         key = t.key if t.key in self.tensors else t.fallback
         saved_shape = tuple(self.tensors[key]["global_shape"])
         if saved_shape != tuple(t.spec.global_shape):
             raise CheckpointError(f"{self.path}: '{key}' has shape {saved_shape} in the checkpoint but "
                                   f"{tuple(t.spec.global_shape)} in the model (was it saved with another model "
                                   f"config?)")
-        value = t.spec.slice_of(self.global_tensor(key))
+        region = _piece_box(saved_shape, [(a, i, c) for a, i, c, _ in t.spec.slicings()])
         if not t.flat:
-            return value
-        out = np.zeros(t.flat[1] - t.flat[0], value.dtype)
+            return self.read_region(key, region)
+        out = np.zeros(t.flat[1] - t.flat[0], self.tensors[key]["dtype"])
         valid = t.valid_count()
-        out[:valid] = value.reshape(-1)[t.flat[0]:t.flat[0] + valid]
+        if not valid:
+            return out
+        if not region:                                          # a scalar
+            out[:valid] = self.read_region(key, region).reshape(-1)[t.flat[0]:t.flat[0] + valid]
+            return out
+        row = int(np.prod([hi - lo for lo, hi in region[1:]], dtype=np.int64))
+        first, last = t.flat[0] // row, (t.flat[0] + valid - 1) // row + 1
+        rows = self.read_region(key, ((region[0][0] + first, region[0][0] + last),) + tuple(region[1:]))
+        out[:valid] = rows.reshape(-1)[t.flat[0] - first * row:t.flat[0] - first * row + valid]
         return out
 
     def close(self) -> None:
@@ -571,7 +615,7 @@ def _model_dir_metadata(path: str) -> Dict[str, Any]:
         for key in fh.keys():
             sl = fh.get_slice(key)
             tensors[key] = {"part": "model", "global_shape": list(sl.get_shape()), "group": "dp",
-                            "dtype": str(fh.get_tensor(key).dtype),
+                            "dtype": SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()),   # no tensor read
                             "pieces": [{"file": WEIGHTS_FILE, "axis": None, "index": 0, "count": 1,
                                         "slice_kind": "", "flat": None}]}
     return {"format": FORMAT, "step": 0, "trainer_state": {}, "config": config, "layout": None,

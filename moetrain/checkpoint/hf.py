@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
@@ -199,7 +198,7 @@ def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_layers
         log(f"moetrain convert hf-import: {missing.what}; imported without the missing layers "
             f"(--init-missing-layers initialises them fresh instead)")
     if check:
-        load_model_state(build_model_from_dict(model), state, strict=True)
+        load_model_state(build_model_from_dict(model, deferred=True), state, strict=True)
     source = model_module_of(model["name"])   # a family registered by a user's model_module: load it again
     save_model_dir(out_dir, {"model": model, **({"model_module": source} if source else {})}, state)
     return model

@@ -22,6 +22,7 @@ from moetrain.checkpoint.model_files import CONFIG_FILE, WEIGHTS_FILE, model_sec
 from moetrain.config import model_config_from_dict
 from moetrain.registry import get_model, import_model_module
 from moetrain.fileio import read_yaml
+from moetrain.param_init import deferred_parameters
 
 
 def load_model_dir(model_dir: str) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
@@ -92,15 +93,21 @@ def build_config_from_dict(model_dict: Dict[str, Any]):
     return model_config_from_dict(model_dict, "model directory config.yaml")
 
 
-def build_model_from_dict(model_dict: Dict[str, Any]):
-    """A freshly initialised model from a `model:` dict."""
-    return get_model(model_dict["name"]).cls(build_config_from_dict(model_dict))
+def build_model_from_dict(model_dict: Dict[str, Any], deferred: bool = False):
+    """A freshly initialised model from a `model:` dict; `deferred`: its parameters get shapes but no
+    memory (`moetrain.param_init`), for a model whose every weight is loaded next (`load_model_state`
+    with `strict`), so no random copy is built beside the loaded one."""
+    cls = get_model(model_dict["name"]).cls
+    if not deferred:
+        return cls(build_config_from_dict(model_dict))
+    with deferred_parameters():
+        return cls(build_config_from_dict(model_dict))
 
 
 def load_model(model_dir: str):
     """`(model, config_dict)`: the model of a model directory with its weights loaded."""
     config_dict, state = load_model_dir(model_dir)
     import_model_module(config_dict.get("model_module"))   # a user model registered outside models/
-    model = build_model_from_dict(config_dict["model"])
+    model = build_model_from_dict(config_dict["model"], deferred=True)
     load_model_state(model, state, strict=True)
     return model, config_dict

@@ -72,7 +72,7 @@ def upcycle(dense_dir: str, out_dir: str, num_experts: int, top_k: int, granular
     model = upcycled_model_section(config["model"], num_experts, top_k, granularity)
     new_state = upcycle_state(state, config["model"], model, num_experts, granularity, seed)
 
-    load_model_state(build_model_from_dict(model), new_state, strict=True)   # every name and shape fits
+    load_model_state(build_model_from_dict(model, deferred=True), new_state, strict=True)   # every name and shape fits
     save_model_dir(out_dir, {"model": model}, new_state)
     return model, new_state
 

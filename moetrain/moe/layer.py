@@ -26,6 +26,14 @@ from moetrain.distributed import comm
 AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global")
 
 
+def moe_stat_specs(num_experts: int):
+    """The stats of a MoE layer of `num_experts` experts and how they combine (`MoELayer.stat_specs`)."""
+    return {"aux_loss": StatSpec(MEAN), "seq_aux_loss": StatSpec(MEAN), "z_loss": StatSpec(MEAN),
+            "dropped": StatSpec(SUM), "routed": StatSpec(SUM), "expert_rows": StatSpec(SUM),
+            "expert_load": StatSpec(SUM, per_layer=True, row=(num_experts,)),
+            "dispatch_rows": StatSpec(SUM, per_layer=True, row=(4,))}
+
+
 class MoELayer(nn.Cell):
     """Mixture-of-Experts SwiGLU FFN (Mixtral / DeepSeek-V2/V3 / Qwen-MoE style).
 
@@ -75,10 +83,7 @@ class MoELayer(nn.Cell):
     def stat_specs(self):
         """How this layer's stats combine (moetrain/modeling.py): the auxiliary losses average over
         micro-batches and ranks, counts add up, and each MoE layer has its own `expert_load` row."""
-        return {"aux_loss": StatSpec(MEAN), "seq_aux_loss": StatSpec(MEAN), "z_loss": StatSpec(MEAN),
-                "dropped": StatSpec(SUM), "routed": StatSpec(SUM), "expert_rows": StatSpec(SUM),
-                "expert_load": StatSpec(SUM, per_layer=True, row=(self.num_experts,)),
-                "dispatch_rows": StatSpec(SUM, per_layer=True, row=(4,))}
+        return moe_stat_specs(self.num_experts)
 
     def set_aux_loss_scope(self, scope: str, group=None) -> None:
         """Tokens the Switch `aux_loss` balances: this call's ("micro_batch"), each sequence's

@@ -2,13 +2,14 @@
 over the `etp` group), and wire the expert-parallel dispatcher, the token slices and the aux loss's
 token set.
 
-    model = build_model(cfg)                       # every rank, same seed: identical full model
-    parallelize_moe(model, cfg.parallel, pctx)     # keep this rank's E/ep experts, swap dispatchers
+    model = build_model(cfg, pctx)                 # this rank's part, parameters deferred
+    parallelize_moe(model, cfg.parallel, pctx)     # record this rank's E/ep experts, swap dispatchers
 
 Rank `ep_rank` keeps global experts `[ep_rank L, (ep_rank + 1) L)`, `L = E / ep`, of
 `experts.w_gate/w_up/w_down` (sliced along axis 0 and marked with `mark_shard(..., "ep")` so
-checkpoints can reassemble them). Because every rank slices the same full initialisation, an
-expert-parallel job starts from exactly the one-process model.
+checkpoints can reassemble them). Deferred expert tensors are only marked, then generated as that
+slice of the one-process values (moetrain/param_init.py), so an expert-parallel job starts from
+exactly the one-process model without any rank building the other experts.
 
 MoE parallel folding (`parallel.expert_tensor_parallel`, ep spanning tp ranks; the layout is in
 moetrain/distributed/topology.py): with etp > 1 each local expert keeps FFN columns `[etp_rank F/etp, ..)`
@@ -32,6 +33,7 @@ from moetrain.moe.ep_dispatcher import build_ep_dispatcher
 from moetrain.moe.experts import GroupedExperts
 from moetrain.moe.layer import moe_layers
 from moetrain.distributed.sharding import mark_further_shard, mark_shard, shard_spec
+from moetrain.param_init import is_deferred
 
 
 def shard_experts(experts: GroupedExperts, ep_rank: int, ep: int) -> None:
@@ -44,9 +46,10 @@ def shard_experts(experts: GroupedExperts, ep_rank: int, ep: int) -> None:
         if shard_spec(param).axis is not None:
             raise ValueError(f"{param.name} is already sharded ({shard_spec(param)}); parallelize_moe must run "
                              f"once, on the freshly built model")
-        full = param.asnumpy()
-        param.set_data(Tensor(np.ascontiguousarray(np.split(full, ep, axis=0)[ep_rank])))
-        mark_shard(param, full.shape, axis=0, index=ep_rank, count=ep, group_kind="ep")
+        whole = tuple(int(d) for d in param.shape)
+        if not is_deferred(param):   # built whole: keep the slice (deferred: only the slice is ever made)
+            param.set_data(Tensor(np.ascontiguousarray(np.split(param.asnumpy(), ep, axis=0)[ep_rank])))
+        mark_shard(param, whole, axis=0, index=ep_rank, count=ep, group_kind="ep")
     experts.num_local_experts = num_experts // ep
 
 
@@ -60,12 +63,12 @@ def split_expert_ffn(experts: GroupedExperts, etp_rank: int, etp: int) -> None:
                              f"parallel.expert_tensor_parallel={etp} ranks; choose etp dividing "
                              f"model.moe.ffn_hidden_size")
         spec = shard_spec(param)
-        local = np.ascontiguousarray(np.split(param.asnumpy(), etp, axis=axis)[etp_rank])
+        if not is_deferred(param):
+            param.set_data(Tensor(np.ascontiguousarray(np.split(param.asnumpy(), etp, axis=axis)[etp_rank])))
         if spec.slicings():
             mark_further_shard(param, axis, etp_rank, etp, "etp")
         else:
-            mark_shard(param, tuple(int(d) for d in param.shape), axis, etp_rank, etp, "etp")
-        param.set_data(Tensor(local))
+            mark_shard(param, tuple(int(d) for d in spec.global_shape), axis, etp_rank, etp, "etp")
 
 
 def parallelize_moe(model, parallel_cfg, pctx) -> int:

@@ -20,6 +20,7 @@ from moetrain.parallel.expert_parallel import parallelize_moe
 from moetrain.parallel.pipeline import Pipeline, allow_slow_neighbours
 from moetrain.parallel.plans import parallelize_model
 from moetrain.parallel.runner import MicroBatchRunner
+from moetrain.param_init import materialize
 
 
 @dataclass
@@ -32,10 +33,14 @@ class ParallelModel:
 
 
 def parallelize(model, cfg, pctx, seq_length: int = 0, rebuild=None) -> ParallelModel:
-    """`model`: built whole on every rank from the same seed. Returns this rank's part of it, the
-    optimizer step over its parameters and the step runner. `seq_length`: tokens per sample (the
-    pipeline's activation shape). `rebuild()`: another identical whole model, for the further
-    model chunks of a stage (interleaved 1F1B, ZB-V)."""
+    """`model`: this rank's part as `moetrain.build.build_model(cfg, pctx)` constructs it (deferred
+    parameters; with pp > 1 only the layers of the stage's first chunk), or a whole model built
+    and materialized. Returns this rank's part of it, the optimizer step over its parameters and
+    the step runner. The slicing (tp, ep, etp) is recorded first, the pipeline cut made, and only
+    then are the deferred parameters given their values: each exactly its slice of the
+    one-process model (`moetrain.param_init`). `seq_length`: tokens per sample (the pipeline's
+    activation shape). `rebuild(c)`: model chunk c of this stage, for the further chunks of
+    interleaved 1F1B and ZB-V."""
     p = cfg.parallel
     specs = stat_specs_of(model)
     parallelize_model(model, cfg, pctx)
@@ -45,8 +50,8 @@ def parallelize(model, cfg, pctx, seq_length: int = 0, rebuild=None) -> Parallel
     optimizer = (cfg.optimizer, p, pctx, cfg.optimizer.clip_grad_norm, cfg.train.jit)
     if pctx.pp > 1:
         allow_slow_neighbours()
-        def more_models():
-            another = rebuild()
+        def more_models(chunk):
+            another = rebuild(chunk)
             parallelize_model(another, cfg, pctx)
             parallelize_moe(another, p, pctx)
             parallelize_context(another, cfg, pctx)
@@ -54,12 +59,13 @@ def parallelize(model, cfg, pctx, seq_length: int = 0, rebuild=None) -> Parallel
 
         # context parallel: the stages pass this rank's 1/cp of each sequence
         pipeline = Pipeline(model, specs, cfg, pctx, (seq_length or cfg.model.seq_length) // pctx.cp,
-                            more_models if rebuild is not None else None)
+                            more_models if rebuild is not None else None)   # cuts, then materializes
         opt_step = OptimizerStep(pipeline.stage.trainable_params(), *optimizer)
         runner = pipeline.bind(opt_step)
         if pctx.cp > 1:
             runner = ContextParallelRunner(runner, pctx, cfg.train.global_batch_size * (seq_length or cfg.model.seq_length))
         return ParallelModel(pipeline.stage, opt_step, runner, specs, over_dp)
+    materialize([model], cfg.train.seed)
     opt_step = OptimizerStep(model.trainable_params(), *optimizer)
     runner = MicroBatchRunner(model, opt_step, specs, cfg.train.jit, pctx, p.moe_capacity, p.moe_capacity_prior)
     if pctx.cp > 1:

@@ -3,16 +3,19 @@
 
     stage 0: embed + layers[0:a]    stage s: layers[a:b]    stage P-1: layers[..:L] + head and loss
 
-Every rank of a pipeline stage builds the whole model with the same seed (so the split model
-starts exactly where a one-process run starts, tied embeddings included), then `keep_stage`
-(moetrain/modeling.py) cuts it down to its stage; parameter names stay the whole model's. The
+Every rank constructs only its stage's layers (`moetrain.build.build_model(cfg, pctx)`, named as in
+the whole model), then `keep_stage` (moetrain/modeling.py) drops the embedding and head cells it
+does not keep (built deferred: never given memory); the kept parameters are then generated as the
+one-process values (`moetrain.param_init`), so the split model starts exactly where a one-process
+run starts, tied embeddings included. The
 stage runs the model's own pieces (`embed_tokens`, `run_layers`, `head_loss`): no model code here.
 
 Model chunks. Interleaved 1F1B (`parallel.pp_interleave_num: v`) and ZB-V (always 2) put several
 chunks on a stage: the layers are split into P·v virtual stages (`parallel.pipeline_layers` lists
 them, in virtual-stage order) and chunk c of stage s runs virtual stage c·P + s (ZB-V: s and
-2P-1-s, a V whose turn is on stage P-1 and whose loss is on stage 0). Each chunk is cut from its
-own identical whole model (`more_models`); ZB-V's first and last chunk share one tied embedding.
+2P-1-s, a V whose turn is on stage P-1 and whose loss is on stage 0). Each chunk is a model built
+once with that chunk's layers only (`more_models(c)`); ZB-V's first and last chunk share one tied
+embedding.
 
 Schedules (`build_schedules`) are per-stage instruction lists (`Op`) of forward, backward, weight
 and exchange instructions over (chunk, micro-batch). 1F1B and GPipe: Megatron's order with its
@@ -71,7 +74,8 @@ from moetrain.distributed import comm
 from moetrain.distributed.comm import PairLink
 from moetrain.distributed.sharding import mark_role
 from moetrain.layout import split_layers
-from moetrain.modeling import StatSpec, attention_context, keep_stage, merge_stats, split_specs, stat_rows
+from moetrain.modeling import StatSpec, attention_context, keep_stage, layer_stat_rows, merge_stats, split_specs
+from moetrain.param_init import materialize
 from moetrain.parallel.runner import as_tensors
 # the schedules are data (pure Python, moetrain/parallel/schedules.py); re-exported: the pipeline's vocabulary
 from moetrain.parallel.schedules import (  # noqa: F401
@@ -222,12 +226,13 @@ class StatLayout:
     reduce: Dict[str, str]
 
     @classmethod
-    def of(cls, model, specs: Dict[str, StatSpec], starts: Sequence[int]) -> "StatLayout":
-        """`starts`: the first layer of each of the rank's chunks (in the whole `model`)."""
+    def of(cls, model, specs: Dict[str, StatSpec], starts: Sequence[int], num_layers: int) -> "StatLayout":
+        """`starts`: the first layer of each of the rank's chunks in the whole model of `num_layers`
+        layers (`model` may hold one chunk's blocks only)."""
         summed, stacked = split_specs(specs)
-        rows = stat_rows(model.layers) + model.head_stat_rows
+        rows = layer_stat_rows(model, 0, num_layers) + model.head_stat_rows
         return cls(("loss",) + summed, {name: specs[name].row for name in stacked}, rows,
-                   tuple(stat_rows(model.layers[i] for i in range(start)) for start in starts),
+                   tuple(layer_stat_rows(model, 0, start) for start in starts),
                    {k: s.reduce for k, s in specs.items()})
 
 
@@ -473,17 +478,28 @@ def allow_slow_neighbours() -> None:
     os.environ.setdefault("MS_CPU_COMM_OP_TIMEOUT", str(CPU_COLLECTIVE_TIMEOUT_S))
 
 
+def chunk_layer_ranges(cfg, pp: int, pp_rank: int) -> List[Tuple[int, int]]:
+    """The layers `[start, end)` of each model chunk of pipeline stage `pp_rank` (one chunk, or
+    several for interleaved 1F1B and ZB-V), in chunk order."""
+    kind = cfg.parallel.pipeline_schedule
+    chunks = chunks_per_stage(kind, cfg.parallel.pp_interleave_num)
+    ranges = split_layers(cfg.model.num_layers, pp * chunks, cfg.parallel.pipeline_layers, chunks=chunks)
+    return [ranges[virtual_stage(kind, pp, pp_rank, c)] for c in range(chunks)]
+
+
 def build_pipeline_stage(model, cfg, pctx, more_models=None):
-    """This rank's stage of `model` (built whole with the run's seed, already tensor / expert
-    parallelized): a `PipelineStage`, or with several chunks a `StageChunks` whose chunk c is cut
-    from `more_models()` (another identical whole model) for c >= 1. Once the caller drops
-    `model`, the other stages' cells are freed."""
+    """This rank's stage of `model` (already tensor / expert parallelized; built whole, or built as
+    chunk 0 of this stage only: `moetrain.build.build_model` with a parallel context): a
+    `PipelineStage`, or with several chunks a `StageChunks` whose chunk c is cut from
+    `more_models(c)` for c >= 1. The cut comes first, then the deferred parameters of what is kept
+    are materialized (`moetrain.param_init`): no other stage's parameter gets memory."""
     kind, P = cfg.parallel.pipeline_schedule, pctx.pp
     chunks = chunks_per_stage(kind, cfg.parallel.pp_interleave_num)
-    ranges = split_layers(len(model.layers), P * chunks, cfg.parallel.pipeline_layers, chunks=chunks)
+    ranges = split_layers(cfg.model.num_layers, P * chunks, cfg.parallel.pipeline_layers, chunks=chunks)
     if chunks > 1 and more_models is None:
         raise PipelineError(f"{kind} puts {chunks} model chunks on a stage: pass more_models")
-    parts = build_chunks([model] + [more_models() for _ in range(chunks - 1)], kind, P, pctx.pp_rank, ranges)
+    parts = build_chunks([model] + [more_models(c) for c in range(1, chunks)], kind, P, pctx.pp_rank, ranges)
+    materialize(parts, cfg.train.seed)
     holder = next((c.model for c in parts if c.is_first or (c.is_last and c.model.needs_embedding_in_head)), None)
     embed = getattr(holder, "embed", None)
     # the head on stage P - 1 reads the embedding of stage 0 (not with ZB-V: both on stage 0)
@@ -501,14 +517,13 @@ class Pipeline:
     its schedule, the links to its neighbours and the reduction of metrics over the stages."""
 
     def __init__(self, model, specs: Dict[str, StatSpec], cfg, pctx, seq_length: int, more_models=None):
-        """Cuts `model` (built whole, already tensor / expert parallelized) down to this rank's stage
+        """Cuts `model` (already tensor / expert parallelized) down to this rank's stage
         (`more_models`: see `build_pipeline_stage`); `bind` then attaches the optimizer step built
         over the stage's parameters."""
         kind, P = cfg.parallel.pipeline_schedule, pctx.pp
         chunks = chunks_per_stage(kind, cfg.parallel.pp_interleave_num)
-        ranges = split_layers(len(model.layers), P * chunks, cfg.parallel.pipeline_layers, chunks=chunks)
-        starts = [ranges[virtual_stage(kind, P, pctx.pp_rank, c)][0] for c in range(chunks)]
-        self.stats = StatLayout.of(model, specs, starts)
+        starts = [start for start, _ in chunk_layer_ranges(cfg, P, pctx.pp_rank)]
+        self.stats = StatLayout.of(model, specs, starts, cfg.model.num_layers)
         self.stage = build_pipeline_stage(model, cfg, pctx, more_models)
         self.chunks = list(self.stage.chunks) if chunks > 1 else [self.stage]
         self.model = self.stage

@@ -1,8 +1,10 @@
 """Tensor parallelism (Megatron-LM) and sequence parallelism, applied to a BUILT single-device model.
 
-Every rank builds the whole model with the same seed (so all hold the same global weights), then
-`parallelize_module(model, plan, group, sequence_parallel)` slices it in place following a plan of
-styles keyed by module path (each model family declares its plan, `moetrain/family.py`):
+`parallelize_module(model, plan, group, sequence_parallel)` slices a model in place following a plan
+of styles keyed by module path (each model family declares its plan, `moetrain/family.py`). A model
+from `build_model(cfg, pctx)` has deferred parameters (moetrain/param_init.py): they are only
+marked, and `parallelize` later generates each as exactly its slice of the one-process values; a
+model built whole and materialized is sliced in place:
 
     layer                       tp rank r of n keeps               communication (Megatron f / g)
     ColumnParallelLinear        weight rows [r·out/n, (r+1)·out/n)  input enters the region: copy_to_region
@@ -52,6 +54,7 @@ from moetrain.layers import CrossEntropy, Embedding, Linear
 from moetrain.distributed import comm
 from moetrain.distributed.sharding import mark_role, mark_shard, param_role, shard_spec
 from moetrain.distributed.topology import Group
+from moetrain.param_init import is_deferred
 
 SEQUENCE_AXIS = 1        # activations are [B, S, H]
 ENTRY_MODES = ("copy", "sequence", "none")    # how an input enters a column-parallel region
@@ -88,7 +91,8 @@ def _check_mode(what: str, mode: str, allowed: Sequence[str]) -> None:
 # Parameter slicing and flags
 # ---------------------------------------------------------------------------------------------
 def shard_parameter(param, axis: int, group: Group) -> None:
-    """Keep this rank's 1/n slice of `param` along `axis` (in place) and record it with `mark_shard`."""
+    """Keep this rank's 1/n slice of `param` along `axis` (in place) and record it with `mark_shard`;
+    a deferred `param` (`moetrain.param_init`) is only marked, and materializes as that slice."""
     global_shape = tuple(int(d) for d in param.shape)
     if shard_spec(param).group_kind == "tp":
         raise ValueError(f"{param.name} is already split over tensor parallel; parallelize a model only once")
@@ -97,8 +101,9 @@ def shard_parameter(param, axis: int, group: Group) -> None:
         raise ValueError(f"tensor parallel: {param.name} has shape {global_shape}, and its dimension {axis} "
                          f"({global_shape[axis]}) is not divisible by tp={group.size}; choose "
                          f"parallel.model_parallel in {divisors} or resize the model")
-    local = np.split(param.asnumpy(), group.size, axis=axis)[group.rank_in_group]
-    param.set_data(Tensor(np.ascontiguousarray(local)))
+    if not is_deferred(param):   # built whole: keep the slice (deferred: only the slice is ever made)
+        local = np.split(param.asnumpy(), group.size, axis=axis)[group.rank_in_group]
+        param.set_data(Tensor(np.ascontiguousarray(local)))
     mark_shard(param, global_shape, axis, group.rank_in_group, group.size, "tp")
 
 

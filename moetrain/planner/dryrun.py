@@ -5,7 +5,8 @@ plan of the same job.
     result = dry_run(cfg, rank=0)              # DryRun: planned / measured bytes per category
     print(format_dry_run(result))              # or result.to_json()
 
-What runs: the model is built whole from the run's seed and handed to the trainer's own
+What runs: rank R's part of the model is built (`build_model(cfg, pctx)`: its stage's layers,
+parameters deferred, then generated as its slices) and handed to the trainer's own
 `moetrain.parallel.parallelize.parallelize` with rank R's view of the world
 (`ParallelContext.build(world, R, dp, tp, pp, ep)`): the same tensor / sequence slicing, expert
 split and dispatcher, pipeline cut, optimizer and ZeRO flat buffers as training. The collectives
@@ -305,8 +306,8 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
     with SoloComm() as solo:
         ms.set_seed(run.train.seed)
         # `rebuild`: the further model chunks of a stage (interleaved 1F1B, ZB-V), as the trainer builds them
-        parallel = parallelize(build_model(run), run, pctx, seq,
-                               rebuild=lambda: (ms.set_seed(run.train.seed), build_model(run))[1])
+        parallel = parallelize(build_model(run, pctx), run, pctx, seq,
+                               rebuild=lambda chunk: build_model(run, pctx, chunk))
         detail["build_s"] = time.perf_counter() - started
         measured = {"weights": nbytes(parallel.model.get_parameters()),
                     "optimizer": nbytes(parallel.opt_step.state_parameters())}
