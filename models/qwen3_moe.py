@@ -20,7 +20,7 @@ from mindspore import nn
 
 from models.gpt import TransformerBlock
 from models.moe_gpt import MoEBlock, MoEGPT, MoEGPTConfig
-from moetrain.layers import Attention, RMSNorm
+from moetrain.layers import Attention, RMSNorm, tensor_dtype
 from moetrain.registry import register_model
 
 
@@ -58,8 +58,8 @@ class QKNormAttention(Attention):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def project(self, x):
-        q = self.q_norm(self.heads(self.wq, x)).astype(self.wq.compute_dtype)
-        k = self.k_norm(self.heads(self.wk, x)).astype(self.wk.compute_dtype)
+        q = self.q_norm(self.heads(self.wq, x)).astype(tensor_dtype(self.wq.compute_dtype))
+        k = self.k_norm(self.heads(self.wk, x)).astype(tensor_dtype(self.wk.compute_dtype))
         return q, k, self.heads(self.wv, x)
 
 

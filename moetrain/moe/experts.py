@@ -18,7 +18,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, GroupedMatmulPair, shared
-from moetrain.layers import compute_dtype_of, normal_parameter
+from moetrain.layers import compute_dtype_of, emulates_bf16, normal_parameter, to_compute
 from moetrain.moe.native_ops import MoEOps
 from moetrain.dist.sharding import mark_role
 
@@ -44,6 +44,7 @@ class GroupedExperts(nn.Cell):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.compute_dtype = compute_dtype_of(compute_dtype)
+        self.emulated = emulates_bf16(self.compute_dtype)
         self.ops = MoEOps()
         self.compute = compute or self.ops.compute
         if self.compute not in COMPUTES:
@@ -83,7 +84,7 @@ class GroupedExperts(nn.Cell):
         SwiGLU per expert hit on the rows that chose it (read on the host). No dispatcher, no padding."""
         num_tokens, top_k = topk_idx.shape
         w_gate, w_up, w_down = self._weights()
-        x = x.astype(self.compute_dtype) if x.dtype != self.compute_dtype else x
+        x = to_compute(x, self.compute_dtype, self.emulated)
         if num_tokens * top_k <= self.num_local_experts:
             chosen = topk_idx.reshape(-1)
             rows = x.reshape(num_tokens, 1, 1, -1)                                      # [T, 1, 1, H]
@@ -106,7 +107,7 @@ class GroupedExperts(nn.Cell):
     def _weights(self):
         w_gate, w_up, w_down = self.w_gate, self.w_up, self.w_down
         if self.compute_dtype != ms.float32:
-            w_gate, w_up, w_down = (w.astype(self.compute_dtype) for w in (w_gate, w_up, w_down))
+            w_gate, w_up, w_down = (to_compute(w, self.compute_dtype, self.emulated) for w in (w_gate, w_up, w_down))
         return w_gate, w_up, w_down
 
     def _capacity(self, x):
@@ -114,16 +115,16 @@ class GroupedExperts(nn.Cell):
             raise ValueError(f"GroupedExperts: capacity input {x.shape} must have one group per local expert "
                              f"({self.num_local_experts})")
         w_gate, w_up, w_down = self._weights()
-        x = x.astype(self.compute_dtype)
-        hidden = ops.silu(self.bmm(x, w_gate)) * self.bmm(x, w_up)
-        return self.bmm(hidden, w_down)
+        x = to_compute(x, self.compute_dtype, self.emulated)
+        hidden = to_compute(ops.silu(self.bmm(x, w_gate)) * self.bmm(x, w_up), self.compute_dtype, self.emulated)
+        return to_compute(self.bmm(hidden, w_down), self.compute_dtype, self.emulated)
 
     def _gmm_rows(self, x, group_sizes):
         """Ascend grouped matmul. Rows past the groups are not computed (unspecified values and
         input gradients): the selects zero both, so nothing unspecified leaves this function."""
         w_gate, w_up, w_down = self._weights()
         computed = (ops.arange(x.shape[0], dtype=ms.int32) < group_sizes.astype(ms.int32).sum()).reshape(-1, 1)
-        zero = ops.zeros((), self.compute_dtype)
+        zero = ops.zeros((), self.compute_dtype, self.emulated)
         x = ops.where(computed, x.astype(self.compute_dtype), zero)
         gate_up = self.ops.grouped_matmul(x, ops.concat((w_gate, w_up), axis=2), group_sizes)
         gate, up = ops.split(gate_up, [w_gate.shape[2], w_up.shape[2]], 1)
@@ -143,4 +144,4 @@ class GroupedExperts(nn.Cell):
         row_expert = row_expert.astype(ms.int32)
         hidden = self.swiglu(self.grouped_matmul_pair(x, w_gate, w_up, row_expert))
         hidden = hidden.astype(self.compute_dtype).astype(ms.float32)
-        return self.grouped_matmul(hidden, w_down, row_expert).astype(self.compute_dtype)
+        return to_compute(self.grouped_matmul(hidden, w_down, row_expert), self.compute_dtype, self.emulated)
