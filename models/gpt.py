@@ -22,7 +22,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
-                             RMSNorm, SwiGLUMLP, compute_dtype_of, emulates_bf16, fp32,
+                             RMSNorm, SwiGLUMLP, bf16_rounder, compute_dtype_of, fp32,
                              to_compute)
 from moetrain.kv_cache import KVCache
 from moetrain.modeling import MEAN, StatSpec, attention_context, merge_stats, reused_block, run_blocks, split_specs
@@ -136,7 +136,7 @@ class GPT(nn.Cell):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype)
         self.compute_dtype = compute_dtype_of(cfg.compute_dtype)
-        self.emulated = emulates_bf16(cfg.compute_dtype)
+        self.emulated = bf16_rounder(cfg.compute_dtype)
         self.cross_entropy = CrossEntropy()
         self.vocab_size = cfg.vocab_size
         # the LM head and loss in one kernel, never storing [tokens, vocab] logits (CPU, fp32)

@@ -27,7 +27,7 @@ from mindspore.common.initializer import Normal, initializer
 
 from moetrain import kernels
 from moetrain.kernels.ops import (FusedCausalAttention, FusedLMHeadCrossEntropy, FusedRMSNorm, FusedSwiGLU, LinearMatmul,
-                                  shared)
+                                  RoundBF16, shared)
 
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 _BMM, _BMM_NT = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)   # decoding (PyNative) only
@@ -64,11 +64,27 @@ def round_bf16(x):
     return x.astype(ms.bfloat16).astype(ms.float32)
 
 
-def to_compute(x, compute_dtype, emulated: bool):
-    """`x` in the compute dtype: a cast, or under bf16 emulation (`emulated`: `emulates_bf16(...)`,
-    decided at build time, as a graph cannot ask the context) fp32 holding bf16-rounded values."""
-    if emulated:
-        return round_bf16(fp32(x))
+class CastRoundBF16(nn.Cell):
+    """`round_bf16` as a Cell: the rounder without the kernels."""
+
+    def construct(self, x):
+        return round_bf16(x)
+
+
+def bf16_rounder(compute_dtype):
+    """None, or under bf16 emulation the Cell that rounds to bf16 values (the one-pass kernel where the
+    kernels are available, else two casts). Modules hold it as `emulated` and pass it to `to_compute`
+    (decided at build time: a graph cannot ask the context)."""
+    if not emulates_bf16(compute_dtype):
+        return None
+    return shared(RoundBF16) if kernels.available() else shared(CastRoundBF16)
+
+
+def to_compute(x, compute_dtype, emulated):
+    """`x` in the compute dtype: a cast, or under bf16 emulation (`emulated`: the module's
+    `bf16_rounder(...)`, None otherwise) fp32 holding bf16-rounded values."""
+    if emulated is not None:
+        return emulated(fp32(x))
     return x if x.dtype == compute_dtype else x.astype(compute_dtype)
 
 
@@ -111,7 +127,7 @@ class Linear(nn.Cell):
         super().__init__()
         self.weight = normal_parameter((out_features, in_features), init_std, "weight")
         self.compute_dtype = compute_dtype_of(compute_dtype)
-        self.emulated = emulates_bf16(self.compute_dtype)
+        self.emulated = bf16_rounder(self.compute_dtype)
         if fused_for(self.compute_dtype):
             self.matmul = shared(LinearMatmul)
         else:
@@ -129,7 +145,7 @@ class Linear(nn.Cell):
             y = self.matmul(x, weight)
         else:
             y = self.matmul(x.reshape(-1, x.shape[-1]), weight).reshape(x.shape[:-1] + (weight.shape[0],))
-        return round_bf16(y) if self.emulated else y   # a bf16 GEMM stores its fp32 sums as bf16
+        return y if self.emulated is None else self.emulated(y)   # a bf16 GEMM stores its fp32 sums as bf16
 
     @property
     def plain(self) -> bool:
@@ -577,7 +593,7 @@ class LMHeadCrossEntropy(nn.Cell):
     def __init__(self, compute_dtype=ms.float32):
         super().__init__()
         self.fused = FusedLMHeadCrossEntropy()
-        self.emulated = emulates_bf16(compute_dtype)
+        self.emulated = bf16_rounder(compute_dtype)
 
     @staticmethod
     def supported(compute_dtype) -> bool:
@@ -585,6 +601,6 @@ class LMHeadCrossEntropy(nn.Cell):
 
     def construct(self, h, weight, labels):
         h = h.reshape(-1, h.shape[-1]).astype(ms.float32)
-        if self.emulated:   # bf16 operands, fp32 logits and loss
-            h, weight = round_bf16(h), round_bf16(weight)
+        if self.emulated is not None:   # bf16 operands, fp32 logits and loss
+            h, weight = self.emulated(h), self.emulated(weight)
         return self.fused(h, weight, labels.reshape(-1).astype(ms.int32))
