@@ -240,3 +240,21 @@ def test_first_step_loss_and_grad_norm_match_fp32(ms, kernel_ops, monkeypatch):
     assert abs(loss16 - loss32) / loss32 < 2e-3 and abs(norm16 - norm32) / norm32 < 1e-2, (loss16, loss32, norm16, norm32)
     assert loss16 != loss32                           # bf16 rounding is in effect
     assert abs(plain16[0] - loss16) / loss16 < 2e-3 and abs(plain16[1] - norm16) / norm16 < 1e-2, (plain16, loss16, norm16)
+
+
+def test_plain_ops_fallback_is_logged_once(ms, monkeypatch, caplog):
+    """Without the kernels a bf16 model runs the plain ops on rounded values and says so, once."""
+    import logging
+
+    from moetrain import kernels, layers
+
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    layers._log_bf16_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="moetrain"):
+        first = layers.Linear(8, 4, compute_dtype="bfloat16")
+        layers.SwiGLUMLP(8, 4, compute_dtype="bfloat16")
+    assert isinstance(first.emulated, layers.CastRoundBF16) and first.matmul.__class__.__name__ == "MatMul"
+    fallback = [r for r in caplog.records if "bfloat16 compute without the moetrain CPU kernels" in r.getMessage()]
+    assert len(fallback) == 1
+    y = first(ms.Tensor(np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32))).asnumpy()
+    assert is_bf16(y)
