@@ -71,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
     ap.add_argument("--dense", action="store_true", help="dense `gpt` instead of `moe_gpt`")
     ap.add_argument("--capacity-factor", type=float, default=0.0, help="0: dropless routing")
-    ap.add_argument("--compute-dtype", default="float32", choices=("float32", "float16"))
+    ap.add_argument("--compute-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                    help="bfloat16: emulated on the CPU's fp32 kernels (docs/precision.md)")
     ap.add_argument("--no-jit", action="store_true", help="PyNative step (debugging; much slower)")
     ap.add_argument("--profile", metavar="DIR", default="",
                     help="after the timed steps, run --profile-steps more under mindspore.Profiler into DIR and "

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_vs_peer.py [--rounds 3] [--peer-python /tmp/peerenv/bin/python]
                                   [--peer-script ../shared/peer-bench/hf_moe_bench.py] [--json OUT]
-                                  [--interleave steps|processes]
+                                  [--interleave steps|processes] [--precision fp32|bf16]
 
 Each round measures the MoE pair (moetrain, transformers Mixtral) and then the dense pair (moetrain
 `--dense`, transformers Llama), every side a fresh process on the same dimensions (benchmarks/bench.py's
@@ -16,7 +16,9 @@ figure is the median of the other three steps of its four timed turns (12 steps;
 before them). The side that goes first alternates by round. `--interleave processes` runs the four
 processes one after the other instead, 3 warm-up and 10 timed steps each (the method of the figures
 before 2026-11-26). Prints per round the tokens/s (2048 tokens over the median compared step) and
-peak RSS of both and their ratios, then the median ratio over rounds. The peer's environment:
+peak RSS of both and their ratios, then the median ratio over rounds. `--precision bf16`: this
+project with `precision.compute_dtype: bfloat16` (docs/precision.md), the peer under
+`torch.autocast("cpu", dtype=torch.bfloat16)` (its `--bf16`); fp32, the default, is unchanged. The peer's environment:
 `bash ../shared/peer-bench/setup.sh` (PyTorch is not a dependency of this project). Needs an idle machine: anything else running distorts both sides.
 """
 from __future__ import annotations
@@ -110,15 +112,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--interleave", choices=("steps", "processes"), default="steps",
                     help="steps: each pair's processes take their steps in turns; processes: one after the other")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: this project in bfloat16, the peer under torch.autocast bfloat16")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    precision = {"fp32": ([], []), "bf16": (["--compute-dtype", "bfloat16"], ["--bf16"])}[args.precision]
     if args.interleave == "steps":
         steps = ["--steps", str(TURNS_STEPS), "--warmup", str(TURNS_WARMUP)]
         peer = [args.peer_python, os.path.join(ROOT, "benchmarks", "peer_turns.py"), args.peer_script]
     else:
         steps, peer = PROCESS_STEPS, [args.peer_python, args.peer_script]
-    ours = [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), *DIMENSIONS, *steps]
-    peer += [*DIMENSIONS, *steps, "--threads", str(args.threads)]
+    ours = [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), *DIMENSIONS, *steps, *precision[0]]
+    peer += [*DIMENSIONS, *steps, "--threads", str(args.threads), *precision[1]]
     rounds = []
     for r in range(args.rounds):
         row = {}
@@ -155,7 +160,7 @@ def main(argv=None) -> int:
               f"peak RSS {s['rss_ratio']:.2f}x the peer's")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"rounds": rounds, "median": summary}, fh, indent=1)
+            json.dump({"precision": args.precision, "rounds": rounds, "median": summary}, fh, indent=1)
     return 0
 
 

@@ -524,9 +524,6 @@ def validate(cfg: Config, source: str) -> None:
     window = cfg.logging.profile_steps
     need(window is None or (len(window) == 2 and 1 <= window[0] <= window[1]), "logging.profile_steps",
          f"must be [first, last] optimizer steps with 1 <= first <= last (e.g. [3, 5]), got {window!r}")
-    need(not (t.device == "cpu" and cfg.precision.compute_dtype == "bfloat16"), "precision.compute_dtype",
-         "bfloat16 has no compute kernels on the CPU backend (MindSpore 2.10); use float16 or float32 on CPU, "
-         "bfloat16 on Ascend")
     if cfg.precision.loss_scale != "none":
         need(cfg.precision.initial_loss_scale > 0, "precision.initial_loss_scale", "must be > 0")
 

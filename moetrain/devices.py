@@ -103,10 +103,11 @@ PROFILES: Dict[str, DeviceProfile] = {p.name: p for p in (
         description="this project's CPU machine (2 cores, AVX-512, MindSpore 2.10 CPU backend); "
                     "every rank shares the host",
         memory_bytes=24 * GiB,
-        peak_flops={"float32": 1.0, "float16": 0.5},   # x the measured fp32 GEMM rate (no fp16 BLAS on CPU)
+        # x the measured fp32 GEMM rate: no fp16 BLAS on CPU; bfloat16 is emulated on fp32 GEMMs (docs/precision.md)
+        peak_flops={"float32": 1.0, "float16": 0.5, "bfloat16": 1.0},
         measured_peak=True,
         compute_efficiency=0.0,          # unused: sustained_flops
-        sustained_flops={"float32": 0.042e12, "float16": 0.021e12},   # a whole jitted Mixtral-like step: ~42 GFLOP/s
+        sustained_flops={"float32": 0.042e12, "float16": 0.021e12, "bfloat16": 0.042e12},   # a whole jitted Mixtral-like step: ~42 GFLOP/s
         intra_node_bandwidth=14e6,       # all-reduce of 1 MB among 4 workers took ~110 ms
         inter_node_bandwidth=14e6,
         devices_per_node=1024,

@@ -7,12 +7,15 @@ parallelism can later swap the projections for column/row-parallel versions unch
   `ops.MatMul(transpose_b=True)` (faster on CPU than `mint.matmul`, whose backward adds
   explicit transposes). Inputs and weights are cast to `compute_dtype` for the matmul only.
 * Norms, softmax and the loss run in fp32; the residual stream is fp32.
+* bfloat16 on the CPU (no bf16 MatMul/Softmax in MindSpore's CPU backend): tensors stay fp32 and
+  hold bf16-rounded values at the points a bf16 run stores them (`to_compute`, docs/precision.md).
 * Head counts are never stored: they are read from the projection outputs (`reshape(..., -1,
   head_dim)`), so a projection holding only this rank's heads just works.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -23,7 +26,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from moetrain import kernels
 from moetrain.kernels.ops import (FusedCausalAttention, FusedLMHeadCrossEntropy, FusedRMSNorm, FusedSwiGLU, LinearMatmul,
-                                  shared)
+                                  RoundBF16, shared)
 from moetrain.param_init import parameter
 
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -37,6 +40,68 @@ def compute_dtype_of(name) -> ms.Type:
     if name not in COMPUTE_DTYPES:
         raise ValueError(f"compute_dtype {name!r} is not supported; use one of {sorted(COMPUTE_DTYPES)}")
     return COMPUTE_DTYPES[name]
+
+
+# ---- bfloat16 on the CPU ------------------------------------------------------------------------
+# MindSpore 2.10's CPU backend casts, adds and reshapes bf16 tensors but has no bf16 MatMul, Softmax,
+# Sigmoid or reductions. There a bf16 compute dtype is emulated: every tensor is fp32, and the values
+# a bf16 run would store (matmul operands and outputs, their gradients through the casts' backward)
+# are rounded to bf16 (round to nearest even), so the numerics are bf16 storage with fp32
+# accumulation, as on Ascend's cube unit, at fp32 GEMM speed (bf16 GEMMs are slower on this CPU).
+
+def emulates_bf16(compute_dtype) -> bool:
+    """True when `compute_dtype` is bfloat16 and the device has no bf16 compute (the CPU)."""
+    return compute_dtype_of(compute_dtype) == ms.bfloat16 and ms.get_context("device_target") == "CPU"
+
+
+def tensor_dtype(compute_dtype) -> ms.Type:
+    """The dtype of the tensors a compute dtype produces here: fp32 under bf16 emulation."""
+    return ms.float32 if emulates_bf16(compute_dtype) else compute_dtype_of(compute_dtype)
+
+
+def round_bf16(x):
+    """fp32 `x` rounded to bf16 values, still fp32; the backward rounds the gradient likewise."""
+    return x.astype(ms.bfloat16).astype(ms.float32)
+
+
+class CastRoundBF16(nn.Cell):
+    """`round_bf16` as a Cell: the rounder without the kernels."""
+
+    def construct(self, x):
+        return round_bf16(x)
+
+
+def bf16_rounder(compute_dtype):
+    """None, or under bf16 emulation the Cell that rounds to bf16 values (the one-pass kernel where the
+    kernels are available, else two casts). Modules hold it as `emulated` and pass it to `to_compute`
+    (decided at build time: a graph cannot ask the context)."""
+    if not emulates_bf16(compute_dtype):
+        return None
+    return shared(RoundBF16) if kernels.available() else shared(CastRoundBF16)
+
+
+def to_compute(x, compute_dtype, emulated):
+    """`x` in the compute dtype: a cast, or under bf16 emulation (`emulated`: the module's
+    `bf16_rounder(...)`, None otherwise) fp32 holding bf16-rounded values."""
+    if emulated is not None:
+        return emulated(fp32(x))
+    return x if x.dtype == compute_dtype else x.astype(compute_dtype)
+
+
+def fused_for(compute_dtype) -> bool:
+    """True where the fp32 kernels serve this compute dtype (fp32, or bf16 emulated on the CPU)."""
+    if not kernels.available():
+        if emulates_bf16(compute_dtype):
+            _log_bf16_fallback()
+        return False
+    return compute_dtype_of(compute_dtype) == ms.float32 or emulates_bf16(compute_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_bf16_fallback():
+    logging.getLogger("moetrain").warning(
+        "bfloat16 compute without the moetrain CPU kernels: the plain ops compute in float32 on bf16-rounded "
+        "values at the same points (docs/precision.md)")
 
 
 def fp32(x):
@@ -64,7 +129,8 @@ class Linear(nn.Cell):
         super().__init__()
         self.weight = normal_parameter((out_features, in_features), init_std, "weight")
         self.compute_dtype = compute_dtype_of(compute_dtype)
-        if kernels.available() and self.compute_dtype == ms.float32:
+        self.emulated = bf16_rounder(self.compute_dtype)
+        if fused_for(self.compute_dtype):
             self.matmul = shared(LinearMatmul)
         else:
             self.matmul = ops.MatMul(transpose_b=True)
@@ -76,13 +142,12 @@ class Linear(nn.Cell):
         """`x @ weight.T` with this layer's compute dtype and product (`weight` may be this layer's
         weight with others stacked along the output features: one product for several projections)."""
         if self.compute_dtype != ms.float32:
-            x = x.astype(self.compute_dtype)
-            weight = weight.astype(self.compute_dtype)
+            x, weight = (to_compute(t, self.compute_dtype, self.emulated) for t in (x, weight))
         if x.ndim == 2:
-            return self.matmul(x, weight)
-        lead_shape = x.shape[:-1]
-        y = self.matmul(x.reshape(-1, x.shape[-1]), weight)
-        return y.reshape(lead_shape + (y.shape[-1],))
+            y = self.matmul(x, weight)
+        else:
+            y = self.matmul(x.reshape(-1, x.shape[-1]), weight).reshape(x.shape[:-1] + (weight.shape[0],))
+        return y if self.emulated is None else self.emulated(y)   # a bf16 GEMM stores its fp32 sums as bf16
 
     @property
     def plain(self) -> bool:
@@ -328,11 +393,11 @@ class CausalAttention(nn.Cell):
     def __init__(self, max_positions: int, compute_dtype=ms.float32):
         super().__init__()
         self.context_parallel = None
-        self.fused = kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
+        self.fused = fused_for(compute_dtype)
         if self.fused:
             self.core = shared(FusedCausalAttention)
-        else:
-            self.core = CausalAttentionCore(compute_dtype)
+        else:   # bf16 emulated: P stays fp32, as in the fused kernel
+            self.core = CausalAttentionCore(tensor_dtype(compute_dtype))
         # Positions for the causal mask, built per call: a stored [S, S] mask is 4 GB at 32k.
         self.positions = Tensor(np.arange(max_positions, dtype=np.int32))
 
@@ -491,7 +556,7 @@ class SwiGLUMLP(nn.Cell):
         self.w_up = Linear(hidden_size, ffn_hidden_size, init_std, compute_dtype)
         self.w_down = Linear(ffn_hidden_size, hidden_size, output_init_std, compute_dtype)
         self.swiglu = None
-        if kernels.available() and compute_dtype_of(compute_dtype) == ms.float32:
+        if fused_for(compute_dtype):
             self.swiglu = shared(FusedSwiGLU)
 
     def construct(self, x):
@@ -527,13 +592,17 @@ class LMHeadCrossEntropy(nn.Cell):
     (tp > 1; the per-slice partials of `moetrain.kernels.ops.LMHeadLogitStats` are the piece a
     fused vocabulary-parallel loss would reduce over the tp group, docs/performance.md)."""
 
-    def __init__(self):
+    def __init__(self, compute_dtype=ms.float32):
         super().__init__()
         self.fused = FusedLMHeadCrossEntropy()
+        self.emulated = bf16_rounder(compute_dtype)
 
     @staticmethod
     def supported(compute_dtype) -> bool:
-        return kernels.available() and compute_dtype_of(compute_dtype) == ms.float32
+        return fused_for(compute_dtype)
 
     def construct(self, h, weight, labels):
-        return self.fused(h.reshape(-1, h.shape[-1]).astype(ms.float32), weight, labels.reshape(-1).astype(ms.int32))
+        h = h.reshape(-1, h.shape[-1]).astype(ms.float32)
+        if self.emulated is not None:   # bf16 operands, fp32 logits and loss
+            h, weight = self.emulated(h), self.emulated(weight)
+        return self.fused(h, weight, labels.reshape(-1).astype(ms.int32))

@@ -22,7 +22,8 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
-                             RMSNorm, SwiGLUMLP, compute_dtype_of, fp32)
+                             RMSNorm, SwiGLUMLP, bf16_rounder, compute_dtype_of, fp32,
+                             to_compute)
 from moetrain.kv_cache import KVCache
 from moetrain.modeling import (MEAN, StatSpec, attention_context, build_layers, merge_stats, reused_block, run_blocks,
                                split_specs)
@@ -134,10 +135,11 @@ class GPT(nn.Cell):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype)
         self.compute_dtype = compute_dtype_of(cfg.compute_dtype)
+        self.emulated = bf16_rounder(cfg.compute_dtype)
         self.cross_entropy = CrossEntropy()
         self.vocab_size = cfg.vocab_size
         # the LM head and loss in one kernel, never storing [tokens, vocab] logits (CPU, fp32)
-        self.fused_head_loss = LMHeadCrossEntropy() if LMHeadCrossEntropy.supported(cfg.compute_dtype) else None
+        self.fused_head_loss = LMHeadCrossEntropy(cfg.compute_dtype) if LMHeadCrossEntropy.supported(cfg.compute_dtype) else None
         self.layer_stat_specs = self.whole_layer_stat_specs()
         self.layer_stats = split_specs(self.layer_stat_specs)   # (summed, stacked) names, graph-safe
 
@@ -205,8 +207,7 @@ class GPT(nn.Cell):
             batch, seq_len = h.shape[0], h.shape[1]
             weight = self.embed.weight
             if self.compute_dtype != ms.float32:
-                h = h.astype(self.compute_dtype)
-                weight = weight.astype(self.compute_dtype)
+                h, weight = (to_compute(t, self.compute_dtype, self.emulated) for t in (h, weight))
             logits = self.tied_head_matmul(h.reshape(batch * seq_len, -1), weight).reshape(batch, seq_len, -1)
         else:
             logits = self.lm_head(h)

@@ -20,7 +20,7 @@ from mindspore import nn
 
 from moetrain.models.gpt.model import TransformerBlock
 from moetrain.models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig
-from moetrain.layers import Attention, RMSNorm
+from moetrain.layers import Attention, RMSNorm, tensor_dtype
 
 
 @dataclass(kw_only=True)
@@ -57,8 +57,8 @@ class QKNormAttention(Attention):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def project(self, x):
-        q = self.q_norm(self.heads(self.wq, x)).astype(self.wq.compute_dtype)
-        k = self.k_norm(self.heads(self.wk, x)).astype(self.wk.compute_dtype)
+        q = self.q_norm(self.heads(self.wq, x)).astype(tensor_dtype(self.wq.compute_dtype))
+        k = self.k_norm(self.heads(self.wk, x)).astype(tensor_dtype(self.wk.compute_dtype))
         return q, k, self.heads(self.wv, x)
 
 

@@ -93,6 +93,23 @@ class LinearMatmul(nn.Cell):
         return self.forward(x, weight)
 
 
+class RoundBF16(nn.Cell):
+    """`construct(x fp32) -> x` rounded to bfloat16 values (nearest even), still fp32, in one pass; the
+    backward rounds the gradient likewise (bf16 compute emulated on the CPU, docs/precision.md)."""
+
+    def __init__(self):
+        super().__init__()
+        kernel = _custom("RoundBF16", (F32,))
+
+        def bprop(x, out, dout):
+            return (kernel(dout),)
+
+        self.forward = _custom("RoundBF16", (F32,), bprop)
+
+    def construct(self, x):
+        return self.forward(x)
+
+
 class FusedSwiGLU(nn.Cell):
     """`construct(gate_up [..., 2F]) -> silu(gate_up[..., :F]) * gate_up[..., F:]`, one pass each way."""
 

@@ -18,7 +18,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, GroupedMatmulPair, shared
-from moetrain.layers import compute_dtype_of, normal_parameter
+from moetrain.layers import bf16_rounder, compute_dtype_of, normal_parameter, to_compute
 from moetrain.moe.native_ops import MoEOps
 from moetrain.distributed.sharding import mark_role
 
@@ -44,6 +44,7 @@ class GroupedExperts(nn.Cell):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.compute_dtype = compute_dtype_of(compute_dtype)
+        self.emulated = bf16_rounder(self.compute_dtype)
         self.ops = MoEOps()
         self.compute = compute or self.ops.compute
         if self.compute not in COMPUTES:
@@ -83,7 +84,7 @@ class GroupedExperts(nn.Cell):
         SwiGLU per expert hit on the rows that chose it (read on the host). No dispatcher, no padding."""
         num_tokens, top_k = topk_idx.shape
         w_gate, w_up, w_down = self._weights()
-        x = x.astype(self.compute_dtype) if x.dtype != self.compute_dtype else x
+        x = to_compute(x, self.compute_dtype, self.emulated)
         if num_tokens * top_k <= self.num_local_experts:
             chosen = topk_idx.reshape(-1)
             rows = x.reshape(num_tokens, 1, 1, -1)                                      # [T, 1, 1, H]
@@ -106,7 +107,7 @@ class GroupedExperts(nn.Cell):
     def _weights(self):
         w_gate, w_up, w_down = self.w_gate, self.w_up, self.w_down
         if self.compute_dtype != ms.float32:
-            w_gate, w_up, w_down = (w.astype(self.compute_dtype) for w in (w_gate, w_up, w_down))
+            w_gate, w_up, w_down = (to_compute(w, self.compute_dtype, self.emulated) for w in (w_gate, w_up, w_down))
         return w_gate, w_up, w_down
 
     def _capacity(self, x):
@@ -114,20 +115,23 @@ class GroupedExperts(nn.Cell):
             raise ValueError(f"GroupedExperts: capacity input {x.shape} must have one group per local expert "
                              f"({self.num_local_experts})")
         w_gate, w_up, w_down = self._weights()
-        x = x.astype(self.compute_dtype)
-        hidden = ops.silu(self.bmm(x, w_gate)) * self.bmm(x, w_up)
-        return self.bmm(hidden, w_down)
+        x = to_compute(x, self.compute_dtype, self.emulated)
+        hidden = to_compute(ops.silu(self.bmm(x, w_gate)) * self.bmm(x, w_up), self.compute_dtype, self.emulated)
+        return to_compute(self.bmm(hidden, w_down), self.compute_dtype, self.emulated)
 
     def _gmm_rows(self, x, group_sizes):
         """Ascend grouped matmul. Rows past the groups are not computed (unspecified values and
         input gradients): the selects zero both, so nothing unspecified leaves this function."""
         w_gate, w_up, w_down = self._weights()
         computed = (ops.arange(x.shape[0], dtype=ms.int32) < group_sizes.astype(ms.int32).sum()).reshape(-1, 1)
-        zero = ops.zeros((), self.compute_dtype)
-        x = ops.where(computed, x.astype(self.compute_dtype), zero)
+        zero = ops.zeros((), ms.float32 if self.emulated is not None else self.compute_dtype)
+        x = ops.where(computed, to_compute(x, self.compute_dtype, self.emulated), zero)
         gate_up = self.ops.grouped_matmul(x, ops.concat((w_gate, w_up), axis=2), group_sizes)
+        if self.emulated is not None:   # a bf16 grouped matmul stores bf16
+            gate_up = self.emulated(gate_up)
         gate, up = ops.split(gate_up, [w_gate.shape[2], w_up.shape[2]], 1)
-        out = self.ops.grouped_matmul(ops.silu(gate) * up, w_down, group_sizes)
+        hidden = to_compute(ops.silu(gate) * up, self.compute_dtype, self.emulated)
+        out = to_compute(self.ops.grouped_matmul(hidden, w_down, group_sizes), self.compute_dtype, self.emulated)
         return ops.where(computed, out, zero)
 
     def _kernel_rows(self, x, row_expert):
@@ -135,12 +139,15 @@ class GroupedExperts(nn.Cell):
         compute dtype. Gate and up projections are one op writing `[N, 2F]` (the two weights read
         in place, not concatenated), followed by the fused SwiGLU kernel."""
         w_gate, w_up, w_down = self.w_gate, self.w_up, self.w_down
-        x = x.astype(self.compute_dtype).astype(ms.float32)
-        if self.compute_dtype != ms.float32:  # round the operands as a compute-dtype matmul would
+        if self.emulated is not None:   # bf16: the one-pass rounding kernel
+            x, w_gate, w_up, w_down = (self.emulated(t) for t in (x.astype(ms.float32), w_gate, w_up, w_down))
+        else:
+            x = x.astype(self.compute_dtype).astype(ms.float32)
+        if self.emulated is None and self.compute_dtype != ms.float32:  # round the operands as its matmul would
             w_gate = w_gate.astype(self.compute_dtype).astype(ms.float32)
             w_up = w_up.astype(self.compute_dtype).astype(ms.float32)
             w_down = w_down.astype(self.compute_dtype).astype(ms.float32)
         row_expert = row_expert.astype(ms.int32)
         hidden = self.swiglu(self.grouped_matmul_pair(x, w_gate, w_up, row_expert))
-        hidden = hidden.astype(self.compute_dtype).astype(ms.float32)
-        return self.grouped_matmul(hidden, w_down, row_expert).astype(self.compute_dtype)
+        hidden = hidden.astype(self.compute_dtype).astype(ms.float32) if self.emulated is None else self.emulated(hidden)
+        return to_compute(self.grouped_matmul(hidden, w_down, row_expert), self.compute_dtype, self.emulated)

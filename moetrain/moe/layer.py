@@ -13,7 +13,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from moetrain.layers import SwiGLUMLP
+from moetrain.layers import SwiGLUMLP, to_compute
 from moetrain.modeling import MEAN, SUM, StatSpec
 from moetrain.moe.config import MoEConfig
 from moetrain.moe.dispatcher import SortDispatcher, expert_counts
@@ -184,8 +184,7 @@ class MoELayer(nn.Cell):
             per_choice = per_choice.astype(ms.float32)
         y = ops.bmm(topk_weight.reshape(topk_weight.shape[0], 1, -1), per_choice)  # sum_k weight_k out_k
         y = y.reshape(tokens.shape)
-        if y.dtype != self.experts.compute_dtype:
-            y = y.astype(self.experts.compute_dtype)
+        y = to_compute(y, self.experts.compute_dtype, self.experts.emulated)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         return (y if y.dtype == x.dtype else y.astype(x.dtype)).reshape(x.shape)

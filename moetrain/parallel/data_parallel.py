@@ -141,6 +141,8 @@ class OptimizerStep:
         self.level = parallel_cfg.optimizer_shard
         self.clip = clip
         self.reduce_dtype = _DTYPES[parallel_cfg.grad_reduce_dtype]
+        # the CPU's AllReduce has no bf16: reduce fp32 tensors holding bf16 values (docs/precision.md)
+        self.emulated_bf16 = self.reduce_dtype == ms.bfloat16 and ms.get_context("device_target") == "CPU"
         self.bucket_bytes = max(1, int(parallel_cfg.grad_bucket_mb * 2 ** 20))
         self.world = pctx.group("world")
         self.params, self.buffers = self._layout(list(params))
@@ -241,12 +243,16 @@ class OptimizerStep:
             return flat
         if previous:   # independent collectives: keep every rank's order the same
             flat = ops.depend(flat, previous[-1])
-        if self.reduce_dtype != ms.float32:
+        if self.emulated_bf16:
+            flat = flat.astype(ms.bfloat16).astype(ms.float32)
+        elif self.reduce_dtype != ms.float32:
             flat = flat.astype(self.reduce_dtype)
         if collective is comm.all_reduce:
             flat = self._chunked_all_reduce(flat, b.group)
         else:
             flat = collective(flat, b.group)
+        if self.emulated_bf16:   # the sum as a bf16 collective delivers it
+            return flat.astype(ms.bfloat16).astype(ms.float32)
         return flat.astype(ms.float32)
 
     def _chunked_all_reduce(self, flat, group):
