@@ -86,6 +86,15 @@ class ParallelConfig:
     # are this many times the even share
     moe_capacity: str = choice("adaptive", "adaptive", "bound")
     moe_capacity_prior: float = 2.0
+    # For `moetrain plan` (docs/plan.md, "Published runs"): what the priced system does that this
+    # trainer does not. moe_overlap: the expert all-to-all hidden under compute (dualpipe:
+    # DeepSeek-V3's DualPipe; a2a_overlap: Megatron-Core --overlap-moe-expert-parallel-comm);
+    # pipeline_backward: recompute (this trainer: a chunk's backward recomputes its forward) or stash
+    # (Megatron / DeepSeek: activations kept from forward to backward); recompute_modules: what
+    # recompute selective recomputes, Megatron-Core's --recompute-modules names (None: the attention core)
+    moe_overlap: str = choice("none", "none", "a2a_overlap", "dualpipe")
+    pipeline_backward: str = choice("recompute", "recompute", "stash")
+    recompute_modules: Optional[List[str]] = None
     data_parallel_inferred: bool = field(default=False, metadata={"internal": True})
 
 
@@ -116,6 +125,8 @@ class PrecisionConfig:
     initial_loss_scale: float = 65536.0
     scale_window: int = 1000           # finite steps before the dynamic scale grows
     scale_factor: float = 2.0
+    # FP8 GEMMs (Megatron-Core --fp8-recipe names), priced by `moetrain plan` at the device's fp8 peak
+    fp8_recipe: str = choice("none", "none", "tensorwise", "delayed", "blockwise")
 
 
 @dataclass
@@ -127,6 +138,7 @@ class TrainConfig:
     seed: int = 1234
     output_dir: str = "runs/default"
     device: str = choice("cpu", "cpu", "ascend", "gpu")
+    device_profile: str = ""           # the part `moetrain plan` prices (gpu_h100, gpu_h800, ...); "": the backend's default
     stop_after: int = 0                # end this invocation after this many steps (time-sliced jobs); 0: run to the end
     jit: bool = True                   # compile the step with ms.jit; false: PyNative, for debugging
     eval_interval: int = 0             # steps between evaluations; 0: only at the end
@@ -520,6 +532,42 @@ def validate(cfg: Config, source: str) -> None:
          "bfloat16 on Ascend")
     if cfg.precision.loss_scale != "none":
         need(cfg.precision.initial_loss_scale > 0, "precision.initial_loss_scale", "must be > 0")
+    _validate_planned_system(cfg, need)
+
+
+# Megatron-Core --recompute-modules names that `moetrain plan` prices (parallel.recompute_modules)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def _validate_planned_system(cfg: Config, need) -> None:
+    """The keys that describe the system `moetrain plan` prices (docs/plan.md, "Published runs"):
+    known names, and refused where this trainer would run the job (train.device cpu), since it does
+    none of them."""
+    p, t = cfg.parallel, cfg.train
+    if t.device_profile:
+        from moetrain.devices import PROFILES   # pure Python, no MindSpore
+        near = difflib.get_close_matches(t.device_profile, list(PROFILES), n=1)
+        need(t.device_profile in PROFILES, "train.device_profile",
+             f"{t.device_profile!r} is not a device profile" + (f" (did you mean {near[0]!r}?)" if near else "")
+             + f"; known: {', '.join(PROFILES)} (moetrain/devices.py), or leave it empty for train.device's default")
+    modules = p.recompute_modules
+    if modules is not None:
+        bad = [m for m in modules if m not in RECOMPUTE_MODULES]
+        need(not bad, "parallel.recompute_modules",
+             f"{bad} not among {', '.join(RECOMPUTE_MODULES)} (Megatron-Core's --recompute-modules names)")
+        need(p.recompute == "selective", "parallel.recompute_modules",
+             f"lists what recompute selective recomputes, but parallel.recompute is {p.recompute!r}: set "
+             f"parallel.recompute=selective or remove parallel.recompute_modules")
+    if t.device == "cpu":
+        for key, value, default in (("parallel.moe_overlap", p.moe_overlap, "none"),
+                                    ("parallel.pipeline_backward", p.pipeline_backward, "recompute"),
+                                    ("precision.fp8_recipe", cfg.precision.fp8_recipe, "none")):
+            need(value == default, key,
+                 f"{value!r} describes a system `moetrain plan` prices (docs/plan.md, \"Published runs\"); this "
+                 f"trainer does not run it on train.device cpu: set {key}={default} (or --set {key}={default})")
+        need(modules is None, "parallel.recompute_modules",
+             "is priced by `moetrain plan` only; this trainer's selective recompute drops the attention "
+             "probabilities: remove it to train on train.device cpu")
 
 
 def _validate_data(data: DataConfig, source: str) -> None:

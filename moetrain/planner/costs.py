@@ -15,6 +15,7 @@ from moetrain.layout import RECOMPUTE_MODES, Layout
 from moetrain.parallel import schedules
 from moetrain.planner.arch import (DTYPE_BYTES, FP32, OPTIMIZER_FP32_STATES, Arch, Job, ParamCount,
                                    attention_flops_per_token, validate_plan)
+from moetrain.planner.constants import constant
 from moetrain.planner.schedule import last_stage, pipeline_bubble, pipeline_in_flight, pipeline_peak, chunk_layer_lists
 
 MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragmentation, workspace peaks
@@ -59,6 +60,98 @@ def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, ex
     return rows * arch.hidden * (FP32 + dtype_bytes) * (3 if layout.ep > 1 else 1)
 
 
+
+def _selective_recompute(arch: Arch, modules, layer: int, attention: float, routed: float) -> Tuple[float, float, float]:
+    """FLOPs per token of one more forward of what `recompute selective` recomputes in `layer`:
+    (tp-split matmuls, attention core, routed experts). `modules` None: the attention core (this
+    trainer); else Megatron-Core's --recompute-modules: layernorm and moe_act are elementwise (no
+    matmul FLOPs), mla_up_proj the MLA up-projections wq_b and wkv_b, mlp a dense layer's MLP, moe
+    the routed experts, shared_experts the shared ones."""
+    if modules is None:
+        return 0.0, attention, 0.0
+    h, moe = arch.hidden, arch.is_moe(layer)
+    extra_tp = extra_attention = extra_whole = 0.0
+    if "core_attn" in modules:
+        extra_attention += attention
+    if "mla_up_proj" in modules and arch.kv_lora_rank:
+        d_nope = arch.head_dim - arch.rope_dim
+        extra_tp += 2 * (arch.q_lora_rank * arch.heads * arch.head_dim
+                         + arch.kv_lora_rank * arch.heads * (d_nope + arch.v_dim))
+    if "mlp" in modules and not moe:
+        extra_tp += 2 * 3 * h * arch.ffn
+    if "shared_experts" in modules and moe:
+        extra_tp += 2 * 3 * h * arch.shared_ffn
+    if "moe" in modules and moe:
+        extra_whole += 2 * routed
+    return extra_tp, extra_attention, extra_whole
+
+
+def _calibrated_seconds(device: DeviceProfile, job: Job, flops: float, attention: float, bf16: float) -> float:
+    """Seconds per token of `flops` per device on a calibrated profile: the attention core at
+    `attention_efficiency` of the 16-bit peak, the head and router (`bf16`) at the 16-bit GEMM
+    efficiency, the other matmuls at the fp8 one under an FP8 recipe, plus the non-GEMM work; with
+    DualPipe the SMs left after the all-to-all kernels' share (constants.COST_MODEL)."""
+    dtype = job.compute_dtype
+    gemm16 = device.peak(dtype) * constant(f"gemm_efficiency.{dtype}")
+    fp8 = job.fp8_recipe != "none" and "float8" in device.peak_flops
+    gemm = device.peak("float8") * constant("gemm_efficiency.float8") if fp8 else gemm16
+    seconds = (attention / (device.peak(dtype) * constant("attention_efficiency")) + bf16 / gemm16
+               + max(0.0, flops - attention - bf16) / gemm)
+    if job.moe_overlap == "dualpipe":
+        seconds /= 1 - constant("dualpipe_sm_share")
+    return seconds
+
+
+def _elementwise_seconds(device: DeviceProfile, job: Job, elements: float, d: int) -> float:
+    """Seconds per token of the non-GEMM kernels: `elements` activation elements touched per token
+    (summed over passes), each `elementwise_passes` times in the compute dtype, at the HBM bandwidth."""
+    if not device.memory_bandwidth:
+        return 0.0
+    seconds = elements * d * constant("elementwise_passes") / device.memory_bandwidth
+    if job.moe_overlap == "dualpipe":
+        seconds /= 1 - constant("dualpipe_sm_share")
+    return seconds
+
+
+def _expert_all_to_all(arch: Arch, job: Job, L: Layout, device: DeviceProfile, tokens: float, exchanges: float,
+                       d: int) -> Tuple[float, float, Dict[str, float]]:
+    """`(bytes sent, seconds, detail)` per micro-batch of the expert all-to-all on a calibrated
+    profile: `tokens` dispatched by this rank, `exchanges` dispatch + combine pairs (forward,
+    backward, recompute). Inside a node every routed row goes over NVLink / HCCS; across nodes the
+    dispatcher sends a token ONCE to each remote node its experts are on (deduplicated, then
+    forwarded inside the node: DeepSeek-V3 report 3.2.2, DeepEP), and node-limited routing caps
+    those nodes (`Arch.max_nodes_per_token`). Both links run at once: the slower one sets the time.
+    FP8 dispatch (blockwise recipe, DeepSeek-V3 report 3.3.4) halves the forward dispatch bytes."""
+    ranks = L.etp * L.ep if L.expert_folded else L.tp * L.ep
+    per_node = max(1, device.devices_per_node // (L.etp if L.expert_folded else L.tp))   # ep ranks per node
+    nodes = max(1, -(-ranks // device.devices_per_node))
+    k = arch.top_k * (arch.capacity_factor if arch.capacity_factor > 0 else 1.0)
+    dispatch_bytes = 1.0 if job.fp8_recipe == "blockwise" else d     # + scales, negligible at 1x128 blocks
+    # bytes of one token's row in the four passes of a dispatch + combine pair (forward: dispatch,
+    # combine; backward: the combine's gradient out, the dispatch's gradient back), per element
+    pair = dispatch_bytes + 3 * d
+    row = arch.hidden * pair * exchanges         # bytes of one routed row over all the exchanges
+    if nodes == 1:
+        remote = 0.0
+        nvlink_bytes = tokens * k * (L.ep - 1) / L.ep * row
+        network_bytes = 0.0
+    else:
+        local_ranks = min(per_node, L.ep)
+        remote = arch.nodes_per_token(nodes) * (1 - 1 / nodes)      # remote nodes a token is sent to
+        # inside the node: the rows for this node's other ranks, and the rows the network copies
+        # that arrive here fan out to (each remote copy forwards to its experts' ranks)
+        rows_local = k * (local_ranks - 1) / L.ep
+        rows_forwarded = k * (1 - local_ranks / L.ep)
+        nvlink_bytes = tokens * (rows_local + rows_forwarded) * row
+        network_bytes = tokens * remote * row
+    nvlink = nvlink_bytes / (device.intra_node_link * constant("a2a_efficiency.intra_node"))
+    network = network_bytes / (device.inter_node_link * constant("a2a_efficiency.inter_node")) if nodes > 1 else 0.0
+    return nvlink_bytes + network_bytes, max(nvlink, network), {
+        "nodes": nodes, "max_nodes_per_token": arch.max_nodes_per_token(nodes) if nodes > 1 else 1,
+        "remote_nodes_per_token": remote, "nvlink_bytes": nvlink_bytes, "network_bytes": network_bytes,
+        "nvlink_seconds": nvlink, "network_seconds": network}
+
+
 @dataclass
 class StageCost:
     stage: int
@@ -75,6 +168,8 @@ class StageCost:
     in_flight: int = 1                   # micro-batch (chunk) inputs held by the pipeline schedule
     in_flight_bytes: float = 0.0         # their bytes (part of the activations)
     pass_costs: List[Tuple[float, float, float]] = field(default_factory=list)   # per chunk: F, B, W seconds
+    ep_hidden_seconds: float = 0.0       # of the expert all-to-all, per step, hidden under compute (moe_overlap)
+    ep_detail: Dict[str, float] = field(default_factory=dict)   # how the all-to-all was priced (docs/plan.md)
 
     @property
     def total_memory(self) -> float:
@@ -164,12 +259,16 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         vstages = [schedules.virtual_stage(L.schedule, L.pp, stage, c) for c in range(L.chunks)]
         inputs = [4.0 * tokens if u == 0 else layer_input for u in vstages]     # token ids on the first
         working = [by_recompute(layers, logits if u == V - 1 else 0.0) for layers, u in zip(chunks, vstages)]
+        if job.pipeline_backward == "stash":   # Megatron / DeepSeek: a micro-batch in flight keeps its activations
+            inputs = [x + w[L.recompute] for x, w in zip(inputs, working)]
         stage_inputs = in_flight * max(inputs)
         by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
                                        FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
                    for mode in RECOMPUTE_MODES}
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
+    if job.moe_overlap == "dualpipe" and L.pp > 1:   # DualPipe keeps two copies of the parameters (report 3.2.1)
+        memory["weights"] *= 2
 
     # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work). Routers are whole
     # on every tp rank, and so are the routed experts unless folded (then a tp rank computes
@@ -183,38 +282,59 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     sustained = device.sustained(job.compute_dtype) / (L.world if device.shared_host else 1)
     per_flop = tokens / sustained
     V = L.pp * L.chunks
+    stash = job.pipeline_backward == "stash"        # no forward recomputed by the pipeline's backward
     split_backward = L.pp > 1 and L.schedule in schedules.SPLIT_BACKWARD
+    modules = job.recompute_modules
     compute, pass_costs = 0.0, []
     for c, layers in enumerate(chunks):
         u = schedules.virtual_stage(L.schedule, L.pp, stage, c) if L.pp > 1 else 0
-        input_gradient_again = split_backward and 0 < u < V - 1
+        input_gradient_again = split_backward and 0 < u < V - 1 and not stash
         forward = tp_flops = whole = 0.0
+        attention_part = bf16_part = 0.0                # of tp_flops: attention core; of both: head and router
+        elementwise = 0.0                               # activation elements a device's kernels touch per token
         for layer in layers:
             moe = arch.is_moe(layer)
             matmul = arch.attention_params + (3 * h * arch.shared_ffn if moe else 3 * h * arch.ffn)
-            routed = arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k / (L.token_slices * L.etp) if moe else 0
+            router = arch.experts * h if moe else 0
+            routed = router + 3 * h * arch.expert_ffn * arch.top_k / (L.token_slices * L.etp) if moe else 0
             if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
                 matmul += 2 * h * h + arch.vocab * h
             attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
-            forwards = 1 + (L.recompute == "full") + (L.pp > 1 and u < V - 1) + input_gradient_again
+            forwards = (1 + (L.recompute == "full") + (L.pp > 1 and u < V - 1 and not stash)
+                        + input_gradient_again)
             again = 2 * input_gradient_again                  # the input gradient once more (matmuls x2, core x2)
             tp_flops += (4 + 2 * forwards + again) * matmul + (2 + forwards + again) * attention
+            attention_part += (2 + forwards + again) * attention
             whole += (4 + 2 * forwards + again) * routed
+            bf16_part += (4 + 2 * forwards + again) * router
+            rows = arch.routed_rows_per_token() / L.token_slices if moe else 0.0
+            width = (h + arch.expert_ffn / L.etp) * rows + (3 * h * arch.shared_ffn / t / h if moe else arch.ffn / t)
+            elementwise += (2 + forwards) * (h / t + width)
             forward += 2 * matmul / t + attention / t + 2 * routed
-            if L.recompute == "selective":
-                tp_flops += attention
+            if L.recompute == "selective":           # one more forward of what it recomputes
+                extra_tp, extra_attention, extra_whole = _selective_recompute(arch, modules, layer, attention, routed)
+                tp_flops += extra_tp + extra_attention
+                attention_part += extra_attention
+                whole += extra_whole
         if u == V - 1:
             tp_flops += 6 * arch.vocab * h
+            bf16_part += 6 * arch.vocab * h / t
             forward += 2 * arch.vocab * h / t
-        total = (tp_flops / t + whole) * per_flop
-        forward *= per_flop
+        flops = tp_flops / t + whole
+        if device.calibrated:     # GEMMs, attention and the rest priced apart (moetrain/planner/constants.py)
+            chunk_seconds = tokens * (_calibrated_seconds(device, job, flops, attention_part / t, bf16_part)
+                                      + _elementwise_seconds(device, job, elementwise, d))
+            total, forward = chunk_seconds, chunk_seconds * forward / flops if flops else 0.0
+        else:
+            total = flops * per_flop
+            forward *= per_flop
         compute += total
         if L.pp == 1 or u == V - 1:          # the last virtual stage: all in its forward
             pass_costs.append((total, 0.0, 0.0))
         elif not split_backward:
             pass_costs.append((forward, total - forward, 0.0))
         else:                                # B: a forward and an input gradient (about a forward's FLOPs)
-            backward_input = 2 * forward if u > 0 else 0.0
+            backward_input = (forward if stash else 2 * forward) if u > 0 else 0.0
             pass_costs.append((forward, backward_input, total - forward - backward_input))
 
     # ---- communication (bytes per device)
@@ -232,9 +352,14 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         else:                          # all-reduces of the row-parallel outputs and column-parallel input grads
             per_mb["tp"] = collectives * 2 * (t - 1) / t * size
     moe_layers = sum(arch.is_moe(i) for i in layer_ids)
+    ep_seconds_per_mb, ep_detail = None, {}
     if L.ep > 1:   # folded: a slice's buffers are sized from its dp rank's counts (moetrain/moe/capacity.py)
         rows = tokens * arch.routed_rows_per_token()
         per_mb["ep"] = moe_layers * (4 + 2 * full) * (L.ep - 1) / L.ep * rows * h * d * a2a_factor
+        if device.calibrated:
+            ep_bytes, ep_seconds_per_mb, ep_detail = _expert_all_to_all(
+                arch, job, L, device, tokens / L.token_slices, moe_layers * (1 + full / 2), d)
+            per_mb["ep"] = ep_bytes
     if L.token_slices > 1:   # folded: the slices' outputs all-gathered over tp_tokens (backward: the gradients)
         n = L.token_slices
         per_mb["tp"] += moe_layers * (2 + full) * (n - 1) / n * tokens * h * d * gather_factor
@@ -248,8 +373,14 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     spans = {"tp": t, "sp": t, "ep": L.etp * L.ep if L.expert_folded else t * L.ep, "pp": L.world}
     comm_bytes = {dim: per_mb[dim] * L.num_micro_batches for dim in per_mb}
     comm_seconds = {dim: comm_bytes[dim] / _bandwidth(device, spans[dim]) for dim in per_mb}
+    if ep_seconds_per_mb is not None:      # NVLink and the network priced apart, node-limited, deduplicated
+        comm_seconds["ep"] = ep_seconds_per_mb * L.num_micro_batches
+    # the part of the expert all-to-all that runs under another micro-batch's (or chunk's) compute
+    overlap = constant(f"overlap.{job.moe_overlap}")
+    ep_hidden = min(overlap * comm_seconds["ep"], compute * L.num_micro_batches)
     # each exchange also costs a fixed latency, whatever its size: what more chunks a stage pay
     comm_seconds["pp"] += sends * L.num_micro_batches * device.p2p_latency
+    critical = sum(comm_seconds[dim] for dim in per_mb) - ep_hidden
 
     def sync_bytes(params: float, group: int) -> float:
         if group == 1:
@@ -266,8 +397,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
                      dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact),
                      activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
                      compute_seconds_per_micro_batch=compute, pass_costs=pass_costs,
-                     comm_seconds_per_micro_batch=sum(comm_seconds[dim] for dim in per_mb) / L.num_micro_batches,
-                     dp_seconds=dp_seconds)
+                     comm_seconds_per_micro_batch=critical / L.num_micro_batches,
+                     dp_seconds=dp_seconds, ep_hidden_seconds=ep_hidden, ep_detail=ep_detail)
 
 
 
@@ -346,6 +477,12 @@ def plan_valid_layout(job: Job, layout: Layout, device: DeviceProfile, source: s
     exposed_dp = max(max(0.0, st.dp_seconds - 2 / 3 * st.compute_seconds_per_micro_batch) for st in stages)
     busy = layout.num_micro_batches * slot
     bubble = busy * bubble_fraction / (1 - bubble_fraction)
+    if job.moe_overlap == "dualpipe" and layout.pp > 1:
+        # DualPipe's bubble (DeepSeek-V3 report, table 2): (PP/2 - 1)(F&B + B - 3W), with F&B = F + B + W
+        # of one micro-batch and B = W = half its backward: (PP/2 - 1) F
+        forward = sum(f for f, _, _ in pacing.pass_costs)
+        bubble = (layout.pp / 2 - 1) * forward
+        bubble_fraction = bubble / (busy + bubble)
     step = busy + bubble + exposed_dp
     compute = layout.num_micro_batches * per_micro
 

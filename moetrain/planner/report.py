@@ -2,6 +2,7 @@
 search's candidates and why each lost (`format_search`), with the number formats they share."""
 from __future__ import annotations
 
+import json
 import re
 from typing import Dict, List
 
@@ -109,8 +110,18 @@ def format_plan(result: PlanResult) -> str:
         f"MFU {r.mfu:.1%} " + (
             f"(cost model: {dev.sustained(job.compute_dtype) / 1e12:g} TFLOP/s sustained, measured; peak "
             f"{dev.peak(job.compute_dtype) / 1e12:.3g} TFLOP/s measured on this host)" if dev.measured_peak else
+            f"(cost model: moetrain/planner/constants.py COST_MODEL on {dev.peak(job.compute_dtype) / 1e12:g} TFLOP/s"
+            + (f", fp8 GEMMs at {dev.peak('float8') / 1e12:g}" if job.fp8_recipe != "none" and "float8" in dev.peak_flops
+               else "") + ")" if dev.calibrated else
             f"(cost model: {dev.compute_efficiency:.0%} of {dev.peak(job.compute_dtype) / 1e12:g} TFLOP/s sustained)"),
     ]
+    detail = r.stages[r.peak_stage].ep_detail
+    if detail:
+        lines.insert(-1, f" expert a2a   {detail['nodes']} node(s) per ep group; a token reaches at most "
+                         f"{detail['max_nodes_per_token']} (node-limited), {detail['remote_nodes_per_token']:.2f} "
+                         f"remote on average, sent once each; NVLink {detail['nvlink_seconds'] * L.num_micro_batches:.2f} s, "
+                         f"network {detail['network_seconds'] * L.num_micro_batches:.2f} s a step; "
+                         f"{job.moe_overlap} hides {r.stages[r.peak_stage].ep_hidden_seconds:.2f} s")
     lines += [f" note         {note}" for note in r.notes]
     return "\n".join(lines)
 
@@ -142,3 +153,25 @@ def format_search(search, show: int = 8) -> str:
         if len(group) > show:
             lines.append(f"    ... {len(group) - show} more")
     return "\n".join(lines)
+
+
+def plan_json(result: PlanResult) -> str:
+    """`moetrain plan CONFIG --json`: one JSON object whose keys are stable (docs/plan.md,
+    "Published runs"): throughput, model TFLOP/s and MFU per device, the step's parts, memory,
+    communication and the priced options."""
+    r, L, dev, job = result, result.layout, result.device, result.job
+    stage = r.stages[r.peak_stage]
+    return json.dumps({
+        "config": r.source, "device": dev.name, "world": L.world, "layout": L.describe(),
+        "tokens_per_step": r.tokens_per_step, "step_seconds": r.step_seconds,
+        "tokens_per_s": r.tokens_per_second, "tokens_per_s_per_device": r.tokens_per_second / L.world,
+        "model_flops_per_token": r.model_flops_per_token,
+        "model_tflops_per_device": r.model_flops_per_token * r.tokens_per_second / L.world / 1e12,
+        "mfu": r.mfu, "compute_seconds": r.compute_seconds, "bubble_seconds": r.bubble_seconds,
+        "exposed_comm_seconds": r.exposed_comm_seconds, "comm_seconds": r.comm_seconds, "comm_bytes": r.comm_bytes,
+        "ep_hidden_seconds": stage.ep_hidden_seconds, "expert_all_to_all": stage.ep_detail,
+        "memory": r.memory, "total_memory": r.total_memory, "usable_bytes": r.usable_bytes, "fits": r.fits,
+        "options": {"fp8_recipe": job.fp8_recipe, "moe_overlap": job.moe_overlap,
+                    "pipeline_backward": job.pipeline_backward,
+                    "recompute_modules": list(job.recompute_modules) if job.recompute_modules is not None else None},
+    })

@@ -18,7 +18,10 @@ THROUGHPUT_TIE = 0.005      # layouts within 0.5 % of the best throughput count 
 
 
 def _device_of(cfg, device) -> DeviceProfile:
-    return get_device(device if device is not None else cfg.train.device)
+    """`--device`, else train.device_profile, else train.device's default part."""
+    if device is not None:
+        return get_device(device)
+    return get_device(getattr(cfg.train, "device_profile", "") or cfg.train.device)
 
 
 def plan(cfg, world_size: Optional[int] = None, device=None) -> PlanResult:
