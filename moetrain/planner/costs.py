@@ -92,7 +92,7 @@ def _calibrated_seconds(device: DeviceProfile, job: Job, flops: float, attention
     efficiency, the other matmuls at the fp8 one under an FP8 recipe, plus the non-GEMM work; with
     DualPipe the SMs left after the all-to-all kernels' share (constants.COST_MODEL)."""
     dtype = job.compute_dtype
-    gemm16 = device.peak(dtype) * constant(f"gemm_efficiency.{dtype}")
+    gemm16 = device.peak(dtype) * constant("gemm_efficiency.bfloat16")     # fp16 the same
     fp8 = job.fp8_recipe != "none" and "float8" in device.peak_flops
     gemm = device.peak("float8") * constant("gemm_efficiency.float8") if fp8 else gemm16
     seconds = (attention / (device.peak(dtype) * constant("attention_efficiency")) + bf16 / gemm16
@@ -285,6 +285,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     stash = job.pipeline_backward == "stash"        # no forward recomputed by the pipeline's backward
     split_backward = L.pp > 1 and L.schedule in schedules.SPLIT_BACKWARD
     modules = job.recompute_modules
+    # COST_MODEL is fitted for 16-bit training: fp32 compute on a calibrated part keeps compute_efficiency
+    calibrated = device.calibrated and job.compute_dtype in ("bfloat16", "float16")
     compute, pass_costs = 0.0, []
     for c, layers in enumerate(chunks):
         u = schedules.virtual_stage(L.schedule, L.pp, stage, c) if L.pp > 1 else 0
@@ -321,7 +323,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
             bf16_part += 6 * arch.vocab * h / t
             forward += 2 * arch.vocab * h / t
         flops = tp_flops / t + whole
-        if device.calibrated:     # GEMMs, attention and the rest priced apart (moetrain/planner/constants.py)
+        if calibrated:            # GEMMs, attention and the rest priced apart (moetrain/planner/constants.py)
             chunk_seconds = tokens * (_calibrated_seconds(device, job, flops, attention_part / t, bf16_part)
                                       + _elementwise_seconds(device, job, elementwise, d))
             total, forward = chunk_seconds, chunk_seconds * forward / flops if flops else 0.0
