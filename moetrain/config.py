@@ -541,8 +541,8 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", 
 
 def _validate_planned_system(cfg: Config, need) -> None:
     """The keys that describe the system `moetrain plan` prices (docs/plan.md, "Published runs"):
-    known names, and refused where this trainer would run the job (train.device cpu), since it does
-    none of them."""
+    known names. `moetrain plan` accepts every value; `moetrain train` refuses those this trainer does
+    not run (`check_trainable`)."""
     p, t = cfg.parallel, cfg.train
     if t.device_profile:
         from moetrain.devices import PROFILES   # pure Python, no MindSpore
@@ -558,16 +558,44 @@ def _validate_planned_system(cfg: Config, need) -> None:
         need(p.recompute == "selective", "parallel.recompute_modules",
              f"lists what recompute selective recomputes, but parallel.recompute is {p.recompute!r}: set "
              f"parallel.recompute=selective or remove parallel.recompute_modules")
-    if t.device == "cpu":
-        for key, value, default in (("parallel.moe_overlap", p.moe_overlap, "none"),
-                                    ("parallel.pipeline_backward", p.pipeline_backward, "recompute"),
-                                    ("precision.fp8_recipe", cfg.precision.fp8_recipe, "none")):
-            need(value == default, key,
-                 f"{value!r} describes a system `moetrain plan` prices (docs/plan.md, \"Published runs\"); this "
-                 f"trainer does not run it on train.device cpu: set {key}={default} (or --set {key}={default})")
-        need(modules is None, "parallel.recompute_modules",
-             "is priced by `moetrain plan` only; this trainer's selective recompute drops the attention "
-             "probabilities: remove it to train on train.device cpu")
+
+
+# What `moetrain train` does not run (docs/plan.md, "Published runs"): values of the keys that describe
+# the system `moetrain plan` prices. Each: key, the value this trainer runs, why any other is refused.
+PLANNER_ONLY = (
+    ("parallel.moe_overlap", "none", "the trainer does not overlap the expert all-to-all"),
+    ("parallel.pipeline_backward", "recompute",
+     "the trainer's pipeline recomputes a chunk's forward in its backward (it does not stash activations)"),
+    ("precision.fp8_recipe", "none", "the trainer has no FP8 GEMMs"),
+    ("parallel.recompute_modules", None,
+     "the trainer's selective recompute is its own (the attention core); it does not take Megatron-Core's module list"),
+)
+
+
+def trainer_refusal(cfg: Config) -> Optional[str]:
+    """The one-line reason `moetrain train` refuses `cfg`, or None: a planner-only value (PLANNER_ONLY,
+    on any device: `moetrain plan` accepts and prices them), or a `train.device_profile` of another
+    backend than `train.device` (the plan would price a part the run does not use)."""
+    for key, default, why in PLANNER_ONLY:
+        value = get_key(cfg, key)
+        if value != default:
+            shown = "[" + ", ".join(value) + "]" if isinstance(value, (list, tuple)) else value
+            fix = f"set it to {default} to train" if default is not None else "remove it to train"
+            return f"{key}={shown} is priced by `moetrain plan` only; {why}; {fix}"
+    profile = cfg.train.device_profile
+    if profile:
+        backend = "gpu" if profile.startswith("gpu") else "ascend" if profile.startswith("ascend") else "cpu"
+        if backend != cfg.train.device:
+            return (f"train.device_profile={profile} is a {backend} part but train.device is {cfg.train.device}: "
+                    f"set train.device={backend} on that machine, or leave train.device_profile empty to train here")
+    return None
+
+
+def check_trainable(cfg: Config, source: str = "") -> None:
+    """`moetrain train` (and the Trainer) refuse what `trainer_refusal` names, before any work."""
+    why = trainer_refusal(cfg)
+    if why:
+        raise ConfigError(f"{source or cfg.source}: {why}")
 
 
 def _validate_data(data: DataConfig, source: str) -> None:

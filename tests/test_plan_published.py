@@ -76,10 +76,40 @@ def test_every_cost_model_constant_has_a_source():
         assert c.source.strip() and isinstance(c.value, float), name
 
 
-def test_planner_only_options_are_refused_on_cpu(tmp_path):
+# every planner-only key with a value this trainer does not run, and the words its refusal must hold
+PLANNER_ONLY = [
+    ("parallel.moe_overlap=dualpipe", "parallel.moe_overlap=dualpipe is priced by `moetrain plan` only; the trainer "
+                                      "does not overlap the expert all-to-all; set it to none to train"),
+    ("parallel.pipeline_backward=stash", "parallel.pipeline_backward=stash is priced by `moetrain plan` only"),
+    ("precision.fp8_recipe=blockwise", "precision.fp8_recipe=blockwise is priced by `moetrain plan` only"),
+    ("parallel.recompute_modules=[core_attn]", "parallel.recompute_modules=[core_attn] is priced by `moetrain plan` "
+                                               "only"),
+    ("train.device_profile=gpu_h100", "train.device_profile=gpu_h100 is a gpu part but train.device is cpu"),
+]
+
+
+@pytest.mark.parametrize("setting,message", PLANNER_ONLY, ids=[s.split("=")[0] for s, _ in PLANNER_ONLY])
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_train_refuses_a_planner_only_value_that_plan_accepts(setting, message, device, tmp_path, capsys):
+    """`moetrain train` refuses, on any device, in one line before any work (exit 2); `moetrain plan`
+    accepts the same config and prices it."""
+    from moetrain.cli import main as moetrain
+    sets = ["--set", f"train.output_dir={tmp_path / 'run'}", "--set", setting, "--set", "parallel.recompute=selective"]
+    if device == "gpu":
+        sets += ["--set", f"train.device={device}"]
+        if setting.startswith("train.device_profile"):
+            sets[3] = "train.device_profile=cpu"
+            message = "train.device_profile=cpu is a cpu part but train.device is gpu"
+    assert moetrain(["train", "configs/moe_tiny.yaml", *sets]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert main(["configs/moe_tiny.yaml", "--json", *sets[2:]]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_per_s"] > 0
+
+
+def test_plan_refuses_unknown_names_of_the_planner_only_keys():
     from moetrain.config import ConfigError
-    with pytest.raises(ConfigError, match="parallel.moe_overlap"):
-        load_config("configs/moe_tiny.yaml", ["parallel.moe_overlap=dualpipe"])
     with pytest.raises(ConfigError, match="train.device_profile.*did you mean 'gpu_h800'"):
         load_config(PUBLISHED[2][0], ["train.device_profile=gpu_h80"])
     with pytest.raises(ConfigError, match="recompute_modules.*not among"):
