@@ -95,6 +95,10 @@ class ParallelConfig:
     moe_overlap: str = choice("none", "none", "a2a_overlap", "dualpipe")
     pipeline_backward: str = choice("recompute", "recompute", "stash")
     recompute_modules: Optional[List[str]] = None
+    # fold the experts over tp x dp (etp x ep x edp) even when ep divides dp, as Megatron-Core's MoE
+    # parallel folding does (DeepSeek-V3's EP64 on tp2 x dp64: the expert group is 64 contiguous GPUs);
+    # without it moetrain folds only when ep does not divide dp. For `moetrain plan` only
+    moe_fold_experts: bool = False
     data_parallel_inferred: bool = field(default=False, metadata={"internal": True})
 
 
@@ -127,6 +131,13 @@ class PrecisionConfig:
     scale_factor: float = 2.0
     # FP8 GEMMs (Megatron-Core --fp8-recipe names), priced by `moetrain plan` at the device's fp8 peak
     fp8_recipe: str = choice("none", "none", "tensorwise", "delayed", "blockwise")
+    # How parameters and optimizer moments are stored, for `moetrain plan` (docs/plan.md, "Memory per
+    # device"): float32, what this trainer holds; bfloat16, Megatron-Core's and DeepSeek's recipe (bf16
+    # parameters, fp32 main gradients, fp32 master weights and moments sharded by the distributed
+    # optimizer over dp, experts over their expert-data-parallel group). moment_dtype bfloat16: Adam's
+    # m and v in bf16 (DeepSeek-V3 report 3.3.3; Megatron-Core --exp-avg-dtype / --exp-avg-sq-dtype bf16)
+    param_dtype: str = choice("float32", "float32", "bfloat16")
+    moment_dtype: str = choice("float32", "float32", "bfloat16")
 
 
 @dataclass
@@ -550,6 +561,11 @@ def _validate_planned_system(cfg: Config, need) -> None:
         need(t.device_profile in PROFILES, "train.device_profile",
              f"{t.device_profile!r} is not a device profile" + (f" (did you mean {near[0]!r}?)" if near else "")
              + f"; known: {', '.join(PROFILES)} (moetrain/devices.py), or leave it empty for train.device's default")
+    pr = cfg.precision
+    need(pr.param_dtype == "float32" or pr.compute_dtype == pr.param_dtype, "precision.param_dtype",
+         f"{pr.param_dtype} parameters are Megatron-Core's recipe for {pr.param_dtype} compute, but "
+         f"precision.compute_dtype is {pr.compute_dtype}: set precision.compute_dtype={pr.param_dtype} or "
+         f"precision.param_dtype=float32")
     modules = p.recompute_modules
     if modules is not None:
         bad = [m for m in modules if m not in RECOMPUTE_MODULES]
@@ -567,6 +583,11 @@ PLANNER_ONLY = (
     ("parallel.pipeline_backward", "recompute",
      "the trainer's pipeline recomputes a chunk's forward in its backward (it does not stash activations)"),
     ("precision.fp8_recipe", "none", "the trainer has no FP8 GEMMs"),
+    ("parallel.moe_fold_experts", False,
+     "the trainer folds the experts over tp x dp only when expert_parallel does not divide data_parallel"),
+    ("precision.param_dtype", "float32",
+     "the trainer holds fp32 parameters (cast to the compute dtype per matmul), not bf16 ones with fp32 masters"),
+    ("precision.moment_dtype", "float32", "the trainer keeps Adam's moments in fp32"),
     ("parallel.recompute_modules", None,
      "the trainer's selective recompute is its own (the attention core); it does not take Megatron-Core's module list"),
 )
@@ -579,8 +600,10 @@ def trainer_refusal(cfg: Config) -> Optional[str]:
     for key, default, why in PLANNER_ONLY:
         value = get_key(cfg, key)
         if value != default:
-            shown = "[" + ", ".join(value) + "]" if isinstance(value, (list, tuple)) else value
-            fix = f"set it to {default} to train" if default is not None else "remove it to train"
+            shown = ("[" + ", ".join(value) + "]" if isinstance(value, (list, tuple))
+                     else str(value).lower() if isinstance(value, bool) else value)
+            shown_default = str(default).lower() if isinstance(default, bool) else default
+            fix = f"set it to {shown_default} to train" if default is not None else "remove it to train"
             return f"{key}={shown} is priced by `moetrain plan` only; {why}; {fix}"
     profile = cfg.train.device_profile
     if profile:

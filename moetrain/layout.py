@@ -112,6 +112,9 @@ class Layout:
     interleave: int = 1                       # parallel.pp_interleave_num: model chunks per stage
     cp: int = 1                               # context parallel: ranks each sequence is split over
     cp_comm: str = "all_gather"               # parallel.cp_comm_type: how attention crosses the split
+    # -- planner-only rule (issue 33; `moetrain plan` prices it, the trainer refuses it): fold the
+    # experts over tp x dp even when ep divides dp, as Megatron-Core does (parallel.moe_fold_experts)
+    fold_experts: bool = False
 
     @property
     def chunks(self) -> int:
@@ -128,7 +131,7 @@ class Layout:
         """MoE parallel folding: the experts live on the tp x dp ranks of a stage as etp x ep x edp
         (each tp rank dispatches its own slice of the tokens). Otherwise (etp 1 and ep dividing dp, the
         layout before folding) the experts are replicated over tp and ep is carved out of dp."""
-        return self.etp > 1 or self.dp % max(1, self.ep) != 0
+        return self.fold_experts or self.etp > 1 or self.dp % max(1, self.ep) != 0
 
     @property
     def token_slices(self) -> int:
@@ -152,7 +155,8 @@ class Layout:
                    num_micro_batches=count, zero=p.optimizer_shard, recompute=p.recompute,
                    sequence_parallel=p.use_seq_parallel, schedule=p.pipeline_schedule,
                    pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None,
-                   interleave=p.pp_interleave_num, cp=p.context_parallel, cp_comm=p.cp_comm_type)
+                   interleave=p.pp_interleave_num, cp=p.context_parallel, cp_comm=p.cp_comm_type,
+                   fold_experts=getattr(p, "moe_fold_experts", False))
 
     def parallel_settings(self) -> Dict[str, object]:
         """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
@@ -168,6 +172,7 @@ class Layout:
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
         etp = f" etp{self.etp}" if self.etp > 1 else ""
+        etp += " folded" if self.fold_experts else ""
         schedule = f" {self.schedule}" if self.pp > 1 and self.schedule != "1f1b" else ""
         schedule += f" v{self.chunks}" if self.pp > 1 and self.chunks > 1 else ""
         schedule += f" layers={','.join(map(str, self.pipeline_layers))}" if self.pp > 1 and self.pipeline_layers else ""

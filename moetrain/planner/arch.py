@@ -153,6 +153,14 @@ class Job:
     moe_overlap: str = "none"         # parallel.moe_overlap: none | a2a_overlap | dualpipe
     pipeline_backward: str = "recompute"   # parallel.pipeline_backward: recompute (this trainer) | stash
     recompute_modules: Optional[Tuple[str, ...]] = None   # parallel.recompute_modules (None: attention core)
+    param_dtype: str = "float32"      # precision.param_dtype: bfloat16 = Megatron-Core's memory recipe
+    moment_dtype: str = "float32"     # precision.moment_dtype: Adam's m and v
+
+    @property
+    def megatron_memory(self) -> bool:
+        """Memory as Megatron-Core / DeepSeek hold it (16-bit parameters, fp32 main gradients and
+        masters, activations as their kernels save them) instead of as this trainer does."""
+        return self.param_dtype != "float32"
 
     @classmethod
     def of(cls, cfg) -> "Job":
@@ -164,7 +172,9 @@ class Job:
                    fp8_recipe=getattr(cfg.precision, "fp8_recipe", "none"),
                    moe_overlap=getattr(p, "moe_overlap", "none"),
                    pipeline_backward=getattr(p, "pipeline_backward", "recompute"),
-                   recompute_modules=tuple(modules) if modules is not None else None)
+                   recompute_modules=tuple(modules) if modules is not None else None,
+                   param_dtype=getattr(cfg.precision, "param_dtype", "float32"),
+                   moment_dtype=getattr(cfg.precision, "moment_dtype", "float32"))
 
     # Derived once per job: the layout search costs thousands of layouts of the same model.
     @functools.cached_property

@@ -51,6 +51,49 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     return attention + ffn, probs
 
 
+def recipe_activation_bytes(arch: Arch, moe: bool, tokens: int, layout: Layout, job: Job,
+                            recomputed: frozenset) -> float:
+    """Bytes one layer keeps for backward for `tokens` tokens of one micro-batch under Megatron-Core's
+    (and DeepSeek's) recipe (`Job.megatron_memory`), with the modules `recomputed` (Megatron-Core's
+    --recompute-modules names) dropped. Korthikanti et al. 2022's terms (their 34 s b h per layer with
+    sequence parallelism; docs/plan.md) as these runs save them: 16-bit activations, no dropout,
+    flash attention (no probabilities: Q, K, V, O and the log-sum-exp), SwiGLU, a GEMM's saved input
+    in fp8 (1 byte) under an FP8 recipe (Transformer Engine keeps the quantised copy; DeepSeek-V3
+    report 3.3.3 caches the MoE inputs in FP8), MoE rows load-exact (dropless, k a token), the
+    probabilities applied inside the experts' activation (Megatron-Core 0.13+: the expert output is
+    not kept). `layernorm`: the norms' outputs (the next GEMM's input) recomputed; `mla_up_proj`:
+    MLA's up-projected q, k, v freed after the attention core and recomputed from the latents;
+    `moe_act` / `mlp` / `moe` / `shared_experts`: the SwiGLU output / the dense MLP / the routed /
+    the shared experts recomputed from their inputs; `core_attn`: nothing more with flash attention."""
+    h, t, d = arch.hidden, layout.tp, DTYPE_BYTES[job.compute_dtype]
+    g = 1 if job.fp8_recipe != "none" else d            # a GEMM input kept for the weight gradient
+    outside = t if layout.sequence_parallel else 1
+    norm_out = 0.0 if "layernorm" in recomputed else g * tokens * h / outside
+    stored = 2 * d * tokens * h / outside + 2 * norm_out  # the two norms' inputs (residual stream) and outputs
+    # attention
+    if arch.kv_lora_rank:           # MLA: the latents (normed, up-projection inputs), then q, k, v
+        stored += d * tokens * (arch.q_lora_rank + arch.kv_lora_rank + arch.rope_dim)
+        if "mla_up_proj" not in recomputed:
+            stored += d * tokens * arch.heads * (2 * arch.head_dim + arch.v_dim) / t
+    else:
+        stored += d * tokens * arch.head_dim * (arch.heads + 2 * arch.kv_heads) / t
+    stored += d * tokens * arch.heads * arch.v_dim / t + FP32 * tokens * arch.heads / t   # O, log-sum-exp
+
+    def swiglu(rows: float, width: float) -> float:      # input shared with the norm; gate|up, product
+        return d * rows * 2 * width + (0.0 if "moe_act" in recomputed else g * rows * width)
+    if not moe:
+        if "mlp" not in recomputed:
+            stored += swiglu(tokens, arch.ffn / t)
+        return stored
+    stored += 2 * FP32 * tokens * arch.experts                     # fp32 router logits and probabilities
+    if "moe" not in recomputed:
+        rows = tokens * arch.top_k * (arch.capacity_factor if arch.capacity_factor > 0 else 1.0) / layout.token_slices
+        stored += g * rows * h + swiglu(rows, arch.expert_ffn / layout.etp)   # dispatched rows, experts
+    if arch.shared_ffn and "shared_experts" not in recomputed:
+        stored += swiglu(tokens, arch.shared_ffn / t)
+    return stored
+
+
 def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, exact: bool = False) -> float:
     """Token-row buffers of one MoE layer for `tokens` tokens (what `moetrain plan --dry-run`
     measures): the rows the experts read (fp32: the norm's output, moetrain/moe/layer.py) and
@@ -194,6 +237,13 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     weight_bytes = grad_bytes = FP32
     state_bytes = FP32 * OPTIMIZER_FP32_STATES[job.optimizer] + (FP32 if L.zero >= 1 else 0)
     wire_bytes = DTYPE_BYTES[job.grad_dtype]
+    if job.megatron_memory:
+        # Megatron-Core's recipe (its README, "Distributed optimizer": bf16 parameters with fp32
+        # gradients hold 6 + 12/d bytes a parameter): 16-bit parameters, fp32 main gradients (the
+        # grad_reduce_dtype: --grad-reduce-in-bf16 keeps them 16-bit), and the fp32 master weights and
+        # moments (moment_dtype) in the distributed optimizer, over dp (experts: edp) when ZeRO >= 1
+        weight_bytes, grad_bytes = DTYPE_BYTES[job.param_dtype], wire_bytes
+        state_bytes = DTYPE_BYTES[job.moment_dtype] * OPTIMIZER_FP32_STATES[job.optimizer] + FP32
     # replicas of an expert slice: ep carved out of dp, or folded over tp x dp = etp x ep x edp
     edp = L.dp * L.tp // (L.etp * L.ep) if L.expert_folded else L.dp // L.ep
 
@@ -231,20 +281,36 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
+    def casts_of(layers: List[int]) -> float:
+        return cast_bytes * len(layers) / max(1, len(layer_ids))
+
+    if job.megatron_memory:   # the residual stream is 16-bit; fused cross-entropy: 16-bit logits, fp32 row stats
+        layer_input = d * tokens * h / outside
     if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
         head, head_grad = FP32 * tokens * h + FP32 * arch.vocab * h, 0.0
     else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype);
         lower = d if d < FP32 else 0      # once a step, the head weight's gradient (measured at moe_1b width)
         head = (2 * FP32 + 2 * lower) * tokens * arch.vocab / t
         head_grad = (FP32 + lower) * arch.vocab * h / t if last else 0.0
+    if job.megatron_memory:
+        head, head_grad = d * tokens * arch.vocab / t + 2 * FP32 * tokens, 0.0
     logits = (head + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth)
     # Besides: the compute-dtype copies of the weights (the matmuls' saved inputs; under full
     # recompute only the recomputed layer's). The backward's per-parameter gradients add nothing
     # at the peak without a pipeline (measured): each layer's appear as its saved activations are freed.
     cast_bytes = d * (dense + expert) if d < FP32 else 0.0
+    if job.megatron_memory:   # 16-bit weights are used as they are (an FP8 recipe's 1-byte copies: weights)
+        cast_bytes = 0.0
 
     def by_recompute(layers: List[int], extra: float) -> Dict[str, float]:
         """One micro-batch's activations of `layers` per recompute mode, + `extra`."""
+        if job.megatron_memory:   # selective: the listed modules (None: the attention core)
+            selected = frozenset(job.recompute_modules or ("core_attn",))
+            none = [recipe_activation_bytes(arch, arch.is_moe(i), tokens, L, job, frozenset()) for i in layers]
+            return {"none": sum(none) + casts_of(layers) + extra,
+                    "selective": sum(recipe_activation_bytes(arch, arch.is_moe(i), tokens, L, job, selected)
+                                     for i in layers) + casts_of(layers) + extra,
+                    "full": layer_input * len(layers) + max(none, default=0.0) + extra}
         per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layers]
         working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
         casts = cast_bytes * len(layers) / max(1, len(layer_ids))
@@ -259,16 +325,29 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         vstages = [schedules.virtual_stage(L.schedule, L.pp, stage, c) for c in range(L.chunks)]
         inputs = [4.0 * tokens if u == 0 else layer_input for u in vstages]     # token ids on the first
         working = [by_recompute(layers, logits if u == V - 1 else 0.0) for layers, u in zip(chunks, vstages)]
-        if job.pipeline_backward == "stash":   # Megatron / DeepSeek: a micro-batch in flight keeps its activations
-            inputs = [x + w[L.recompute] for x, w in zip(inputs, working)]
-        stage_inputs = in_flight * max(inputs)
-        by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
-                                       FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
-                   for mode in RECOMPUTE_MODES}
+        if job.megatron_memory and job.pipeline_backward == "stash":
+            # Megatron-Core / DeepSeek: each micro-batch (chunk) in flight holds its activations from its
+            # forward to its backward; inside a pass about one layer's more is live; the gradients go
+            # straight into the persistent fp32 main-gradient buffer (no transient copies)
+            by_mode = {}
+            for mode in RECOMPUTE_MODES:
+                held = [x + w[mode] for x, w in zip(inputs, working)]
+                live = [w[mode] / max(1, len(layers)) for w, layers in zip(working, chunks)]
+                by_mode[mode] = pipeline_peak(L, stage, held, live, layer_input, 0.0, 0.0)
+            stage_inputs = in_flight * max(x + w[L.recompute] for x, w in zip(inputs, working))
+        else:
+            if job.pipeline_backward == "stash":   # Megatron / DeepSeek: a micro-batch in flight keeps its activations
+                inputs = [x + w[L.recompute] for x, w in zip(inputs, working)]
+            stage_inputs = in_flight * max(inputs)
+            by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
+                                           FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
+                       for mode in RECOMPUTE_MODES}
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
     if job.moe_overlap == "dualpipe" and L.pp > 1:   # DualPipe keeps two copies of the parameters (report 3.2.1)
         memory["weights"] *= 2
+    if job.megatron_memory and job.fp8_recipe != "none":   # the FP8 GEMMs' 1-byte copy of the weights they read
+        memory["weights"] += dense + expert
 
     # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work). Routers are whole
     # on every tp rank, and so are the routed experts unless folded (then a tp rank computes

@@ -72,11 +72,16 @@ def format_plan(result: PlanResult) -> str:
         f"{format_flops(r.hardware_flops_per_token)}",
         rule,
         f" memory per device, stage {r.peak_stage} of {L.pp} (the most loaded)",
-        f"   weights (fp32{', cast to ' + job.compute_dtype + ' per matmul' if d < FP32 else ''})".ljust(56)
+        (f"   weights ({job.param_dtype}{' + fp8 copies' if job.fp8_recipe != 'none' else ''}; Megatron recipe)"
+         if job.megatron_memory else
+         f"   weights (fp32{', cast to ' + job.compute_dtype + ' per matmul' if d < FP32 else ''})").ljust(56)
         + format_bytes(r.memory["weights"]),
-        f"   gradients (fp32 buffers{', ZeRO-2' if L.zero >= 2 else ''}; {job.grad_dtype} on the wire)".ljust(56)
+        f"   gradients ({job.grad_dtype if job.megatron_memory else 'fp32'} buffers{', ZeRO-2' if L.zero >= 2 else ''}; "
+        f"{job.grad_dtype} on the wire)".ljust(56)
         + format_bytes(r.memory["gradients"]),
-        f"   optimizer ({job.optimizer}: fp32 {states}{' + master' if L.zero >= 1 else ''}, ZeRO-{L.zero})".ljust(56)
+        (f"   optimizer ({job.optimizer}: {job.moment_dtype} {states} + fp32 master, ZeRO-{L.zero})"
+         if job.megatron_memory else
+         f"   optimizer ({job.optimizer}: fp32 {states}{' + master' if L.zero >= 1 else ''}, ZeRO-{L.zero})").ljust(56)
         + format_bytes(r.memory["optimizer"]),
         f"   activations (recompute {L.recompute})".ljust(56) + format_bytes(r.memory["activations"])
         + "    [" + ", ".join(f"{mode} {format_bytes(by_mode[mode]).strip()}" for mode in RECOMPUTE_MODES) + "]",
