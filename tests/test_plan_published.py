@@ -145,3 +145,39 @@ def test_plan_refuses_unknown_names_of_the_planner_only_keys():
         load_config(PUBLISHED[2][0], ["train.device_profile=gpu_h80"])
     with pytest.raises(ConfigError, match="recompute_modules.*not among"):
         load_config(PUBLISHED[0][0], ["parallel.recompute_modules=[attn]"])
+
+
+# --search on each published config (`moetrain plan CONFIG --search --world N`), the search held to the
+# config's layout (--keep: every layout key) so that a test costs a few plans: what it searches is the
+# priced system, moe_overlap x fp8_recipe (x experts folded over tp x dp where moetrain would not);
+# docs/plan.md has the wider searches (tp and ep free) and their ranks, measured by hand
+ALL_LAYOUT_KEYS = "tp,pp,ep,zero,recompute,micro,sp,schedule"
+
+
+@pytest.mark.parametrize("path", [p[0] for p in PUBLISHED], ids=[p[0].split("/")[-1] for p in PUBLISHED])
+def test_search_ranks_the_published_layout_in_its_top_three(path):
+    from moetrain.planner import choose_layout
+    cfg = load_config(path)
+    p = cfg.parallel
+    world = p.data_parallel * p.model_parallel * p.pipeline_stage
+    _, search = choose_layout(cfg, world, options=True, keep=tuple(ALL_LAYOUT_KEYS.split(",")))
+    assert search.own is not None and search.own.fits
+    assert search.layout_rank_of_own() is not None and search.layout_rank_of_own() <= 3
+    tried = {(c.result.job.moe_overlap, c.result.job.fp8_recipe) for c in search.candidates if c.result is not None}
+    assert {o for o, _ in tried} >= {"none", "a2a_overlap"}          # the options were searched
+    assert {f for _, f in tried} >= {"none", cfg.precision.fp8_recipe if cfg.precision.fp8_recipe != "none"
+                                     else "tensorwise"}
+    # what beats the published options is another option on the same layout, said with its reason
+    if search.rank_of_own() > 3:
+        best = search.best_per_layout()[search.layout_rank_of_own() - 1]
+        assert (best.job.moe_overlap, best.job.fp8_recipe) != (search.own.job.moe_overlap, search.own.job.fp8_recipe)
+        from moetrain.planner.report import format_search
+        assert "its layout   rank" in format_search(search) and "predicted +" in format_search(search)
+
+
+def test_search_cli_names_where_the_configs_layout_ranks(capsys):
+    assert main([PUBLISHED[3][0], "--search", "--keep", ALL_LAYOUT_KEYS]) == 0
+    out = capsys.readouterr().out
+    assert "config's     " in out and "its layout   rank 1 of" in out and "top layouts" in out
+    assert main([PUBLISHED[3][0], "--search", "--keep", "tp,bogus"]) == 2
+    assert "--keep bogus: not a layout key the search can hold" in capsys.readouterr().err

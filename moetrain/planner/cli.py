@@ -58,6 +58,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="device profile: ascend910b, gpu_a100, gpu_h100, cpu "
                     "(default: from train.device)")
     ap.add_argument("--search", action="store_true", help="search the layouts of --world devices")
+    ap.add_argument("--keep", default="", metavar="KEYS", help="with --search: hold these layout keys at the "
+                    "config's values (comma-separated: tp, pp, ep, zero, recompute, micro, sp, schedule, fold), a "
+                    "smaller search for large worlds")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     dry = ap.add_argument_group("dry run (moetrain/planner/dryrun.py): one rank built and run on this CPU, measured")
     dry.add_argument("--dry-run", action="store_true", help="build rank --rank of the layout at full width, run "
@@ -88,7 +91,8 @@ def main(argv=None) -> int:
             return 0
         if args.search:
             world = args.world or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
-            _, search = choose_layout(cfg, world, args.device)
+            keep = tuple(k.strip() for k in args.keep.split(",") if k.strip())
+            _, search = choose_layout(cfg, world, args.device, options=True, keep=keep)
             if not args.json:
                 print(format_search(search))
                 print()

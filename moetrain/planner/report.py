@@ -137,6 +137,33 @@ def format_search(search, show: int = 8) -> str:
     lines = [f"layout search: {len(search.candidates)} candidates on {search.world_size} x {search.device.name}",
              f"  chosen       {chosen.layout.describe()}: {chosen.tokens_per_second:,.0f} tokens/s, "
              f"MFU {chosen.mfu:.1%}, {chosen.total_memory / GiB:.2f} GiB of {chosen.capacity_bytes / GiB:.2f}"]
+    if search.options:
+        job = chosen.job
+        lines[1] += f"; overlap={job.moe_overlap} fp8={job.fp8_recipe}"
+        lines.insert(1, "  searched     the layout and the priced options (moe_overlap, fp8_recipe, experts folded over "
+                        "tp x dp)" + (f"; held at the config's: {', '.join(search.kept)}" if search.kept else ""))
+        if search.own is not None:
+            rank, own = search.rank_of_own(), search.own
+            fitting = len(search.ranking())
+            lines.append(f"  config's     {own.layout.describe()} overlap={own.job.moe_overlap} fp8={own.job.fp8_recipe}: "
+                         + (f"rank {rank} of {fitting} that fit, {own.tokens_per_second:,.0f} tokens/s"
+                            + (f" ({own.tokens_per_second / chosen.tokens_per_second:.1%} of the chosen)" if rank > 1
+                               else "") if rank else f"does not fit ({own.total_memory / GiB:.2f} GiB)"))
+            layouts = search.best_per_layout()
+            at = search.layout_rank_of_own()
+            if at:
+                best = layouts[at - 1]
+                why = []
+                if best.job.fp8_recipe != own.job.fp8_recipe:
+                    why.append(f"fp8_recipe {best.job.fp8_recipe} (GEMMs at the fp8 peak)")
+                if best.job.moe_overlap != own.job.moe_overlap:
+                    why.append(f"moe_overlap {best.job.moe_overlap} (the expert all-to-all hidden under compute)")
+                lines.append(f"  its layout   rank {at} of {len(layouts)} layouts that fit"
+                             + (f"; with {' and '.join(why)} it is predicted {best.tokens_per_second / own.tokens_per_second - 1:+.1%}"
+                                if why else " with its own options"))
+        lines.append("  top layouts  " + " | ".join(
+            f"{r.layout.describe()} overlap={r.job.moe_overlap} fp8={r.job.fp8_recipe}: {r.tokens_per_second:,.0f}"
+            for r in search.best_per_layout()[:3]))
     for status in ("slower", "does not fit", "invalid"):
         group = search.with_status(status)
         if status == "slower":
@@ -154,7 +181,10 @@ def format_search(search, show: int = 8) -> str:
                 lines.append(f"    {len(reasons):5d} x {text}")
             continue
         for c in group[:show]:
-            lines.append(f"    {c.layout.describe():<58} {c.reason}")
+            described = c.layout.describe()
+            if search.options and c.result is not None:
+                described += f" overlap={c.result.job.moe_overlap} fp8={c.result.job.fp8_recipe}"
+            lines.append(f"    {described:<58} {c.reason}")
         if len(group) > show:
             lines.append(f"    ... {len(group) - show} more")
     return "\n".join(lines)
