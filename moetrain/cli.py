@@ -11,7 +11,7 @@ import sys
 from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
 from moetrain.checkpoint.run_dir import claim_output_dir, release_claim
 from moetrain.compat import unsupported_mindspore
-from moetrain.config import ConfigError, load_config, output_dir_of
+from moetrain.config import ConfigError, check_trainable, load_config, output_dir_of
 from moetrain.errors import EXIT_BAD_INPUT, describe, expected_errors
 from moetrain.faults import (EXIT_CANNOT_RUN, EXIT_HALTED, EXIT_INVARIANT, EXIT_PREEMPTED, EXIT_SAVE_FAILED,
                              Preempted, PreemptionFlag, TrainingHalted)
@@ -26,6 +26,7 @@ def _train(args) -> int:
     claim = claim_output_dir(output_dir_of(args.config, args.set))
     try:
         cfg = load_config(args.config, args.set)
+        check_trainable(cfg)        # values `moetrain plan` prices and this trainer does not run: one line, exit 2
         if claim is not None and preemption.signum is not None:     # one process: no rank to agree with
             raise Preempted("stopped by a signal before set-up; nothing was written. Nothing to resume: run the same "
                             "command again (with --resume it starts again from step 0)")

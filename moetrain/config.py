@@ -89,6 +89,19 @@ class ParallelConfig:
     # how the dropless alltoall dispatcher sizes its exchange (moetrain/moe/ep_dispatcher.py): auto picks
     # exact split sizes on the Ascend path with Ascend's AlltoAllV and host-sized buckets elsewhere
     ep_splits: str = choice("auto", "auto", "exact", "bucketed")
+    # For `moetrain plan` (docs/plan.md, "Published runs"): what the priced system does that this
+    # trainer does not. moe_overlap: the expert all-to-all hidden under compute (dualpipe:
+    # DeepSeek-V3's DualPipe; a2a_overlap: Megatron-Core --overlap-moe-expert-parallel-comm);
+    # pipeline_backward: recompute (this trainer: a chunk's backward recomputes its forward) or stash
+    # (Megatron / DeepSeek: activations kept from forward to backward); recompute_modules: what
+    # recompute selective recomputes, Megatron-Core's --recompute-modules names (None: the attention core)
+    moe_overlap: str = choice("none", "none", "a2a_overlap", "dualpipe")
+    pipeline_backward: str = choice("recompute", "recompute", "stash")
+    recompute_modules: Optional[List[str]] = None
+    # fold the experts over tp x dp (etp x ep x edp) even when ep divides dp, as Megatron-Core's MoE
+    # parallel folding does (DeepSeek-V3's EP64 on tp2 x dp64: the expert group is 64 contiguous GPUs);
+    # without it moetrain folds only when ep does not divide dp. For `moetrain plan` only
+    moe_fold_experts: bool = False
     data_parallel_inferred: bool = field(default=False, metadata={"internal": True})
 
 
@@ -122,6 +135,15 @@ class PrecisionConfig:
     initial_loss_scale: float = 65536.0
     scale_window: int = 1000           # finite steps before the dynamic scale grows
     scale_factor: float = 2.0
+    # FP8 GEMMs (Megatron-Core --fp8-recipe names), priced by `moetrain plan` at the device's fp8 peak
+    fp8_recipe: str = choice("none", "none", "tensorwise", "delayed", "blockwise")
+    # How parameters and optimizer moments are stored, for `moetrain plan` (docs/plan.md, "Memory per
+    # device"): float32, what this trainer holds; bfloat16, Megatron-Core's and DeepSeek's recipe (bf16
+    # parameters, fp32 main gradients, fp32 master weights and moments sharded by the distributed
+    # optimizer over dp, experts over their expert-data-parallel group). moment_dtype bfloat16: Adam's
+    # m and v in bf16 (DeepSeek-V3 report 3.3.3; Megatron-Core --exp-avg-dtype / --exp-avg-sq-dtype bf16)
+    param_dtype: str = choice("float32", "float32", "bfloat16")
+    moment_dtype: str = choice("float32", "float32", "bfloat16")
 
 
 @dataclass
@@ -133,6 +155,7 @@ class TrainConfig:
     seed: int = 1234
     output_dir: str = "runs/default"
     device: str = choice("cpu", "cpu", "ascend", "gpu")
+    device_profile: str = ""           # the part `moetrain plan` prices (gpu_h100, gpu_h800, ...); "": the backend's default
     stop_after: int = 0                # end this invocation after this many steps (time-sliced jobs); 0: run to the end
     jit: bool = True                   # compile the step with ms.jit; false: PyNative, for debugging
     cell_reuse: bool = True            # compile one graph per block class, reused by every layer (modeling.reused_block)
@@ -526,6 +549,82 @@ def validate(cfg: Config, source: str) -> None:
          f"must be [first, last] optimizer steps with 1 <= first <= last (e.g. [3, 5]), got {window!r}")
     if cfg.precision.loss_scale != "none":
         need(cfg.precision.initial_loss_scale > 0, "precision.initial_loss_scale", "must be > 0")
+    _validate_planned_system(cfg, need)
+
+
+# Megatron-Core --recompute-modules names that `moetrain plan` prices (parallel.recompute_modules)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def _validate_planned_system(cfg: Config, need) -> None:
+    """The keys that describe the system `moetrain plan` prices (docs/plan.md, "Published runs"):
+    known names. `moetrain plan` accepts every value; `moetrain train` refuses those this trainer does
+    not run (`check_trainable`)."""
+    p, t = cfg.parallel, cfg.train
+    if t.device_profile:
+        from moetrain.devices import PROFILES   # pure Python, no MindSpore
+        near = difflib.get_close_matches(t.device_profile, list(PROFILES), n=1)
+        need(t.device_profile in PROFILES, "train.device_profile",
+             f"{t.device_profile!r} is not a device profile" + (f" (did you mean {near[0]!r}?)" if near else "")
+             + f"; known: {', '.join(PROFILES)} (moetrain/devices.py), or leave it empty for train.device's default")
+    pr = cfg.precision
+    need(pr.param_dtype == "float32" or pr.compute_dtype == pr.param_dtype, "precision.param_dtype",
+         f"{pr.param_dtype} parameters are Megatron-Core's recipe for {pr.param_dtype} compute, but "
+         f"precision.compute_dtype is {pr.compute_dtype}: set precision.compute_dtype={pr.param_dtype} or "
+         f"precision.param_dtype=float32")
+    modules = p.recompute_modules
+    if modules is not None:
+        bad = [m for m in modules if m not in RECOMPUTE_MODULES]
+        need(not bad, "parallel.recompute_modules",
+             f"{bad} not among {', '.join(RECOMPUTE_MODULES)} (Megatron-Core's --recompute-modules names)")
+        need(p.recompute == "selective", "parallel.recompute_modules",
+             f"lists what recompute selective recomputes, but parallel.recompute is {p.recompute!r}: set "
+             f"parallel.recompute=selective or remove parallel.recompute_modules")
+
+
+# What `moetrain train` does not run (docs/plan.md, "Published runs"): values of the keys that describe
+# the system `moetrain plan` prices. Each: key, the value this trainer runs, why any other is refused.
+PLANNER_ONLY = (
+    ("parallel.moe_overlap", "none", "the trainer does not overlap the expert all-to-all"),
+    ("parallel.pipeline_backward", "recompute",
+     "the trainer's pipeline recomputes a chunk's forward in its backward (it does not stash activations)"),
+    ("precision.fp8_recipe", "none", "the trainer has no FP8 GEMMs"),
+    ("parallel.moe_fold_experts", False,
+     "the trainer folds the experts over tp x dp only when expert_parallel does not divide data_parallel"),
+    ("precision.param_dtype", "float32",
+     "the trainer holds fp32 parameters (cast to the compute dtype per matmul), not bf16 ones with fp32 masters"),
+    ("precision.moment_dtype", "float32", "the trainer keeps Adam's moments in fp32"),
+    ("parallel.recompute_modules", None,
+     "the trainer's selective recompute is its own (the attention core); it does not take Megatron-Core's module list"),
+)
+
+
+def trainer_refusal(cfg: Config) -> Optional[str]:
+    """The one-line reason `moetrain train` refuses `cfg`, or None: a planner-only value (PLANNER_ONLY,
+    on any device: `moetrain plan` accepts and prices them), or a `train.device_profile` of another
+    backend than `train.device` (the plan would price a part the run does not use)."""
+    for key, default, why in PLANNER_ONLY:
+        value = get_key(cfg, key)
+        if value != default:
+            shown = ("[" + ", ".join(value) + "]" if isinstance(value, (list, tuple))
+                     else str(value).lower() if isinstance(value, bool) else value)
+            shown_default = str(default).lower() if isinstance(default, bool) else default
+            fix = f"set it to {shown_default} to train" if default is not None else "remove it to train"
+            return f"{key}={shown} is priced by `moetrain plan` only; {why}; {fix}"
+    profile = cfg.train.device_profile
+    if profile:
+        backend = "gpu" if profile.startswith("gpu") else "ascend" if profile.startswith("ascend") else "cpu"
+        if backend != cfg.train.device:
+            return (f"train.device_profile={profile} is a {backend} part but train.device is {cfg.train.device}: "
+                    f"set train.device={backend} on that machine, or leave train.device_profile empty to train here")
+    return None
+
+
+def check_trainable(cfg: Config, source: str = "") -> None:
+    """`moetrain train` (and the Trainer) refuse what `trainer_refusal` names, before any work."""
+    why = trainer_refusal(cfg)
+    if why:
+        raise ConfigError(f"{source or cfg.source}: {why}")
 
 
 def _validate_data(data: DataConfig, source: str) -> None:

@@ -47,6 +47,12 @@ class DeviceProfile:
     # FLOP/s a whole training step sustains per dtype, measured: the cost model's compute rate
     # instead of peak x compute_efficiency (empty: that product)
     sustained_flops: Dict[str, float] = field(default_factory=dict)
+    # raw per-device link rates, one direction, bytes/s (NVLink / HCCS inside a node, the NIC between
+    # nodes); a calibrated profile is priced with moetrain/planner/constants.py's efficiencies of them
+    intra_node_link: float = 0.0
+    inter_node_link: float = 0.0
+    calibrated: bool = False
+    memory_bandwidth: float = 0.0        # HBM bytes/s (data sheet): what elementwise kernels are bound by
 
     def peak(self, dtype: str) -> float:
         """Dense matmul peak FLOP/s in `dtype` (the whole host for a shared host)."""
@@ -67,13 +73,16 @@ PROFILES: Dict[str, DeviceProfile] = {p.name: p for p in (
     DeviceProfile(
         name="ascend910b",
         description="Huawei Ascend 910B (Atlas 800T A2 node: 8 NPUs, HCCS full mesh, 200GE RoCE per NPU)",
-        memory_bytes=64 * GiB,
-        peak_flops={"bfloat16": 313e12, "float16": 313e12},
+        memory_bytes=64 * GiB,                     # 64 GB HBM2e (Gitee AI cluster docs, 910B)
+        peak_flops={"bfloat16": 313e12, "float16": 313e12},   # 910B3 dense fp16/bf16; SKUs 280-376; no fp8
         compute_efficiency=0.5,
         intra_node_bandwidth=196e9,      # half of 7 HCCS links x 56 GB/s
         inter_node_bandwidth=20e9,       # 80 % of 200 Gb/s RoCE
         devices_per_node=8,
         runtime_bytes=2 * GiB,
+        intra_node_link=392e9,           # HCCS: 7 links x 56 GB/s per NPU (Atlas 800T A2 full mesh)
+        inter_node_link=25e9,            # one 200GE RoCE port per NPU = 25 GB/s
+        memory_bandwidth=1.6e12,         # HBM2e ~1.6 TB/s (public 910B figures)
         sources="313 TFLOP/s fp16/bf16 dense and 64 GB HBM2e: public 910B (910B3) figures; SKUs range "
                 "280-376 TFLOP/s; HCCS 392 GB/s per NPU"),
     DeviceProfile(
@@ -90,14 +99,38 @@ PROFILES: Dict[str, DeviceProfile] = {p.name: p for p in (
     DeviceProfile(
         name="gpu_h100",
         description="NVIDIA H100 SXM 80GB (DGX H100: 8 GPUs, NVLink 4, 400 Gb/s NDR per GPU)",
-        memory_bytes=80 * GiB,
-        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
-        compute_efficiency=0.5,
-        intra_node_bandwidth=360e9,      # NVLink 900 GB/s bidirectional
+        memory_bytes=80 * GiB,                     # 80 GB HBM3 (H100 SXM5 data sheet)
+        # dense (without sparsity) Tensor Core peaks, H100 SXM5 data sheet: bf16/fp16 989.4, fp8 1,978.9,
+        # tf32 494.7 TFLOP/s; fp32 (non-tensor) 66.9
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12},
+        compute_efficiency=0.5,          # unused: calibrated (moetrain/planner/constants.py)
+        intra_node_bandwidth=360e9,      # 80 % of NVLink's 450 GB/s a direction (collective_efficiency)
+        inter_node_bandwidth=40e9,       # 80 % of 400 Gb/s NDR = 50 GB/s a direction
+        devices_per_node=8,
+        runtime_bytes=2 * GiB,
+        intra_node_link=450e9,           # NVLink 4: 18 links, 900 GB/s bidirectional per GPU (data sheet)
+        inter_node_link=50e9,            # one ConnectX-7 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100)
+        memory_bandwidth=3.35e12,        # HBM3 3.35 TB/s (H100 SXM5 data sheet)
+        calibrated=True,
+        sources="NVIDIA H100 data sheet (SXM5, dense; NVLink 900 GB/s; NDR 400 Gb/s per GPU)"),
+    DeviceProfile(
+        name="gpu_h800",
+        description="NVIDIA H800 SXM 80GB (8 GPUs per node, NVLink 400 GB/s, 400 Gb/s CX7 InfiniBand per GPU)",
+        memory_bytes=80 * GiB,                     # 80 GB HBM3, as H100 SXM
+        # the H100 SXM's compute (same GH100 die and clocks), export variant with reduced NVLink
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 67e12},
+        compute_efficiency=0.5,          # unused: calibrated
+        intra_node_bandwidth=160e9,      # 80 % of 200 GB/s
         inter_node_bandwidth=40e9,
         devices_per_node=8,
         runtime_bytes=2 * GiB,
-        sources="NVIDIA H100 data sheet (SXM5, dense, without sparsity)"),
+        # NVLink 400 GB/s bidirectional (H800 SXM data sheet); the DeepSeek-V3 report (section 3.2.2)
+        # quotes 160 GB/s achieved NVLink and 50 GB/s IB per GPU on its H800 cluster
+        intra_node_link=200e9,
+        inter_node_link=50e9,            # CX7 400 Gb/s InfiniBand per GPU (DeepSeek-V3 report, section 3.1)
+        memory_bandwidth=3.35e12,        # HBM3 3.35 TB/s, as H100 SXM
+        calibrated=True,
+        sources="H800 SXM: H100 SXM compute, NVLink 400 GB/s; DeepSeek-V3 report (arXiv 2412.19437) 3.1-3.2"),
     DeviceProfile(
         name="cpu",
         description="this project's CPU machine (2 cores, AVX-512, MindSpore 2.10 CPU backend); "
@@ -123,7 +156,7 @@ DEFAULT_FOR_BACKEND = {"ascend": "ascend910b", "gpu": "gpu_a100", "cpu": "cpu"}
 
 
 def get_device(device: Union[str, DeviceProfile]) -> DeviceProfile:
-    """A profile by name (`ascend910b`, `gpu_a100`, `gpu_h100`, `cpu`) or backend (`ascend`, `gpu`)."""
+    """A profile by name (`ascend910b`, `gpu_a100`, `gpu_h100`, `gpu_h800`, `cpu`) or backend (`ascend`, `gpu`)."""
     if isinstance(device, DeviceProfile):
         return device
     name = DEFAULT_FOR_BACKEND.get(device, device)

@@ -108,6 +108,9 @@ class Layout:
     interleave: int = 1                       # parallel.pp_interleave_num: model chunks per stage
     cp: int = 1                               # context parallel: ranks each sequence is split over
     cp_comm: str = "all_gather"               # parallel.cp_comm_type: how attention crosses the split
+    # -- planner-only rule (issue 33; `moetrain plan` prices it, the trainer refuses it): fold the
+    # experts over tp x dp even when ep divides dp, as Megatron-Core does (parallel.moe_fold_experts)
+    fold_experts: bool = False
 
     @property
     def chunks(self) -> int:
@@ -125,7 +128,7 @@ class Layout:
         (each tp rank dispatches its own slice of the tokens). Otherwise (etp 1 and ep dividing dp, the
         layout before folding) the experts are replicated over tp and ep is carved out of dp. With
         context parallelism the data-parallel ranks are the dp x cp ones (their tokens differ too)."""
-        return self.etp > 1 or (self.dp * self.cp) % max(1, self.ep) != 0
+        return self.fold_experts or self.etp > 1 or (self.dp * self.cp) % max(1, self.ep) != 0
 
     @property
     def token_slices(self) -> int:
@@ -149,7 +152,8 @@ class Layout:
                    num_micro_batches=count, zero=p.optimizer_shard, recompute=p.recompute,
                    sequence_parallel=p.use_seq_parallel, schedule=p.pipeline_schedule,
                    pipeline_layers=tuple(p.pipeline_layers) if p.pipeline_layers else None,
-                   interleave=p.pp_interleave_num, cp=p.context_parallel, cp_comm=p.cp_comm_type)
+                   interleave=p.pp_interleave_num, cp=p.context_parallel, cp_comm=p.cp_comm_type,
+                   fold_experts=getattr(p, "moe_fold_experts", False))
 
     def parallel_settings(self) -> Dict[str, object]:
         """The `parallel.*` keys of this layout (mode: manual, so the trainer runs it as is)."""
@@ -165,6 +169,7 @@ class Layout:
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
         etp = f" etp{self.etp}" if self.etp > 1 else ""
+        etp += " folded" if self.fold_experts else ""
         schedule = f" {self.schedule}" if self.pp > 1 and self.schedule != "1f1b" else ""
         schedule += f" v{self.chunks}" if self.pp > 1 and self.chunks > 1 else ""
         schedule += f" layers={','.join(map(str, self.pipeline_layers))}" if self.pp > 1 and self.pipeline_layers else ""

@@ -28,7 +28,7 @@ from moetrain.checkpoint import distributed
 from moetrain.checkpoint.initial import load_initial_weights
 from moetrain.checkpoint.manager import CheckpointError, CheckpointSaveError
 from moetrain.checkpoint.run_dir import last_good_checkpoint, start_run
-from moetrain.config import Config, dump_config, validate
+from moetrain.config import Config, check_trainable, dump_config, validate
 from moetrain.data import build_datasets, build_sampler, fetch
 from moetrain.data.blend import evaluate_sources
 from moetrain.devices import get_device
@@ -166,6 +166,7 @@ class Trainer:
         """`preemption`: the `moetrain.faults.PreemptionFlag` `moetrain train` installed at its start (a
         signal during set-up stops the run before its first step, docs/faults.md); None: the trainer's own."""
         self._preemption = preemption
+        check_trainable(cfg)        # planner-only values (docs/plan.md, "Published runs"): refused before any work
         cfg, self.layout_search = resolve_auto_layout(cfg)
         self.cfg = cfg
         t = cfg.train

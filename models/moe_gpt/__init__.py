@@ -29,7 +29,8 @@ def moe_arch(cfg) -> Dict[str, Any]:
     moe = cfg.moe
     return dict(transformer_arch(cfg), moe_layers=tuple(cfg.moe_layers), experts=moe.num_experts, top_k=moe.top_k,
                 expert_ffn=moe.ffn_hidden_size, shared_ffn=moe.shared_hidden_size,
-                capacity_factor=float(moe.capacity_factor))
+                capacity_factor=float(moe.capacity_factor),
+                groups=getattr(moe, "num_groups", 1), topk_groups=getattr(moe, "topk_groups", 1))
 
 
 FAMILY = register_family(Family(

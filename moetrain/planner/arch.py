@@ -42,6 +42,8 @@ class Arch:
     rope_dim: int = 0                 # MLA: rotary part of head_dim (the decoupled key shared by the heads)
     qk_norm: bool = False             # per-head q/k RMSNorm (qwen3_moe)
     mtp_depth: int = 0                # multi-token-prediction modules after the stack (each an MoE block)
+    groups: int = 1                   # group-limited routing (moe.num_groups): node-limited when groups map to nodes
+    topk_groups: int = 1              # groups a token may reach (moe.topk_groups)
 
     @classmethod
     def of(cls, model_cfg) -> "Arch":
@@ -103,6 +105,26 @@ class Arch:
         margin = 1.0 if exact else DISPATCH_ROW_MARGIN
         return self.top_k * (self.capacity_factor if self.capacity_factor > 0 else margin)
 
+    def max_nodes_per_token(self, nodes: int) -> int:
+        """Node-limited routing (DeepSeek-V3's M): the most nodes of an expert-parallel group spread
+        over `nodes` nodes that one token's experts can be on. Group-limited routing is node-limited
+        when the groups tile the nodes (experts placed in order, each node holding whole groups or
+        each group whole nodes): a token reaches topk_groups groups, i.e. that many groups' nodes."""
+        if self.groups > 1 and self.topk_groups < self.groups:
+            if self.groups % nodes == 0:
+                return min(nodes, self.topk_groups, self.top_k)
+            if nodes % self.groups == 0:
+                return min(nodes, self.topk_groups * nodes // self.groups, self.top_k)
+        return min(nodes, self.top_k)
+
+    def nodes_per_token(self, nodes: int) -> float:
+        """Expected distinct nodes one token's top_k experts are on (balanced routing): k uniform
+        picks over `nodes` nodes reach n (1 - (1 - 1/n)^k) of them, at most `max_nodes_per_token`."""
+        if nodes <= 1:
+            return 1.0
+        spread = nodes * (1 - (1 - 1 / nodes) ** self.top_k)
+        return min(spread, float(self.max_nodes_per_token(nodes)))
+
 
 @dataclass(frozen=True)
 class Job:
@@ -113,12 +135,33 @@ class Job:
     compute_dtype: str = "float32"    # matmul / activation dtype
     grad_dtype: str = "float32"       # dtype gradients are accumulated and reduced in
     optimizer: str = "adamw"
+    # the priced system beyond the layout (moetrain/config.py; docs/plan.md, "Published runs")
+    fp8_recipe: str = "none"          # precision.fp8_recipe: GEMMs at the device's fp8 peak
+    moe_overlap: str = "none"         # parallel.moe_overlap: none | a2a_overlap | dualpipe
+    pipeline_backward: str = "recompute"   # parallel.pipeline_backward: recompute (this trainer) | stash
+    recompute_modules: Optional[Tuple[str, ...]] = None   # parallel.recompute_modules (None: attention core)
+    param_dtype: str = "float32"      # precision.param_dtype: bfloat16 = Megatron-Core's memory recipe
+    moment_dtype: str = "float32"     # precision.moment_dtype: Adam's m and v
+
+    @property
+    def megatron_memory(self) -> bool:
+        """Memory as Megatron-Core / DeepSeek hold it (16-bit parameters, fp32 main gradients and
+        masters, activations as their kernels save them) instead of as this trainer does."""
+        return self.param_dtype != "float32"
 
     @classmethod
     def of(cls, cfg) -> "Job":
+        p = cfg.parallel
+        modules = getattr(p, "recompute_modules", None)
         return cls(model=cfg.model, seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", 0),
                    global_batch_size=cfg.train.global_batch_size, compute_dtype=cfg.precision.compute_dtype,
-                   grad_dtype=cfg.parallel.grad_reduce_dtype, optimizer=cfg.optimizer.name)
+                   grad_dtype=p.grad_reduce_dtype, optimizer=cfg.optimizer.name,
+                   fp8_recipe=getattr(cfg.precision, "fp8_recipe", "none"),
+                   moe_overlap=getattr(p, "moe_overlap", "none"),
+                   pipeline_backward=getattr(p, "pipeline_backward", "recompute"),
+                   recompute_modules=tuple(modules) if modules is not None else None,
+                   param_dtype=getattr(cfg.precision, "param_dtype", "float32"),
+                   moment_dtype=getattr(cfg.precision, "moment_dtype", "float32"))
 
     # Derived once per job: the layout search costs thousands of layouts of the same model.
     @functools.cached_property

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from moetrain.config import ConfigError, infer_data_parallel, load_config
 from moetrain.layout import LayoutError
-from moetrain.planner.report import format_plan, format_search
+from moetrain.planner.report import format_plan, format_search, plan_json
 from moetrain.planner.search import choose_layout, plan
 
 CPU_CONFIG = "configs/moe_tiny_8p.yaml"
@@ -58,12 +58,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="device profile: ascend910b, gpu_a100, gpu_h100, cpu "
                     "(default: from train.device)")
     ap.add_argument("--search", action="store_true", help="search the layouts of --world devices")
+    ap.add_argument("--keep", default="", metavar="KEYS", help="with --search: hold these layout keys at the "
+                    "config's values (comma-separated: tp, pp, ep, zero, recompute, micro, sp, schedule, fold), a "
+                    "smaller search for large worlds")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     dry = ap.add_argument_group("dry run (moetrain/planner/dryrun.py): one rank built and run on this CPU, measured")
     dry.add_argument("--dry-run", action="store_true", help="build rank --rank of the layout at full width, run "
                      "one step, print planned against measured bytes per category")
     dry.add_argument("--rank", type=int, default=0, help="the rank to build (default 0)")
-    dry.add_argument("--json", action="store_true", help="with --dry-run: one JSON object (planned, measured)")
+    dry.add_argument("--json", action="store_true", help="one JSON object: the plan (tokens_per_s_per_device, "
+                     "model_tflops_per_device, mfu, ...); with --dry-run: planned and measured")
     dry.add_argument("--seq", type=int, default=None, help="with --dry-run: run this many tokens per sequence "
                      "(default: the config's, shortened to fit this machine)")
     dry.add_argument("--layers", type=int, default=None, help="with --dry-run: build the first N layers at full "
@@ -87,13 +91,15 @@ def main(argv=None) -> int:
             return 0
         if args.search:
             world = args.world or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
-            _, search = choose_layout(cfg, world, args.device)
-            print(format_search(search))
-            print()
+            keep = tuple(k.strip() for k in args.keep.split(",") if k.strip())
+            _, search = choose_layout(cfg, world, args.device, options=True, keep=keep)
+            if not args.json:
+                print(format_search(search))
+                print()
             result = search.chosen
         else:
             result = plan(cfg, args.world, args.device)
-        print(format_plan(result))
+        print(plan_json(result) if args.json else format_plan(result))
     except (ConfigError, LayoutError, ValueError) as exc:
         print(f"moetrain plan: error: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from moetrain.parallel import schedules
 from moetrain.planner import context
 from moetrain.planner.arch import (DTYPE_BYTES, FP32, OPTIMIZER_FP32_STATES, Arch, Job, ParamCount,
                                    attention_flops_per_token, validate_plan)
+from moetrain.planner.constants import constant
 from moetrain.planner.schedule import last_stage, pipeline_bubble, pipeline_in_flight, pipeline_peak, chunk_layer_lists
 
 MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragmentation, workspace peaks
@@ -51,6 +52,49 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     return attention + ffn, probs
 
 
+def recipe_activation_bytes(arch: Arch, moe: bool, tokens: int, layout: Layout, job: Job,
+                            recomputed: frozenset) -> float:
+    """Bytes one layer keeps for backward for `tokens` tokens of one micro-batch under Megatron-Core's
+    (and DeepSeek's) recipe (`Job.megatron_memory`), with the modules `recomputed` (Megatron-Core's
+    --recompute-modules names) dropped. Korthikanti et al. 2022's terms (their 34 s b h per layer with
+    sequence parallelism; docs/plan.md) as these runs save them: 16-bit activations, no dropout,
+    flash attention (no probabilities: Q, K, V, O and the log-sum-exp), SwiGLU, a GEMM's saved input
+    in fp8 (1 byte) under an FP8 recipe (Transformer Engine keeps the quantised copy; DeepSeek-V3
+    report 3.3.3 caches the MoE inputs in FP8), MoE rows load-exact (dropless, k a token), the
+    probabilities applied inside the experts' activation (Megatron-Core 0.13+: the expert output is
+    not kept). `layernorm`: the norms' outputs (the next GEMM's input) recomputed; `mla_up_proj`:
+    MLA's up-projected q, k, v freed after the attention core and recomputed from the latents;
+    `moe_act` / `mlp` / `moe` / `shared_experts`: the SwiGLU output / the dense MLP / the routed /
+    the shared experts recomputed from their inputs; `core_attn`: nothing more with flash attention."""
+    h, t, d = arch.hidden, layout.tp, DTYPE_BYTES[job.compute_dtype]
+    g = 1 if job.fp8_recipe != "none" else d            # a GEMM input kept for the weight gradient
+    outside = t if layout.sequence_parallel else 1
+    norm_out = 0.0 if "layernorm" in recomputed else g * tokens * h / outside
+    stored = 2 * d * tokens * h / outside + 2 * norm_out  # the two norms' inputs (residual stream) and outputs
+    # attention
+    if arch.kv_lora_rank:           # MLA: the latents (normed, up-projection inputs), then q, k, v
+        stored += d * tokens * (arch.q_lora_rank + arch.kv_lora_rank + arch.rope_dim)
+        if "mla_up_proj" not in recomputed:
+            stored += d * tokens * arch.heads * (2 * arch.head_dim + arch.v_dim) / t
+    else:
+        stored += d * tokens * arch.head_dim * (arch.heads + 2 * arch.kv_heads) / t
+    stored += d * tokens * arch.heads * arch.v_dim / t + FP32 * tokens * arch.heads / t   # O, log-sum-exp
+
+    def swiglu(rows: float, width: float) -> float:      # input shared with the norm; gate|up, product
+        return d * rows * 2 * width + (0.0 if "moe_act" in recomputed else g * rows * width)
+    if not moe:
+        if "mlp" not in recomputed:
+            stored += swiglu(tokens, arch.ffn / t)
+        return stored
+    stored += 2 * FP32 * tokens * arch.experts                     # fp32 router logits and probabilities
+    if "moe" not in recomputed:
+        rows = tokens * arch.top_k * (arch.capacity_factor if arch.capacity_factor > 0 else 1.0) / layout.token_slices
+        stored += g * rows * h + swiglu(rows, arch.expert_ffn / layout.etp)   # dispatched rows, experts
+    if arch.shared_ffn and "shared_experts" not in recomputed:
+        stored += swiglu(tokens, arch.shared_ffn / t)
+    return stored
+
+
 def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, exact: bool = False) -> float:
     """Token-row buffers of one MoE layer for `tokens` tokens (what `moetrain plan --dry-run`
     measures): the rows the experts read (fp32: the norm's output, moetrain/moe/layer.py) and
@@ -58,6 +102,98 @@ def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, ex
     back (sent and received: twice each)."""
     rows = tokens * arch.routed_rows_per_token(exact)      # folded: the capacities follow the dp rank's counts
     return rows * arch.hidden * (FP32 + dtype_bytes) * (3 if layout.ep > 1 else 1)
+
+
+
+def _selective_recompute(arch: Arch, modules, layer: int, attention: float, routed: float) -> Tuple[float, float, float]:
+    """FLOPs per token of one more forward of what `recompute selective` recomputes in `layer`:
+    (tp-split matmuls, attention core, routed experts). `modules` None: the attention core (this
+    trainer); else Megatron-Core's --recompute-modules: layernorm and moe_act are elementwise (no
+    matmul FLOPs), mla_up_proj the MLA up-projections wq_b and wkv_b, mlp a dense layer's MLP, moe
+    the routed experts, shared_experts the shared ones."""
+    if modules is None:
+        return 0.0, attention, 0.0
+    h, moe = arch.hidden, arch.is_moe(layer)
+    extra_tp = extra_attention = extra_whole = 0.0
+    if "core_attn" in modules:
+        extra_attention += attention
+    if "mla_up_proj" in modules and arch.kv_lora_rank:
+        d_nope = arch.head_dim - arch.rope_dim
+        extra_tp += 2 * (arch.q_lora_rank * arch.heads * arch.head_dim
+                         + arch.kv_lora_rank * arch.heads * (d_nope + arch.v_dim))
+    if "mlp" in modules and not moe:
+        extra_tp += 2 * 3 * h * arch.ffn
+    if "shared_experts" in modules and moe:
+        extra_tp += 2 * 3 * h * arch.shared_ffn
+    if "moe" in modules and moe:
+        extra_whole += 2 * routed
+    return extra_tp, extra_attention, extra_whole
+
+
+def _calibrated_seconds(device: DeviceProfile, job: Job, flops: float, attention: float, bf16: float) -> float:
+    """Seconds per token of `flops` per device on a calibrated profile: the attention core at
+    `attention_efficiency` of the 16-bit peak, the head and router (`bf16`) at the 16-bit GEMM
+    efficiency, the other matmuls at the fp8 one under an FP8 recipe, plus the non-GEMM work; with
+    DualPipe the SMs left after the all-to-all kernels' share (constants.COST_MODEL)."""
+    dtype = job.compute_dtype
+    gemm16 = device.peak(dtype) * constant("gemm_efficiency.bfloat16")     # fp16 the same
+    fp8 = job.fp8_recipe != "none" and "float8" in device.peak_flops
+    gemm = device.peak("float8") * constant("gemm_efficiency.float8") if fp8 else gemm16
+    seconds = (attention / (device.peak(dtype) * constant("attention_efficiency")) + bf16 / gemm16
+               + max(0.0, flops - attention - bf16) / gemm)
+    if job.moe_overlap == "dualpipe":
+        seconds /= 1 - constant("dualpipe_sm_share")
+    return seconds
+
+
+def _elementwise_seconds(device: DeviceProfile, job: Job, elements: float, d: int) -> float:
+    """Seconds per token of the non-GEMM kernels: `elements` activation elements touched per token
+    (summed over passes), each `elementwise_passes` times in the compute dtype, at the HBM bandwidth."""
+    if not device.memory_bandwidth:
+        return 0.0
+    seconds = elements * d * constant("elementwise_passes") / device.memory_bandwidth
+    if job.moe_overlap == "dualpipe":
+        seconds /= 1 - constant("dualpipe_sm_share")
+    return seconds
+
+
+def _expert_all_to_all(arch: Arch, job: Job, L: Layout, device: DeviceProfile, tokens: float, exchanges: float,
+                       d: int) -> Tuple[float, float, Dict[str, float]]:
+    """`(bytes sent, seconds, detail)` per micro-batch of the expert all-to-all on a calibrated
+    profile: `tokens` dispatched by this rank, `exchanges` dispatch + combine pairs (forward,
+    backward, recompute). Inside a node every routed row goes over NVLink / HCCS; across nodes the
+    dispatcher sends a token ONCE to each remote node its experts are on (deduplicated, then
+    forwarded inside the node: DeepSeek-V3 report 3.2.2, DeepEP), and node-limited routing caps
+    those nodes (`Arch.max_nodes_per_token`). Both links run at once: the slower one sets the time.
+    FP8 dispatch (blockwise recipe, DeepSeek-V3 report 3.3.4) halves the forward dispatch bytes."""
+    ranks = L.etp * L.ep if L.expert_folded else L.tp * L.ep
+    per_node = max(1, device.devices_per_node // (L.etp if L.expert_folded else L.tp))   # ep ranks per node
+    nodes = max(1, -(-ranks // device.devices_per_node))
+    k = arch.top_k * (arch.capacity_factor if arch.capacity_factor > 0 else 1.0)
+    dispatch_bytes = 1.0 if job.fp8_recipe == "blockwise" else d     # + scales, negligible at 1x128 blocks
+    # bytes of one token's row in the four passes of a dispatch + combine pair (forward: dispatch,
+    # combine; backward: the combine's gradient out, the dispatch's gradient back), per element
+    pair = dispatch_bytes + 3 * d
+    row = arch.hidden * pair * exchanges         # bytes of one routed row over all the exchanges
+    if nodes == 1:
+        remote = 0.0
+        nvlink_bytes = tokens * k * (L.ep - 1) / L.ep * row
+        network_bytes = 0.0
+    else:
+        local_ranks = min(per_node, L.ep)
+        remote = arch.nodes_per_token(nodes) * (1 - 1 / nodes)      # remote nodes a token is sent to
+        # inside the node: the rows for this node's other ranks, and the rows the network copies
+        # that arrive here fan out to (each remote copy forwards to its experts' ranks)
+        rows_local = k * (local_ranks - 1) / L.ep
+        rows_forwarded = k * (1 - local_ranks / L.ep)
+        nvlink_bytes = tokens * (rows_local + rows_forwarded) * row
+        network_bytes = tokens * remote * row
+    nvlink = nvlink_bytes / (device.intra_node_link * constant("a2a_efficiency.intra_node"))
+    network = network_bytes / (device.inter_node_link * constant("a2a_efficiency.inter_node")) if nodes > 1 else 0.0
+    return nvlink_bytes + network_bytes, max(nvlink, network), {
+        "nodes": nodes, "max_nodes_per_token": arch.max_nodes_per_token(nodes) if nodes > 1 else 1,
+        "remote_nodes_per_token": remote, "nvlink_bytes": nvlink_bytes, "network_bytes": network_bytes,
+        "nvlink_seconds": nvlink, "network_seconds": network}
 
 
 @dataclass
@@ -76,6 +212,8 @@ class StageCost:
     in_flight: int = 1                   # micro-batch (chunk) inputs held by the pipeline schedule
     in_flight_bytes: float = 0.0         # their bytes (part of the activations)
     pass_costs: List[Tuple[float, float, float]] = field(default_factory=list)   # per chunk: F, B, W seconds
+    ep_hidden_seconds: float = 0.0       # of the expert all-to-all, per step, hidden under compute (moe_overlap)
+    ep_detail: Dict[str, float] = field(default_factory=dict)   # how the all-to-all was priced (docs/plan.md)
 
     @property
     def total_memory(self) -> float:
@@ -100,6 +238,13 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     weight_bytes = grad_bytes = FP32
     state_bytes = FP32 * OPTIMIZER_FP32_STATES[job.optimizer] + (FP32 if L.zero >= 1 else 0)
     wire_bytes = DTYPE_BYTES[job.grad_dtype]
+    if job.megatron_memory:
+        # Megatron-Core's recipe (its README, "Distributed optimizer": bf16 parameters with fp32
+        # gradients hold 6 + 12/d bytes a parameter): 16-bit parameters, fp32 main gradients (the
+        # grad_reduce_dtype: --grad-reduce-in-bf16 keeps them 16-bit), and the fp32 master weights and
+        # moments (moment_dtype) in the distributed optimizer, over dp (experts: edp) when ZeRO >= 1
+        weight_bytes, grad_bytes = DTYPE_BYTES[job.param_dtype], wire_bytes
+        state_bytes = DTYPE_BYTES[job.moment_dtype] * OPTIMIZER_FP32_STATES[job.optimizer] + FP32
     # replicas of an expert slice: ep carved out of dp, or folded over tp x dp = etp x ep x edp
     dp = context.replicas(L)              # dense replicas: dp x cp (context parallel)
     edp = dp * L.tp // (L.etp * L.ep) if L.expert_folded else dp // L.ep
@@ -138,20 +283,36 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
+    def casts_of(layers: List[int]) -> float:
+        return cast_bytes * len(layers) / max(1, len(layer_ids))
+
+    if job.megatron_memory:   # the residual stream is 16-bit; fused cross-entropy: 16-bit logits, fp32 row stats
+        layer_input = d * tokens * h / outside
     if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
         head, head_grad = FP32 * tokens * h + FP32 * arch.vocab * h, 0.0
     else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype);
         lower = d if d < FP32 else 0      # once a step, the head weight's gradient (measured at moe_1b width)
         head = (2 * FP32 + 2 * lower) * tokens * arch.vocab / t
         head_grad = (FP32 + lower) * arch.vocab * h / t if last else 0.0
+    if job.megatron_memory:
+        head, head_grad = d * tokens * arch.vocab / t + 2 * FP32 * tokens, 0.0
     logits = (head + (FP32 + d) * tokens * h / outside) * (1 + arch.mtp_depth)
     # Besides: the compute-dtype copies of the weights (the matmuls' saved inputs; under full
     # recompute only the recomputed layer's). The backward's per-parameter gradients add nothing
     # at the peak without a pipeline (measured): each layer's appear as its saved activations are freed.
     cast_bytes = d * (dense + expert) if d < FP32 else 0.0
+    if job.megatron_memory:   # 16-bit weights are used as they are (an FP8 recipe's 1-byte copies: weights)
+        cast_bytes = 0.0
 
     def by_recompute(layers: List[int], extra: float) -> Dict[str, float]:
         """One micro-batch's activations of `layers` per recompute mode, + `extra`."""
+        if job.megatron_memory:   # selective: the listed modules (None: the attention core)
+            selected = frozenset(job.recompute_modules or ("core_attn",))
+            none = [recipe_activation_bytes(arch, arch.is_moe(i), tokens, L, job, frozenset()) for i in layers]
+            return {"none": sum(none) + casts_of(layers) + extra,
+                    "selective": sum(recipe_activation_bytes(arch, arch.is_moe(i), tokens, L, job, selected)
+                                     for i in layers) + casts_of(layers) + extra,
+                    "full": layer_input * len(layers) + max(none, default=0.0) + extra}
         per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layers]
         working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
         casts = cast_bytes * len(layers) / max(1, len(layer_ids))
@@ -166,13 +327,30 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         vstages = [schedules.virtual_stage(L.schedule, L.pp, stage, c) for c in range(L.chunks)]
         inputs = [4.0 * tokens if u == 0 else layer_input for u in vstages]     # token ids on the first
         working = [by_recompute(layers, logits if u == V - 1 else 0.0) for layers, u in zip(chunks, vstages)]
-        stage_inputs = in_flight * max(inputs)
-        by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
-                                       FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
-                   for mode in RECOMPUTE_MODES}
+        if job.megatron_memory and job.pipeline_backward == "stash":
+            # Megatron-Core / DeepSeek: each micro-batch (chunk) in flight holds its activations from its
+            # forward to its backward; inside a pass about one layer's more is live; the gradients go
+            # straight into the persistent fp32 main-gradient buffer (no transient copies)
+            by_mode = {}
+            for mode in RECOMPUTE_MODES:
+                held = [x + w[mode] for x, w in zip(inputs, working)]
+                live = [w[mode] / max(1, len(layers)) for w, layers in zip(working, chunks)]
+                by_mode[mode] = pipeline_peak(L, stage, held, live, layer_input, 0.0, 0.0)
+            stage_inputs = in_flight * max(x + w[L.recompute] for x, w in zip(inputs, working))
+        else:
+            if job.pipeline_backward == "stash":   # Megatron / DeepSeek: a micro-batch in flight keeps its activations
+                inputs = [x + w[L.recompute] for x, w in zip(inputs, working)]
+            stage_inputs = in_flight * max(inputs)
+            by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
+                                           FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
+                       for mode in RECOMPUTE_MODES}
     by_mode = context.add_held_kv(by_mode, arch, L, tokens, d, len(layer_ids), fused)
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
+    if job.moe_overlap == "dualpipe" and L.pp > 1:   # DualPipe keeps two copies of the parameters (report 3.2.1)
+        memory["weights"] *= 2
+    if job.megatron_memory and job.fp8_recipe != "none":   # the FP8 GEMMs' 1-byte copy of the weights they read
+        memory["weights"] += dense + expert
 
     # ---- compute per micro-batch (hardware FLOPs: recompute adds forward work). Routers are whole
     # on every tp rank, and so are the routed experts unless folded (then a tp rank computes
@@ -186,38 +364,61 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     sustained = device.sustained(job.compute_dtype) / (L.world if device.shared_host else 1)
     per_flop = tokens / sustained
     V = L.pp * L.chunks
+    stash = job.pipeline_backward == "stash"        # no forward recomputed by the pipeline's backward
     split_backward = L.pp > 1 and L.schedule in schedules.SPLIT_BACKWARD
+    modules = job.recompute_modules
+    # COST_MODEL is fitted for 16-bit training: fp32 compute on a calibrated part keeps compute_efficiency
+    calibrated = device.calibrated and job.compute_dtype in ("bfloat16", "float16")
     compute, pass_costs = 0.0, []
     for c, layers in enumerate(chunks):
         u = schedules.virtual_stage(L.schedule, L.pp, stage, c) if L.pp > 1 else 0
-        input_gradient_again = split_backward and 0 < u < V - 1
+        input_gradient_again = split_backward and 0 < u < V - 1 and not stash
         forward = tp_flops = whole = 0.0
+        attention_part = bf16_part = 0.0                # of tp_flops: attention core; of both: head and router
+        elementwise = 0.0                               # activation elements a device's kernels touch per token
         for layer in layers:
             moe = arch.is_moe(layer)
             matmul = arch.attention_params + (3 * h * arch.shared_ffn if moe else 3 * h * arch.ffn)
-            routed = arch.experts * h + 3 * h * arch.expert_ffn * arch.top_k / (L.token_slices * L.etp) if moe else 0
+            router = arch.experts * h if moe else 0
+            routed = router + 3 * h * arch.expert_ffn * arch.top_k / (L.token_slices * L.etp) if moe else 0
             if layer >= arch.layers:                 # MTP depth: eh_proj and the LM head once more
                 matmul += 2 * h * h + arch.vocab * h
             attention = arch.attention_core_flops(s)           # forward QK^T and AV per token
-            forwards = 1 + (L.recompute == "full") + (L.pp > 1 and u < V - 1) + input_gradient_again
+            forwards = (1 + (L.recompute == "full") + (L.pp > 1 and u < V - 1 and not stash)
+                        + input_gradient_again)
             again = 2 * input_gradient_again                  # the input gradient once more (matmuls x2, core x2)
             tp_flops += (4 + 2 * forwards + again) * matmul + (2 + forwards + again) * attention
+            attention_part += (2 + forwards + again) * attention
             whole += (4 + 2 * forwards + again) * routed
+            bf16_part += (4 + 2 * forwards + again) * router
+            rows = arch.routed_rows_per_token() / L.token_slices if moe else 0.0
+            width = (h + arch.expert_ffn / L.etp) * rows + (3 * h * arch.shared_ffn / t / h if moe else arch.ffn / t)
+            elementwise += (2 + forwards) * (h / t + width)
             forward += 2 * matmul / t + attention / t + 2 * routed
-            if L.recompute == "selective":
-                tp_flops += attention
+            if L.recompute == "selective":           # one more forward of what it recomputes
+                extra_tp, extra_attention, extra_whole = _selective_recompute(arch, modules, layer, attention, routed)
+                tp_flops += extra_tp + extra_attention
+                attention_part += extra_attention
+                whole += extra_whole
         if u == V - 1:
             tp_flops += 6 * arch.vocab * h
+            bf16_part += 6 * arch.vocab * h / t
             forward += 2 * arch.vocab * h / t
-        total = (tp_flops / t + whole) * per_flop
-        forward *= per_flop
+        flops = tp_flops / t + whole
+        if calibrated:            # GEMMs, attention and the rest priced apart (moetrain/planner/constants.py)
+            chunk_seconds = tokens * (_calibrated_seconds(device, job, flops, attention_part / t, bf16_part)
+                                      + _elementwise_seconds(device, job, elementwise, d))
+            total, forward = chunk_seconds, chunk_seconds * forward / flops if flops else 0.0
+        else:
+            total = flops * per_flop
+            forward *= per_flop
         compute += total
         if L.pp == 1 or u == V - 1:          # the last virtual stage: all in its forward
             pass_costs.append((total, 0.0, 0.0))
         elif not split_backward:
             pass_costs.append((forward, total - forward, 0.0))
         else:                                # B: a forward and an input gradient (about a forward's FLOPs)
-            backward_input = 2 * forward if u > 0 else 0.0
+            backward_input = (forward if stash else 2 * forward) if u > 0 else 0.0
             pass_costs.append((forward, backward_input, total - forward - backward_input))
 
     # ---- communication (bytes per device)
@@ -235,9 +436,14 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         else:                          # all-reduces of the row-parallel outputs and column-parallel input grads
             per_mb["tp"] = collectives * 2 * (t - 1) / t * size
     moe_layers = sum(arch.is_moe(i) for i in layer_ids)
+    ep_seconds_per_mb, ep_detail = None, {}
     if L.ep > 1:   # folded: a slice's buffers are sized from its dp rank's counts (moetrain/moe/capacity.py)
         rows = tokens * arch.routed_rows_per_token()
         per_mb["ep"] = moe_layers * (4 + 2 * full) * (L.ep - 1) / L.ep * rows * h * d * a2a_factor
+        if device.calibrated:
+            ep_bytes, ep_seconds_per_mb, ep_detail = _expert_all_to_all(
+                arch, job, L, device, tokens / L.token_slices, moe_layers * (1 + full / 2), d)
+            per_mb["ep"] = ep_bytes
     if L.token_slices > 1:   # folded: the slices' outputs all-gathered over tp_tokens (backward: the gradients)
         n = L.token_slices
         per_mb["tp"] += moe_layers * (2 + full) * (n - 1) / n * tokens * h * d * gather_factor
@@ -253,8 +459,14 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
              "cp": context.span(L)}
     comm_bytes = {dim: per_mb[dim] * L.num_micro_batches for dim in per_mb}
     comm_seconds = {dim: comm_bytes[dim] / _bandwidth(device, spans[dim]) for dim in per_mb}
+    if ep_seconds_per_mb is not None:      # NVLink and the network priced apart, node-limited, deduplicated
+        comm_seconds["ep"] = ep_seconds_per_mb * L.num_micro_batches
+    # the part of the expert all-to-all that runs under another micro-batch's (or chunk's) compute
+    overlap = constant(f"overlap.{job.moe_overlap}")
+    ep_hidden = min(overlap * comm_seconds["ep"], compute * L.num_micro_batches)
     # each exchange also costs a fixed latency, whatever its size: what more chunks a stage pay
     comm_seconds["pp"] += sends * L.num_micro_batches * device.p2p_latency
+    critical = sum(comm_seconds[dim] for dim in per_mb) - ep_hidden
 
     def sync_bytes(params: float, group: int) -> float:
         if group == 1:
@@ -271,8 +483,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
                      dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact),
                      activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
                      compute_seconds_per_micro_batch=compute, pass_costs=pass_costs,
-                     comm_seconds_per_micro_batch=sum(comm_seconds[dim] for dim in per_mb) / L.num_micro_batches,
-                     dp_seconds=dp_seconds)
+                     comm_seconds_per_micro_batch=critical / L.num_micro_batches,
+                     dp_seconds=dp_seconds, ep_hidden_seconds=ep_hidden, ep_detail=ep_detail)
 
 
 
@@ -351,6 +563,12 @@ def plan_valid_layout(job: Job, layout: Layout, device: DeviceProfile, source: s
     exposed_dp = max(max(0.0, st.dp_seconds - 2 / 3 * st.compute_seconds_per_micro_batch) for st in stages)
     busy = layout.num_micro_batches * slot
     bubble = busy * bubble_fraction / (1 - bubble_fraction)
+    if job.moe_overlap == "dualpipe" and layout.pp > 1:
+        # DualPipe's bubble (DeepSeek-V3 report, table 2): (PP/2 - 1)(F&B + B - 3W), with F&B = F + B + W
+        # of one micro-batch and B = W = half its backward: (PP/2 - 1) F
+        forward = sum(f for f, _, _ in pacing.pass_costs)
+        bubble = (layout.pp / 2 - 1) * forward
+        bubble_fraction = bubble / (busy + bubble)
     step = busy + bubble + exposed_dp
     compute = layout.num_micro_batches * per_micro
 

@@ -2,6 +2,7 @@
 search's candidates and why each lost (`format_search`), with the number formats they share."""
 from __future__ import annotations
 
+import json
 import re
 from typing import Dict, List
 
@@ -74,11 +75,16 @@ def format_plan(result: PlanResult) -> str:
         f"{format_flops(r.hardware_flops_per_token)}",
         rule,
         f" memory per device, stage {r.peak_stage} of {L.pp} (the most loaded)",
-        f"   weights (fp32{', cast to ' + job.compute_dtype + ' per matmul' if d < FP32 else ''})".ljust(56)
+        (f"   weights ({job.param_dtype}{' + fp8 copies' if job.fp8_recipe != 'none' else ''}; Megatron recipe)"
+         if job.megatron_memory else
+         f"   weights (fp32{', cast to ' + job.compute_dtype + ' per matmul' if d < FP32 else ''})").ljust(56)
         + format_bytes(r.memory["weights"]),
-        f"   gradients (fp32 buffers{', ZeRO-2' if L.zero >= 2 else ''}; {job.grad_dtype} on the wire)".ljust(56)
+        f"   gradients ({job.grad_dtype if job.megatron_memory else 'fp32'} buffers{', ZeRO-2' if L.zero >= 2 else ''}; "
+        f"{job.grad_dtype} on the wire)".ljust(56)
         + format_bytes(r.memory["gradients"]),
-        f"   optimizer ({job.optimizer}: fp32 {states}{' + master' if L.zero >= 1 else ''}, ZeRO-{L.zero})".ljust(56)
+        (f"   optimizer ({job.optimizer}: {job.moment_dtype} {states} + fp32 master, ZeRO-{L.zero})"
+         if job.megatron_memory else
+         f"   optimizer ({job.optimizer}: fp32 {states}{' + master' if L.zero >= 1 else ''}, ZeRO-{L.zero})").ljust(56)
         + format_bytes(r.memory["optimizer"]),
         f"   activations (recompute {L.recompute})".ljust(56) + format_bytes(r.memory["activations"])
         + "    [" + ", ".join(f"{mode} {format_bytes(by_mode[mode]).strip()}" for mode in RECOMPUTE_MODES) + "]",
@@ -112,8 +118,18 @@ def format_plan(result: PlanResult) -> str:
         f"MFU {r.mfu:.1%} " + (
             f"(cost model: {dev.sustained(job.compute_dtype) / 1e12:g} TFLOP/s sustained, measured; peak "
             f"{dev.peak(job.compute_dtype) / 1e12:.3g} TFLOP/s measured on this host)" if dev.measured_peak else
+            f"(cost model: moetrain/planner/constants.py COST_MODEL on {dev.peak(job.compute_dtype) / 1e12:g} TFLOP/s"
+            + (f", fp8 GEMMs at {dev.peak('float8') / 1e12:g}" if job.fp8_recipe != "none" and "float8" in dev.peak_flops
+               else "") + ")" if dev.calibrated else
             f"(cost model: {dev.compute_efficiency:.0%} of {dev.peak(job.compute_dtype) / 1e12:g} TFLOP/s sustained)"),
     ]
+    detail = r.stages[r.peak_stage].ep_detail
+    if detail:
+        lines.insert(-1, f" expert a2a   {detail['nodes']} node(s) per ep group; a token reaches at most "
+                         f"{detail['max_nodes_per_token']} (node-limited), {detail['remote_nodes_per_token']:.2f} "
+                         f"remote on average, sent once each; NVLink {detail['nvlink_seconds'] * L.num_micro_batches:.2f} s, "
+                         f"network {detail['network_seconds'] * L.num_micro_batches:.2f} s a step; "
+                         f"{job.moe_overlap} hides {r.stages[r.peak_stage].ep_hidden_seconds:.2f} s")
     lines += [f" note         {note}" for note in r.notes]
     return "\n".join(lines)
 
@@ -124,6 +140,33 @@ def format_search(search, show: int = 8) -> str:
     lines = [f"layout search: {len(search.candidates)} candidates on {search.world_size} x {search.device.name}",
              f"  chosen       {chosen.layout.describe()}: {chosen.tokens_per_second:,.0f} tokens/s, "
              f"MFU {chosen.mfu:.1%}, {chosen.total_memory / GiB:.2f} GiB of {chosen.capacity_bytes / GiB:.2f}"]
+    if search.options:
+        job = chosen.job
+        lines[1] += f"; overlap={job.moe_overlap} fp8={job.fp8_recipe}"
+        lines.insert(1, "  searched     the layout and the priced options (moe_overlap, fp8_recipe, experts folded over "
+                        "tp x dp)" + (f"; held at the config's: {', '.join(search.kept)}" if search.kept else ""))
+        if search.own is not None:
+            rank, own = search.rank_of_own(), search.own
+            fitting = len(search.ranking())
+            lines.append(f"  config's     {own.layout.describe()} overlap={own.job.moe_overlap} fp8={own.job.fp8_recipe}: "
+                         + (f"rank {rank} of {fitting} that fit, {own.tokens_per_second:,.0f} tokens/s"
+                            + (f" ({own.tokens_per_second / chosen.tokens_per_second:.1%} of the chosen)" if rank > 1
+                               else "") if rank else f"does not fit ({own.total_memory / GiB:.2f} GiB)"))
+            layouts = search.best_per_layout()
+            at = search.layout_rank_of_own()
+            if at:
+                best = layouts[at - 1]
+                why = []
+                if best.job.fp8_recipe != own.job.fp8_recipe:
+                    why.append(f"fp8_recipe {best.job.fp8_recipe} (GEMMs at the fp8 peak)")
+                if best.job.moe_overlap != own.job.moe_overlap:
+                    why.append(f"moe_overlap {best.job.moe_overlap} (the expert all-to-all hidden under compute)")
+                lines.append(f"  its layout   rank {at} of {len(layouts)} layouts that fit"
+                             + (f"; with {' and '.join(why)} it is predicted {best.tokens_per_second / own.tokens_per_second - 1:+.1%}"
+                                if why else " with its own options"))
+        lines.append("  top layouts  " + " | ".join(
+            f"{r.layout.describe()} overlap={r.job.moe_overlap} fp8={r.job.fp8_recipe}: {r.tokens_per_second:,.0f}"
+            for r in search.best_per_layout()[:3]))
     for status in ("slower", "does not fit", "invalid"):
         group = search.with_status(status)
         if status == "slower":
@@ -141,7 +184,32 @@ def format_search(search, show: int = 8) -> str:
                 lines.append(f"    {len(reasons):5d} x {text}")
             continue
         for c in group[:show]:
-            lines.append(f"    {c.layout.describe():<58} {c.reason}")
+            described = c.layout.describe()
+            if search.options and c.result is not None:
+                described += f" overlap={c.result.job.moe_overlap} fp8={c.result.job.fp8_recipe}"
+            lines.append(f"    {described:<58} {c.reason}")
         if len(group) > show:
             lines.append(f"    ... {len(group) - show} more")
     return "\n".join(lines)
+
+
+def plan_json(result: PlanResult) -> str:
+    """`moetrain plan CONFIG --json`: one JSON object whose keys are stable (docs/plan.md,
+    "Published runs"): throughput, model TFLOP/s and MFU per device, the step's parts, memory,
+    communication and the priced options."""
+    r, L, dev, job = result, result.layout, result.device, result.job
+    stage = r.stages[r.peak_stage]
+    return json.dumps({
+        "config": r.source, "device": dev.name, "world": L.world, "layout": L.describe(),
+        "tokens_per_step": r.tokens_per_step, "step_seconds": r.step_seconds,
+        "tokens_per_s": r.tokens_per_second, "tokens_per_s_per_device": r.tokens_per_second / L.world,
+        "model_flops_per_token": r.model_flops_per_token,
+        "model_tflops_per_device": r.model_flops_per_token * r.tokens_per_second / L.world / 1e12,
+        "mfu": r.mfu, "compute_seconds": r.compute_seconds, "bubble_seconds": r.bubble_seconds,
+        "exposed_comm_seconds": r.exposed_comm_seconds, "comm_seconds": r.comm_seconds, "comm_bytes": r.comm_bytes,
+        "ep_hidden_seconds": stage.ep_hidden_seconds, "expert_all_to_all": stage.ep_detail,
+        "memory": r.memory, "total_memory": r.total_memory, "usable_bytes": r.usable_bytes, "fits": r.fits,
+        "options": {"fp8_recipe": job.fp8_recipe, "moe_overlap": job.moe_overlap,
+                    "pipeline_backward": job.pipeline_backward,
+                    "recompute_modules": list(job.recompute_modules) if job.recompute_modules is not None else None},
+    })
