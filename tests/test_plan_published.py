@@ -151,7 +151,7 @@ def test_plan_refuses_unknown_names_of_the_planner_only_keys():
 # config's layout (--keep: every layout key) so that a test costs a few plans: what it searches is the
 # priced system, moe_overlap x fp8_recipe (x experts folded over tp x dp where moetrain would not);
 # docs/plan.md has the wider searches (tp and ep free) and their ranks, measured by hand
-ALL_LAYOUT_KEYS = "tp,pp,ep,zero,recompute,micro,sp,schedule"
+ALL_LAYOUT_KEYS = "tp,pp,ep,zero,recompute,micro,sp,schedule,cp"
 
 
 @pytest.mark.parametrize("path", [p[0] for p in PUBLISHED], ids=[p[0].split("/")[-1] for p in PUBLISHED])

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                     "(default: from train.device)")
     ap.add_argument("--search", action="store_true", help="search the layouts of --world devices")
     ap.add_argument("--keep", default="", metavar="KEYS", help="with --search: hold these layout keys at the "
-                    "config's values (comma-separated: tp, pp, ep, zero, recompute, micro, sp, schedule, fold), a "
+                    "config's values (comma-separated: tp, pp, ep, zero, recompute, micro, sp, schedule, fold, cp), a "
                     "smaller search for large worlds")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     dry = ap.add_argument_group("dry run (moetrain/planner/dryrun.py): one rank built and run on this CPU, measured")
