@@ -53,7 +53,7 @@ def test_rank_slices_concatenate_to_the_one_process_model(layout, one_process_we
     from moetrain.build import build_model
     from moetrain.config import load_config
     from moetrain.distributed.sharding import assemble, shard_spec
-    from moetrain.distributed.solo import SoloComm
+    from moetrain.testing.solo import SoloComm
     from moetrain.distributed.topology import ParallelContext
     from moetrain.layout import check_config_layout
     from moetrain.parallel.parallelize import parallelize
@@ -110,7 +110,7 @@ def test_rank0_of_a_model_several_times_this_machine_builds_in_its_own_bytes():
 
 def _build_rank(cfg, rank):
     from moetrain.build import build_model
-    from moetrain.distributed.solo import SoloComm
+    from moetrain.testing.solo import SoloComm
     from moetrain.distributed.topology import ParallelContext
     from moetrain.layout import check_config_layout
     from moetrain.parallel.parallelize import parallelize

@@ -19,7 +19,7 @@ def main(config: str, rank: int, sets):
     import numpy as np
     from moetrain.build import build_model, setup_device
     from moetrain.config import load_config
-    from moetrain.distributed.solo import SoloComm
+    from moetrain.testing.solo import SoloComm
     from moetrain.distributed.topology import ParallelContext
     from moetrain.layout import Layout, check_config_layout
     from moetrain.parallel.expert_parallel import parallelize_moe

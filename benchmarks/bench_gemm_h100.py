@@ -2,8 +2,8 @@
 tensor-wise scales): what `moetrain/planner/constants.py`'s GEMM efficiency is measured from
 (docs/plan.md, "Published runs"). PyTorch only (no MindSpore on the GPU machine).
 
-    python tools/bench_gemm_h100.py --out DIR      # writes DIR/gemm.json and DIR/gemm.md
-    python tools/bench_gemm_h100.py --smoke        # tiny shapes on the CPU: checks the script runs
+    python benchmarks/bench_gemm_h100.py --out DIR      # writes DIR/gemm.json and DIR/gemm.md
+    python benchmarks/bench_gemm_h100.py --smoke        # tiny shapes on the CPU: checks the script runs
 
 Each shape is a forward GEMM [M, K] x [K, N] and its two backward GEMMs (input gradient
 [M, N] x [N, K], weight gradient [K, M] x [M, N]); TFLOP/s = 2 M K N / seconds, efficiency = that /
