@@ -118,7 +118,8 @@ def test_cp2_reproduces_one_process(runs, name):
     assert_reproduces(steps, reference)
     if name.endswith("packed"):                                        # the documents change what is learnt
         unpacked = step_records(reference_dirs["reference"])
-        assert abs(reference[-1]["loss"] - unpacked[-1]["loss"]) > 1e-3
+        # (7.8e-4 apart at the last step, float noise ~1e-7: a mask that ignored the documents would be 0)
+        assert abs(reference[-1]["loss"] - unpacked[-1]["loss"]) > 1e-4
     assert reference[0]["loss"] - reference[-1]["loss"] > 0.5          # it trains
     if name == "cp2":
         np.testing.assert_allclose(eval_loss(run_dirs[name]), eval_loss(reference_dir), rtol=1e-5)

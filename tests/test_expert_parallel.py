@@ -595,7 +595,8 @@ def test_parallelize_moe_slices_experts_and_gradient_groups(ms):
     full = {p.name: p.asnumpy() for p in model.get_parameters()}
     pctx = ParallelContext.build(world_size=4, rank=1, dp=4, ep=2)
     parallel = SimpleNamespace(moe_token_dispatcher="alltoall", moe_aux_loss_scope="micro_batch",
-                               optimizer_shard=2, grad_bucket_mb=1.0, grad_reduce_dtype="float32")
+                               optimizer_shard=2, grad_bucket_mb=1.0, grad_reduce_dtype="float32",
+                               ep_splits="auto")
     assert parallelize_moe(model, parallel, pctx) == 2
     for layer in moe_layers(model):
         assert isinstance(layer.dispatcher, AllToAllDispatcher) and layer.dispatcher.group.ranks == (0, 1)
@@ -608,7 +609,7 @@ def test_parallelize_moe_slices_experts_and_gradient_groups(ms):
             np.testing.assert_array_equal(param.asnumpy(), full[param.name])
 
     optimizer_cfg = SimpleNamespace(name="adamw", lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8,
-                                    momentum=0.9)
+                                    momentum=0.9, fused="auto")
     step = OptimizerStep(model.trainable_params(), optimizer_cfg, parallel, pctx, clip=0.0, jit=False)
     for b in step.buffers:
         for param, shard in zip(step.params[b.start:b.end], b.shards):

@@ -123,6 +123,9 @@ def main():
         cfg = load_config(os.path.join(ROOT, config),
                           [o for o in overrides if not o.startswith(("MOETRAIN_", "+", "resume="))]
                           + [f"train.output_dir={run_dir}"])
+        # each run builds its own collective cells (comm caches them per call signature): a run's
+        # contract_primitives are what it constructed, not what an earlier run of the job left cached
+        comm._cached_op.cache_clear()
         start, cpu_start, built = time.perf_counter(), time.process_time(), dict(contract.CONSTRUCTED)
         trainer = trainer_module.Trainer(cfg, resume=resume)
         with recorded(record_calls) as calls, comm.CommLedger() as ledger:
