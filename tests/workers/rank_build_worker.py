@@ -6,15 +6,6 @@ import json
 import sys
 
 
-def rss():
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                out[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return out
-
-
 def main(config: str, rank: int, sets):
     import numpy as np
     from moetrain.build import build_model, setup_device
@@ -23,6 +14,7 @@ def main(config: str, rank: int, sets):
     from moetrain.distributed.topology import ParallelContext
     from moetrain.layout import Layout, check_config_layout
     from moetrain.parallel.expert_parallel import parallelize_moe
+    from moetrain.planner.dryrun import rss_bytes
     from moetrain.parallel.pipeline import build_pipeline_stage
     from moetrain.parallel.plans import parallelize_model
     from moetrain.planner.arch import Job, count_parameters
@@ -35,7 +27,7 @@ def main(config: str, rank: int, sets):
     planned = plan_layout(Job.of(cfg), Layout.of(cfg), "cpu", layout.world).stages[pctx.pp_rank].memory["weights"]
     setup_device("cpu")
     with SoloComm():
-        before = rss()["VmRSS"]
+        before = rss_bytes()["VmRSS"]
         model = build_model(cfg, pctx)
         parallelize_model(model, cfg, pctx)
         parallelize_moe(model, cfg.parallel, pctx)
@@ -45,7 +37,7 @@ def main(config: str, rank: int, sets):
         own = sum(int(np.prod(p.shape)) * p.itemsize for p in params)
         deferred = [p.name for p in params if p.has_init]
     print(json.dumps({"own_bytes": own, "planned_weight_bytes": planned, "whole_params": count_parameters(cfg.model)[0],
-                      "rss_before": before, "peak_rss": rss()["VmHWM"], "deferred_left": deferred,
+                      "rss_before": before, "peak_rss": rss_bytes()["VmHWM"], "deferred_left": deferred,
                       "params": len(params)}))
 
 
