@@ -611,6 +611,11 @@ def _cached_op(backend: str, target: str, op: str, group: Group, shape, dtype, p
     return _OP_CELLS[op](group, shape, dtype, *params)
 
 
+def clear_op_cache() -> None:
+    """Forget the cached collective cells (a test process that runs several jobs, e.g. per backend)."""
+    _cached_op.cache_clear()
+
+
 def _op_for_backend(op: str, group: Group, shape, dtype, params=()):
     return _cached_op(backend_name(), native_target(), op, group, tuple(shape), dtype, tuple(params))
 

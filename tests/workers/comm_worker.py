@@ -249,7 +249,7 @@ class Worker:
             finally:
                 comm.primitives, comm.native_target, comm._AllToAllV._exchange_v = saved[:3]
                 os.environ["MOETRAIN_CONTRACT_TARGET"] = saved[3]
-                comm._cached_op.cache_clear()
+                comm.clear_op_cache()
             self.report["mutations"][mutation] = record
 
     def _mutated(self, mutation, target):
@@ -310,7 +310,7 @@ class Worker:
         prims = types.SimpleNamespace(**{name: getattr(contract, name) for name in CONTRACT_PRIMS})
         prims.__dict__.update(overrides)
         comm.primitives = lambda: prims
-        comm._cached_op.cache_clear()
+        comm.clear_op_cache()
         if target == "link":
             tp = self.ctx.group("tp")
             link = comm.PairLink(tp, tp.rank_in_group == 0)

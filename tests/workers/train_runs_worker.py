@@ -125,7 +125,7 @@ def main():
                           + [f"train.output_dir={run_dir}"])
         # each run builds its own collective cells (comm caches them per call signature): a run's
         # contract_primitives are what it constructed, not what an earlier run of the job left cached
-        comm._cached_op.cache_clear()
+        comm.clear_op_cache()
         start, cpu_start, built = time.perf_counter(), time.process_time(), dict(contract.CONSTRUCTED)
         trainer = trainer_module.Trainer(cfg, resume=resume)
         with recorded(record_calls) as calls, comm.CommLedger() as ledger:
