@@ -415,13 +415,15 @@ def infer_data_parallel(cfg: Config, source: str, world_size: Optional[int] = No
     if t.global_batch_size % dp:
         fits = [d * model_ranks for d in range(1, t.global_batch_size + 1) if t.global_batch_size % d == 0][:6]
         raise ConfigError(f"{source}: key 'parallel.data_parallel' is not set and would be inferred as {world} "
-                          f"processes / (model_parallel x pipeline_stage = {model_ranks}) = {dp}, which cannot split "
+                          f"processes / (model_parallel x pipeline_stage x context_parallel = {model_ranks}) = {dp}, which "
+                          f"cannot split "
                           f"train.global_batch_size={t.global_batch_size}: launch {fits} processes, or set "
                           f"train.global_batch_size to a multiple of {dp}")
     p.data_parallel, p.data_parallel_inferred = dp, True
     if world > 1 and os.environ.get("RANK_ID", "0") == "0":
         print(f"moetrain: parallel.data_parallel inferred from the world size: {world} processes / "
-              f"(model_parallel {p.model_parallel} x pipeline_stage {p.pipeline_stage}) = {dp}",
+              f"(model_parallel {p.model_parallel} x pipeline_stage {p.pipeline_stage} x context_parallel "
+              f"{p.context_parallel}) = {dp}",
               file=sys.stderr, flush=True)
 
 

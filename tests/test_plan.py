@@ -352,9 +352,16 @@ def test_cli(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main([MOE_1B, "--world", "16"]) == 2
     assert "set parallel.data_parallel=16" in capsys.readouterr().err
-    assert main([MOE_1B, "--device", "gpu_h100", "--search", "--world", "8"]) in (0, 1)
+    # the CLI's search path (the search itself: tests/test_plan_published.py, test_auto_mode_*); with
+    # recompute, micro-batching, schedule and cp held it plans 258 layouts in ~2 s instead of ~25 s
+    assert main([MOE_1B, "--device", "gpu_h100", "--search", "--world", "8",
+                 "--keep", "recompute,micro,schedule,cp"]) in (0, 1)
     out = capsys.readouterr().out
     assert "layout search" in out and "8 x gpu_h100" in out
+    # --search's default world counts every layout dimension, cp included
+    assert main(["configs/moe_tiny.yaml", "--set", "parallel.context_parallel=2", "--set", "parallel.data_parallel=2",
+                 "--search", "--keep", "tp,pp,ep,zero,recompute,micro,sp,schedule"]) == 0
+    assert "candidates on 4 x cpu" in capsys.readouterr().out
     with pytest.raises(ValueError, match="did you mean 'gpu_h100'"):
         get_device("gpu_h10")
 

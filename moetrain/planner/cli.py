@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="moetrain plan", description="parameters, FLOPs, memory, communication "
                                  "and step time of a config's layout; --search picks the best layout")
     ap.add_argument("config")
-    ap.add_argument("--world", type=int, default=None, help="number of devices (default: dp x tp x pp of the config)")
+    ap.add_argument("--world", type=int, default=None, help="number of devices (default: dp x tp x pp x cp of the config)")
     ap.add_argument("--device", default=None, help="device profile: ascend910b, gpu_a100, gpu_h100, cpu "
                     "(default: from train.device)")
     ap.add_argument("--search", action="store_true", help="search the layouts of --world devices")
@@ -90,7 +90,8 @@ def main(argv=None) -> int:
             print(result.to_json() if args.json else format_dry_run(result))
             return 0
         if args.search:
-            world = args.world or cfg.parallel.data_parallel * cfg.parallel.model_parallel * cfg.parallel.pipeline_stage
+            p = cfg.parallel
+            world = args.world or p.data_parallel * p.model_parallel * p.pipeline_stage * p.context_parallel
             keep = tuple(k.strip() for k in args.keep.split(",") if k.strip())
             _, search = choose_layout(cfg, world, args.device, options=True, keep=keep)
             if not args.json:
