@@ -1,7 +1,7 @@
 """Child test processes that run at idle priority through the whole session.
 
-A test file registers a command at import (`run_in_background(__name__, argv, env)`); when one of its
-tests is selected, tests/conftest.py starts the command at the session's first test under `nice 19`
+A test file registers a command at import (`run_in_background(__name__, argv, env, reader=TEST)`); when
+its reader TEST is selected, tests/conftest.py starts the command at the session's first test under `nice 19`
 and orders the file last, and its test reads the outcome with `wait_for_background(__name__)`.
 
 Why: the first half of the suite keeps both cores busy (one-process tests beside the shared msrun
@@ -33,27 +33,29 @@ class BackgroundRun:
     timeout: float
     nice: int = 19
     after_shared_jobs: bool = False
+    reader: str = ""                 # the test (function name) that reads its outcome: it starts only if that one is selected
     proc: Optional[subprocess.Popen] = None
     log_path: str = ""
     started: float = 0.0
 
 
 REGISTERED: Dict[str, BackgroundRun] = {}
+SELECTED: set = set()    # the files whose reader test is selected (tests/conftest.py)
 
 
-def run_in_background(module: str, argv: List[str], env: Dict[str, str], cwd: str, timeout: float,
+def run_in_background(module: str, argv: List[str], env: Dict[str, str], cwd: str, timeout: float, *, reader: str,
                       nice: int = IDLE_NICE, after_shared_jobs: bool = False) -> None:
     """Register `argv` for the session's background (call at import, with `__name__`). By default it
     starts at the session's first test at idle priority; `after_shared_jobs` starts it once the shared
     msrun jobs have ended (tests/conftest.py), at priority `nice`."""
-    REGISTERED[module] = BackgroundRun(list(argv), dict(env), cwd, timeout, nice, after_shared_jobs)
+    REGISTERED[module] = BackgroundRun(list(argv), dict(env), cwd, timeout, nice, after_shared_jobs, reader)
 
 
-def start_selected(selected: set, after_shared_jobs: bool = False) -> None:
+def start_selected(after_shared_jobs: bool = False) -> None:
     """Start the registered commands of the selected test files that start at this point of the
     session: the first test (tests/conftest.py), or the end of the shared jobs (`after_shared_jobs`)."""
     for module, run in REGISTERED.items():
-        if module in selected and run.proc is None and run.after_shared_jobs == after_shared_jobs:
+        if module in SELECTED and run.proc is None and run.after_shared_jobs == after_shared_jobs:
             _start(module, run)
 
 
@@ -102,8 +104,8 @@ def in_child(module: str) -> bool:
     return os.environ.get(CHILD_ENV) == module
 
 
-def heavy_tests_in_child(module: str, path: str, marker: str, cwd: str, timeout: float, nice: int = IDLE_NICE,
-                         after_shared_jobs: bool = False) -> None:
+def heavy_tests_in_child(module: str, path: str, marker: str, cwd: str, timeout: float, *, reader: str,
+                         nice: int = IDLE_NICE, after_shared_jobs: bool = False) -> None:
     """Register a child pytest that runs the tests of file `path` marked `marker` (at idle priority
     from the session's first test, or as `run_in_background` says); in that child nothing is
     registered. The parent skips those tests (`child_only`) and a test of its own reads the child's
@@ -115,7 +117,7 @@ def heavy_tests_in_child(module: str, path: str, marker: str, cwd: str, timeout:
     env = dict(os.environ, **{CHILD_ENV: module})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     run_in_background(module, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, path],
-                      env=env, cwd=cwd, timeout=timeout, nice=nice, after_shared_jobs=after_shared_jobs)
+                      env=env, cwd=cwd, timeout=timeout, reader=reader, nice=nice, after_shared_jobs=after_shared_jobs)
 
 
 def child_only(module: str):

@@ -78,7 +78,16 @@ def pytest_collection_modifyitems(session, config, items):
     def module(item):
         return item.module.__name__ if item.module is not None else ""
 
-    distributed.SELECTED_MODULES.update(module(item) for item in items if item.module is not None)
+    # what the selected tests need: a file's shared runs join the shared jobs only if a selected test
+    # reads them (a shared_job_N fixture), a deferred launch starts only for a selected test that
+    # requests its fixture, a background child only for its selected reader (`-k` or `-m "not
+    # distributed"` then start no msrun job that nothing reads)
+    fixtures = {(module(item), name) for item in items for name in getattr(item, "fixturenames", ())}
+    tests = {(module(item), getattr(item, "originalname", None) or item.name) for item in items}
+    distributed.SELECTED_MODULES.update(m for m, name in fixtures if name in ("shared_job_2", "shared_job_4"))
+    distributed.SELECTED_DEFERRED.update(m for m, launch in distributed.DEFERRED_LAUNCHES.items()
+                                         if (m, launch.fixture) in fixtures)
+    background.SELECTED.update(m for m, run in background.REGISTERED.items() if (m, run.reader) in tests)
     shared = {g.module for groups in distributed.SHARED_RUNS.values() for g in groups}
     order = {}
     for item in items:
@@ -96,7 +105,7 @@ def shared_jobs(request, tmp_path_factory):
     import background
     import distributed
 
-    background.start_selected(distributed.SELECTED_MODULES)
+    background.start_selected()
     jobs = distributed.SharedJobs(request.getfixturevalue,
                                   {n: str(tmp_path_factory.mktemp(f"shared{n}")) for n in (2, 4)})
     yield jobs
@@ -114,7 +123,7 @@ def pytest_runtest_setup(item):
     if distributed.ACTIVE_JOBS:
         jobs = distributed.ACTIVE_JOBS[0]
         if all(done.is_set() for done in jobs.done.values()):
-            background.start_selected(distributed.SELECTED_MODULES, after_shared_jobs=True)
+            background.start_selected(after_shared_jobs=True)
             distributed.start_deferred_launches(item.session)
 
 

@@ -175,7 +175,8 @@ class SharedRuns:
 
 
 SHARED_RUNS: Dict[int, List[SharedRuns]] = {}
-SELECTED_MODULES: set = set()   # filled by tests/conftest.py once pytest has selected the tests
+SELECTED_MODULES: set = set()   # files with a selected test that reads a shared job (tests/conftest.py)
+SELECTED_DEFERRED: set = set()  # files with a selected test that requests their deferred launch's fixture
 
 
 class DeferredLaunch:
@@ -185,8 +186,9 @@ class DeferredLaunch:
     returns the job; it appends each job folder it uses to `job_dirs` (killed at the session's end
     if the launch still runs)."""
 
-    def __init__(self, start):
+    def __init__(self, start, fixture: str):
         self._start, self.thread, self.result, self.error, self.job_dirs = start, None, None, None, []
+        self.fixture = fixture       # the module fixture that joins it: the launch starts only if a test wants it
 
     def start(self, session) -> None:
         if self.thread is None:
@@ -215,15 +217,16 @@ class DeferredLaunch:
 DEFERRED_LAUNCHES: Dict[str, DeferredLaunch] = {}
 
 
-def launch_after_shared_jobs(module: str, start) -> DeferredLaunch:
-    """Register `module`'s own launch (see DeferredLaunch; call at import, with `__name__`)."""
-    DEFERRED_LAUNCHES[module] = DeferredLaunch(start)
+def launch_after_shared_jobs(module: str, start, fixture: str) -> DeferredLaunch:
+    """Register `module`'s own launch (see DeferredLaunch; call at import, with `__name__`), joined by
+    the module fixture named `fixture`."""
+    DEFERRED_LAUNCHES[module] = DeferredLaunch(start, fixture)
     return DEFERRED_LAUNCHES[module]
 
 
 def start_deferred_launches(session) -> None:
     for module, launch in DEFERRED_LAUNCHES.items():
-        if module in SELECTED_MODULES:
+        if module in SELECTED_DEFERRED:
             launch.start(session)
 
 

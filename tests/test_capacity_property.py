@@ -24,7 +24,8 @@ from moetrain.moe.capacity import CapacityController, DroplessSizing  # noqa: E4
 
 # the 1,500 simulated runs (~25 s of one core) go to an idle-priority child beside the suite
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-heavy_tests_in_child(__name__, os.path.abspath(__file__), "background_child", cwd=ROOT, timeout=2400)
+heavy_tests_in_child(__name__, os.path.abspath(__file__), "background_child", cwd=ROOT, timeout=2400,
+                     reader="test_the_property_holds_in_the_background_child")
 
 
 class SimDispatcher(DroplessSizing):

@@ -195,7 +195,7 @@ def stop_references(references):
         log.close()
 
 
-EP_LAUNCH = launch_after_shared_jobs(__name__, launch_ep_job)
+EP_LAUNCH = launch_after_shared_jobs(__name__, launch_ep_job, fixture="ep_job")
 
 
 @pytest.fixture(scope="module")

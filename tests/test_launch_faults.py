@@ -26,7 +26,7 @@ MNIST = os.path.join(REPO, "configs", "mnist_mlp.yaml")
 SCRIPTS = os.path.join(REPO, "run_scripts")
 ALLREDUCE_WORKER = os.path.join(REPO, "tests", "workers", "allreduce_worker.py")
 heavy_tests_in_child(__name__, os.path.abspath(__file__), "background_child", cwd=REPO, timeout=1500, nice=0,
-                     after_shared_jobs=True)
+                     after_shared_jobs=True, reader="test_the_msrun_jobs_of_this_file_pass")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,6 +380,7 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_prev
     assert "failed on rank(s) [1]" in run.worker_log(0)
 
 
+@pytest.mark.distributed
 def test_the_msrun_jobs_of_this_file_pass():
     """The outcome of this file's child pytest (its msrun jobs, above)."""
     done = wait_for_background(__name__)

@@ -17,7 +17,8 @@ FILES = ["tests/test_gpt.py", "tests/test_moe.py", "tests/test_moe_gpt.py", "tes
          "tests/test_new_families.py"]
 ENV = dict(os.environ, MOETRAIN_DISABLE_KERNELS="1", PYTHONPATH=ROOT)
 run_in_background(__name__, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-m", "not slow and not distributed", *FILES], env=ENV, cwd=ROOT, timeout=2400)
+                             "-m", "not slow and not distributed", *FILES], env=ENV, cwd=ROOT, timeout=2400,
+                  reader="test_model_moe_and_attention_tests_pass_with_the_plain_ops")
 
 
 @pytest.mark.slow

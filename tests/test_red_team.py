@@ -27,7 +27,8 @@ from moetrain.config import load_config  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the SIGTERM-at-ten-moments trials (~20 real `moetrain train` processes, ~3 min of one core) run in an
 # idle-priority child pytest beside the suite (tests/background.py); a test here reads its outcome
-heavy_tests_in_child(__name__, os.path.abspath(__file__), "background_child", cwd=ROOT, timeout=2400)
+heavy_tests_in_child(__name__, os.path.abspath(__file__), "background_child", cwd=ROOT, timeout=2400,
+                     reader="test_sigterm_at_ten_random_moments_then_resume_ends_with_the_clean_losses")
 MNIST = os.path.join(ROOT, "configs", "mnist_mlp.yaml")
 GPT_TINY = os.path.join(ROOT, "configs", "gpt_tiny.yaml")
 KJV = os.path.join(ROOT, "data", "kjv_tiny")
