@@ -221,18 +221,19 @@ def resolve_model_path(path: str) -> str:
 
 
 def find_tokenizer(model_path: str, config: dict, override: Optional[str] = None):
-    """`(tokenizer or None, why none)`: `override`, else the run's `data.tokenizer` (as given, or
-    relative to `model_path`), else a tokenizer.json / tokenizer.model inside `model_path`."""
+    """`(tokenizer or None, why none)`: `override`, else a tokenizer.json / tokenizer.model inside
+    `model_path` (a training checkpoint keeps a copy of its run's; an imported model its own), else
+    the run's `data.tokenizer` (as given, or relative to `model_path`)."""
     if override:
         return load_tokenizer(override), ""
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if os.path.isfile(os.path.join(model_path, name)):
+            return load_tokenizer(os.path.join(model_path, name)), ""
     named = ((config.get("data") or {}).get("tokenizer") or "") if isinstance(config, dict) else ""
     if named:
         for candidate in (named, os.path.join(model_path, named)):
             if os.path.exists(candidate):
                 return load_tokenizer(candidate), ""
-    for name in ("tokenizer.json", "tokenizer.model"):
-        if os.path.isfile(os.path.join(model_path, name)):
-            return load_tokenizer(os.path.join(model_path, name)), ""
     why = (f"its config.yaml names data.tokenizer {named!r}, which does not exist here" if named else
            "its config.yaml names no data.tokenizer")
     return None, f"{why} and {model_path!r} holds no tokenizer.json or tokenizer.model"

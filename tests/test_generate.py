@@ -312,6 +312,40 @@ def test_cli_sharded_checkpoint_of_a_run_ids_in_and_out(kjv_model, capsys):
     np.testing.assert_array_equal(sharded[:, :6], prompts)
 
 
+def test_a_checkpoint_keeps_its_runs_tokenizer_so_text_works_from_any_folder(kjv_model, capsys, tmp_path,
+                                                                             monkeypatch):
+    """A run names its tokenizer relative to where it trained (`data/kjv_tiny/...` from the repo);
+    its checkpoints keep a copy, so `moetrain generate CHECKPOINT --prompt` works from elsewhere."""
+    import hashlib
+
+    from moetrain.checkpoint.distributed import FORMAT, LocalTensor, finish_checkpoint, write_rank_pieces
+    from moetrain.checkpoint.manager import CheckpointWriter
+    from moetrain.checkpoint.model_dir import load_model_dir
+    from moetrain.distributed.sharding import ShardSpec
+    from moetrain.fileio import read_yaml
+
+    root, _ = kjv_model
+    config, state = load_model_dir(str(root / "model"))
+    config["data"] = {"tokenizer": os.path.relpath(TOKENIZER, ROOT)}
+    (tmp_path / "config.yaml").write_text(__import__("yaml").safe_dump(config))
+    monkeypatch.chdir(ROOT)                              # where the run trained
+    writer = CheckpointWriter(str(tmp_path / "run" / "checkpoints"), 1, suffix="test")
+    write_rank_pieces(writer, 0, [(LocalTensor(n, "model", ShardSpec(v.shape, None, 0, 1, "")), v)
+                                  for n, v in state.items()], {"model": False, "optimizer": False})
+    layout = {"world_size": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "optimizer_shard": 0}
+    ckpt = finish_checkpoint(writer, 1, {"format": FORMAT, "step": 1, "layout": layout, "trainer_state": {},
+                                         "config": config}, str(tmp_path / "config.yaml"))
+    digest = lambda path: hashlib.sha256(open(path, "rb").read()).hexdigest()   # noqa: E731
+    assert digest(os.path.join(ckpt, "tokenizer.model")) == digest(TOKENIZER)
+    assert "tokenizer.model" in read_yaml(os.path.join(ckpt, "manifest.json"))["files"]   # checked on load
+    monkeypatch.chdir(tmp_path)                          # elsewhere: the config's relative path finds nothing
+    assert not os.path.exists(config["data"]["tokenizer"])
+    code, out, err = cli([str(tmp_path / "run"), "--prompt", "In the beginning God", "--max-new-tokens", "3",
+                          "--temperature", "0", "--eos-id", "-1"], capsys)
+    assert code == 0, err
+    assert out.startswith("In the beginning God")
+
+
 def test_cli_max_new_tokens_0_prints_the_prompts_losses(ms, kjv_model, capsys):
     from moetrain.data.tokenizer import load_tokenizer
 

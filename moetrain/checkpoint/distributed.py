@@ -302,11 +302,19 @@ def _piece_box(global_shape, slicings) -> Tuple[Tuple[int, int], ...]:
     return tuple(box)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")   # a checkpoint's copy of its run's tokenizer
+
+
 def finish_checkpoint(writer: CheckpointWriter, world_size: int, metadata: Dict[str, Any], config_file: str) -> str:
-    """Rank 0, once every rank's pieces are written: metadata.json, config.yaml, manifest, publish."""
+    """Rank 0, once every rank's pieces are written: metadata.json, config.yaml, the run's tokenizer
+    (so that `moetrain generate CHECKPOINT` reads text from any folder, as a model saved with its
+    tokenizer does), manifest, publish."""
     tensors, checksums = merge_indices(writer.tmp, world_size)
     writer.json(METADATA, {**metadata, "tensors": tensors})
     writer.copy("config.yaml", config_file)
+    tokenizer = ((read_yaml(config_file) or {}).get("data") or {}).get("tokenizer") or ""
+    if tokenizer and os.path.isfile(tokenizer):     # as the run resolved it (relative to its working dir)
+        writer.copy(TOKENIZER_FILES[0] if tokenizer.endswith(".json") else TOKENIZER_FILES[1], tokenizer)
     return writer.commit(known=checksums, run_id=metadata.get("run_id"))
 
 
