@@ -7,8 +7,8 @@ import contextlib
 import mindspore as ms
 
 from moetrain.distributed.topology import cpu_ops_on_calling_thread
-from moetrain.modeling import building_layers, set_cell_reuse
-from moetrain.parallel.pipeline import chunk_layer_ranges
+from moetrain.modeling import building_part, set_cell_reuse
+from moetrain.parallel.pipeline import chunk_parts
 from moetrain.param_init import deferred_parameters, materialize
 from moetrain.registry import get_model
 
@@ -29,10 +29,10 @@ def build_model(cfg, pctx=None, chunk: int = 0):
     """The model of `cfg`; the model config takes `precision.compute_dtype`.
 
     Without `pctx`: the whole model, materialized. With a parallel context: only what this rank
-    constructs, its parameters deferred (shapes, no memory; `moetrain.param_init`): with pp > 1 the
-    blocks of model chunk `chunk` of its pipeline stage, named as in the whole model (the other
-    stages' layers are never built; the embedding and head cells a stage does not keep are built
-    deferred and dropped by the cut). `moetrain.parallel.parallelize` records the tp / ep / etp
+    constructs, its parameters deferred (shapes, no memory; `moetrain.param_init`): with pp > 1 model
+    chunk `chunk` of its pipeline stage, built once: its blocks, named as in the whole model, and the
+    embedding and head cells only if its virtual stage keeps them (`chunk_parts`; the other stages'
+    layers and cells are never built). `moetrain.parallel.parallelize` records the tp / ep / etp
     slicing, cuts the stage and then materializes each parameter as exactly its slice. Either way a
     parameter's initial values are a function of `train.seed`, its full name and the index, so
     every layout starts from the one-process model."""
@@ -45,8 +45,8 @@ def build_model(cfg, pctx=None, chunk: int = 0):
             model = cls(cfg.model)
         materialize([model], cfg.train.seed)
         return model
-    layers = contextlib.nullcontext()
+    part = contextlib.nullcontext()
     if pctx.pp > 1 and hasattr(cfg.model, "num_layers"):
-        layers = building_layers(*chunk_layer_ranges(cfg, pctx.pp, pctx.pp_rank)[chunk])
-    with deferred_parameters(), layers:
+        part = building_part(chunk_parts(cfg, pctx.pp, pctx.pp_rank)[chunk])
+    with deferred_parameters(), part:
         return cls(cfg.model)

@@ -73,11 +73,19 @@ Style = Union[ColwiseParallel, RowwiseParallel, VocabParallel, RegionInput, Regi
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class TensorMap:
-    """`ours` tensors <-> `theirs` tensors; `to_ours(*theirs) -> tuple(ours)`, `to_theirs(*ours) -> tuple(theirs)`."""
+    """`ours` tensors <-> `theirs` tensors; `to_ours(*theirs) -> tuple(ours)`, `to_theirs(*ours) -> tuple(theirs)`.
+
+    `parts`: optionally the same import as smaller maps of disjoint `ours` (each reading only its own
+    HF tensors), so that hf-import, which streams one map at a time, holds one of them and not the
+    whole group (the per-expert gate, up and down banks of a layer are three parts)."""
     ours: Tuple[str, ...]
     theirs: Tuple[str, ...]
     to_ours: Callable = lambda *arrays: arrays
     to_theirs: Callable = lambda *arrays: arrays
+    parts: Tuple["TensorMap", ...] = ()
+
+    def import_parts(self) -> Tuple["TensorMap", ...]:
+        return self.parts or (self,)
 
 
 def rename(ours: str, theirs: str) -> TensorMap:
@@ -95,7 +103,13 @@ def experts_per_expert(ours: str, theirs: str, num_experts: int, names: Tuple[st
     def to_theirs(*stacked):
         return tuple(w[j].T for w in stacked for j in range(num_experts))
 
-    return TensorMap(tuple(f"{ours}{n}" for n in ("w_gate", "w_up", "w_down")), hf_names, to_ours, to_theirs)
+    def bank(*arrays):
+        return (np.stack([a.T for a in arrays]),)
+
+    ours_names = tuple(f"{ours}{n}" for n in ("w_gate", "w_up", "w_down"))
+    parts = tuple(TensorMap((ours_names[k],), hf_names[k * num_experts:(k + 1) * num_experts], bank)
+                  for k in range(3))
+    return TensorMap(ours_names, hf_names, to_ours, to_theirs, parts)
 
 
 def experts_fused(ours: str, theirs: str, ffn: int) -> TensorMap:
@@ -106,8 +120,11 @@ def experts_fused(ours: str, theirs: str, ffn: int) -> TensorMap:
     def to_theirs(w_gate, w_up, w_down):
         return np.concatenate([w_gate.transpose(0, 2, 1), w_up.transpose(0, 2, 1)], axis=1), w_down.transpose(0, 2, 1)
 
-    return TensorMap(tuple(f"{ours}{n}" for n in ("w_gate", "w_up", "w_down")),
-                     (f"{theirs}gate_up_proj", f"{theirs}down_proj"), to_ours, to_theirs)
+    names = tuple(f"{ours}{n}" for n in ("w_gate", "w_up", "w_down"))
+    parts = (TensorMap(names[:2], (f"{theirs}gate_up_proj",),
+                       lambda gate_up: (gate_up[:, :ffn].transpose(0, 2, 1), gate_up[:, ffn:].transpose(0, 2, 1))),
+             TensorMap(names[2:], (f"{theirs}down_proj",), lambda down: (down.transpose(0, 2, 1),)))
+    return TensorMap(names, (f"{theirs}gate_up_proj", f"{theirs}down_proj"), to_ours, to_theirs, parts)
 
 
 def unbiased_routing(ours: str, num_experts: int, family: str) -> TensorMap:

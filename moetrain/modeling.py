@@ -12,6 +12,7 @@ A layered language model, for pipeline parallelism, adds the pieces its `constru
                                             the weighted auxiliary losses they add to the loss
     head_loss(h, labels, context) -> (loss, stats)   the last stage's part: final norm, head, loss (+ MTP)
     EMBEDDING_CELLS, HEAD_CELLS             the attribute names of the first / last stage's cells
+                                            (built only if `builds_embedding` / `builds_head`, else None)
     needs_embedding_in_head                 the head reads the embedding (tied head, MTP)
     head_stat_rows                          per-layer stat rows the head adds (MTP's MoE blocks)
 A block of `layers` returns `h`, or `(h, stats)` when it sets `returns_stats` (then it also has
@@ -26,7 +27,9 @@ blocks see it only when it is not None, so a block without the argument runs unp
 one argument held per call, not state: one compiled graph serves every batch, and a pipeline stage
 receives its micro-batch's context beside its input. Tensor parallelism is declared
 per family in `moetrain.parallel.plans` by module paths; expert parallelism finds the `MoELayer`s.
-`moetrain.parallel.pipeline` cuts a model into stages with `keep_stage` and calls the pieces.
+`moetrain.parallel.pipeline` builds each stage's chunk alone (`building_part`: its blocks; the
+embedding and head cells only where `builds_embedding` / `builds_head` say), cuts what a model built
+beyond that with `keep_stage`, and calls the pieces.
 """
 from __future__ import annotations
 
@@ -151,25 +154,55 @@ def stat_rows(blocks) -> int:
 # ---------------------------------------------------------------------------------------------
 # Building a part of a model: the layers of one pipeline chunk, not the whole stack
 # ---------------------------------------------------------------------------------------------
-_LAYER_RANGE: List[Optional[Tuple[int, int]]] = [None]
+@dataclass(frozen=True)
+class BuiltPart:
+    """What a model constructed inside `building_part` builds: blocks `[start, end)`; `first` / `last`:
+    its chunk is the first / last virtual stage; `embedding_from_chunk`: another chunk of this rank
+    holds the first virtual stage and lends its embedding to this one's head (ZB-V's stage 0)."""
+    start: int
+    end: int
+    first: bool = True
+    last: bool = True
+    embedding_from_chunk: bool = False
+
+
+_BUILDING: List[Optional[BuiltPart]] = [None]
 
 
 @contextlib.contextmanager
-def building_layers(start: int, end: int):
-    """Models constructed inside the block build only their blocks `[start, end)` (one pipeline
-    chunk: `moetrain.build.build_model` with a parallel context), named as in the whole model."""
-    saved, _LAYER_RANGE[0] = _LAYER_RANGE[0], (int(start), int(end))
+def building_part(part: BuiltPart):
+    """Models constructed inside the block build only one pipeline chunk (`moetrain.build.build_model`
+    with a parallel context): their blocks `[part.start, part.end)`, named as in the whole model, the
+    embedding cells only where `builds_embedding` says, the head cells only where `builds_head` says.
+    So a stage is cut before it is constructed; `keep_stage` then drops only what a model that
+    ignores these (a user's family) built anyway."""
+    saved, _BUILDING[0] = _BUILDING[0], part
     try:
         yield
     finally:
-        _LAYER_RANGE[0] = saved
+        _BUILDING[0] = saved
+
+
+def builds_embedding(head_reads_it: bool) -> bool:
+    """Whether the model being constructed builds its `EMBEDDING_CELLS`: always, except inside
+    `building_part` of a chunk that is not the first virtual stage and whose head does not read the
+    embedding (`head_reads_it`: `needs_embedding_in_head`), or reads one lent by another chunk."""
+    part = _BUILDING[0]
+    return part is None or part.first or (part.last and head_reads_it and not part.embedding_from_chunk)
+
+
+def builds_head() -> bool:
+    """Whether the model being constructed builds its `HEAD_CELLS`: except inside `building_part` of a
+    chunk that is not the last virtual stage."""
+    return _BUILDING[0] is None or _BUILDING[0].last
 
 
 def build_layers(model, build_block, num_layers: int) -> None:
     """Set `model.layers` to the blocks `build_block(i)` of the layer range being built (all
-    `num_layers`, or `building_layers`' range), each named `layers.{i}.` as in the whole model, and
+    `num_layers`, or `building_part`'s range), each named `layers.{i}.` as in the whole model, and
     `model.built_range` to that range."""
-    start, end = _LAYER_RANGE[0] or (0, num_layers)
+    part = _BUILDING[0]
+    start, end = (part.start, part.end) if part is not None else (0, num_layers)
     if not 0 <= start < end <= num_layers:
         raise LayoutError(f"layers [{start}, {end}) are not within the model's {num_layers} layers")
     blocks = []

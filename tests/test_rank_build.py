@@ -194,3 +194,49 @@ def test_loading_onto_another_layout_reads_only_each_ranks_own_pieces(target, sa
                 expected = np.concatenate([expected.reshape(-1), np.zeros(t.flat[1], expected.dtype)])[t.flat[0]:t.flat[1]]
             np.testing.assert_array_equal(t.param.asnumpy().reshape(expected.shape), expected,
                                           err_msg=f"rank {rank}: {t.key}")
+
+
+CHUNKED = {"interleaved_1f1b": ["parallel.pipeline_schedule=interleaved_1f1b", "parallel.pp_interleave_num=2"],
+           "zero_bubble_v": ["parallel.pipeline_schedule=zero_bubble_v"]}
+DEEPSEEK = os.path.join(ROOT, "configs", "deepseek_v3_tiny.yaml")
+
+
+@pytest.mark.parametrize("schedule", sorted(CHUNKED))
+def test_each_chunk_is_built_once_and_nothing_outside_the_stage(schedule, monkeypatch):
+    """Interleaved 1F1B and ZB-V put two model chunks on each of 2 stages of DeepSeek-V3 tiny (a
+    dense first layer, MTP: the head reads the embedding). Every parameter each rank constructs
+    (`param_init.parameter`, recorded) is constructed once and is one the rank's stage holds: no
+    chunk built twice, no layer of another chunk, no embedding, head or MTP layer built and cut.
+    ZB-V's stage 0 holds the first and last virtual stages: one embedding, shared."""
+    import sys as _sys
+
+    from moetrain import param_init
+    from moetrain.config import load_config
+    from moetrain.parallel.pipeline import chunk_layer_ranges
+
+    created = []
+    real = param_init.parameter
+
+    def recording(shape, name, *args, **kwargs):
+        param = real(shape, name, *args, **kwargs)
+        created.append(param)
+        return param
+
+    for module in list(_sys.modules.values()):     # every `from moetrain.param_init import parameter`
+        if getattr(module, "parameter", None) is real:
+            monkeypatch.setattr(module, "parameter", recording)
+    cfg = load_config(DEEPSEEK, ["parallel.pipeline_stage=2", "parallel.micro_batch_num=4", *CHUNKED[schedule]])
+    for rank in range(2):
+        created.clear()
+        pctx, pm, _ = _build_rank(cfg, rank)
+        held = {id(p): p for p in pm.model.get_parameters()}
+        names = [p.name for p in created]
+        assert len(names) == len(set(names)), f"rank {rank}: built twice: {sorted(n for n in set(names) if names.count(n) > 1)[:5]}"
+        dropped = [p.name for p in created if id(p) not in held]
+        assert not dropped, f"rank {rank}: built and cut: {dropped[:5]}"
+        assert {p.name for p in held.values() if getattr(p, "moetrain_init", None) is not None} == set(names)
+        layers = {int(n.split(".")[1]) for n in names if n.startswith("layers.")}
+        ranges = chunk_layer_ranges(cfg, 2, rank)
+        assert layers == {i for start, end in ranges for i in range(start, end)} and len(ranges) == 2
+        assert ("embed.weight" in names) == (rank == 0 or schedule == "interleaved_1f1b")   # first, or MTP's
+        assert any(n.startswith("mtp.") for n in names) == (rank == (0 if schedule == "zero_bubble_v" else 1))

@@ -45,7 +45,7 @@ from mindspore import nn, ops
 from moetrain.models.gpt.model import TransformerBlock
 from moetrain.models.moe_gpt.model import MoEBlock, MoEGPT, MoEGPTConfig
 from moetrain.layers import CausalAttention, Linear, RMSNorm, RotaryEmbedding, YarnScaling, yarn_mscale
-from moetrain.modeling import MEAN, StatSpec, merge_stats
+from moetrain.modeling import MEAN, StatSpec, builds_head, merge_stats
 
 LATENT_NORM_EPS = 1e-6   # HF builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
 
@@ -212,12 +212,12 @@ class DeepSeekV3(MoEGPT):
         super().__init__(cfg)
         self.mtp_depth = cfg.mtp_depth
         self.mtp_loss_weight = float(cfg.mtp_loss_weight)
-        self.mtp = nn.CellList([MTPLayer(cfg) for _ in range(cfg.mtp_depth)])
+        self.mtp = nn.CellList([MTPLayer(cfg) for _ in range(cfg.mtp_depth)]) if builds_head() else None
         self.head_stat_rows = cfg.mtp_depth      # each MTP block is an MoE block: one expert_load row
 
     @property
     def needs_embedding_in_head(self) -> bool:
-        return self.tie_embeddings or self.mtp_depth > 0
+        return self.tie_embeddings or self.cfg.mtp_depth > 0     # asked before the MTP layers are built
 
     def stat_specs(self):
         specs = super().stat_specs()

@@ -25,8 +25,8 @@ from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding,
                              RMSNorm, SwiGLUMLP, bf16_rounder, compute_dtype_of, fp32,
                              to_compute)
 from moetrain.kv_cache import KVCache
-from moetrain.modeling import (MEAN, StatSpec, attention_context, build_layers, merge_stats, reused_block, run_blocks,
-                               split_specs)
+from moetrain.modeling import (MEAN, StatSpec, attention_context, build_layers, builds_embedding, builds_head,
+                               merge_stats, reused_block, run_blocks, split_specs)
 
 
 @dataclass(kw_only=True)
@@ -126,14 +126,17 @@ class GPT(nn.Cell):
         super().__init__()
         self.cfg = cfg
         self.max_positions = cfg.seq_length
-        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
-        build_layers(self, self.build_block, cfg.num_layers)   # all layers, or one pipeline chunk's
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.tie_embeddings = cfg.tie_embeddings
+        # a pipeline chunk builds its own part only (moetrain/modeling.py building_part): the others are None
+        self.embed = (Embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
+                      if builds_embedding(self.needs_embedding_in_head) else None)
+        build_layers(self, self.build_block, cfg.num_layers)   # all layers, or one pipeline chunk's
+        head = builds_head()
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if head else None
         if cfg.tie_embeddings:
             self.tied_head_matmul = ops.MatMul(transpose_b=True)
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype) if head else None
         self.compute_dtype = compute_dtype_of(cfg.compute_dtype)
         self.emulated = bf16_rounder(cfg.compute_dtype)
         self.cross_entropy = CrossEntropy()

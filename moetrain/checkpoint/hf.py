@@ -25,11 +25,13 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 from safetensors.numpy import save_file
 
-from moetrain.checkpoint.hf_io import load_hf_weights, read_safetensors  # noqa: F401  (re-exported)
-from moetrain.checkpoint.model_dir import (build_config_from_dict, build_model_from_dict, load_model_dir,
-                                           load_model_state, save_model_dir)
+from moetrain.checkpoint.hf_io import HFSource, load_hf_weights, read_safetensors  # noqa: F401  (re-exported)
+from moetrain.checkpoint.model_dir import build_config_from_dict, build_model_from_dict, load_model_dir
+from moetrain.checkpoint.model_files import WEIGHTS_FILE, Fp32SafetensorsWriter, write_config
+from moetrain.config import TrainConfig
 from moetrain.family import Family, TensorMap, family_of
 from moetrain.fileio import check_output_folder, hf_weight_files, temp_path
+from moetrain.param_init import initial_values, is_deferred
 from moetrain.registry import import_model_module, model_module_of, registered_models
 
 LAYOUTS = ("per_expert", "fused")
@@ -112,32 +114,63 @@ def tensor_maps(model: Dict[str, Any], fused_layers=lambda hf_prefix: False) -> 
     return _family_with_format(cfg).hf.tensor_maps(model, cfg, fused_layers)
 
 
-def hf_to_state(hf: Dict[str, np.ndarray], model: Dict[str, Any]) -> Dict[str, np.ndarray]:
-    """HF tensors -> moetrain state for the `model:` section `model` (from hf_config_to_model_dict)."""
+def _import_plan(hf, model: Dict[str, Any]) -> Tuple[List[TensorMap], Dict[str, List[str]]]:
+    """`(maps, copies)` to import `hf` (a name -> array dict or an `HFSource`) as the `model:` section
+    `model`; `copies`: ours -> the HF copies of it the checkpoint holds. Every name is checked here,
+    before any tensor is read: a tensor the model needs and the checkpoint lacks, or one it has no
+    place for, is a ValueError naming it."""
     maps, copies = tensor_maps(model, lambda prefix: prefix + "mlp.experts.gate_up_proj" in hf)
-    fmt = _family_with_format(build_config_from_dict(model)).hf
-    copies.update(fmt.import_copies(model))
-    used, state = set(), {}
+    copies.update(_family_with_format(build_config_from_dict(model)).hf.import_copies(model))
     for m in maps:
         absent = [n for n in m.theirs if n not in hf]
         if absent:
             layers = f" with {model['num_layers']} layers" if "num_layers" in model else ""
             raise ValueError(f"the HF checkpoint has no tensor {absent[0]!r} (needed for a {model['name']} model"
                              f"{layers}, as config.json describes it)")
-        used.update(m.theirs)
-        state.update(zip(m.ours, m.to_ours(*(hf[n] for n in m.theirs))))
+    held: Dict[str, List[str]] = {}
     for name, ours in copies.items():
         if name in hf:   # published checkpoints carry these copies; they must equal the shared tensor
-            if hf[name].shape != state[ours].shape or not np.array_equal(hf[name], state[ours]):
-                raise ValueError(f"the HF checkpoint's {name!r} differs from the main model's {ours} counterpart; "
-                                 f"moetrain shares it ({fmt.copy_reason(name)})")
-            used.add(name)
-    unused = sorted(n for n in set(hf) - used if not n.endswith(_IGNORED_SUFFIXES))
+            held.setdefault(ours, []).append(name)
+    used = {n for m in maps for n in m.theirs} | {n for names in held.values() for n in names}
+    unused = sorted(n for n in set(hf.keys()) - used if not n.endswith(_IGNORED_SUFFIXES))
     if unused:
         raise ValueError(f"the HF checkpoint has tensors this {model['name']} model has no place for: "
                          f"{unused[:10]}{' ...' if len(unused) > 10 else ''} (another architecture, or a config.json "
                          f"that does not describe these weights?)")
-    return {name: np.ascontiguousarray(value, dtype=np.float32) for name, value in state.items()}
+    return maps, held
+
+
+def _convert(hf, model: Dict[str, Any], emit: Callable[[str, np.ndarray], None], streamed: bool) -> None:
+    """Convert `hf` (dict or `HFSource`) for the `model:` section `model`, handing each moetrain tensor
+    (fp32, contiguous) to `emit(name, array)` as soon as it is made. `streamed`: one map part at a time
+    (`TensorMap.import_parts`: the HF tensors of one target, or of the few targets one HF tensor feeds),
+    so no more than those sources and one target are alive; otherwise whole maps."""
+    maps, copies = _import_plan(hf, model)
+    fmt = _family_with_format(build_config_from_dict(model)).hf
+    for m in maps:
+        for part in (m.import_parts() if streamed else (m,)):
+            sources = [hf.get(n) for n in part.theirs]
+            outputs = part.to_ours(*sources)
+            del sources
+            for name, value in zip(part.ours, outputs):
+                value = np.ascontiguousarray(value, dtype=np.float32)
+                for copy in copies.get(name, ()):
+                    theirs = hf.get(copy)
+                    if theirs.shape != value.shape or not np.array_equal(theirs, value):
+                        raise ValueError(f"the HF checkpoint's {copy!r} differs from the main model's {name} counterpart; "
+                                         f"moetrain shares it ({fmt.copy_reason(copy)})")
+                    del theirs
+                emit(name, value)
+                del value
+            del outputs
+
+
+def hf_to_state(hf: Dict[str, np.ndarray], model: Dict[str, Any]) -> Dict[str, np.ndarray]:
+    """HF tensors -> moetrain state for the `model:` section `model` (from hf_config_to_model_dict),
+    all in memory (`hf_import` streams instead)."""
+    state: Dict[str, np.ndarray] = {}
+    _convert(hf, model, state.__setitem__, streamed=False)
+    return state
 
 
 def state_to_hf(state: Dict[str, np.ndarray], model: Dict[str, Any], layout: str = "per_expert"):
@@ -155,21 +188,26 @@ def state_to_hf(state: Dict[str, np.ndarray], model: Dict[str, Any], layout: str
 # ----------------------------------------------------------------------------------------------
 # Entry points
 # ----------------------------------------------------------------------------------------------
-def _fresh_tensors(model: Dict[str, Any], prefixes: Tuple[str, ...]) -> Dict[str, np.ndarray]:
-    """Freshly initialised tensors whose names start with one of `prefixes` (the model's own init)."""
-    fresh = build_model_from_dict(model)
-    return {p.name: p.asnumpy() for p in fresh.get_parameters() if p.name.startswith(prefixes)}
+def _fresh_values(param) -> np.ndarray:
+    """A freshly initialised tensor of a deferred model: its keyed initial values (`moetrain.param_init`,
+    `train.seed`'s default, as a fresh run's) generated alone, or its data if it was built eagerly."""
+    if is_deferred(param):
+        return initial_values(param, TrainConfig.seed)
+    return param.asnumpy()
 
 
-def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_layers: bool = False,
+def hf_import(hf_dir: str, out_dir: str, init_missing_layers: bool = False,
               log: Callable[[str], None] = print, overwrite: bool = False) -> Dict[str, Any]:
     """HF checkpoint directory -> moetrain model directory; returns the `model:` section.
 
+    Streams: the shard headers are read first (every name is checked against the model's, built
+    deferred: shapes, no memory), then each moetrain tensor is made from its few HF tensors and
+    written to its place in the output (`Fp32SafetensorsWriter`), so the peak is one map part's
+    sources and target (`TensorMap.import_parts`), never the model. Shapes are checked as each is made.
     Optional layers that config.json describes but the checkpoint lacks (the family says which,
     `HFFormat.missing_layers`: DeepSeek-V3's MTP layers, which transformers' `save_pretrained` never
-    writes) are left out, or with `init_missing_layers` initialised fresh for training; either way one
-    line says so.
-    With `check`, the model is built and the weights loaded strictly (names and shapes).
+    writes) are left out, or with `init_missing_layers` initialised fresh (keyed, one tensor at a
+    time) for training; either way one line says so.
     `out_dir` must be new or empty (with `overwrite`, a folder of files to replace), never a training
     checkpoint or run folder (`moetrain.fileio.check_output_folder`)."""
     _not_the_source(hf_dir, out_dir, "hf-import")
@@ -186,21 +224,50 @@ def hf_import(hf_dir: str, out_dir: str, check: bool = True, init_missing_layers
         message = str(exc)
         raise ValueError(config_path + message[len("config.json"):] if message.startswith("config.json")
                          else message) from None
-    hf = load_hf_weights(hf_dir, hf_config.get("quantization_config"))
+    hf = HFSource(hf_dir, hf_config.get("quantization_config"))
     missing = _family_with_format(build_config_from_dict(model)).hf.missing_layers(model, hf.keys())
-    state = hf_to_state(hf, missing.held if missing else model)
+    held = missing.held if missing else model
+    if missing and not init_missing_layers:
+        model = held
+    maps, _ = _import_plan(hf, held)
+    params = dict(build_model_from_dict(model, deferred=True).parameters_and_names())
+    fresh = [name for name in params if missing and init_missing_layers and name.startswith(missing.prefixes)]
+    made = {n for m in maps for n in m.ours} | set(fresh)
+    if set(params) != made:
+        raise ValueError(f"the checkpoint does not fit the model (was it written for another model config?); "
+                         f"missing from the checkpoint: {sorted(set(params) - made)}; "
+                         f"not in the model: {sorted(made - set(params))}")
+
+    created = not os.path.exists(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    weights = os.path.join(out_dir, WEIGHTS_FILE)
+    writer = Fp32SafetensorsWriter(temp_path(weights), {n: p.shape for n, p in params.items()}, {"format": "np"})
+
+    def emit(name: str, value: np.ndarray) -> None:
+        if value.shape != writer.shape(name):
+            raise ValueError(f"the checkpoint does not fit the model (was it written for another model config?); "
+                             f"shape mismatches: {name}: checkpoint {value.shape} vs model {writer.shape(name)}")
+        writer.write(name, value)
+
+    try:
+        _convert(hf, held, emit, streamed=True)
+        for name in fresh:
+            writer.write(name, _fresh_values(params[name]))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
+    os.replace(writer.path, weights)
+    source = model_module_of(model["name"])   # a family registered by a user's model_module: load it again
+    write_config(out_dir, {"model": model, **({"model_module": source} if source else {})})
     if missing and init_missing_layers:
-        state.update(_fresh_tensors(model, missing.prefixes))
         log(f"moetrain convert hf-import: {missing.what}; the missing layers are initialised fresh "
             f"(--init-missing-layers)")
     elif missing:
-        model = missing.held
         log(f"moetrain convert hf-import: {missing.what}; imported without the missing layers "
             f"(--init-missing-layers initialises them fresh instead)")
-    if check:
-        load_model_state(build_model_from_dict(model, deferred=True), state, strict=True)
-    source = model_module_of(model["name"])   # a family registered by a user's model_module: load it again
-    save_model_dir(out_dir, {"model": model, **({"model_module": source} if source else {})}, state)
     return model
 
 

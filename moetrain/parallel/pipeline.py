@@ -3,11 +3,12 @@
 
     stage 0: embed + layers[0:a]    stage s: layers[a:b]    stage P-1: layers[..:L] + head and loss
 
-Every rank constructs only its stage's layers (`moetrain.build.build_model(cfg, pctx)`, named as in
-the whole model), then `keep_stage` (moetrain/modeling.py) drops the embedding and head cells it
-does not keep (built deferred: never given memory); the kept parameters are then generated as the
-one-process values (`moetrain.param_init`), so the split model starts exactly where a one-process
-run starts, tied embeddings included. The
+Every rank constructs only its stage: each of its model chunks once, with that chunk's layers (named
+as in the whole model) and the embedding and head cells only where its virtual stage keeps them
+(`moetrain.build.build_model(cfg, pctx, chunk)`, `chunk_parts`); `keep_stage` (moetrain/modeling.py)
+then drops only what a family that ignores `building_part` built anyway. The kept parameters are
+generated as the one-process values (`moetrain.param_init`), so the split model starts exactly where
+a one-process run starts, tied embeddings included. The
 stage runs the model's own pieces (`embed_tokens`, `run_layers`, `head_loss`): no model code here.
 
 Model chunks. Interleaved 1F1B (`parallel.pp_interleave_num: v`) and ZB-V (always 2) put several
@@ -74,7 +75,8 @@ from moetrain.distributed import comm
 from moetrain.distributed.comm import PairLink
 from moetrain.distributed.sharding import mark_role
 from moetrain.layout import split_layers
-from moetrain.modeling import StatSpec, attention_context, keep_stage, layer_stat_rows, merge_stats, split_specs
+from moetrain.modeling import (BuiltPart, StatSpec, attention_context, keep_stage, layer_stat_rows, merge_stats,
+                               split_specs)
 from moetrain.param_init import materialize
 from moetrain.parallel.runner import as_tensors
 # the schedules are data (pure Python, moetrain/parallel/schedules.py); re-exported: the pipeline's vocabulary
@@ -485,6 +487,18 @@ def chunk_layer_ranges(cfg, pp: int, pp_rank: int) -> List[Tuple[int, int]]:
     chunks = chunks_per_stage(kind, cfg.parallel.pp_interleave_num)
     ranges = split_layers(cfg.model.num_layers, pp * chunks, cfg.parallel.pipeline_layers, chunks=chunks)
     return [ranges[virtual_stage(kind, pp, pp_rank, c)] for c in range(chunks)]
+
+
+def chunk_parts(cfg, pp: int, pp_rank: int) -> List[BuiltPart]:
+    """What each model chunk of stage `pp_rank` constructs (`moetrain.modeling.building_part`): its
+    layers, whether it is the first / last virtual stage, and whether its head borrows the embedding
+    of another chunk on this rank (ZB-V: stage 0 holds both ends)."""
+    kind = cfg.parallel.pipeline_schedule
+    chunks = chunks_per_stage(kind, cfg.parallel.pp_interleave_num)
+    vstages = [virtual_stage(kind, pp, pp_rank, c) for c in range(chunks)]
+    last = pp * chunks - 1
+    return [BuiltPart(start, end, v == 0, v == last, v == last and 0 in vstages)
+            for (start, end), v in zip(chunk_layer_ranges(cfg, pp, pp_rank), vstages)]
 
 
 def build_pipeline_stage(model, cfg, pctx, more_models=None):
