@@ -51,6 +51,11 @@ def test_local_batch_holds_the_chunks_labels_and_global_positions():
     assert [a[0].tolist() for a in packed[2:]] == [[0, 0, 0, 1], [0, 1, 2, 0]]
     with pytest.raises(LayoutError, match="arrays of one shape"):
         local_batch((tokens, labels[:, :4]), 2, 0)
+    # a head reading labels ahead (MTP depth 2): row j holds the labels j after each local position, 0 past
+    # the end; rank 0 holds positions 0 1 6 7
+    ahead = local_batch((tokens, labels), 2, 0, lookahead=2)[1]
+    assert ahead.shape == (2, 3, 4) and ahead.dtype == labels.dtype
+    assert ahead[0].tolist() == [[101, 102, 107, 108], [102, 103, 108, 0], [103, 104, 0, 0]]
 
 
 def test_token_count_guard_names_the_counts():
@@ -210,7 +215,11 @@ def test_layout_rules_of_context_parallel():
     assert "expert_parallel (8) must divide data_parallel (2) x context_parallel (2)" in problems(cp=2, dp=2, ep=8)
     assert "parallel.cp_comm_type must be one of" in problems(cp=2, cp_comm="ring")
     assert "model.num_kv_heads (2) is not divisible by parallel.context_parallel (4)" in problems(cp=4, cp_comm="a2a")
-    assert "model.mtp_depth=1" in problems(cp=2, shape=ModelShape(layers=2, heads=4, mtp_depth=1))
+    mtp = ModelShape(layers=2, heads=4, mtp_depth=1, experts=8)                  # MTP runs under cp ...
+    assert problems(cp=2, world=2, seq_length=64, shape=mtp) == ""
+    assert "expert_parallel=2 with multi-token prediction" in problems(cp=2, ep=2, shape=mtp)   # ... but not with ep
+    assert "model.mtp_depth (3) must be below" in problems(cp=2, seq_length=4, shape=ModelShape(
+        layers=2, heads=4, mtp_depth=3))                                            # (2+1) x 4/4 = 3
     assert "no attention layers" in problems(cp=2, shape=ModelShape())
     assert problems(cp=1, tp=2) == ""                                   # cp 1: nothing changes
 

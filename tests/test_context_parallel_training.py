@@ -9,6 +9,8 @@ relative, grad_norm within 1e-4, expert loads exact for the first 5 steps and wi
                    travel with them, the masks cross the chunk boundaries), against a packed reference
   cp2_a2a_zero1    Ulysses all-to-alls around the layer's own attention, the optimizer state sharded
                    (ZeRO-1) over the dp x cp group (here the 2 cp ranks)
+  deepseek_cp2_mtp `configs/deepseek_v3_tiny.yaml` as shipped (MLA, its MTP depth 1, sigmoid group-limited
+                   routing, the aux-loss-free bias, the sequence aux loss), against its own reference
 They join the suite's shared 2-rank job (tests/distributed.py: share_runs); the one-process references
 train beside the launch."""
 import json
@@ -47,6 +49,10 @@ RUNS = {"cp2": CP2 + [f"checkpoint.save_steps={SAVED_AT}"],          # K|V all-g
         # Ulysses with ZeRO-1, on the native GPU path (AllGather-built all-to-all, ReduceScatter)
         "cp2_a2a_zero1": CP2 + ["parallel.cp_comm_type=a2a", "parallel.optimizer_shard=1", "data.eval_path=",
                                 CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]}
+# DeepSeek-V3 with its multi-token prediction: each rank gets the labels 1 and 2 ahead of its positions,
+# the MTP block counts only the positions below S-2 (loads, aux losses, z-loss, mtp_loss as one process)
+DEEPSEEK = "configs/deepseek_v3_tiny.yaml"
+DEEPSEEK_RUNS = {"deepseek_cp2_mtp": CP2}
 RESUMED = {"cp2_resumed_tp2": ["parallel.model_parallel=2", "data.eval_path="]}   # cp2's step 5 on tp2
 # experts folded over dp x cp (Megatron-Core's MoE parallel folding): dp2 cp2, the 8 experts over all
 # 4 ranks (2 each), the ring; dropless at the static bound (one graph: no capacity re-compiles)
@@ -66,8 +72,10 @@ def saved(out_dir):
 
 
 share_runs(2, __name__, lambda fixture, out_dir: [spec(name, extra) for name, extra in RUNS.items()]
-           + [spec(name, extra + [f"resume={saved(out_dir)}"]) for name, extra in RESUMED.items()], timeout=900,
-           references=lambda fixture: [spec("reference"), spec("reference_packed", PACKED + ["data.eval_path="])])
+           + [spec(name, extra + [f"resume={saved(out_dir)}"]) for name, extra in RESUMED.items()]
+           + [spec(name, extra + ["data.eval_path="], DEEPSEEK) for name, extra in DEEPSEEK_RUNS.items()], timeout=1000,
+           references=lambda fixture: [spec("reference"), spec("reference_packed", PACKED + ["data.eval_path="]),
+                                       spec("reference_deepseek", ["data.eval_path="], DEEPSEEK)])
 share_runs(4, __name__, lambda fixture, out_dir: [spec(name, extra, QWEN3 if name.startswith("qwen3") else CONFIG)
                                                   for name, extra in RUNS4.items()], timeout=1500,
            # beside the 4-rank launch, which starts after the 2-rank job: cp2's checkpoint is there by then
@@ -136,6 +144,25 @@ def test_cp2_reproduces_one_process(runs, name):
         assert all(r["zero_level"] == 1 for r in ranks)
         whole = rank_records(run_dirs["cp2"])[0]["optimizer_state_bytes"]
         assert all(r["optimizer_state_bytes"] == pytest.approx(whole / 2, rel=0.01) for r in ranks)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepseek_v3_with_mtp_on_cp2_reproduces_one_process(shared_job_2):
+    """deepseek_v3_tiny (MLA, MTP depth 1) on cp2: the MTP depth reads the labels 1 and 2 ahead of each
+    rank's positions (handed over by the runner), and its block's MoE routes the positions past S-2 that
+    one process never computes without counting them: loss, lm / mtp / aux / sequence aux / z losses,
+    grad_norm and the expert loads of the 3 MoE layers and the MTP block are one process's."""
+    run_dir = shared_run_dirs(shared_job_2, __name__, DEEPSEEK_RUNS)["deepseek_cp2_mtp"]
+    reference = step_records(shared_reference_dirs(shared_job_2, __name__, ["reference_deepseek"])["reference_deepseek"])
+    steps = step_records(run_dir)
+    assert_reproduces(steps, reference)
+    np.testing.assert_allclose([r["mtp_loss"] for r in steps], [r["mtp_loss"] for r in reference], rtol=1e-5)
+    assert np.shape(reference[0]["expert_load"]) == (4, 16)                # 3 MoE layers + the MTP block
+    assert reference[0]["loss"] - reference[-1]["loss"] > 0.5              # it trains
+    ranks = rank_records(run_dir)
+    assert [r["cp_rank"] for r in ranks] == [0, 1]
+    assert all(r["context_parallel_layers"] == 5 for r in ranks)          # the 4 layers' MLA and the MTP block's
 
 
 @pytest.mark.distributed

@@ -86,11 +86,14 @@ def chunk_order(seq_len: int, cp: int, rank: int) -> np.ndarray:
     return np.concatenate([np.arange(first * c, (first + 1) * c), np.arange(second * c, (second + 1) * c)])
 
 
-def local_batch(batch: Sequence[np.ndarray], cp: int, rank: int) -> Tuple[np.ndarray, ...]:
+def local_batch(batch: Sequence[np.ndarray], cp: int, rank: int, lookahead: int = 0) -> Tuple[np.ndarray, ...]:
     """This rank's part of an LM batch `(input_ids, labels[, document_ids, position_ids])` `[B, S]`:
     the local tokens and labels `[B, S / cp]` and the attention context the model then needs,
     `(document_ids, position_ids)`: the batch's own, sliced alike (packed documents: docs/data.md), or
-    one document per row and the global positions, which RoPE rotates at."""
+    one document per row and the global positions, which RoPE rotates at. `lookahead` D > 0 (a head
+    that reads labels ahead, DeepSeek-V3's MTP: `model.label_lookahead`): the labels become
+    `[B, 1 + D, S / cp]`, row j the labels j positions after the local ones (0 past the sequence's
+    end, where the model counts nothing): the runner holds the whole batch, so nothing is exchanged."""
     if len(batch) not in (2, 4):
         raise LayoutError(f"parallel.context_parallel > 1 splits LM batches (input_ids, labels[, document_ids, "
                           f"position_ids]); this batch has {len(batch)} arrays")
@@ -103,7 +106,18 @@ def local_batch(batch: Sequence[np.ndarray], cp: int, rank: int) -> Tuple[np.nda
     if len(arrays) == 2:
         positions = np.broadcast_to(np.arange(input_ids.shape[1], dtype=np.int32), input_ids.shape)
         arrays += [np.zeros(input_ids.shape, np.int32), positions]
-    return tuple(np.ascontiguousarray(a[:, order]) for a in arrays)
+    local = [np.ascontiguousarray(a[:, order]) for a in arrays]
+    if lookahead:
+        seq_len, labels = input_ids.shape[1], arrays[1]
+        ahead = [np.where(order + j < seq_len, labels[:, np.minimum(order + j, seq_len - 1)], 0)
+                 for j in range(lookahead + 1)]
+        local[1] = np.ascontiguousarray(np.stack(ahead, 1).astype(labels.dtype))
+    return tuple(local)
+
+
+def main_labels(labels: np.ndarray) -> np.ndarray:
+    """The labels of the local positions themselves (`local_batch`: `[B, L]`, or row 0 of `[B, 1 + D, L]`)."""
+    return labels[:, 0] if labels.ndim == 3 else labels
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +374,8 @@ def parallelize_context(model, cfg, pctx) -> int:
     packed = cfg.data.reset_attention_mask or cfg.data.reset_position_ids
     for cell in cells:
         cell.context_parallel = ContextParallelAttention(group, seq_length, cfg.parallel.cp_comm_type, packed)
+    if getattr(model, "label_lookahead", 0):   # a head reading labels ahead (MTP): which positions it counts
+        model.hold_positions(chunk_order(seq_length, pctx.cp, pctx.cp_rank), seq_length)
     for layer in moe_layers(model):
         if layer.aux_loss_scope == "micro_batch":   # the micro-batch's tokens are those of the whole cp group
             layer.set_aux_loss_scope("global", group)
@@ -370,18 +386,19 @@ def parallelize_context(model, cfg, pctx) -> int:
 class ContextParallelRunner:
     """A step runner (the interface of `runner.MicroBatchRunner`) that gives `inner` this rank's part
     of every micro-batch (`local_batch`) and checks, every step, that the tokens the loss is averaged
-    over add up to the global batch's (`TokenCountError` otherwise). Anything else is `inner`'s."""
+    over add up to the global batch's (`TokenCountError` otherwise). Anything else is `inner`'s.
+    `lookahead`: the model's `label_lookahead` (`local_batch`)."""
 
-    def __init__(self, inner, pctx, global_tokens: int):
-        self.inner, self.pctx, self.global_tokens = inner, pctx, global_tokens
+    def __init__(self, inner, pctx, global_tokens: int, lookahead: int = 0):
+        self.inner, self.pctx, self.global_tokens, self.lookahead = inner, pctx, global_tokens, lookahead
 
     def local(self, batch):
-        return local_batch(batch, self.pctx.cp, self.pctx.cp_rank)
+        return local_batch(batch, self.pctx.cp, self.pctx.cp_rank, self.lookahead)
 
     def train_step(self, batches, scale):
         local = [self.local(b) for b in batches]
-        check_token_count([b[1].size for b in batches], [b[1].size for b in local], self.pctx.cp, self.pctx.dp,
-                          self.global_tokens)
+        check_token_count([np.asarray(b[1]).size for b in batches], [main_labels(b[1]).size for b in local],
+                          self.pctx.cp, self.pctx.dp, self.global_tokens)
         return self.inner.train_step(local, scale)
 
     def evaluate(self, batch):
