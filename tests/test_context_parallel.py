@@ -206,8 +206,10 @@ def test_layout_rules_of_context_parallel():
     assert "context_parallel (2) = 2 processes, but 4 were launched" in problems(cp=2, world=4)
     assert problems(cp=2, tp=2, sequence_parallel=True, world=4, seq_length=64) == ""   # the cp group per tp rank
     assert problems(cp=2, pp=2, num_micro_batches=2, world=4, seq_length=64) == ""
-    assert "parallel.expert_tensor_parallel=2 is not supported with parallel.context_parallel > 1 yet" in problems(
-        cp=2, tp=2, etp=2)
+    assert problems(cp=2, tp=2, etp=2, world=4, seq_length=64) == ""    # each expert's FFN over the tp pair
+    # the tokens a tp rank cuts into tp/etp slices for dispatch are its S/cp: 6 of them, not 3 slices
+    assert "a micro-batch's 6 tokens (micro_batch_size x seq_length / context_parallel)" in problems(
+        cp=2, tp=4, etp=1, ep=4, world=8, seq_length=12, micro_batch_size=1)
     assert problems(cp=2, dp=2, zero=1, cp_comm="a2a", world=4, seq_length=64) == ""   # ZeRO over dp x cp; Ulysses
     assert problems(cp=2, cp_comm="p2p", seq_length=64) == ""
     assert problems(cp=2, dp=2, ep=4, world=4, seq_length=64) == ""     # experts folded over dp x cp

@@ -61,9 +61,11 @@ RUNS4 = {"dp2_cp2_ep4": CP2 + ["parallel.data_parallel=2", "parallel.expert_para
          # cp inside a pipeline: each stage passes 1/cp of every sequence, its attention split over cp
          "pp2_cp2": CP2 + ["parallel.pipeline_stage=2", "parallel.cp_comm_type=p2p", "data.eval_path="],
          # Qwen3-MoE (q/k norms, head_dim 48) with tensor + sequence parallelism: the cp group of each tp rank
-         # carries its heads' K|V; the sequence-parallel split cuts the local S/cp tokens by tp
-         "qwen3_tp2_cp2_sp": CP2 + ["parallel.model_parallel=2", "parallel.use_seq_parallel=true",
-                                    "parallel.moe_capacity=bound", "data.eval_path="]}
+         # carries its heads' K|V; the sequence-parallel split cuts the local S/cp tokens by tp; every expert's
+         # FFN split over the tp pair (expert tensor parallelism, the experts folded over dp x cp x tp / etp)
+         "qwen3_tp2_cp2_sp_etp2": CP2 + ["parallel.model_parallel=2", "parallel.use_seq_parallel=true",
+                                         "parallel.expert_tensor_parallel=2", "parallel.moe_capacity=bound",
+                                         "data.eval_path="]}
 QWEN3 = "configs/qwen3_moe_tiny.yaml"
 
 
@@ -181,10 +183,10 @@ def test_cp2_checkpoint_resumes_on_tp2_and_one_process(runs, shared_job_4):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pp2_cp2", "qwen3_tp2_cp2_sp"])
+@pytest.mark.parametrize("name", ["pp2_cp2", "qwen3_tp2_cp2_sp_etp2"])
 def test_cp_with_pipeline_and_tensor_parallelism(runs, shared_job_4, name):
-    """pp2 cp2 (moe_tiny, 1F1B, the ring) and tp2 cp2 with sequence parallelism (qwen3_moe_tiny) reproduce
-    one process over 10 steps."""
+    """pp2 cp2 (moe_tiny, 1F1B, the ring) and tp2 cp2 with sequence parallelism and expert tensor
+    parallelism 2 (qwen3_moe_tiny) reproduce one process over 10 steps."""
     if name.startswith("qwen3"):
         reference = step_records(shared_reference_dirs(shared_job_4, __name__, ["reference_qwen3"])["reference_qwen3"])
     else:
@@ -197,8 +199,10 @@ def test_cp_with_pipeline_and_tensor_parallelism(runs, shared_job_4, name):
         assert [r["pp_rank"] for r in ranks] == [0, 0, 1, 1]
         assert all(r["context_parallel_layers"] == 2 for r in ranks)   # each stage's 2 attention layers
     else:
-        assert [r["tp_rank"] for r in ranks] == [0, 1, 0, 1]
+        assert [r["tp_rank"] for r in ranks] == [0, 1, 0, 1] and [r["etp_rank"] for r in ranks] == [0, 1, 0, 1]
         assert all(r["context_parallel_layers"] == 4 for r in ranks)
+        experts = [r["shapes"][k] for r in ranks for k in r["shapes"] if k.endswith("experts.w_gate")]
+        assert experts and all(shape == [8, 128, 48] for shape in experts), experts   # FFN 96 / etp 2
 
 
 @pytest.mark.distributed
