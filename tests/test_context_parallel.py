@@ -292,7 +292,7 @@ def mla_layer(seq):
 
 @pytest.mark.parametrize("family, comm_type, packed, cp", [
     ("gqa", "all_gather", False, 2), ("gqa", "p2p", False, 2), ("gqa", "a2a", False, 2), ("mla", "all_gather", False, 2),
-    ("mla", "a2a", False, 2), ("gqa", "all_gather", True, 2), ("gqa", "p2p", True, 2), ("gqa", "a2a", True, 2),
+    ("mla", "all_gather", True, 2), ("mla", "a2a", False, 2), ("gqa", "all_gather", True, 2), ("gqa", "p2p", True, 2), ("gqa", "a2a", True, 2),
     ("gqa", "p2p", False, 4)])
 def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, family, comm_type, packed, cp):
     """An `Attention` layer (GQA 4/2 heads, RoPE) switched to `ContextParallelAttention`, each rank's
@@ -301,7 +301,8 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
     rank has seen the others' inputs): its outputs, put back in order, equal the layer on the whole
     sequence. all_gather: K|V gathered, blockwise attention; p2p: the blocks passed around the ring;
     a2a: Ulysses' all-to-alls around the layer's own attention on 1/cp of the heads. GQA (Llama) and
-    MLA (DeepSeek-V3); packed documents (document masks crossing the chunks, positions restarting).
+    MLA (DeepSeek-V3; with all_gather its compressed latent and RoPE key cross the split, expanded
+    after); packed documents (document masks crossing the chunks, positions restarting).
     The ring's exchange is simulated from the counts each rank passes (AlltoAllV: a rank receives from
     the rank its recv_counts name, which must send to it), so at cp 4, where the next and the previous
     rank differ, a ring turning the other way fails (at cp 2 they are the same rank)."""
@@ -363,6 +364,8 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
     for order, out in outs.values():
         got[:, order] = out
     np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
+    if (family, comm_type) == ("mla", "all_gather"):    # kv_lora_rank 16 + qk_rope_head_dim 4 a token, not 4 x (12 + 6)
+        assert {value.shape[-1] for key, value in sent.items() if value.ndim == 3} == {16 + 4}
 
 
 def plan_of(config, *overrides, device="gpu_h100"):
@@ -395,6 +398,11 @@ def test_the_planner_models_context_parallel():
     # on this CPU the blockwise path keeps its fp32 softmax terms (measured by the dry run: docs/context_parallel.md)
     cpu = plan_of("configs/moe_tiny.yaml", *base, "parallel.context_parallel=2", device="cpu")
     assert 0.6 * 2 ** 30 < cpu.memory["activations"] < 0.7 * 2 ** 30
+    # MLA under all_gather sends its fp32 latent and RoPE key (64 + 16 values a token), the ring the K|V
+    # expanded per head (4 heads x (48 + 32) fp32): a quarter of the bytes
+    mla = {comm: plan_of("configs/deepseek_v3_tiny.yaml", *base, "parallel.context_parallel=2",
+                         f"parallel.cp_comm_type={comm}").comm_bytes["cp"] for comm in ("all_gather", "p2p")}
+    assert mla["all_gather"] == pytest.approx(mla["p2p"] * 4 * (64 + 16) / (4 * 4 * (48 + 32)))
 
 
 def test_a_128k_token_deepseek_v3_run_fits_only_with_cp():

@@ -119,7 +119,10 @@ class DeepSeekV3Config(MoEGPTConfig):
 class MultiHeadLatentAttention(CausalAttention):
     """MLA (DeepSeek-V2/V3); `construct(x [B, S, H], context=None) -> [B, S, H]` in the compute dtype;
     `context`: packed documents (`CausalAttention`): RoPE, applied here to the decoupled part only,
-    rotates at its position ids, and `attend` masks across documents.
+    rotates at its position ids, and `attend` masks across documents. Under context parallelism with
+    `cp_comm_type: all_gather` the normed latent and the rotated shared key (kv_lora_rank +
+    qk_rope_head_dim values a token) cross the split and every rank expands all of them through
+    `wkv_b`, rather than gathering the per-head keys and values (docs/context_parallel.md).
 
     Head counts are read from the `wq_b`/`wq` and `wkv_b` outputs, so a tensor-parallel plan may
     split those column-wise (and `wo` row-wise) while the latent projections and norms stay whole."""
@@ -151,11 +154,25 @@ class MultiHeadLatentAttention(CausalAttention):
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora else self.wq(x)
         q_nope, q_rot = ops.split(q.reshape(batch, seq_len, -1, self.head_dim), [self.nope_dim, self.rope_dim], -1)
         latent, k_rot = ops.split(self.wkv_a(x), [self.latent_dim, self.rope_dim], -1)
-        kv = self.wkv_b(self.kv_norm(latent)).reshape(batch, seq_len, -1, self.nope_dim + self.value_dim)
-        k_nope, v = ops.split(kv, [self.nope_dim, self.value_dim], -1)
-        k_rot = self.rope(k_rot.reshape(batch, seq_len, 1, self.rope_dim), position_ids).astype(k_nope.dtype)
+        latent = self.kv_norm(latent)
+        k_rot = self.rope(k_rot.reshape(batch, seq_len, 1, self.rope_dim), position_ids)
         q = ops.cat((q_nope, self.rope(q_rot, position_ids).astype(q_nope.dtype)), -1)
+        cp = self.context_parallel
+        gathered = cp is not None and cp.gathers_keys
+        key_docs = None
+        if gathered:   # all_gather under cp: the compressed K/V crosses the split, expanded after
+            compressed = ops.cat((latent.astype(ms.float32),
+                                  k_rot.reshape(batch, seq_len, self.rope_dim).astype(ms.float32)), -1)
+            compressed, key_docs = cp.gather_keys(compressed, context)     # [B, cp * L, latent + rope]
+            latent, k_rot = ops.split(compressed, [self.latent_dim, self.rope_dim], -1)
+            seq_len = compressed.shape[1]
+            k_rot = k_rot.reshape(batch, seq_len, 1, self.rope_dim)
+        kv = self.wkv_b(latent).reshape(batch, seq_len, -1, self.nope_dim + self.value_dim)
+        k_nope, v = ops.split(kv, [self.nope_dim, self.value_dim], -1)
+        k_rot = k_rot.astype(k_nope.dtype)
         k = ops.cat((k_nope, ops.broadcast_to(k_rot, k_nope.shape[:-1] + (self.rope_dim,))), -1)
+        if gathered:
+            return self.wo(cp.attend_gathered(q, k, v, self.scale, context, key_docs))
         return self.wo(self.attend(q, k, v, self.scale, context=context))   # RoPE already on the decoupled part
 
     def decode(self, x, step, past=None):

@@ -266,6 +266,9 @@ class ContextParallelAttention(nn.Cell):
         self.cp, self.rank = group.size, group.rank_in_group
         self.splits_heads = comm_type == "a2a"
         self.ring = comm_type == "p2p"
+        # all_gather: the keys cross the split in one all-gather, so a layer may gather a smaller form of
+        # them and expand it after (MLA: its compressed latent and shared RoPE key; `gather_keys`)
+        self.gathers_keys = comm_type == "all_gather"
         # p2p: each ring step sends this rank's current block to the next rank and receives the previous
         # rank's (rows of one block; an all-to-all-v with one non-zero count each way)
         nxt, prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
@@ -309,28 +312,46 @@ class ContextParallelAttention(nn.Cell):
         position_ids = context[1]
         if rope is not None:
             q, k = rope(q, position_ids), rope(k, position_ids)
+        head_dim = k.shape[3]
+        if not self.ring:                                                   # all_gather: K and V as one tensor
+            kv, key_docs = self.gather_keys(ops.concat((k, v), -1), context)  # [B, cp * L, n_kv, d + dv]
+            k_all, v_all = ops.split(kv, [head_dim, v.shape[-1]], -1)
+            return self.attend_gathered(q, k_all, v_all, scale, context, key_docs)
         q = q * scale
-        num_kv_heads, head_dim = k.shape[2], k.shape[3]
-        queries = heads_major_queries(q, num_kv_heads)
+        queries = heads_major_queries(q, k.shape[2])
         docs = context[0].astype(ms.float32) if self.packed else None       # ids < 2^24: exact in fp32
-        if self.ring:
-            block = ops.concat((k, v), -1).transpose(0, 2, 1, 3)             # [B, n_kv, L, d + dv]
-            blocks, doc_blocks = [block], [docs]
-            for _ in range(1, self.cp):                                     # rank r - t's block at step t
-                blocks.append(self.ring_shift(blocks[-1]))
-                if docs is not None:                                        # after the block: one order everywhere
-                    doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
-            pairs = [ops.split(b, [head_dim, v.shape[-1]], -1) for b in blocks]
-            out = ring_attention(queries, [p[0] for p in pairs], [p[1] for p in pairs], self.rank, self.cp,
-                                 self.positions, None if docs is None else (docs, doc_blocks))
-            return tokens_major_output(out.astype(q.dtype))
-        kv = comm.all_gather(ops.concat((k, v), -1), self.group, 1)          # [B, cp * L, n_kv, d + dv]
-        documents = None
-        if docs is not None:
-            documents = (docs, comm.all_gather(ops.depend(docs, kv), self.group, 1))
-        kv = kv.transpose(0, 2, 1, 3)                                       # [B, n_kv, cp * L, d + dv]
-        k_all, v_all = ops.split(kv, [head_dim, v.shape[-1]], -1)
-        out = blockwise_attention(queries, k_all, v_all, self.rank, self.cp, self.positions, documents)
+        # p2p: the ring
+        block = ops.concat((k, v), -1).transpose(0, 2, 1, 3)             # [B, n_kv, L, d + dv]
+        blocks, doc_blocks = [block], [docs]
+        for _ in range(1, self.cp):                                     # rank r - t's block at step t
+            blocks.append(self.ring_shift(blocks[-1]))
+            if docs is not None:                                        # after the block: one order everywhere
+                doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
+        pairs = [ops.split(b, [head_dim, v.shape[-1]], -1) for b in blocks]
+        out = ring_attention(queries, [p[0] for p in pairs], [p[1] for p in pairs], self.rank, self.cp,
+                             self.positions, None if docs is None else (docs, doc_blocks))
+        return tokens_major_output(out.astype(q.dtype))
+
+    def gather_keys(self, x, context):
+        """all_gather: a per-token tensor of the local keys `[B, L, ...]` (K|V, or MLA's compressed
+        latent and RoPE key) -> every rank's `[B, cp·L, ...]` in rank order (comm.all_gather; its
+        backward reduce-scatters the gradient to the owners), and the keys' document ids `[B, cp·L]`
+        fp32 with packed documents (None otherwise)."""
+        whole = comm.all_gather(x, self.group, 1)
+        key_docs = None
+        if self.packed:                                                     # after the keys: one order everywhere
+            key_docs = comm.all_gather(ops.depend(context[0].astype(ms.float32), whole), self.group, 1)
+        return whole, key_docs
+
+    def attend_gathered(self, q, k_all, v_all, scale: float, context, key_docs=None):
+        """all_gather: the local queries `q [B, L, n, d]` (RoPE applied) against every rank's keys and
+        values `k_all [B, cp·L, n_kv, d]`, `v_all [B, cp·L, n_kv, dv]` (`gather_keys`' order), blockwise,
+        merged by log-sum-exp -> `[B, L, n·dv]`."""
+        q = q * scale
+        queries = heads_major_queries(q, k_all.shape[2])
+        documents = None if key_docs is None else (context[0].astype(ms.float32), key_docs)
+        out = blockwise_attention(queries, k_all.transpose(0, 2, 1, 3), v_all.transpose(0, 2, 1, 3), self.rank,
+                                  self.cp, self.positions, documents)
         return tokens_major_output(out.astype(q.dtype))
 
     def whole_context(self, context):
