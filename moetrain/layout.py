@@ -309,11 +309,6 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
         problems.append("parallel.context_parallel > 1 splits the sequences of a language model; this model "
                         "has no attention layers (model.num_layers / num_heads): set it to 1")
     if shape.mtp_depth:   # depth k counts positions below S-k-1: the first chunk of rank cp-1 must hold one
-        if L.ep > 1:
-            problems.append(f"parallel.expert_parallel={L.ep} with multi-token prediction (model.mtp_depth="
-                            f"{shape.mtp_depth}) {not_yet}: the MTP blocks route the positions past S-k-1 without "
-                            f"counting them in expert_load, which sizes the expert-parallel dispatch buffers; set "
-                            f"expert_parallel=1 or model.mtp_depth=0")
         if seq_length and not seq_length % (2 * L.cp) and shape.mtp_depth >= (L.cp + 1) * seq_length // (2 * L.cp):
             problems.append(f"model.mtp_depth ({shape.mtp_depth}) must be below (context_parallel + 1) x "
                             f"seq_length / (2 x context_parallel) = {(L.cp + 1) * seq_length // (2 * L.cp)}: "

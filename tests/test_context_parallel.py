@@ -219,7 +219,7 @@ def test_layout_rules_of_context_parallel():
     assert "model.num_kv_heads (2) is not divisible by parallel.context_parallel (4)" in problems(cp=4, cp_comm="a2a")
     mtp = ModelShape(layers=2, heads=4, mtp_depth=1, experts=8)                  # MTP runs under cp ...
     assert problems(cp=2, world=2, seq_length=64, shape=mtp) == ""
-    assert "expert_parallel=2 with multi-token prediction" in problems(cp=2, ep=2, shape=mtp)   # ... but not with ep
+    assert problems(cp=2, ep=2, world=2, seq_length=64, shape=mtp) == ""       # ep: the capacity rule is the config's
     assert "model.mtp_depth (3) must be below" in problems(cp=2, seq_length=4, shape=ModelShape(
         layers=2, heads=4, mtp_depth=3))                                            # (2+1) x 4/4 = 3
     assert "no attention layers" in problems(cp=2, shape=ModelShape())
@@ -230,6 +230,12 @@ def test_config_errors_name_the_key(tmp_path):
     from moetrain.config import ConfigError, load_config
 
     load_config("configs/moe_tiny.yaml", ["parallel.context_parallel=2", "model.seq_length=64"])
+    # MTP under cp with ep: the MTP block's uncounted positions are dispatched, so only the bound capacity
+    mtp_ep = ["model.seq_length=64", "parallel.context_parallel=2", "parallel.data_parallel=2",
+              "parallel.expert_parallel=4", "train.global_batch_size=8"]
+    with pytest.raises(ConfigError, match="'parallel.moe_capacity': 'adaptive' with multi-token prediction"):
+        load_config("configs/deepseek_v3_tiny.yaml", mtp_ep)
+    load_config("configs/deepseek_v3_tiny.yaml", mtp_ep + ["parallel.moe_capacity=bound"])
     for override, text in (("parallel.context_parallel=3", "2 x parallel.context_parallel = 6"),
                            ("parallel.cp_comm_type=ring", "parallel.cp_comm_type"),
                            ("parallel.context_parallel=0", "parallel.context_parallel")):
@@ -407,8 +413,8 @@ def test_the_planner_models_context_parallel():
 
 def test_a_128k_token_deepseek_v3_run_fits_only_with_cp():
     """The published DeepSeek-V3 layout (pp16, ep64, ZeRO-1) at 131,072 tokens a sequence on 2048 H100s:
-    without cp one sequence's activations do not fit; Ulysses over 16 ranks does (MTP off: not yet
-    under cp)."""
+    without cp one sequence's activations do not fit; Ulysses over 16 ranks does (MTP off, as the
+    table in docs/context_parallel.md was taken)."""
     run = ["model.seq_length=131072", "data.seq_length=131072", "model.mtp_depth=0", "train.global_batch_size=2048",
            "train.micro_batch_size=1", "parallel.recompute=selective"]
     alone = plan_of("configs/deepseek_v3_671b.yaml", *run)
