@@ -222,9 +222,11 @@ def layout_problems(layout: Layout, shape: Optional[ModelShape] = None, *, world
             need(m.expert_ffn % L.etp == 0, f"model.moe.ffn_hidden_size ({m.expert_ffn}) is not divisible by "
                  f"parallel.expert_tensor_parallel ({L.etp}) (each routed expert is split column/row-wise); "
                  f"choose expert_tensor_parallel in {[d for d in divisors(m.expert_ffn) if L.tp % d == 0]}")
-        if seq_length and L.token_slices > 1:
-            tokens = seq_length * L.micro_batch_size
-            need(tokens % L.token_slices == 0, f"a micro-batch's {tokens} tokens (micro_batch_size x seq_length) "
+        if seq_length and L.token_slices > 1:   # a rank's tokens: 1/cp of each sequence
+            tokens = seq_length // L.cp * L.micro_batch_size
+            cp_text = " / context_parallel" if L.cp > 1 else ""
+            need(tokens % L.token_slices == 0, f"a micro-batch's {tokens} tokens (micro_batch_size x seq_length"
+                 f"{cp_text}) "
                  f"cannot be cut into model_parallel / expert_tensor_parallel = {L.token_slices} equal slices, "
                  f"one per tensor-parallel rank dispatching to the experts; change the micro-batch size or "
                  f"expert_tensor_parallel")
@@ -297,9 +299,6 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
                 f"{fits} or a sequence length that is a multiple of {need_chunks}")
     if shape is None:
         return problems
-    for key, value, fix in (("expert_tensor_parallel", L.etp, "set it to 1"),):
-        if value > 1:
-            problems.append(f"parallel.{key}={value} {not_yet}; {fix}")
     if L.cp_comm == "a2a":
         for key, value in (("model.num_heads", shape.heads), ("model.num_kv_heads", shape.kv_heads)):
             if value is not None and value % L.cp:
@@ -309,10 +308,12 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
     if shape.layers is None or shape.heads is None:
         problems.append("parallel.context_parallel > 1 splits the sequences of a language model; this model "
                         "has no attention layers (model.num_layers / num_heads): set it to 1")
-    if shape.mtp_depth:
-        problems.append(f"multi-token prediction (model.mtp_depth={shape.mtp_depth}) {not_yet}: its depth k "
-                        f"reads the positions k+1 ahead, across the split; set model.mtp_depth=0 or "
-                        f"parallel.context_parallel=1")
+    if shape.mtp_depth:   # depth k counts positions below S-k-1: the first chunk of rank cp-1 must hold one
+        if seq_length and not seq_length % (2 * L.cp) and shape.mtp_depth >= (L.cp + 1) * seq_length // (2 * L.cp):
+            problems.append(f"model.mtp_depth ({shape.mtp_depth}) must be below (context_parallel + 1) x "
+                            f"seq_length / (2 x context_parallel) = {(L.cp + 1) * seq_length // (2 * L.cp)}: "
+                            f"every cp rank needs a position that each depth predicts from; lower mtp_depth or "
+                            f"context_parallel")
     return problems
 
 

@@ -51,6 +51,11 @@ def test_local_batch_holds_the_chunks_labels_and_global_positions():
     assert [a[0].tolist() for a in packed[2:]] == [[0, 0, 0, 1], [0, 1, 2, 0]]
     with pytest.raises(LayoutError, match="arrays of one shape"):
         local_batch((tokens, labels[:, :4]), 2, 0)
+    # a head reading labels ahead (MTP depth 2): row j holds the labels j after each local position, 0 past
+    # the end; rank 0 holds positions 0 1 6 7
+    ahead = local_batch((tokens, labels), 2, 0, lookahead=2)[1]
+    assert ahead.shape == (2, 3, 4) and ahead.dtype == labels.dtype
+    assert ahead[0].tolist() == [[101, 102, 107, 108], [102, 103, 108, 0], [103, 104, 0, 0]]
 
 
 def test_token_count_guard_names_the_counts():
@@ -201,8 +206,10 @@ def test_layout_rules_of_context_parallel():
     assert "context_parallel (2) = 2 processes, but 4 were launched" in problems(cp=2, world=4)
     assert problems(cp=2, tp=2, sequence_parallel=True, world=4, seq_length=64) == ""   # the cp group per tp rank
     assert problems(cp=2, pp=2, num_micro_batches=2, world=4, seq_length=64) == ""
-    assert "parallel.expert_tensor_parallel=2 is not supported with parallel.context_parallel > 1 yet" in problems(
-        cp=2, tp=2, etp=2)
+    assert problems(cp=2, tp=2, etp=2, world=4, seq_length=64) == ""    # each expert's FFN over the tp pair
+    # the tokens a tp rank cuts into tp/etp slices for dispatch are its S/cp: 6 of them, not 3 slices
+    assert "a micro-batch's 6 tokens (micro_batch_size x seq_length / context_parallel)" in problems(
+        cp=2, tp=4, etp=1, ep=4, world=8, seq_length=12, micro_batch_size=1)
     assert problems(cp=2, dp=2, zero=1, cp_comm="a2a", world=4, seq_length=64) == ""   # ZeRO over dp x cp; Ulysses
     assert problems(cp=2, cp_comm="p2p", seq_length=64) == ""
     assert problems(cp=2, dp=2, ep=4, world=4, seq_length=64) == ""     # experts folded over dp x cp
@@ -210,7 +217,11 @@ def test_layout_rules_of_context_parallel():
     assert "expert_parallel (8) must divide data_parallel (2) x context_parallel (2)" in problems(cp=2, dp=2, ep=8)
     assert "parallel.cp_comm_type must be one of" in problems(cp=2, cp_comm="ring")
     assert "model.num_kv_heads (2) is not divisible by parallel.context_parallel (4)" in problems(cp=4, cp_comm="a2a")
-    assert "model.mtp_depth=1" in problems(cp=2, shape=ModelShape(layers=2, heads=4, mtp_depth=1))
+    mtp = ModelShape(layers=2, heads=4, mtp_depth=1, experts=8)                  # MTP runs under cp ...
+    assert problems(cp=2, world=2, seq_length=64, shape=mtp) == ""
+    assert problems(cp=2, ep=2, world=2, seq_length=64, shape=mtp) == ""       # ep: the capacity rule is the config's
+    assert "model.mtp_depth (3) must be below" in problems(cp=2, seq_length=4, shape=ModelShape(
+        layers=2, heads=4, mtp_depth=3))                                            # (2+1) x 4/4 = 3
     assert "no attention layers" in problems(cp=2, shape=ModelShape())
     assert problems(cp=1, tp=2) == ""                                   # cp 1: nothing changes
 
@@ -219,6 +230,12 @@ def test_config_errors_name_the_key(tmp_path):
     from moetrain.config import ConfigError, load_config
 
     load_config("configs/moe_tiny.yaml", ["parallel.context_parallel=2", "model.seq_length=64"])
+    # MTP under cp with ep: the MTP block's uncounted positions are dispatched, so only the bound capacity
+    mtp_ep = ["model.seq_length=64", "parallel.context_parallel=2", "parallel.data_parallel=2",
+              "parallel.expert_parallel=4", "train.global_batch_size=8"]
+    with pytest.raises(ConfigError, match="'parallel.moe_capacity': 'adaptive' with multi-token prediction"):
+        load_config("configs/deepseek_v3_tiny.yaml", mtp_ep)
+    load_config("configs/deepseek_v3_tiny.yaml", mtp_ep + ["parallel.moe_capacity=bound"])
     for override, text in (("parallel.context_parallel=3", "2 x parallel.context_parallel = 6"),
                            ("parallel.cp_comm_type=ring", "parallel.cp_comm_type"),
                            ("parallel.context_parallel=0", "parallel.context_parallel")):
@@ -281,7 +298,7 @@ def mla_layer(seq):
 
 @pytest.mark.parametrize("family, comm_type, packed, cp", [
     ("gqa", "all_gather", False, 2), ("gqa", "p2p", False, 2), ("gqa", "a2a", False, 2), ("mla", "all_gather", False, 2),
-    ("mla", "a2a", False, 2), ("gqa", "all_gather", True, 2), ("gqa", "p2p", True, 2), ("gqa", "a2a", True, 2),
+    ("mla", "all_gather", True, 2), ("mla", "a2a", False, 2), ("gqa", "all_gather", True, 2), ("gqa", "p2p", True, 2), ("gqa", "a2a", True, 2),
     ("gqa", "p2p", False, 4)])
 def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, family, comm_type, packed, cp):
     """An `Attention` layer (GQA 4/2 heads, RoPE) switched to `ContextParallelAttention`, each rank's
@@ -290,7 +307,8 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
     rank has seen the others' inputs): its outputs, put back in order, equal the layer on the whole
     sequence. all_gather: K|V gathered, blockwise attention; p2p: the blocks passed around the ring;
     a2a: Ulysses' all-to-alls around the layer's own attention on 1/cp of the heads. GQA (Llama) and
-    MLA (DeepSeek-V3); packed documents (document masks crossing the chunks, positions restarting).
+    MLA (DeepSeek-V3; with all_gather its compressed latent and RoPE key cross the split, expanded
+    after); packed documents (document masks crossing the chunks, positions restarting).
     The ring's exchange is simulated from the counts each rank passes (AlltoAllV: a rank receives from
     the rank its recv_counts name, which must send to it), so at cp 4, where the next and the previous
     rank differ, a ring turning the other way fails (at cp 2 they are the same rank)."""
@@ -352,6 +370,8 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
     for order, out in outs.values():
         got[:, order] = out
     np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
+    if (family, comm_type) == ("mla", "all_gather"):    # kv_lora_rank 16 + qk_rope_head_dim 4 a token, not 4 x (12 + 6)
+        assert {value.shape[-1] for key, value in sent.items() if value.ndim == 3} == {16 + 4}
 
 
 def plan_of(config, *overrides, device="gpu_h100"):
@@ -384,12 +404,17 @@ def test_the_planner_models_context_parallel():
     # on this CPU the blockwise path keeps its fp32 softmax terms (measured by the dry run: docs/context_parallel.md)
     cpu = plan_of("configs/moe_tiny.yaml", *base, "parallel.context_parallel=2", device="cpu")
     assert 0.6 * 2 ** 30 < cpu.memory["activations"] < 0.7 * 2 ** 30
+    # MLA under all_gather sends its fp32 latent and RoPE key (64 + 16 values a token), the ring the K|V
+    # expanded per head (4 heads x (48 + 32) fp32): a quarter of the bytes
+    mla = {comm: plan_of("configs/deepseek_v3_tiny.yaml", *base, "parallel.context_parallel=2",
+                         f"parallel.cp_comm_type={comm}").comm_bytes["cp"] for comm in ("all_gather", "p2p")}
+    assert mla["all_gather"] == pytest.approx(mla["p2p"] * 4 * (64 + 16) / (4 * 4 * (48 + 32)))
 
 
 def test_a_128k_token_deepseek_v3_run_fits_only_with_cp():
     """The published DeepSeek-V3 layout (pp16, ep64, ZeRO-1) at 131,072 tokens a sequence on 2048 H100s:
-    without cp one sequence's activations do not fit; Ulysses over 16 ranks does (MTP off: not yet
-    under cp)."""
+    without cp one sequence's activations do not fit; Ulysses over 16 ranks does (MTP off, as the
+    table in docs/context_parallel.md was taken)."""
     run = ["model.seq_length=131072", "data.seq_length=131072", "model.mtp_depth=0", "train.global_batch_size=2048",
            "train.micro_batch_size=1", "parallel.recompute=selective"]
     alone = plan_of("configs/deepseek_v3_671b.yaml", *run)

@@ -9,6 +9,8 @@ relative, grad_norm within 1e-4, expert loads exact for the first 5 steps and wi
                    travel with them, the masks cross the chunk boundaries), against a packed reference
   cp2_a2a_zero1    Ulysses all-to-alls around the layer's own attention, the optimizer state sharded
                    (ZeRO-1) over the dp x cp group (here the 2 cp ranks)
+  deepseek_cp2_mtp `configs/deepseek_v3_tiny.yaml` as shipped (MLA, its MTP depth 1, sigmoid group-limited
+                   routing, the aux-loss-free bias, the sequence aux loss), against its own reference
 They join the suite's shared 2-rank job (tests/distributed.py: share_runs); the one-process references
 train beside the launch."""
 import json
@@ -47,6 +49,10 @@ RUNS = {"cp2": CP2 + [f"checkpoint.save_steps={SAVED_AT}"],          # K|V all-g
         # Ulysses with ZeRO-1, on the native GPU path (AllGather-built all-to-all, ReduceScatter)
         "cp2_a2a_zero1": CP2 + ["parallel.cp_comm_type=a2a", "parallel.optimizer_shard=1", "data.eval_path=",
                                 CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]}
+# DeepSeek-V3 with its multi-token prediction: each rank gets the labels 1 and 2 ahead of its positions,
+# the MTP block counts only the positions below S-2 (loads, aux losses, z-loss, mtp_loss as one process)
+DEEPSEEK = "configs/deepseek_v3_tiny.yaml"
+DEEPSEEK_RUNS = {"deepseek_cp2_mtp": CP2}
 RESUMED = {"cp2_resumed_tp2": ["parallel.model_parallel=2", "data.eval_path="]}   # cp2's step 5 on tp2
 # experts folded over dp x cp (Megatron-Core's MoE parallel folding): dp2 cp2, the 8 experts over all
 # 4 ranks (2 each), the ring; dropless at the static bound (one graph: no capacity re-compiles)
@@ -55,9 +61,11 @@ RUNS4 = {"dp2_cp2_ep4": CP2 + ["parallel.data_parallel=2", "parallel.expert_para
          # cp inside a pipeline: each stage passes 1/cp of every sequence, its attention split over cp
          "pp2_cp2": CP2 + ["parallel.pipeline_stage=2", "parallel.cp_comm_type=p2p", "data.eval_path="],
          # Qwen3-MoE (q/k norms, head_dim 48) with tensor + sequence parallelism: the cp group of each tp rank
-         # carries its heads' K|V; the sequence-parallel split cuts the local S/cp tokens by tp
-         "qwen3_tp2_cp2_sp": CP2 + ["parallel.model_parallel=2", "parallel.use_seq_parallel=true",
-                                    "parallel.moe_capacity=bound", "data.eval_path="]}
+         # carries its heads' K|V; the sequence-parallel split cuts the local S/cp tokens by tp; every expert's
+         # FFN split over the tp pair (expert tensor parallelism, the experts folded over dp x cp x tp / etp)
+         "qwen3_tp2_cp2_sp_etp2": CP2 + ["parallel.model_parallel=2", "parallel.use_seq_parallel=true",
+                                         "parallel.expert_tensor_parallel=2", "parallel.moe_capacity=bound",
+                                         "data.eval_path="]}
 QWEN3 = "configs/qwen3_moe_tiny.yaml"
 
 
@@ -66,8 +74,10 @@ def saved(out_dir):
 
 
 share_runs(2, __name__, lambda fixture, out_dir: [spec(name, extra) for name, extra in RUNS.items()]
-           + [spec(name, extra + [f"resume={saved(out_dir)}"]) for name, extra in RESUMED.items()], timeout=900,
-           references=lambda fixture: [spec("reference"), spec("reference_packed", PACKED + ["data.eval_path="])])
+           + [spec(name, extra + [f"resume={saved(out_dir)}"]) for name, extra in RESUMED.items()]
+           + [spec(name, extra + ["data.eval_path="], DEEPSEEK) for name, extra in DEEPSEEK_RUNS.items()], timeout=1000,
+           references=lambda fixture: [spec("reference"), spec("reference_packed", PACKED + ["data.eval_path="]),
+                                       spec("reference_deepseek", ["data.eval_path="], DEEPSEEK)])
 share_runs(4, __name__, lambda fixture, out_dir: [spec(name, extra, QWEN3 if name.startswith("qwen3") else CONFIG)
                                                   for name, extra in RUNS4.items()], timeout=1500,
            # beside the 4-rank launch, which starts after the 2-rank job: cp2's checkpoint is there by then
@@ -140,6 +150,25 @@ def test_cp2_reproduces_one_process(runs, name):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_deepseek_v3_with_mtp_on_cp2_reproduces_one_process(shared_job_2):
+    """deepseek_v3_tiny (MLA, MTP depth 1) on cp2: the MTP depth reads the labels 1 and 2 ahead of each
+    rank's positions (handed over by the runner), and its block's MoE routes the positions past S-2 that
+    one process never computes without counting them: loss, lm / mtp / aux / sequence aux / z losses,
+    grad_norm and the expert loads of the 3 MoE layers and the MTP block are one process's."""
+    run_dir = shared_run_dirs(shared_job_2, __name__, DEEPSEEK_RUNS)["deepseek_cp2_mtp"]
+    reference = step_records(shared_reference_dirs(shared_job_2, __name__, ["reference_deepseek"])["reference_deepseek"])
+    steps = step_records(run_dir)
+    assert_reproduces(steps, reference)
+    np.testing.assert_allclose([r["mtp_loss"] for r in steps], [r["mtp_loss"] for r in reference], rtol=1e-5)
+    assert np.shape(reference[0]["expert_load"]) == (4, 16)                # 3 MoE layers + the MTP block
+    assert reference[0]["loss"] - reference[-1]["loss"] > 0.5              # it trains
+    ranks = rank_records(run_dir)
+    assert [r["cp_rank"] for r in ranks] == [0, 1]
+    assert all(r["context_parallel_layers"] == 5 for r in ranks)          # the 4 layers' MLA and the MTP block's
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_cp2_checkpoint_resumes_on_tp2_and_one_process(runs, shared_job_4):
     """cp2's step-5 checkpoint (the weights replicas over cp) resumed on tp2 (sliced by heads and
     columns) and on one process: steps 6-10 are the uninterrupted one-process run's."""
@@ -154,10 +183,10 @@ def test_cp2_checkpoint_resumes_on_tp2_and_one_process(runs, shared_job_4):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pp2_cp2", "qwen3_tp2_cp2_sp"])
+@pytest.mark.parametrize("name", ["pp2_cp2", "qwen3_tp2_cp2_sp_etp2"])
 def test_cp_with_pipeline_and_tensor_parallelism(runs, shared_job_4, name):
-    """pp2 cp2 (moe_tiny, 1F1B, the ring) and tp2 cp2 with sequence parallelism (qwen3_moe_tiny) reproduce
-    one process over 10 steps."""
+    """pp2 cp2 (moe_tiny, 1F1B, the ring) and tp2 cp2 with sequence parallelism and expert tensor
+    parallelism 2 (qwen3_moe_tiny) reproduce one process over 10 steps."""
     if name.startswith("qwen3"):
         reference = step_records(shared_reference_dirs(shared_job_4, __name__, ["reference_qwen3"])["reference_qwen3"])
     else:
@@ -170,8 +199,10 @@ def test_cp_with_pipeline_and_tensor_parallelism(runs, shared_job_4, name):
         assert [r["pp_rank"] for r in ranks] == [0, 0, 1, 1]
         assert all(r["context_parallel_layers"] == 2 for r in ranks)   # each stage's 2 attention layers
     else:
-        assert [r["tp_rank"] for r in ranks] == [0, 1, 0, 1]
+        assert [r["tp_rank"] for r in ranks] == [0, 1, 0, 1] and [r["etp_rank"] for r in ranks] == [0, 1, 0, 1]
         assert all(r["context_parallel_layers"] == 4 for r in ranks)
+        experts = [r["shapes"][k] for r in ranks for k in r["shapes"] if k.endswith("experts.w_gate")]
+        assert experts and all(shape == [8, 128, 48] for shape in experts), experts   # FFN 96 / etp 2
 
 
 @pytest.mark.distributed

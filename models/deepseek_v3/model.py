@@ -21,7 +21,9 @@ Against `moe_gpt` it changes two things and adds one:
   `mtp_loss_weight * mtp_loss`. A depth works on the first S-k positions (causal attention makes
   that equal to masking the last k); RoPE is relative, so the positions may start at 0. With packed
   documents its attention uses the main stack's document and position ids of those positions (as
-  Megatron's MTP reuses the main attention mask and rotary positions).
+  Megatron's MTP reuses the main attention mask and rotary positions). Under context parallelism
+  (`hold_positions`) a depth runs on every local position, its labels handed over k+1 ahead by the
+  runner, and counts only the positions one process computes (docs/context_parallel.md).
 
 Parameter names beyond `moe_gpt`'s:
 
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List
+
+import numpy as np
 
 import mindspore as ms
 from mindspore import nn, ops
@@ -115,7 +119,10 @@ class DeepSeekV3Config(MoEGPTConfig):
 class MultiHeadLatentAttention(CausalAttention):
     """MLA (DeepSeek-V2/V3); `construct(x [B, S, H], context=None) -> [B, S, H]` in the compute dtype;
     `context`: packed documents (`CausalAttention`): RoPE, applied here to the decoupled part only,
-    rotates at its position ids, and `attend` masks across documents.
+    rotates at its position ids, and `attend` masks across documents. Under context parallelism with
+    `cp_comm_type: all_gather` the normed latent and the rotated shared key (kv_lora_rank +
+    qk_rope_head_dim values a token) cross the split and every rank expands all of them through
+    `wkv_b`, rather than gathering the per-head keys and values (docs/context_parallel.md).
 
     Head counts are read from the `wq_b`/`wq` and `wkv_b` outputs, so a tensor-parallel plan may
     split those column-wise (and `wo` row-wise) while the latent projections and norms stay whole."""
@@ -147,11 +154,25 @@ class MultiHeadLatentAttention(CausalAttention):
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora else self.wq(x)
         q_nope, q_rot = ops.split(q.reshape(batch, seq_len, -1, self.head_dim), [self.nope_dim, self.rope_dim], -1)
         latent, k_rot = ops.split(self.wkv_a(x), [self.latent_dim, self.rope_dim], -1)
-        kv = self.wkv_b(self.kv_norm(latent)).reshape(batch, seq_len, -1, self.nope_dim + self.value_dim)
-        k_nope, v = ops.split(kv, [self.nope_dim, self.value_dim], -1)
-        k_rot = self.rope(k_rot.reshape(batch, seq_len, 1, self.rope_dim), position_ids).astype(k_nope.dtype)
+        latent = self.kv_norm(latent)
+        k_rot = self.rope(k_rot.reshape(batch, seq_len, 1, self.rope_dim), position_ids)
         q = ops.cat((q_nope, self.rope(q_rot, position_ids).astype(q_nope.dtype)), -1)
+        cp = self.context_parallel
+        gathered = cp is not None and cp.gathers_keys
+        key_docs = None
+        if gathered:   # all_gather under cp: the compressed K/V crosses the split, expanded after
+            compressed = ops.cat((latent.astype(ms.float32),
+                                  k_rot.reshape(batch, seq_len, self.rope_dim).astype(ms.float32)), -1)
+            compressed, key_docs = cp.gather_keys(compressed, context)     # [B, cp * L, latent + rope]
+            latent, k_rot = ops.split(compressed, [self.latent_dim, self.rope_dim], -1)
+            seq_len = compressed.shape[1]
+            k_rot = k_rot.reshape(batch, seq_len, 1, self.rope_dim)
+        kv = self.wkv_b(latent).reshape(batch, seq_len, -1, self.nope_dim + self.value_dim)
+        k_nope, v = ops.split(kv, [self.nope_dim, self.value_dim], -1)
+        k_rot = k_rot.astype(k_nope.dtype)
         k = ops.cat((k_nope, ops.broadcast_to(k_rot, k_nope.shape[:-1] + (self.rope_dim,))), -1)
+        if gathered:
+            return self.wo(cp.attend_gathered(q, k, v, self.scale, context, key_docs))
         return self.wo(self.attend(q, k, v, self.scale, context=context))   # RoPE already on the decoupled part
 
     def decode(self, x, step, past=None):
@@ -184,8 +205,8 @@ class MultiHeadLatentAttention(CausalAttention):
 
 
 class MTPLayer(nn.Cell):
-    """One multi-token-prediction depth: `construct(h [B, n, H], emb [B, n, H], context=None) -> (normed h,
-    moe_stats)`; `context`: the attention context of those n positions, or None."""
+    """One multi-token-prediction depth: `construct(h [B, n, H], emb [B, n, H], context=None, valid=0) -> (normed
+    h, moe_stats)`; `context`: the attention context of those n positions, or None."""
 
     def __init__(self, cfg: DeepSeekV3Config):
         super().__init__()
@@ -195,9 +216,13 @@ class MTPLayer(nn.Cell):
         self.block = MoEBlock(cfg, MultiHeadLatentAttention(cfg))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def construct(self, h, emb, context=None):
+    def construct(self, h, emb, context=None, valid: int = 0):
+        """`valid` > 0: only the first `valid` positions count in the MoE stats (context parallelism)."""
         x = self.eh_proj(ops.cat((self.enorm(emb), self.hnorm(h)), -1)).astype(ms.float32)
-        x, stats = self.block(x, context)
+        if valid:
+            x, stats = self.block.counting(x, context, valid)
+        else:
+            x, stats = self.block(x, context)
         return self.final_norm(x), stats
 
 
@@ -214,6 +239,33 @@ class DeepSeekV3(MoEGPT):
         self.mtp_loss_weight = float(cfg.mtp_loss_weight)
         self.mtp = nn.CellList([MTPLayer(cfg) for _ in range(cfg.mtp_depth)]) if builds_head() else None
         self.head_stat_rows = cfg.mtp_depth      # each MTP block is an MoE block: one expert_load row
+        self.held = None                         # context parallelism: per depth (counted positions, loss weight)
+
+    @property
+    def label_lookahead(self) -> int:
+        """How far past a position the head reads the labels (depth k: k ahead for its input, k+1 for its
+        target): context parallelism hands each rank the labels that far ahead of its own positions
+        (`moetrain.parallel.context_parallel.local_batch`)."""
+        return self.mtp_depth
+
+    def hold_positions(self, positions, seq_length: int) -> None:
+        """Context parallelism: this rank holds the global positions `positions` (increasing) of each
+        sequence of `seq_length`, and its labels come as `[B, 1 + mtp_depth, len(positions)]`, row j the
+        labels j ahead. Depth k (one process: positions 0..S-k-2) then runs on every local position,
+        counting only those below S-k-1 (a prefix of the local ones, since the rest of the sequence's
+        end is a suffix of every rank's chunks), and weights its per-token means by
+        counted x cp / (S-k-1), so that the mean over the cp ranks is one process's mean."""
+        positions = np.asarray(positions)
+        cp = seq_length // len(positions)
+        held = []
+        for k in range(self.mtp_depth):
+            n = seq_length - k - 1
+            valid = int((positions < n).sum())
+            if valid == 0 or (positions[:valid] >= n).any():
+                raise ValueError(f"model.mtp_depth={self.mtp_depth}: depth {k + 1} counts no prefix of the local "
+                                 f"positions {positions[:4].tolist()}... of a {seq_length}-token sequence")
+            held.append((valid, valid * cp / n))
+        self.held = tuple(held)
 
     @property
     def needs_embedding_in_head(self) -> bool:
@@ -235,7 +287,12 @@ class DeepSeekV3(MoEGPT):
         """MTP depth k+1: `(normed h [B, S-k-1, H], logits [B, S-k-1, V], moe_stats)`; row i predicts
         token i+k+2 (`labels[:, i+k+1]`). `h`: the previous depth's output, or for k = 0 the main
         stack's output before the final norm `[B, S, H]`; `labels [B, S]`; `context`: the main
-        stack's attention context `[B, S]` (None: causal), cut to the first S-k-1 positions."""
+        stack's attention context `[B, S]` (None: causal), cut to the first S-k-1 positions. Under context
+        parallelism (`hold_positions`): h stays `[B, L, H]`, the logits are those of the counted positions."""
+        if self.held is not None:   # context parallelism: every local position, `labels` [B, 1 + D, L]
+            valid = self.held[k][0]
+            h, stats = self.mtp[k](h, self.embed(labels[:, k]), context, valid)
+            return h, self.head_logits(h[:, :valid]), stats
         n = labels.shape[1] - k - 1
         if context is not None:
             context = (context[0][:, :n], context[1][:, :n])
@@ -245,7 +302,10 @@ class DeepSeekV3(MoEGPT):
     def head_loss(self, h, labels, context=None):
         """lm_loss, and with MTP: `mtp_loss` (mean over depths) weighted into the loss, the MTP
         blocks' MoE stats (their aux terms weighted in too) and their `expert_load` rows."""
-        loss, stats = super().head_loss(h, labels, context)
+        if (labels.ndim == 3) != (self.held is not None):
+            raise ValueError(f"DeepSeekV3: labels of shape {labels.shape}: [B, S] on one process, [B, 1 + mtp_depth, "
+                             f"S/cp] under context parallelism (ContextParallelRunner)")
+        loss, stats = super().head_loss(h, labels if self.held is None else labels[:, 0], context)
         if self.mtp_depth:
             summed, stacked = self.layer_stats
             zero = ops.zeros((), ms.float32)
@@ -253,7 +313,12 @@ class DeepSeekV3(MoEGPT):
             rows, mtp_loss = [], zero
             for k in range(self.mtp_depth):
                 h, logits, mtp_stats = self.mtp_depth_step(k, h, labels, context)
-                mtp_loss = mtp_loss + self.cross_entropy(logits, labels[:, k + 1:])
+                if self.held is None:
+                    mtp_loss = mtp_loss + self.cross_entropy(logits, labels[:, k + 1:])
+                else:   # this rank's share of the mean over all S-k-1 positions (hold_positions)
+                    valid, weight = self.held[k]
+                    mtp_loss = mtp_loss + self.cross_entropy(logits, labels[:, k + 1, :valid]) * weight
+                    mtp_stats["z_loss"] = mtp_stats["z_loss"] * weight
                 for name in summed:
                     totals[name] = totals[name] + mtp_stats[name].astype(ms.float32)
                 rows.append(mtp_stats["expert_load"].astype(ms.float32))

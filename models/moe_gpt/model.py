@@ -85,6 +85,14 @@ class MoEBlock(nn.Cell):
         y, stats = self.moe(self.ffn_norm(h))
         return h + y.astype(ms.float32), stats
 
+    def counting(self, x, context, valid: int):
+        """`construct` with only the first `valid` positions of each sequence counted in the MoE
+        stats (`MoELayer.construct`); a method beside `construct`, which stays the one graph every
+        layer reuses (`reused_block`). DeepSeek-V3's MTP under context parallelism calls it."""
+        h = x + self.attention(self.attention_norm(x), context).astype(ms.float32)
+        y, stats = self.moe(self.ffn_norm(h), valid)
+        return h + y.astype(ms.float32), stats
+
     def decode(self, x, step, past=None):
         """Incremental decoding (PyNative, `moetrain.kv_cache`): `(x, present)`; the MoE layer routes
         as in training (`MoELayer.decode`), without stats."""

@@ -37,8 +37,8 @@ def moe_stat_specs(num_experts: int):
 class MoELayer(nn.Cell):
     """Mixture-of-Experts SwiGLU FFN (Mixtral / DeepSeek-V2/V3 / Qwen-MoE style).
 
-    `construct(x)` takes `[T, H]` (tokens flattened) or `[B, S, H]` and returns `(y, stats)`, `y`
-    shaped like `x`. The sequence-level aux loss needs the sequence boundaries, so it is computed
+    `construct(x, valid=0)` takes `[T, H]` (tokens flattened) or `[B, S, H]` and returns `(y, stats)`, `y`
+    shaped like `x` (`valid`: only the first `valid` positions of each sequence count in the stats). The sequence-level aux loss needs the sequence boundaries, so it is computed
     only for `[B, S, H]` input (0 for `[T, H]`, and an error if `seq_aux_loss_coeff > 0`).
     `stats` (fp32 tensors): "aux_loss", "seq_aux_loss", "z_loss" (unweighted; the model adds
     `weighted_aux(stats)`), "expert_load" `[E]` (assignments per expert, before dropping),
@@ -120,7 +120,11 @@ class MoELayer(nn.Cell):
         return (comm.scatter_to_region(tokens, group, 0), topk_idx[start:start + rows],
                 comm.scatter_to_region(topk_weight, group, 0))
 
-    def construct(self, x):
+    def construct(self, x, valid: int = 0):
+        """`valid` > 0 (x `[B, S, H]`): only the first `valid` positions of each sequence count in the
+        stats (loads, aux losses, z-loss, routed); the others are routed and computed like any token
+        but are not part of the model's work (context parallelism: the MTP positions past S-k-1 that one
+        process never computes, models/deepseek_v3)."""
         if x.ndim not in (2, 3):
             raise ValueError(f"MoELayer: x must be [tokens, hidden] or [batch, seq, hidden], got shape {x.shape}")
         if x.ndim == 2 and self.needs_sequences:
@@ -162,7 +166,16 @@ class MoELayer(nn.Cell):
                                                    self.token_group)[0]
         if shared is not None:
             y = y + shared
-        stats = self._routing_stats(x, topk_idx, probs, logits, state)
+        if valid:   # the stats of the counted positions only (a static slice of each sequence)
+            batch, seq_len = x.shape[0], x.shape[1]
+            if x.ndim != 3 or not 0 < valid <= seq_len:
+                raise ValueError(f"MoELayer: valid={valid} needs [batch, seq, hidden] input with seq >= valid, "
+                                 f"got shape {x.shape}")
+            topk_idx = topk_idx.reshape(batch, seq_len, -1)[:, :valid].reshape(batch * valid, -1)
+            probs = probs.reshape(batch, seq_len, -1)[:, :valid].reshape(batch * valid, -1)
+            logits = logits.reshape(batch, seq_len, -1)[:, :valid].reshape(batch * valid, -1)
+            state["tokens_per_expert"] = expert_counts(topk_idx, self.num_experts).astype(topk_weight.dtype)
+        stats = self._routing_stats(x if not valid else x[:, :valid], topk_idx, probs, logits, state)
         stats["dispatch_rows"] = dispatch_rows
         if self.aux_loss_scope == "global":   # its all-reduce before the next layer's collectives
             y = ops.depend(y, stats["aux_loss"])
@@ -224,20 +237,24 @@ class MoELayer(nn.Cell):
 
     def _whole_sequences(self, probs_sum, load, seq_len: int, after=None):
         """Per-sequence probability sums and loads `[B, E]` summed over the `sequence_group` (one
-        all-reduce, after `after` when given: the same order on every rank) and the whole length."""
+        all-reduce, after `after` when given: the same order on every rank) and the whole length `[B, 1]`,
+        counted in the same all-reduce (the ranks may count different numbers of positions: MTP under cp)."""
         group, num_experts = self.sequence_group, self.num_experts
-        local = ops.concat([probs_sum, ops.stop_gradient(load.astype(ms.float32))], -1)
+        count = ops.full((probs_sum.shape[0], 1), seq_len, dtype=ms.float32)
+        local = ops.concat([probs_sum, ops.stop_gradient(load.astype(ms.float32)), count], -1)
         if after is not None:
             local = ops.depend(local, after)
-        probs_sum, load = ops.split(comm.all_reduce(local, group), [num_experts, num_experts], -1)
-        return probs_sum, load, seq_len * group.size
+        probs_sum, load, seq_len = ops.split(comm.all_reduce(local, group), [num_experts, num_experts, 1], -1)
+        return probs_sum, load, ops.stop_gradient(seq_len)
 
     def _global_aux_loss(self, probs, expert_load, num_tokens: int):
-        """Switch loss over the micro-batches of all ranks of `balance_group` (equal sizes)."""
+        """Switch loss over the micro-batches of all ranks of `balance_group`, their tokens counted in the
+        same all-reduce (equal on every rank but for MTP under cp, whose ranks count different positions)."""
         group, num_experts = self.balance_group, self.num_experts
-        local = ops.concat([probs.sum(0), ops.stop_gradient(expert_load.astype(ms.float32))])
-        probs_sum, load = ops.split(comm.all_reduce(local, group), [num_experts, num_experts])
-        tokens = num_tokens * group.size
+        local = ops.concat([probs.sum(0), ops.stop_gradient(expert_load.astype(ms.float32)),
+                            ops.full((1,), num_tokens, dtype=ms.float32)])
+        probs_sum, load, tokens = ops.split(comm.all_reduce(local, group), [num_experts, num_experts, 1])
+        tokens = ops.stop_gradient(tokens)
         return load_balancing_loss(probs_sum / tokens, load / tokens, num_experts, self.top_k)
 
     def weighted_aux(self, stats):

@@ -86,11 +86,14 @@ def chunk_order(seq_len: int, cp: int, rank: int) -> np.ndarray:
     return np.concatenate([np.arange(first * c, (first + 1) * c), np.arange(second * c, (second + 1) * c)])
 
 
-def local_batch(batch: Sequence[np.ndarray], cp: int, rank: int) -> Tuple[np.ndarray, ...]:
+def local_batch(batch: Sequence[np.ndarray], cp: int, rank: int, lookahead: int = 0) -> Tuple[np.ndarray, ...]:
     """This rank's part of an LM batch `(input_ids, labels[, document_ids, position_ids])` `[B, S]`:
     the local tokens and labels `[B, S / cp]` and the attention context the model then needs,
     `(document_ids, position_ids)`: the batch's own, sliced alike (packed documents: docs/data.md), or
-    one document per row and the global positions, which RoPE rotates at."""
+    one document per row and the global positions, which RoPE rotates at. `lookahead` D > 0 (a head
+    that reads labels ahead, DeepSeek-V3's MTP: `model.label_lookahead`): the labels become
+    `[B, 1 + D, S / cp]`, row j the labels j positions after the local ones (0 past the sequence's
+    end, where the model counts nothing): the runner holds the whole batch, so nothing is exchanged."""
     if len(batch) not in (2, 4):
         raise LayoutError(f"parallel.context_parallel > 1 splits LM batches (input_ids, labels[, document_ids, "
                           f"position_ids]); this batch has {len(batch)} arrays")
@@ -103,7 +106,18 @@ def local_batch(batch: Sequence[np.ndarray], cp: int, rank: int) -> Tuple[np.nda
     if len(arrays) == 2:
         positions = np.broadcast_to(np.arange(input_ids.shape[1], dtype=np.int32), input_ids.shape)
         arrays += [np.zeros(input_ids.shape, np.int32), positions]
-    return tuple(np.ascontiguousarray(a[:, order]) for a in arrays)
+    local = [np.ascontiguousarray(a[:, order]) for a in arrays]
+    if lookahead:
+        seq_len, labels = input_ids.shape[1], arrays[1]
+        ahead = [np.where(order + j < seq_len, labels[:, np.minimum(order + j, seq_len - 1)], 0)
+                 for j in range(lookahead + 1)]
+        local[1] = np.ascontiguousarray(np.stack(ahead, 1).astype(labels.dtype))
+    return tuple(local)
+
+
+def main_labels(labels: np.ndarray) -> np.ndarray:
+    """The labels of the local positions themselves (`local_batch`: `[B, L]`, or row 0 of `[B, 1 + D, L]`)."""
+    return labels[:, 0] if labels.ndim == 3 else labels
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +266,9 @@ class ContextParallelAttention(nn.Cell):
         self.cp, self.rank = group.size, group.rank_in_group
         self.splits_heads = comm_type == "a2a"
         self.ring = comm_type == "p2p"
+        # all_gather: the keys cross the split in one all-gather, so a layer may gather a smaller form of
+        # them and expand it after (MLA: its compressed latent and shared RoPE key; `gather_keys`)
+        self.gathers_keys = comm_type == "all_gather"
         # p2p: each ring step sends this rank's current block to the next rank and receives the previous
         # rank's (rows of one block; an all-to-all-v with one non-zero count each way)
         nxt, prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
@@ -295,28 +312,46 @@ class ContextParallelAttention(nn.Cell):
         position_ids = context[1]
         if rope is not None:
             q, k = rope(q, position_ids), rope(k, position_ids)
+        head_dim = k.shape[3]
+        if not self.ring:                                                   # all_gather: K and V as one tensor
+            kv, key_docs = self.gather_keys(ops.concat((k, v), -1), context)  # [B, cp * L, n_kv, d + dv]
+            k_all, v_all = ops.split(kv, [head_dim, v.shape[-1]], -1)
+            return self.attend_gathered(q, k_all, v_all, scale, context, key_docs)
         q = q * scale
-        num_kv_heads, head_dim = k.shape[2], k.shape[3]
-        queries = heads_major_queries(q, num_kv_heads)
+        queries = heads_major_queries(q, k.shape[2])
         docs = context[0].astype(ms.float32) if self.packed else None       # ids < 2^24: exact in fp32
-        if self.ring:
-            block = ops.concat((k, v), -1).transpose(0, 2, 1, 3)             # [B, n_kv, L, d + dv]
-            blocks, doc_blocks = [block], [docs]
-            for _ in range(1, self.cp):                                     # rank r - t's block at step t
-                blocks.append(self.ring_shift(blocks[-1]))
-                if docs is not None:                                        # after the block: one order everywhere
-                    doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
-            pairs = [ops.split(b, [head_dim, v.shape[-1]], -1) for b in blocks]
-            out = ring_attention(queries, [p[0] for p in pairs], [p[1] for p in pairs], self.rank, self.cp,
-                                 self.positions, None if docs is None else (docs, doc_blocks))
-            return tokens_major_output(out.astype(q.dtype))
-        kv = comm.all_gather(ops.concat((k, v), -1), self.group, 1)          # [B, cp * L, n_kv, d + dv]
-        documents = None
-        if docs is not None:
-            documents = (docs, comm.all_gather(ops.depend(docs, kv), self.group, 1))
-        kv = kv.transpose(0, 2, 1, 3)                                       # [B, n_kv, cp * L, d + dv]
-        k_all, v_all = ops.split(kv, [head_dim, v.shape[-1]], -1)
-        out = blockwise_attention(queries, k_all, v_all, self.rank, self.cp, self.positions, documents)
+        # p2p: the ring
+        block = ops.concat((k, v), -1).transpose(0, 2, 1, 3)             # [B, n_kv, L, d + dv]
+        blocks, doc_blocks = [block], [docs]
+        for _ in range(1, self.cp):                                     # rank r - t's block at step t
+            blocks.append(self.ring_shift(blocks[-1]))
+            if docs is not None:                                        # after the block: one order everywhere
+                doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
+        pairs = [ops.split(b, [head_dim, v.shape[-1]], -1) for b in blocks]
+        out = ring_attention(queries, [p[0] for p in pairs], [p[1] for p in pairs], self.rank, self.cp,
+                             self.positions, None if docs is None else (docs, doc_blocks))
+        return tokens_major_output(out.astype(q.dtype))
+
+    def gather_keys(self, x, context):
+        """all_gather: a per-token tensor of the local keys `[B, L, ...]` (K|V, or MLA's compressed
+        latent and RoPE key) -> every rank's `[B, cp·L, ...]` in rank order (comm.all_gather; its
+        backward reduce-scatters the gradient to the owners), and the keys' document ids `[B, cp·L]`
+        fp32 with packed documents (None otherwise)."""
+        whole = comm.all_gather(x, self.group, 1)
+        key_docs = None
+        if self.packed:                                                     # after the keys: one order everywhere
+            key_docs = comm.all_gather(ops.depend(context[0].astype(ms.float32), whole), self.group, 1)
+        return whole, key_docs
+
+    def attend_gathered(self, q, k_all, v_all, scale: float, context, key_docs=None):
+        """all_gather: the local queries `q [B, L, n, d]` (RoPE applied) against every rank's keys and
+        values `k_all [B, cp·L, n_kv, d]`, `v_all [B, cp·L, n_kv, dv]` (`gather_keys`' order), blockwise,
+        merged by log-sum-exp -> `[B, L, n·dv]`."""
+        q = q * scale
+        queries = heads_major_queries(q, k_all.shape[2])
+        documents = None if key_docs is None else (context[0].astype(ms.float32), key_docs)
+        out = blockwise_attention(queries, k_all.transpose(0, 2, 1, 3), v_all.transpose(0, 2, 1, 3), self.rank,
+                                  self.cp, self.positions, documents)
         return tokens_major_output(out.astype(q.dtype))
 
     def whole_context(self, context):
@@ -360,6 +395,8 @@ def parallelize_context(model, cfg, pctx) -> int:
     packed = cfg.data.reset_attention_mask or cfg.data.reset_position_ids
     for cell in cells:
         cell.context_parallel = ContextParallelAttention(group, seq_length, cfg.parallel.cp_comm_type, packed)
+    if getattr(model, "label_lookahead", 0):   # a head reading labels ahead (MTP): which positions it counts
+        model.hold_positions(chunk_order(seq_length, pctx.cp, pctx.cp_rank), seq_length)
     for layer in moe_layers(model):
         if layer.aux_loss_scope == "micro_batch":   # the micro-batch's tokens are those of the whole cp group
             layer.set_aux_loss_scope("global", group)
@@ -370,18 +407,19 @@ def parallelize_context(model, cfg, pctx) -> int:
 class ContextParallelRunner:
     """A step runner (the interface of `runner.MicroBatchRunner`) that gives `inner` this rank's part
     of every micro-batch (`local_batch`) and checks, every step, that the tokens the loss is averaged
-    over add up to the global batch's (`TokenCountError` otherwise). Anything else is `inner`'s."""
+    over add up to the global batch's (`TokenCountError` otherwise). Anything else is `inner`'s.
+    `lookahead`: the model's `label_lookahead` (`local_batch`)."""
 
-    def __init__(self, inner, pctx, global_tokens: int):
-        self.inner, self.pctx, self.global_tokens = inner, pctx, global_tokens
+    def __init__(self, inner, pctx, global_tokens: int, lookahead: int = 0):
+        self.inner, self.pctx, self.global_tokens, self.lookahead = inner, pctx, global_tokens, lookahead
 
     def local(self, batch):
-        return local_batch(batch, self.pctx.cp, self.pctx.cp_rank)
+        return local_batch(batch, self.pctx.cp, self.pctx.cp_rank, self.lookahead)
 
     def train_step(self, batches, scale):
         local = [self.local(b) for b in batches]
-        check_token_count([b[1].size for b in batches], [b[1].size for b in local], self.pctx.cp, self.pctx.dp,
-                          self.global_tokens)
+        check_token_count([np.asarray(b[1]).size for b in batches], [main_labels(b[1]).size for b in local],
+                          self.pctx.cp, self.pctx.dp, self.global_tokens)
         return self.inner.train_step(local, scale)
 
     def evaluate(self, batch):

@@ -63,11 +63,13 @@ def parallelize(model, cfg, pctx, seq_length: int = 0, rebuild=None) -> Parallel
         opt_step = OptimizerStep(pipeline.stage.trainable_params(), *optimizer)
         runner = pipeline.bind(opt_step)
         if pctx.cp > 1:
-            runner = ContextParallelRunner(runner, pctx, cfg.train.global_batch_size * (seq_length or cfg.model.seq_length))
+            runner = ContextParallelRunner(runner, pctx, cfg.train.global_batch_size * (seq_length or cfg.model.seq_length),
+                                           getattr(model, "label_lookahead", 0))
         return ParallelModel(pipeline.stage, opt_step, runner, specs, over_dp)
     materialize([model], cfg.train.seed)
     opt_step = OptimizerStep(model.trainable_params(), *optimizer)
     runner = MicroBatchRunner(model, opt_step, specs, cfg.train.jit, pctx, p.moe_capacity, p.moe_capacity_prior)
     if pctx.cp > 1:
-        runner = ContextParallelRunner(runner, pctx, cfg.train.global_batch_size * (seq_length or cfg.model.seq_length))
+        runner = ContextParallelRunner(runner, pctx, cfg.train.global_batch_size * (seq_length or cfg.model.seq_length),
+                                       getattr(model, "label_lookahead", 0))
     return ParallelModel(model, opt_step, runner, specs, over_dp)

@@ -18,7 +18,8 @@ backward; + one forward under full recompute), with K|V the keys and values of t
     all_gather, p2p (ring)   (cp - 1) x K|V_local = (cp - 1) / cp of the sequence's K|V
                              (the backward sends dK|dV back the same way), i.e. Megatron's ring
                              2 (cp - 1) / cp of the KV per layer per pass counted as K and V of
-                             one head group each
+                             one head group each; MLA under all_gather: its compressed latent and
+                             shared RoPE key instead (fp32, kv_lora_rank + rope_dim a token)
     a2a (Ulysses)            four all-to-alls (q, k, v, o), each (cp - 1) / cp of its local tensor
 
 On the CPU the collectives are derived from AllReduce (moetrain/distributed/comm.py): the all-gather
@@ -51,15 +52,25 @@ def span(L: Layout) -> int:
 
 def kv_bytes_per_token(arch, dtype_bytes: int, tp: int) -> float:
     """K and V of one token as attention receives them on one tp rank (MLA: expanded per head, as
-    its `attend` gets them; its latent does not cross the split)."""
+    its `attend` gets them)."""
     kv_heads = arch.heads if arch.kv_lora_rank else arch.kv_heads
     return dtype_bytes * kv_heads * (arch.head_dim + arch.v_dim) / tp
 
 
+def crossing_bytes_per_token(arch, L: Layout, dtype_bytes: int) -> float:
+    """What crosses the split per token and tp rank: MLA under all_gather sends its normed latent
+    and rotated shared key (fp32: kv_lora_rank + rope_dim values, whole on every tp rank) and expands
+    them after; everything else its K|V (`kv_bytes_per_token`)."""
+    if arch.kv_lora_rank and L.cp_comm == "all_gather":
+        return 4 * (arch.kv_lora_rank + arch.rope_dim)
+    return kv_bytes_per_token(arch, dtype_bytes, L.tp)
+
+
 def held_kv_bytes(arch, L: Layout, tokens: int, dtype_bytes: int) -> float:
     """Bytes one layer keeps for backward beyond the local activations: the K|V of the other cp - 1
-    ranks (all_gather gathers them, the ring keeps every block it was passed); Ulysses keeps the
-    whole sequence of 1/cp of the heads, the local tensors' size (counted already)."""
+    ranks (all_gather gathers them, the ring keeps every block it was passed; MLA's all_gather
+    expands the gathered latent into the same K|V, kept alike); Ulysses keeps the whole sequence of
+    1/cp of the heads, the local tensors' size (counted already)."""
     if L.cp == 1 or L.cp_comm == "a2a":
         return 0.0
     return (L.cp - 1) * tokens * kv_bytes_per_token(arch, dtype_bytes, L.tp)
@@ -100,7 +111,7 @@ def traffic_per_micro_batch(arch, L: Layout, tokens: int, dtype_bytes: int, laye
         per_pass = (L.cp - 1) / L.cp * tokens * dtype_bytes * (q + kv + o) / L.tp
         factor = 2 * L.cp if emulated else 1
     else:
-        per_pass = (L.cp - 1) * tokens * kv_bytes_per_token(arch, dtype_bytes, L.tp)
+        per_pass = (L.cp - 1) * tokens * crossing_bytes_per_token(arch, L, dtype_bytes)
         factor = (2 if L.cp_comm == "all_gather" else 2 * L.cp) if emulated else 1
     return layers * passes * per_pass * factor * (1 - OVERLAP)
 
