@@ -152,8 +152,9 @@ def test_tp2_pp2_native_path_reproduces_one_process(one_process, four_ranks, tar
             assert (len(sends), len(receives)) == ((12 + 4, 12) if first else (12, 12 + 4)), info["rank"]
             assert all(c["tensors"][0]["shape"] == [1, 16, 64] for c in sends), info["rank"]
             assert set(booked) == {"pp", "tp", "world"}, booked
-            # a step: the gradient norm ([1] fp32) and the dispatch invariant's rows ([2 MoE layers, 4] fp32)
-            assert booked["world"] == pytest.approx(3 * 2 * (4 - 1) / 4 * 4 * (1 + 2 * 4)), booked
+            # a step: the gradient norm (each rank's float64 sum of squares as two fp32, all-gathered:
+            # (4 - 1) x 8 bytes) and the dispatch invariant's rows ([2 MoE layers, 4] fp32, all-reduced)
+            assert booked["world"] == pytest.approx(3 * ((4 - 1) * 2 * 4 + 2 * (4 - 1) / 4 * 4 * 2 * 4)), booked
             assert sum(booked.values()) == pytest.approx(sum(native_bytes(c) for c in calls), abs=1), (info["rank"],
                                                                                                        booked)
 

@@ -851,10 +851,31 @@ def test_sum_of_squares_matches_numpy(ms, kernel_ops, jit):
     run = ms.jit(op) if jit else op
     for x in (rng.standard_normal(300_001).astype(np.float32) * 3, np.float32([2.0]), rng.standard_normal((7, 5))):
         x = x.astype(np.float32)
-        np.testing.assert_allclose(run(ms.Tensor(x)).asnumpy(), [(x.astype(np.float64) ** 2).sum()], rtol=1e-6)
+        hi, lo = run(ms.Tensor(x)).asnumpy()
+        # the float squares summed in float64: (hi, lo) carries that sum to ~48 bits
+        np.testing.assert_allclose(np.float64(hi) + np.float64(lo), (x * x).astype(np.float64).sum(), rtol=1e-12)
+        assert hi == np.float32(np.float64(hi) + np.float64(lo))
     inf = np.ones(100_000, np.float32)
     inf[77_777] = np.inf
     assert not np.isfinite(run(ms.Tensor(inf)).asnumpy()[0])     # the overflow check relies on this
+
+
+@MODES
+def test_sum_of_squares_does_not_depend_on_the_cut(ms, kernel_ops, jit):
+    """The same gradients cut into other buffers, in another order (another layout's buffers and
+    ranks), give the same squared norm to 1e-12 and the same float32 norm: float32 lanes were an ulp
+    apart (issue 30: the pipeline's clip factor, and so its updates, drifted from its dp control)."""
+    run = ms.jit(kernel_ops.SumOfSquares()) if jit else kernel_ops.SumOfSquares()
+    rng = np.random.default_rng(30)
+    x = (rng.standard_normal(400_003) * rng.uniform(0.0, 3.0, 400_003)).astype(np.float32)
+
+    def total(pieces):
+        return sum(float(run(ms.Tensor(np.ascontiguousarray(p))).asnumpy().astype(np.float64).sum()) for p in pieces)
+
+    whole = total([x])
+    cut = total(np.split(x[rng.permutation(x.size)], [1_000, 150_001, 150_017, 333_333]))
+    assert abs(whole - cut) <= 1e-12 * whole, (whole, cut)
+    assert np.float32(np.sqrt(whole)) == np.float32(np.sqrt(cut))
 
 
 def test_decay_segments_merge_equal_neighbours(ms, kernel_ops):

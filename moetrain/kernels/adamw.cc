@@ -1,7 +1,8 @@
 // The optimizer's passes over flat fp32 buffers: AdamW in one pass, updating param, exp_avg and
 // exp_avg_sq in place, and the squared norm the gradient clipping needs.
 //
-//   SumOfSquares x [...] -> [1]: sum of x^2, accumulated in double (no gradient)
+//   SumOfSquares x [...] -> [2]: sum of x^2 accumulated in double, returned as (hi, lo) with
+//                hi = float(total), lo = float(total - hi): hi + lo in double keeps ~48 bits (no gradient)
 //   AdamWUpdate  param_1..param_T, exp_avg_1..exp_avg_T, exp_avg_sq_1..exp_avg_sq_T, grad [N], hyper [4],
 //                lr [1], step [1], grad_scale [1], segment_ends [K] int64, segment_decay [K] -> status [1] (0)
 //
@@ -30,7 +31,7 @@
 
 #include "common.h"
 
-extern "C" std::vector<int64_t> SumOfSquaresInferShape(int *ndims, int64_t **shapes, void *extra) { return {1}; }
+extern "C" std::vector<int64_t> SumOfSquaresInferShape(int *ndims, int64_t **shapes, void *extra) { return {2}; }
 extern "C" int SumOfSquaresInferType(std::vector<int> type_ids, void *extra) { return type_ids[0]; }
 
 extern "C" int SumOfSquares(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
@@ -41,22 +42,31 @@ extern "C" int SumOfSquares(int nparam, void **params, int *ndims, int64_t **sha
   const int parts = moetrain::TasksFor(n, 1 << 16);
   std::vector<double> partial(parts, 0.0);
   moetrain::ParallelSplit(n, parts, [&](int part, int64_t begin, int64_t end) {
-    // Float sums in 16 lanes over short blocks (vectorised without reassociating: this file is built
-    // without -ffast-math), blocks added in double.
-    double total = 0.0;
-    for (int64_t b = begin; b < end; b += 4096) {
-      const int64_t stop = std::min(end, b + 4096), whole = b + (stop - b) / 16 * 16;
-      float lanes[16] = {};
-      for (int64_t i = b; i < whole; i += 16)
-        for (int l = 0; l < 16; ++l) lanes[l] += x[i + l] * x[i + l];
-      for (int64_t i = whole; i < stop; ++i) lanes[i - whole] += x[i] * x[i];
-      for (float lane : lanes) total += lane;
+    // Each square is a float (the same wherever the element sits) added in double, in 16 lanes
+    // (vectorised without reassociating: this file is built without -ffast-math). Float lanes
+    // rounded at every add, so the same gradients cut into other buffers (another layout, other
+    // ranks) gave a norm an ulp apart, and through the clip factor every update with it; in
+    // double the total is the same to ~1e-10 relative however the elements are cut.
+    double lanes[16] = {};
+    const int64_t whole = begin + (end - begin) / 16 * 16;
+    for (int64_t i = begin; i < whole; i += 16)
+      for (int l = 0; l < 16; ++l) {
+        const float square = x[i + l] * x[i + l];
+        lanes[l] += square;
+      }
+    for (int64_t i = whole; i < end; ++i) {
+      const float square = x[i] * x[i];
+      lanes[i - whole] += square;
     }
+    double total = 0.0;
+    for (double lane : lanes) total += lane;
     partial[part] = total;
   });
   double total = 0.0;
   for (double v : partial) total += v;
-  *static_cast<float *>(params[1]) = static_cast<float>(total);
+  float *out = static_cast<float *>(params[1]);
+  out[0] = static_cast<float>(total);
+  out[1] = std::isfinite(out[0]) ? static_cast<float>(total - static_cast<double>(out[0])) : 0.0f;
   return 0;
 }
 

@@ -306,8 +306,10 @@ class FusedRouter(nn.Cell):
 
 
 class SumOfSquares(nn.Cell):
-    """`construct(x fp32 [...]) -> [1]`: the sum of squares of all elements (blocks summed in double),
-    multi-threaded: the squared gradient norm of a flat buffer for clipping. No gradient."""
+    """`construct(x fp32 [...]) -> [2]`: the sum of squares of all elements, accumulated in double
+    and returned as `(hi, lo)` (`hi` the float32 sum, `lo` the rest: `hi + lo` in float64 keeps ~48
+    bits), multi-threaded: the squared gradient norm of a flat buffer for clipping, the same however
+    a model's gradients are cut into buffers and ranks. No gradient."""
 
     def __init__(self):
         super().__init__()

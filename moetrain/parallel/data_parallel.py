@@ -18,7 +18,8 @@ same number of times in the global norm and share a weight-decay flag.
 
 Where moetrain's CPU kernels run and the optimizer is fp32 AdamW / Adam (`optimizer.fused: off`
 turns it off), prepare and apply touch the buffers only twice:
-`SumOfSquares` per buffer for the norm, then `FusedAdamW` per buffer, which takes unscale x clip as
+`SumOfSquares` per buffer for the norm (summed in float64 up to the world total, so the norm does
+not depend on how the layout cuts the gradients), then `FusedAdamW` per buffer, which takes unscale x clip as
 one gradient multiplier and updates the parameters (or the ZeRO master row) and both moments in
 place. No scaled, clipped or per-parameter copy of the gradients is made (the plain path makes
 three); the moments stay the optimizer's per-parameter Parameters, so checkpoints are the same.
@@ -309,14 +310,33 @@ class OptimizerStep:
 
     def _prepare_fused_impl(self, flats, inv_scale):
         """As `_prepare_impl`, but the buffers stay as reduced: the unscale and the clip factor come
-        back as one multiplier `[1]` for FusedAdamW, and the norm is taken of the unscaled sums."""
+        back as one multiplier `[1]` for FusedAdamW, and the norm is taken of the unscaled sums in
+        float64 (`_world_sum_of_squares`), so the same gradients give the same float32 norm, and
+        clip factor, on every layout."""
         out = self._reduced(flats)
-        local_sq = ops.zeros((), ms.float32)
-        for b, flat in zip(self.buffers, out):
-            local_sq = local_sq + self.sum_of_squares(flat)[0] * b.norm_weight
-        norm, finite, factor = self._global_norm(local_sq * inv_scale * inv_scale, out)
+        total = self._world_sum_of_squares(out) * float(inv_scale.asnumpy()) ** 2
+        finite = bool(np.isfinite(np.float32(total)))   # as before: a float32 sum past its range is not finite
+        norm = Tensor(np.float32(np.sqrt(total)) if finite else np.float32(np.inf), ms.float32)
+        factor = ops.minimum(self.clip / (norm + 1e-6), 1.0) if self.clip > 0 else None
         scale = inv_scale if factor is None else inv_scale * factor
-        return out, norm, finite, scale.reshape(1)
+        return out, norm, Tensor(finite), scale.reshape(1)
+
+    def _world_sum_of_squares(self, out) -> float:
+        """The weighted sum of squares of every gradient over the world, in float64 from the kernel's
+        per-buffer (hi, lo) sums to the ranks' total (one AllGather of each rank's (hi, lo)). In
+        float32 it depended on how the layout cut the model into buffers and ranks: a pipeline's
+        norm was an ulp off the same gradients' norm on its dp control, and through the clip factor
+        so was every update (issue 30's pp2.dp2.ep2 row)."""
+        local = 0.0
+        for b, flat in zip(self.buffers, out):
+            hi, lo = self.sum_of_squares(flat).asnumpy().astype(np.float64)
+            local += (hi + lo) * b.norm_weight
+        if self.world.size == 1:
+            return local
+        hi = np.float32(local)
+        lo = np.float32(local - np.float64(hi)) if np.isfinite(hi) else np.float32(0.0)
+        parts = comm.all_gather(Tensor(np.array([hi, lo], np.float32)), self.world).asnumpy()
+        return float(np.sum(parts.astype(np.float64)))
 
     def _apply_impl(self, flats, lr, step):
         if self.level == 0:
