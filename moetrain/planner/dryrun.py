@@ -124,7 +124,7 @@ class PoolRecorder:
 
     def __init__(self):
         self.folder = tempfile.mkdtemp(prefix="moetrain_dryrun_")
-        self.allocated = np.zeros(0, np.int64)
+        self.start = self.peak = None      # the pool's level at the first record, its most
 
     def __enter__(self) -> "PoolRecorder":
         self.profiler = ms.profiler.profile(profile_memory=True,
@@ -137,17 +137,23 @@ class PoolRecorder:
         with _quiet():      # the profiler prints its parsing progress to stdout
             self.profiler.stop()
         records = sorted(glob.glob(os.path.join(self.folder, "*", "FRAMEWORK", "cpu_ms_memory_record_*.txt")))
-        if records:
-            table = np.loadtxt(records[-1], delimiter=",", skiprows=1, dtype=np.int64, ndmin=2)
-            self.allocated = table[:, 1]
+        if records:     # streamed: memory independent of the record's length (np.loadtxt built every row)
+            with open(records[-1]) as fh:
+                next(fh, None)
+                for line in fh:
+                    level = int(line.split(",", 2)[1])
+                    if self.start is None:
+                        self.start = self.peak = level
+                    elif level > self.peak:
+                        self.peak = level
         shutil.rmtree(self.folder, ignore_errors=True)
-        if not exc[0] and not len(self.allocated):
+        if not exc[0] and self.start is None:
             raise RuntimeError("the MindSpore profiler wrote no memory record (cpu_ms_memory_record); the dry run "
                                "cannot measure activations with this MindSpore build")
 
     @property
     def peak_above_start(self) -> int:
-        return int(self.allocated.max() - self.allocated[0]) if len(self.allocated) else 0
+        return 0 if self.start is None else int(self.peak - self.start)
 
 
 @contextlib.contextmanager
