@@ -240,3 +240,23 @@ def test_each_chunk_is_built_once_and_nothing_outside_the_stage(schedule, monkey
         assert layers == {i for start, end in ranges for i in range(start, end)} and len(ranges) == 2
         assert ("embed.weight" in names) == (rank == 0 or schedule == "interleaved_1f1b")   # first, or MTP's
         assert any(n.startswith("mtp.") for n in names) == (rank == (0 if schedule == "zero_bubble_v" else 1))
+
+
+def test_a_stage_of_only_dense_layers_builds_under_expert_parallelism():
+    """DeepSeek-V3's first layers are dense: stage 0 of deepseek_v3_tiny on pp 4 holds layer 0 only,
+    dense, while ep 2 applies to the model's MoE layers. Its rank is built (the ep / aux-scope check
+    looks at the model, not the stage)."""
+    from moetrain.build import build_model
+    from moetrain.config import load_config
+    from moetrain.distributed.topology import ParallelContext
+    from moetrain.layout import check_config_layout
+    from moetrain.parallel.expert_parallel import parallelize_moe
+    from moetrain.testing.solo import SoloComm
+
+    cfg = load_config(os.path.join(ROOT, "configs", "deepseek_v3_tiny.yaml"),
+                      ["parallel.pipeline_stage=4", "parallel.micro_batch_num=4", "parallel.data_parallel=2",
+                       "parallel.expert_parallel=2", "train.global_batch_size=16", "train.micro_batch_size=2"])
+    lay = check_config_layout(cfg)
+    pctx = ParallelContext.build(lay.world, 0, lay.dp, lay.tp, lay.pp, lay.ep, lay.etp, lay.cp)
+    with SoloComm():
+        assert parallelize_moe(build_model(cfg, pctx), cfg.parallel, pctx) == 0

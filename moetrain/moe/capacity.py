@@ -136,10 +136,18 @@ class CapacityController:
         self.history: Dict[str, List[np.ndarray]] = {f: [] for f in self.fields}
         self.changes: List[str] = []
         self.in_force: Dict[str, object] = {}     # the capacities the last call ran with
+        self.largest: Dict[str, object] = {}      # element-wise the largest in force in any call: the
+                                                  # buffers' peak (the first calls run the prior's)
 
     def _set(self, field: str, value) -> None:
         for dispatcher in self.dispatchers:
             setattr(dispatcher, field, value)
+
+    def note_largest(self) -> None:
+        """Folds `in_force` into `largest` (element-wise maximum)."""
+        for field, value in self.in_force.items():
+            seen = self.largest.get(field)
+            self.largest[field] = value if seen is None else _capacity(np.maximum(np.asarray(seen), np.asarray(value)))
 
     def capacity(self, field: str):
         return getattr(self.dispatchers[0], field)
@@ -282,6 +290,7 @@ class AdaptiveStep:
                     self.compiled.popitem(last=False)
             self.compiled.move_to_end(key)
             self.controller.in_force = dict(zip(self.controller.fields, key))
+            self.controller.note_largest()
             out = self.compiled[key](*args)
             self.calls += 1
             keys, values = out[1], out[2]

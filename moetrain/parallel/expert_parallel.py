@@ -74,12 +74,14 @@ def split_expert_ffn(experts: GroupedExperts, etp_rank: int, etp: int) -> None:
 def parallelize_moe(model, parallel_cfg, pctx) -> int:
     """Apply `parallel.expert_parallel`, `parallel.moe_token_dispatcher` and
     `parallel.moe_aux_loss_scope` to every MoE layer of `model`; returns the number of MoE layers.
-    Models without MoE layers are left alone (and must keep the defaults). Call it before the
-    optimizer collects the parameters."""
+    Models without MoE layers are left alone (and must keep the defaults); a pipeline stage
+    without MoE layers of a model that has them (DeepSeek-V3's first, dense layers) is left alone
+    too. Call it before the optimizer collects the parameters."""
     layers = moe_layers(model)
     scope = parallel_cfg.moe_aux_loss_scope
     if not layers:
-        if pctx.ep > 1 or scope != "micro_batch":
+        model_has_moe = bool(getattr(getattr(model, "cfg", None), "moe_layers", None))
+        if (pctx.ep > 1 or scope != "micro_batch") and not model_has_moe:
             raise ValueError(f"parallel.expert_parallel={pctx.ep} / parallel.moe_aux_loss_scope={scope!r} apply to "
                              f"MoE layers, and model {type(model).__name__} has none: set them back to 1 / "
                              f"'micro_batch' or use a MoE model (one with MoE layers)")

@@ -102,6 +102,12 @@ class MicroBatchRunner:
         controller = getattr(self._grad_step, "controller", None)
         return None if controller is None else {f: np.asarray(v).tolist() for f, v in controller.in_force.items()}
 
+    def capacities_largest(self):
+        """Element-wise the largest capacities any call ran with: the dispatch buffers' peak
+        (None when nothing sizes them)."""
+        controller = getattr(self._grad_step, "controller", None)
+        return None if controller is None else {f: np.asarray(v).tolist() for f, v in controller.largest.items()}
+
     def load_capacity_state(self, state) -> None:
         controller = getattr(self._grad_step, "controller", None)
         if controller is not None and state:

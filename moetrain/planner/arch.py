@@ -142,6 +142,10 @@ class Job:
     recompute_modules: Optional[Tuple[str, ...]] = None   # parallel.recompute_modules (None: attention core)
     param_dtype: str = "float32"      # precision.param_dtype: bfloat16 = Megatron-Core's memory recipe
     moment_dtype: str = "float32"     # precision.moment_dtype: Adam's m and v
+    # how this trainer sizes its dropless dispatch buffers on the CPU (moetrain/moe/capacity.py)
+    moe_capacity: str = "adaptive"    # parallel.moe_capacity: adaptive | bound
+    moe_capacity_prior: float = 2.0   # parallel.moe_capacity_prior: the first capacities / the even share
+    moe_token_dispatcher: str = "alltoall"   # parallel.moe_token_dispatcher
 
     @property
     def megatron_memory(self) -> bool:
@@ -161,7 +165,10 @@ class Job:
                    pipeline_backward=getattr(p, "pipeline_backward", "recompute"),
                    recompute_modules=tuple(modules) if modules is not None else None,
                    param_dtype=getattr(cfg.precision, "param_dtype", "float32"),
-                   moment_dtype=getattr(cfg.precision, "moment_dtype", "float32"))
+                   moment_dtype=getattr(cfg.precision, "moment_dtype", "float32"),
+                   moe_capacity=getattr(p, "moe_capacity", "adaptive"),
+                   moe_capacity_prior=float(getattr(p, "moe_capacity_prior", 2.0)),
+                   moe_token_dispatcher=getattr(p, "moe_token_dispatcher", "alltoall"))
 
     # Derived once per job: the layout search costs thousands of layouts of the same model.
     @functools.cached_property

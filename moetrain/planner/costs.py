@@ -7,6 +7,7 @@ Rank order assumed for link placement: tensor-parallel ranks innermost, then exp
 slice of data parallel), then data parallel, pipeline stages outermost."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple, Union
 
@@ -23,13 +24,14 @@ MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragme
 
 
 def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int,
-                     fused: bool = False, exact: bool = False) -> Tuple[float, float]:
+                     fused: bool = False, exact: bool = False, rows: float = None) -> Tuple[float, float]:
     """`(stored, attention_probs)`: bytes one layer keeps for backward for `tokens` tokens of one
     micro-batch, without recompute. Korthikanti et al. (2022) term by term, for this model: fp32
     residual and norms, no dropout, GQA, SwiGLU, MoE. Terms outside the tensor-parallel region
     are split by tp only under sequence parallelism. `fused`: the CPU kernels run
     (`moetrain.kernels`, fp32 compute): the attention kernel keeps no probabilities, and the
-    grouped experts and the dense SwiGLU MLP keep gate|up and the SwiGLU output (3 F a row, not 4)."""
+    grouped experts and the dense SwiGLU MLP keep gate|up and the SwiGLU output (3 F a row, not 4).
+    `rows`: the rows of the experts' buffers when known (`dispatch_rows`), else routed x margin."""
     h, d, t = arch.hidden, dtype_bytes, layout.tp
     outside = t if layout.sequence_parallel else 1
     # attention: norm input (fp32) + QKV input; Q, K, V and the output O
@@ -42,7 +44,7 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router is
         # whole on every tp rank; folded, a tp rank dispatches 1/token_slices of the tokens to experts
         # split over etp, into buffers sized from its dp rank's counts (moetrain/moe/capacity.py)
-        rows = tokens * arch.routed_rows_per_token(exact)
+        rows = tokens * arch.routed_rows_per_token(exact) if rows is None else rows
         ffn = (FP32 * tokens * h / outside + FP32 * tokens * h  # norm input, router input (fp32)
                + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
                + (FP32 + d) * rows * h                          # dispatched rows (fp32, the norm's), expert output
@@ -95,13 +97,55 @@ def recipe_activation_bytes(arch: Arch, moe: bool, tokens: int, layout: Layout, 
     return stored
 
 
-def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, exact: bool = False) -> float:
+def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, exact: bool = False,
+                   rows: float = None) -> float:
     """Token-row buffers of one MoE layer for `tokens` tokens (what `moetrain plan --dry-run`
     measures): the rows the experts read (fp32: the norm's output, moetrain/moe/layer.py) and
     write (compute dtype), and with expert parallelism the exchanges that carry them there and
-    back (sent and received: twice each)."""
-    rows = tokens * arch.routed_rows_per_token(exact)      # folded: the capacities follow the dp rank's counts
+    back (sent and received: twice each). `rows`: as `dispatch_rows` gives them, else routed x margin."""
+    if rows is None:
+        rows = tokens * arch.routed_rows_per_token(exact)      # folded: the capacities follow the dp rank's counts
     return rows * arch.hidden * (FP32 + dtype_bytes) * (3 if layout.ep > 1 else 1)
+
+
+def _bucket(rows: float) -> int:
+    """`moetrain.moe.capacity.bucket` (the planner imports no MindSpore; tests/test_dryrun.py checks
+    the two agree): the smallest `m 2^e >= rows`, `m` in 8..15, every size up to 16."""
+    rows = max(1, int(math.ceil(rows)))
+    if rows <= 16:
+        return rows
+    step = 2 ** (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def capacity_sized(needed: float) -> int:
+    """`moetrain.moe.capacity.sized`: the need plus 2 standard deviations of a count, bucketed."""
+    return _bucket(math.ceil(needed + 2.0 * math.sqrt(needed)))
+
+
+def dispatch_rows(arch: Arch, tokens: float, layout: Layout, job: Job, device: str) -> float:
+    """Rows of one MoE layer's expert buffers (and, with expert parallelism, of each exchange's send
+    and receive buffer) for `tokens` tokens of one micro-batch, as this trainer sizes them on the
+    CPU (`moetrain/moe/capacity.py`, `moetrain/moe/ep_dispatcher.py`):
+
+      ep 1                  exactly the routed rows T k (the one-row layout, the grouped GEMM kernel)
+      ep n, all-to-all      n C rows received, sum_j C_j = n C sent, C per destination rank:
+        adaptive, pp 1      the first micro-batch's capacities, the largest a run holds under
+                            balanced routing (later ones are sized from the counts and only shrink
+                            below them): sized(prior x T k / n), at most the bound
+        pp > 1, or bound    the bound T min(k, L) (the pipeline schedule sizes nothing; L = E / n)
+
+    Other devices (the priced GPU / Ascend systems) and the all-gather dispatcher keep the
+    load-proportional estimate T k x DISPATCH_ROW_MARGIN; a capacity factor fixes T k x factor."""
+    k, n = arch.top_k, layout.ep
+    if arch.capacity_factor > 0 or device != "cpu" or (n > 1 and job.moe_token_dispatcher != "alltoall"):
+        return tokens * arch.routed_rows_per_token(exact=device == "cpu" and n == 1)
+    if n == 1:
+        return tokens * k
+    bound = tokens * min(k, arch.experts // n)
+    if layout.pp > 1 or job.moe_capacity == "bound":
+        return n * bound
+    return n * min(bound, capacity_sized(math.ceil(job.moe_capacity_prior * tokens * k / n)))
 
 
 
@@ -281,6 +325,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     in_flight = pipeline_in_flight(L, stage)
     fused = device.name == "cpu" and d == FP32       # moetrain.kernels: CPU only, fp32 compute
     exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
+    buffer_rows = dispatch_rows(arch, tokens, L, job, device.name)     # the expert buffers as the dispatcher sizes them
     outside = t if L.sequence_parallel else 1
     layer_input = FP32 * tokens * h / outside
     def casts_of(layers: List[int]) -> float:
@@ -313,7 +358,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
                     "selective": sum(recipe_activation_bytes(arch, arch.is_moe(i), tokens, L, job, selected)
                                      for i in layers) + casts_of(layers) + extra,
                     "full": layer_input * len(layers) + max(none, default=0.0) + extra}
-        per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact) for i in layers]
+        per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact, buffer_rows) for i in layers]
         working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
         casts = cast_bytes * len(layers) / max(1, len(layer_ids))
         return {"none": sum(stored + probs for stored, probs in per_layer) + casts + extra,
@@ -480,7 +525,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     comm_seconds["dp"] = dp_seconds
     return StageCost(stage=stage, layers=len(layer_ids), params=int(dense + expert + frozen), memory=memory,
                      in_flight=in_flight, in_flight_bytes=stage_inputs,
-                     dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact),
+                     dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact, buffer_rows),
                      activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
                      compute_seconds_per_micro_batch=compute, pass_costs=pass_costs,
                      comm_seconds_per_micro_batch=critical / L.num_micro_batches,

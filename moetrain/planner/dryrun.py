@@ -41,9 +41,10 @@ How each category is measured (independently of the planner's formulas):
                     at the start of the backward, with every layer's saved activations), so
                     nothing is subtracted.
   dispatch_buffers  nbytes of the token-row buffers of one MoE layer, measured in PyNative on this
-                    rank's first MoE layer with the step's micro-batch shape: the rows its experts
-                    read and write plus what the expert-parallel exchanges send and receive,
-                    times this rank's MoE layers. Part of `activations` where they are live at the
+                    rank's first MoE layer with the step's micro-batch shape and the largest
+                    capacities any of the step's calls ran with (the first's: the prior): the rows
+                    its experts read and write plus what the expert-parallel exchanges send and
+                    receive, times this rank's MoE layers. Part of `activations` where they are live at the
                     peak; shown apart because routing imbalance and padding land there.
 """
 from __future__ import annotations
@@ -123,7 +124,7 @@ class PoolRecorder:
 
     def __init__(self):
         self.folder = tempfile.mkdtemp(prefix="moetrain_dryrun_")
-        self.allocated = np.zeros(0, np.int64)
+        self.start = self.peak = None      # the pool's level at the first record, its most
 
     def __enter__(self) -> "PoolRecorder":
         self.profiler = ms.profiler.profile(profile_memory=True,
@@ -136,17 +137,23 @@ class PoolRecorder:
         with _quiet():      # the profiler prints its parsing progress to stdout
             self.profiler.stop()
         records = sorted(glob.glob(os.path.join(self.folder, "*", "FRAMEWORK", "cpu_ms_memory_record_*.txt")))
-        if records:
-            table = np.loadtxt(records[-1], delimiter=",", skiprows=1, dtype=np.int64, ndmin=2)
-            self.allocated = table[:, 1]
+        if records:     # streamed: memory independent of the record's length (np.loadtxt built every row)
+            with open(records[-1]) as fh:
+                next(fh, None)
+                for line in fh:
+                    level = int(line.split(",", 2)[1])
+                    if self.start is None:
+                        self.start = self.peak = level
+                    elif level > self.peak:
+                        self.peak = level
         shutil.rmtree(self.folder, ignore_errors=True)
-        if not exc[0] and not len(self.allocated):
+        if not exc[0] and self.start is None:
             raise RuntimeError("the MindSpore profiler wrote no memory record (cpu_ms_memory_record); the dry run "
                                "cannot measure activations with this MindSpore build")
 
     @property
     def peak_above_start(self) -> int:
-        return int(self.allocated.max() - self.allocated[0]) if len(self.allocated) else 0
+        return 0 if self.start is None else int(self.peak - self.start)
 
 
 @contextlib.contextmanager
@@ -329,9 +336,17 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
         with PoolRecorder() as optimizer_pool:
             parallel.opt_step(grads, 1e-4, 1, 1.0 / (layout.num_micro_batches * layout.dp * layout.cp))
         detail["optimizer_step_transient"] = optimizer_pool.peak_above_start
-        # after the step: the dispatch capacities are those the step settled on (sized from the routed
-        # counts, moetrain/moe/capacity.py), not the first call's bound. A MoE layer's input: this
-        # rank's sequence shard under sequence parallelism (it gathers the rest), 1/cp of it under context parallelism
+        # the dispatch buffers at their largest in the step: each capacity the largest any call ran
+        # with (moetrain/moe/capacity.py: the first call runs the prior's, later ones are sized from
+        # the routed counts, shrink or grow); the pipeline's dispatchers keep the bound. A MoE
+        # layer's input: this rank's sequence shard under sequence parallelism (it gathers the
+        # rest), 1/cp of it under context parallelism
+        largest = getattr(parallel.runner, "capacities_largest", lambda: None)()
+        if largest:
+            for moe in moe_layers(parallel.model):
+                for key, value in largest.items():
+                    setattr(moe.dispatcher, key, tuple(value) if isinstance(value, list) else value)
+            detail["capacities_largest"] = largest
         dispatch = measure_dispatch(parallel.model, solo, layout.micro_batch_size,
                                     seq // layout.cp // (layout.tp if layout.sequence_parallel else 1),
                                     run.model.hidden_size)
