@@ -39,7 +39,10 @@ How each category is measured (independently of the planner's formulas):
                     through a later one's forward and backward; with one micro-batch they are
                     packed as the step's last act, after the peak (measured: moe_tiny's peak is
                     at the start of the backward, with every layer's saved activations), so
-                    nothing is subtracted.
+                    nothing is subtracted. The config's `parallel.recompute` is in effect (marked
+                    by `parallelize`, as in training); with `full` the peak moves to the end of the
+                    backward, where the per-parameter gradients not yet packed are most of it
+                    (docs/parallel_engine.md, "Recompute under jit").
   dispatch_buffers  nbytes of the token-row buffers of one MoE layer, measured in PyNative on this
                     rank's first MoE layer with the step's micro-batch shape and the largest
                     capacities any of the step's calls ran with (the first's: the prior): the rows
