@@ -128,9 +128,8 @@ def split_attention(ms, q, k, v, cp):
     take = lambda x, order: ops.gather(x, Tensor(order.astype(np.int32)), 1)   # noqa: E731
     k_all = ops.concat([take(k, o) for o in orders], 1).transpose(0, 2, 1, 3)
     v_all = ops.concat([take(v, o) for o in orders], 1).transpose(0, 2, 1, 3)
-    positions = Tensor(np.arange(seq, dtype=np.int32))
-    outs = [tokens_major_output(blockwise_attention(heads_major_queries(take(q, o), kv_heads), k_all, v_all, r, cp,
-                                                    positions)) for r, o in enumerate(orders)]
+    outs = [tokens_major_output(blockwise_attention(heads_major_queries(take(q, o), kv_heads), k_all, v_all, r, cp))
+            for r, o in enumerate(orders)]
     back = np.argsort(np.concatenate(orders)).astype(np.int32)
     return ops.gather(ops.concat(outs, 1), Tensor(back), 1)
 
