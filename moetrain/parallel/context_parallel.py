@@ -4,6 +4,7 @@
     local_batch(batch, cp, rank)            a batch's local tokens, labels and global position ids
     blockwise_attention(q, k, v, rank, cp)  causal attention of the local queries against the
                                             gathered K/V, block by block, merged by log-sum-exp
+    BlockAttention                          one block's (out, lse), its backward recomputing P
     ContextParallelAttention                that, with the K/V all-gathered over the cp group (comm)
                                             or passed around it (ring); or Ulysses' all-to-alls
                                             around the layer's own attention
@@ -37,7 +38,9 @@ running one by its log-sum-exp:
 Per block, for rank r and the block of rank j (Megatron's cases): j = r the causal diagonal; j < r
 every local query against the block's first chunk (its second chunk lies after both local chunks);
 j > r only the local second chunk against the whole block (the local first chunk lies before both).
-The backward is the autodiff of these ops (exact; the merge's running maximum is a constant of it).
+Each block is a `BlockAttention` cell with a hand-written backward that recomputes its probabilities
+tile by tile (FlashAttention style; exact), so a layer keeps no query-key pairs for the backward; the
+merges are autodiff (exact; the running maximum is a constant of it).
 Ring attention (`cp_comm_type: p2p`) runs the same loop (`ring_attention`) on blocks passed around
 the ring: each step sends the block in hand to the next rank and receives the previous rank's
 (`comm.all_to_all_v` with one row each way: Ascend's AlltoAllV moves just that row; on the CPU comm
