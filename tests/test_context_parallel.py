@@ -144,11 +144,15 @@ def attention_and_grads(ms, attention, arrays, weights, dtype):
     return [attention(q, k, v).asnumpy()] + [g.asnumpy() for g in grads]
 
 
-@pytest.mark.parametrize("cp", [2, 3])
-def test_blockwise_attention_equals_full_attention(ms, cp):
+@pytest.mark.parametrize("cp, tile", [(2, None), (3, None), (3, 4)])
+def test_blockwise_attention_equals_full_attention(ms, monkeypatch, cp, tile):
     """Forward and backward against the whole sequence's causal attention: in float64 to 1e-12; in
     float32 (cp 2) no further from the float64 truth than plain float32 attention is (both ~1e-6:
-    rounding). cp 2 has both off-diagonal cases (block before / after), cp 3 merges several blocks."""
+    rounding). cp 2 has both off-diagonal cases (block before / after), cp 3 merges several blocks;
+    `tile` 4: each block's 6 rows in tiles of 4 and 2 (`BlockAttention`; a causal tile skips later keys)."""
+    if tile:
+        from moetrain.parallel import context_parallel as cpmod
+        monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
     rng = np.random.default_rng(cp)
     batch, seq, heads, kv_heads, dim = 2, 2 * cp * 3, 4, 2, 8
     arrays = [rng.normal(0, 1, (batch, seq, n, dim)) for n in (heads, kv_heads, kv_heads)]
