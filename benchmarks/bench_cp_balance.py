@@ -35,7 +35,7 @@ def main():
     import mindspore as ms
     from mindspore import Tensor, ops
 
-    from moetrain.parallel.context_parallel import (block_attention, blockwise_attention, causal_mask,
+    from moetrain.parallel.context_parallel import (block_attention, blockwise_attention,
                                                     chunk_order, merge_partials)
 
     ms.set_device("CPU")
@@ -46,7 +46,6 @@ def main():
     rng = np.random.default_rng(0)
     q = rng.normal(0, 0.1, (1, kv_heads, heads // kv_heads, seq, dim)).astype(np.float32)
     k, v = (rng.normal(0, 0.1, (1, kv_heads, seq, dim)).astype(np.float32) for _ in range(2))
-    positions = Tensor(np.arange(seq, dtype=np.int32))
     local = seq // cp
 
     def balanced(r):
@@ -54,14 +53,14 @@ def main():
         k_all = np.concatenate([k[:, :, chunk_order(seq, cp, j)] for j in range(cp)], 2)
         v_all = np.concatenate([v[:, :, chunk_order(seq, cp, j)] for j in range(cp)], 2)
         return (Tensor(q[:, :, :, order]), Tensor(k_all), Tensor(v_all)), \
-            lambda q_, k_, v_: blockwise_attention(q_, k_, v_, r, cp, positions)
+            lambda q_, k_, v_: blockwise_attention(q_, k_, v_, r, cp)
 
     def contiguous(r):
         rows = slice(r * local, (r + 1) * local)
 
         def attend(q_, k_, v_):
             ks, vs = ops.split(k_, [local] * cp, 2), ops.split(v_, [local] * cp, 2)
-            out = block_attention(q_, ks[r], vs[r], causal_mask(local, positions))
+            out = block_attention(q_, ks[r], vs[r], causal=True)
             for j in range(r):
                 out = merge_partials(out, block_attention(q_, ks[j], vs[j]))
             return out[0]

@@ -4,6 +4,7 @@
     local_batch(batch, cp, rank)            a batch's local tokens, labels and global position ids
     blockwise_attention(q, k, v, rank, cp)  causal attention of the local queries against the
                                             gathered K/V, block by block, merged by log-sum-exp
+    BlockAttention                          one block's (out, lse), its backward recomputing P
     ContextParallelAttention                that, with the K/V all-gathered over the cp group (comm)
                                             or passed around it (ring); or Ulysses' all-to-alls
                                             around the layer's own attention
@@ -37,7 +38,9 @@ running one by its log-sum-exp:
 Per block, for rank r and the block of rank j (Megatron's cases): j = r the causal diagonal; j < r
 every local query against the block's first chunk (its second chunk lies after both local chunks);
 j > r only the local second chunk against the whole block (the local first chunk lies before both).
-The backward is the autodiff of these ops (exact; the merge's running maximum is a constant of it).
+Each block is a `BlockAttention` cell with a hand-written backward that recomputes its probabilities
+tile by tile (FlashAttention style; exact), so a layer keeps no query-key pairs for the backward; the
+merges are autodiff (exact; the running maximum is a constant of it).
 Ring attention (`cp_comm_type: p2p`) runs the same loop (`ring_attention`) on blocks passed around
 the ring: each step sends the block in hand to the next rank and receives the previous rank's
 (`comm.all_to_all_v` with one row each way: Ascend's AlltoAllV moves just that row; on the CPU comm
@@ -62,7 +65,7 @@ from moetrain.layers import CausalAttention
 from moetrain.layout import LayoutError
 from moetrain.parallel.expert_parallel import moe_layers
 
-_BMM, _BMM_NT = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True)
+_BMM, _BMM_NT, _BMM_TN = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_a=True)
 _MASKED = -1e9          # additive mask: finite, so a masked score can never make a NaN
 
 
@@ -128,26 +131,123 @@ def _softmax_dtype(x):
     return ms.float64 if x.dtype == ms.float64 else ms.float32
 
 
-def block_attention(q, k, v, mask=None):
-    """One block's softmax attention with its log-sum-exp. q `[B, h, g, Sq, d]` (pre-scaled; the g
-    query heads sharing one of the h K/V heads), k `[B, h, Sk, d]`, v `[B, h, Sk, dv]`, mask None or
-    additive fp32 `[Sq, Sk]` or `[B, 1, 1, Sq, Sk]` -> `(out [B, h, g, Sq, dv], lse [B, h, g, Sq, 1])` in
-    fp32 (fp64 for fp64 inputs), `out` normalised over this block's keys only. A row that sees no key
-    gets `lse` about −1e9 (the finite mask), so merging gives it no weight; the diagonal block shows
-    every row its own key."""
-    batch, heads, group, rows, dim = q.shape
-    keys = k.shape[2]
-    dtype = _softmax_dtype(q)
-    scores = _BMM_NT(q.reshape(batch, heads, group * rows, dim), k).astype(dtype)
-    scores = scores.reshape(batch, heads, group, rows, keys)
-    if mask is not None:
-        scores = scores + mask.astype(dtype)
-    top = ops.stop_gradient(scores.max(axis=-1, keepdims=True))
-    weights = ops.exp(scores - top)
-    total = weights.sum(axis=-1, keepdims=True)
-    probs = (weights / total).astype(v.dtype).reshape(batch, heads, group * rows, keys)
-    out = _BMM(probs, v).astype(dtype).reshape(batch, heads, group, rows, v.shape[-1])
-    return out, top + ops.log(total)
+TILE_ROWS = 128         # query rows a block attends at a time: its transient scores are rows x keys per head
+
+
+class BlockAttention(nn.Cell):
+    """One block's softmax attention with its log-sum-exp, FlashAttention-style: the backward keeps
+    only what it was given (q, k, v, the query / key document ids) and returned (`out`, `lse`), and
+    recomputes the probabilities from `lse`, so a layer keeps O(rows·d) per block for the backward
+    instead of its fp32 scores, exponentials and probabilities (docs/context_parallel.md, "Measured").
+
+    `construct(q, k, v, query_docs, key_docs)`: q `[B, h, g, R, d]` (pre-scaled; the g query heads
+    sharing one of the h K/V heads), k `[B, h, C, d]`, v `[B, h, C, dv]`; with `documents` the fp32
+    document ids `[B, R]` / `[B, C]` (a query sees only keys of its own document; otherwise any
+    placeholders); `causal`: R == C and query i sees keys <= i (the diagonal block) ->
+    `(out [B, h, g, R, dv], lse [B, h, g, R, 1])` fp32 (fp64 for fp64), `out` normalised over this
+    block's keys only. Masked scores get the finite −1e9, so a row that sees no key gets `lse` about
+    −1e9 and no weight in a merge. The rows run in tiles of `TILE_ROWS`, one after another (each
+    tile's inputs depend on the previous tile's result), so the transient scores of a block are
+    `TILE_ROWS` x keys per head, forward and backward; a causal tile skips the keys after its rows.
+
+    Backward per tile, with P recomputed (`probabilities`): dV += Pᵀ dO, dP = dO Vᵀ,
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = dS K, dK += dSᵀ Q: exact."""
+
+    def __init__(self, causal: bool, documents: bool):
+        super().__init__()
+        self.causal, self.documents = causal, documents
+
+    def tiles(self, rows: int):
+        """`[(r0, r1), ...]`: the row tiles (no `min`: graph mode does not parse it here)."""
+        out = []
+        for r0 in range(0, rows, TILE_ROWS):
+            out.append((r0, r0 + TILE_ROWS if r0 + TILE_ROWS < rows else rows))
+        return out
+
+    def scores(self, q_tile, k, query_docs, key_docs, r0: int, r1: int, dtype):
+        """fp32 (fp64) masked scores of query rows [r0, r1) `[B, h, g, t, kc]` and kc, the keys they may see."""
+        batch, heads, group, rows, dim = q_tile.shape
+        keys = r1 if self.causal else k.shape[2]
+        scores = _BMM_NT(q_tile.reshape(batch, heads, group * rows, dim), k[:, :, :keys]).astype(dtype)
+        scores = scores.reshape(batch, heads, group, rows, keys)
+        if self.causal and r1 > 1:
+            query = ops.arange(r0, r1, dtype=ms.int32).reshape(-1, 1)
+            hidden = ops.arange(0, keys, dtype=ms.int32).reshape(1, -1) > query
+            scores = scores + hidden.astype(dtype) * _MASKED
+        if self.documents:
+            other = query_docs[:, r0:r1].reshape(batch, 1, 1, rows, 1) != key_docs[:, :keys].reshape(batch, 1, 1, 1, keys)
+            scores = scores + other.astype(dtype) * _MASKED
+        return scores, keys
+
+    def probabilities(self, q_tile, k, query_docs, key_docs, r0: int, r1: int, dtype):
+        """`(P [B, h, g, t, kc], kc, row max, row sum of the exponentials)` of query rows [r0, r1): the
+        backward recomputes P with the forward's very ops, so it is the forward's P to the bit (MindSpore's
+        fp32 exp on the CPU is 5e-6 off: P from exp(S − lse) would not sum to 1 as closely)."""
+        scores, keys = self.scores(q_tile, k, query_docs, key_docs, r0, r1, dtype)
+        top = scores.max(axis=-1, keepdims=True)
+        weights = ops.exp(scores - top)
+        total = weights.sum(axis=-1, keepdims=True)
+        return weights / total, keys, top, total
+
+    def construct(self, q, k, v, query_docs, key_docs):
+        dtype = _softmax_dtype(q)
+        batch, heads, group, rows, _ = q.shape
+        outs, lses = [], []
+        for r0, r1 in self.tiles(rows):
+            q_tile = q[:, :, :, r0:r1]
+            if outs:                                              # one tile after another: one transient at a time
+                q_tile = ops.depend(q_tile, outs[-1])
+            probs, keys, top, total = self.probabilities(q_tile, k, query_docs, key_docs, r0, r1, dtype)
+            probs = probs.astype(v.dtype).reshape(batch, heads, group * (r1 - r0), keys)
+            outs.append(_BMM(probs, v[:, :, :keys]).astype(dtype).reshape(batch, heads, group, r1 - r0, v.shape[-1]))
+            lses.append(top + ops.log(total))
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return ops.concat(outs, 3), ops.concat(lses, 3)
+
+    def bprop(self, q, k, v, query_docs, key_docs, out, dout):
+        dtype = _softmax_dtype(q)
+        o, d_out, d_lse = out[0], dout[0], dout[1]
+        batch, heads, group, rows, dim = q.shape
+        k_c, v_c = k.astype(dtype), v.astype(dtype)
+        dq_tiles, dk, dv = [], None, None
+        for r0, r1 in self.tiles(rows):
+            t = r1 - r0
+            q_tile = q[:, :, :, r0:r1]
+            if dq_tiles:
+                q_tile = ops.depend(q_tile, dq_tiles[-1])
+            probs, keys, _, _ = self.probabilities(q_tile, k, query_docs, key_docs, r0, r1, dtype)
+            probs = probs.reshape(batch, heads, group * t, keys)
+            do_tile = d_out[:, :, :, r0:r1].astype(dtype)
+            delta = (do_tile * o[:, :, :, r0:r1].astype(dtype)).sum(axis=-1, keepdims=True) - d_lse[:, :, :, r0:r1]
+            do_rows = do_tile.reshape(batch, heads, group * t, -1)
+            d_probs = _BMM_NT(do_rows, v_c[:, :, :keys])                           # [B, h, g·t, kc]
+            d_scores = probs * (d_probs - delta.reshape(batch, heads, group * t, 1))
+            dq_tiles.append(_BMM(d_scores, k_c[:, :, :keys]).reshape(batch, heads, group, t, dim))
+            dk_tile = _BMM_TN(d_scores, q_tile.reshape(batch, heads, group * t, dim).astype(dtype))   # [B, h, kc, d]
+            dv_tile = _BMM_TN(probs, do_rows)                                       # [B, h, kc, dv]
+            if keys < k.shape[2]:                                                    # a causal tile: keys [0, r1)
+                dk_tile = ops.pad(dk_tile, (0, 0, 0, k.shape[2] - keys))
+                dv_tile = ops.pad(dv_tile, (0, 0, 0, k.shape[2] - keys))
+            dk = dk_tile if dk is None else dk + dk_tile
+            dv = dv_tile if dv is None else dv + dv_tile
+        dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), ops.zeros_like(query_docs),
+                ops.zeros_like(key_docs))
+
+
+# one instance per kind, shared by every layer (MindSpore parses and infers the backward once)
+_BLOCKS = {(causal, documents): BlockAttention(causal, documents) for causal in (False, True) for documents in (False, True)}
+_NO_DOCS = Tensor(np.zeros((1, 1), np.float32))
+
+
+def block_attention(q, k, v, causal: bool = False, documents=None):
+    """One block's `(out, lse)` (`BlockAttention`): q `[B, h, g, Sq, d]` pre-scaled, k `[B, h, Sk, d]`,
+    v `[B, h, Sk, dv]`; `causal` for the diagonal block; `documents` None or `(query_docs [B, Sq],
+    key_docs [B, Sk])` fp32 ids."""
+    if documents is None:
+        return _BLOCKS[(causal, False)](q, k, v, _NO_DOCS, _NO_DOCS)
+    return _BLOCKS[(causal, True)](q, k, v, documents[0], documents[1])
 
 
 def merge_partials(first, second):
@@ -165,19 +265,12 @@ def _halves(x, axis: int):
     return ops.split(x, [size, size], axis)
 
 
-def causal_mask(rows: int, positions) -> Tensor:
-    """Additive fp32 `[rows, rows]`: 0 on and below the diagonal, `_MASKED` above it. `positions`: an
-    int32 arange at least `rows` long (built per call: a stored mask is S² floats)."""
-    pos = positions[:rows]
-    return (pos.reshape(1, -1) > pos.reshape(-1, 1)).astype(ms.float32) * _MASKED
-
-
-def blockwise_attention(q, k_all, v_all, rank: int, cp: int, positions, documents=None):
+def blockwise_attention(q, k_all, v_all, rank: int, cp: int, documents=None):
     """Causal attention of rank `rank`'s local queries against every rank's keys, block by block in
     ring order, merged by log-sum-exp (module docstring). q `[B, h, g, L, d]` pre-scaled, the local
     L = S / cp tokens (chunk `rank`, then chunk 2·cp−1−rank); k_all `[B, h, cp·L, d]`, v_all
     `[B, h, cp·L, dv]`: rank j's local keys at `[j·L, (j+1)·L)` (what an all-gather over the cp group
-    gives); `positions`: an int32 arange at least L long; `documents`: None, or `(query_docs [B, L],
+    gives); `documents`: None, or `(query_docs [B, L],
     key_docs [B, cp·L])` (packed documents) -> `[B, h, g, L, dv]` fp32 (fp64 for fp64)."""
     rows = q.shape[3]
     k_blocks = ops.split(k_all, [rows] * cp, 2)
@@ -186,47 +279,37 @@ def blockwise_attention(q, k_all, v_all, rank: int, cp: int, positions, document
     if documents is not None:
         doc_blocks = ops.split(documents[1], [rows] * cp, 1)
         documents = (documents[0], [doc_blocks[j] for j in arrival])
-    return ring_attention(q, [k_blocks[j] for j in arrival], [v_blocks[j] for j in arrival], rank, cp, positions,
-                          documents)
+    return ring_attention(q, [k_blocks[j] for j in arrival], [v_blocks[j] for j in arrival], rank, cp, documents)
 
 
-def ring_attention(q, k_blocks, v_blocks, rank: int, cp: int, positions, documents=None):
+def ring_attention(q, k_blocks, v_blocks, rank: int, cp: int, documents=None):
     """`blockwise_attention` on blocks in ring order: `k_blocks[t]`, `v_blocks[t]` `[B, h, L, d]` /
     `[B, h, L, dv]` are the local keys and values of rank (rank − t) mod cp, as a ring delivers them
     (t = 0: this rank's own). `documents`: None, or `(query_docs [B, L], doc_blocks)` with
     `doc_blocks[t]` `[B, L]` the document ids of block t's keys (packed documents: a query sees only
     keys of its own document)."""
     rows = q.shape[3]
-    masks = [None] * cp if documents is None else [_document_mask(documents[0], d) for d in documents[1]]
+    query_docs, doc_blocks = (None, [None] * cp) if documents is None else documents
     # the diagonal block: the local tokens in increasing global order, so the plain causal mask
-    diagonal = causal_mask(rows, positions)
-    if masks[0] is not None:
-        diagonal = diagonal + masks[0]
-    out, lse = block_attention(q, k_blocks[0], v_blocks[0], diagonal)
+    docs = None if query_docs is None else (query_docs, doc_blocks[0])
+    out, lse = block_attention(q, k_blocks[0], v_blocks[0], True, docs)
     first_out, second_out = _halves(out, 3)
     first_lse, second_lse = _halves(lse, 3)
     first, second = (first_out, first_lse), (second_out, second_lse)
     q_second = _halves(q, 3)[1]
     for step in range(1, cp):
         j = (rank - step) % cp
-        mask = masks[step]
         if j < rank:   # both local chunks see the block's first chunk, neither its second
-            mask = None if mask is None else _halves(mask, 4)[0]
-            out, lse = block_attention(q, _halves(k_blocks[step], 2)[0], _halves(v_blocks[step], 2)[0], mask)
+            docs = None if query_docs is None else (query_docs, _halves(doc_blocks[step], 1)[0])
+            out, lse = block_attention(q, _halves(k_blocks[step], 2)[0], _halves(v_blocks[step], 2)[0], False, docs)
             out_a, out_b = _halves(out, 3)
             lse_a, lse_b = _halves(lse, 3)
             first = merge_partials(first, (out_a, lse_a))
             second = merge_partials(second, (out_b, lse_b))
         else:          # only the local second chunk sees the block, all of it
-            mask = None if mask is None else _halves(mask, 3)[1]
-            second = merge_partials(second, block_attention(q_second, k_blocks[step], v_blocks[step], mask))
+            docs = None if query_docs is None else (_halves(query_docs, 1)[1], doc_blocks[step])
+            second = merge_partials(second, block_attention(q_second, k_blocks[step], v_blocks[step], False, docs))
     return ops.concat((first[0], second[0]), 3)
-
-
-def _document_mask(query_docs, key_docs):
-    """Additive fp32 `[B, 1, 1, Sq, Sk]`: `_MASKED` where the key is in another document."""
-    other = query_docs.reshape(query_docs.shape[0], 1, 1, -1, 1) != key_docs.reshape(key_docs.shape[0], 1, 1, 1, -1)
-    return other.astype(ms.float32) * _MASKED
 
 
 def heads_major_queries(q, num_kv_heads: int):
@@ -275,7 +358,6 @@ class ContextParallelAttention(nn.Cell):
         self.send_counts = tuple(1 if r == nxt else 0 for r in range(self.cp))
         self.recv_counts = tuple(1 if r == prev else 0 for r in range(self.cp))
         self.seq_length = seq_length
-        self.positions = Tensor(np.arange(seq_length, dtype=np.int32))
         # a2a: the gathered sequence arrives in rank order of the local chunks; these put it in order and back
         ranks_order = np.concatenate([chunk_order(seq_length, self.cp, r) for r in range(self.cp)])
         self.to_natural = Tensor(np.argsort(ranks_order).astype(np.int32))
@@ -329,7 +411,7 @@ class ContextParallelAttention(nn.Cell):
                 doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
         pairs = [ops.split(b, [head_dim, v.shape[-1]], -1) for b in blocks]
         out = ring_attention(queries, [p[0] for p in pairs], [p[1] for p in pairs], self.rank, self.cp,
-                             self.positions, None if docs is None else (docs, doc_blocks))
+                             None if docs is None else (docs, doc_blocks))
         return tokens_major_output(out.astype(q.dtype))
 
     def gather_keys(self, x, context):
@@ -351,7 +433,7 @@ class ContextParallelAttention(nn.Cell):
         queries = heads_major_queries(q, k_all.shape[2])
         documents = None if key_docs is None else (context[0].astype(ms.float32), key_docs)
         out = blockwise_attention(queries, k_all.transpose(0, 2, 1, 3), v_all.transpose(0, 2, 1, 3), self.rank,
-                                  self.cp, self.positions, documents)
+                                  self.cp, documents)
         return tokens_major_output(out.astype(q.dtype))
 
     def whole_context(self, context):

@@ -7,7 +7,8 @@ docs/context_parallel.md "Planner"), kept apart from costs.py, which calls them 
                                      all-reduce span them (Megatron-Core's dp group "with cp")
     add_held_kv(...)                 what the split attention keeps per layer beside the local
                                      activations: the other ranks' K|V blocks and the blockwise
-                                     path's softmax terms (all_gather / p2p)
+                                     path's block outputs and merge terms (all_gather / p2p; it keeps
+                                     no probabilities: each block recomputes them in its backward)
     traffic_per_micro_batch(...)     bytes the cp group moves per device and micro-batch
     span(L)                          ranks one cp group spans (link placement: tp innermost)
 
@@ -76,26 +77,39 @@ def held_kv_bytes(arch, L: Layout, tokens: int, dtype_bytes: int) -> float:
     return (L.cp - 1) * tokens * kv_bytes_per_token(arch, dtype_bytes, L.tp)
 
 
-def block_probability_bytes(arch, L: Layout, tokens: int, micro_batch_size: int) -> float:
-    """The blockwise attention's saved fp32 softmax terms of one layer (all_gather / p2p run plain ops,
-    not the fused kernel): scores, their exponentials and the probabilities (measured: 12-13 bytes a
-    query-key pair at moe_tiny width) for the pairs one rank computes, l^2 (cp + 1) / 2 per sequence
-    and head with l = S / cp (the diagonal block whole, every other block half)."""
+BLOCK_TILE_ROWS = 128   # query rows a block attends at a time (moetrain/parallel/context_parallel.py TILE_ROWS)
+
+
+def block_output_bytes(arch, L: Layout, tokens: int) -> float:
+    """What the blockwise attention (all_gather / p2p) of one layer keeps for its backward beside
+    q, k, v: each block's fp32 output and log-sum-exp (its `BlockAttention` recomputes the
+    probabilities, tile by tile) and the merges' terms (both partial outputs, their weights, the
+    merged output), O(S·dv) per sequence and head whatever cp is: the blocks of one rank cover its
+    l query rows against cp blocks of keys. 4.5 fp32 copies of `[S, heads, dv]` per sequence,
+    fitted to the dry run of moe_tiny at 2048 tokens (cp 2 and 4: docs/context_parallel.md)."""
+    if L.cp == 1 or L.cp_comm == "a2a":
+        return 0.0
+    return 4.5 * 4 * tokens * L.cp * arch.heads / L.tp * arch.v_dim
+
+
+def block_working_bytes(arch, L: Layout, tokens: int, micro_batch_size: int) -> float:
+    """The transient of the layer whose blockwise attention runs (forward or backward): about 8 fp32
+    `[micro-batch, heads, BLOCK_TILE_ROWS, l]` tensors (a tile's scores, exponentials, probabilities
+    and their gradients; l = S / cp, the widest block's keys), one layer at a time."""
     if L.cp == 1 or L.cp_comm == "a2a":
         return 0.0
     rows = tokens / micro_batch_size
-    return 3 * 4 * arch.heads / L.tp * micro_batch_size * rows * rows * (L.cp + 1) / 2
+    return 8 * 4 * micro_batch_size * arch.heads / L.tp * min(BLOCK_TILE_ROWS, rows) * rows
 
 
-def add_held_kv(by_mode, arch, L: Layout, tokens: int, dtype_bytes: int, layers: int, fused: bool) -> dict:
+def add_held_kv(by_mode, arch, L: Layout, tokens: int, dtype_bytes: int, layers: int) -> dict:
     """`by_mode` (activations per recompute mode) with what the split attention holds per layer: the
-    other ranks' K|V, and where the model's formula assumed the fused kernel (`fused`: the CPU, no
-    probabilities kept), the blockwise path's softmax terms (elsewhere its probabilities term
-    stands for them). Under full recompute only the layer being recomputed holds them."""
-    held = held_kv_bytes(arch, L, tokens, dtype_bytes)
-    if fused:
-        held += block_probability_bytes(arch, L, tokens, L.micro_batch_size)
-    return {mode: value + held * (1 if mode == "full" else layers) for mode, value in by_mode.items()}
+    other ranks' K|V and the blockwise path's block outputs and merge terms (no probabilities:
+    `activation_bytes` counts none for it), and the one layer's tile transient. Under full recompute
+    only the layer being recomputed holds them."""
+    held = held_kv_bytes(arch, L, tokens, dtype_bytes) + block_output_bytes(arch, L, tokens)
+    working = block_working_bytes(arch, L, tokens, L.micro_batch_size)
+    return {mode: value + held * (1 if mode == "full" else layers) + working for mode, value in by_mode.items()}
 
 
 def traffic_per_micro_batch(arch, L: Layout, tokens: int, dtype_bytes: int, layers: int,

@@ -38,7 +38,10 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     attention = ((FP32 + d) * tokens * h / outside           # Q, K, V, O (MLA: + its latents, whole)
                  + d * tokens * (arch.head_dim * (arch.heads + arch.kv_heads) + arch.v_dim * (arch.heads + arch.kv_heads)) / t
                  + d * tokens * (arch.q_lora_rank + arch.kv_lora_rank + arch.rope_dim))
-    probs = 0.0 if fused else d * arch.heads * seq_length * tokens / t   # softmax output, a x S x S per sequence
+    # softmax output, a x S x S per sequence; none with the fused kernel or context parallelism's blockwise
+    # attention (each block recomputes its probabilities: planner/context.py)
+    blockwise = layout.cp > 1 and layout.cp_comm != "a2a"
+    probs = 0.0 if fused or blockwise else d * arch.heads * seq_length * tokens / t
     if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up (fused: gate|up, the product)
         ffn = (FP32 + d) * tokens * h / outside + (3 if fused else 4) * d * tokens * arch.ffn / t
     else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router is
@@ -389,7 +392,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
             by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
                                            FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
                        for mode in RECOMPUTE_MODES}
-    by_mode = context.add_held_kv(by_mode, arch, L, tokens, d, len(layer_ids), fused)
+    by_mode = context.add_held_kv(by_mode, arch, L, tokens, d, len(layer_ids))
     memory["activations"] = by_mode[L.recompute]
     memory["runtime"] = device.runtime_bytes
     if job.moe_overlap == "dualpipe" and L.pp > 1:   # DualPipe keeps two copies of the parameters (report 3.2.1)
