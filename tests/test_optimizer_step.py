@@ -140,3 +140,36 @@ def test_fused_norm_does_not_depend_on_how_the_gradients_are_cut(ms):
         assert finite
         norms.append(np.float32(norm))
     assert norms == [want, want], (norms, want)
+
+
+@pytest.mark.parametrize("level", [0, 2], ids=["zero0", "zero2"])
+def test_buffer_past_two_to_the_24_is_reduced_whole_under_jit(ms, level):
+    """A buffer of 2^24 + 3 elements (MindSpore 2.10's graph arithmetic on integers goes through
+    float32 there) over dp 2 in one process (SoloComm: the all-reduce is the identity, the
+    reduce-scatter keeps rank 0's row), bucket 40 MB: level 0 all-reduces it in two pieces, ZeRO-2
+    reduce-scatters the [2, S] rows; every value must come back in place."""
+    from mindspore import Parameter, Tensor
+
+    from moetrain.config import OptimizerConfig, ParallelConfig
+    from moetrain.distributed.topology import ParallelContext
+    from moetrain.parallel.data_parallel import OptimizerStep
+    from moetrain.testing.solo import SoloComm
+
+    rng = np.random.default_rng(7)
+    shapes = {"w": (4096, 4096), "v": (1, 3)}      # both decay: one buffer
+    grads = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    params = [Parameter(Tensor(np.zeros(s, np.float32)), name=k) for k, s in shapes.items()]
+    parallel = ParallelConfig(data_parallel=2, optimizer_shard=level, grad_bucket_mb=40.0)
+    with SoloComm():
+        step = OptimizerStep(params, OptimizerConfig(name="adamw"), parallel, ParallelContext.build(2, 0, 2),
+                             clip=0.0, jit=True, fused=False)
+        (b,) = step.buffers
+        assert sum(b.numels) == 2 ** 24 + 3 and len(b.pieces) == (2 if level == 0 else 0)
+        flats = ms.jit(step.flatten)(ms.mutable(tuple(Tensor(grads[p.name]) for p in step.params)))
+        out = step._prepare(ms.mutable(tuple(flats)), Tensor(1.0, ms.float32))[0][0].asnumpy()
+    by_name = {p.name: grads[p.name].reshape(-1) for p in step.params}
+    if level == 0:
+        expected = np.concatenate([by_name[p.name] for p in step.params])
+    else:   # rank 0's row: the first ceil(n / 2) elements of each parameter
+        expected = np.concatenate([by_name[p.name][:s] for p, s in zip(step.params, b.shards)])
+    np.testing.assert_array_equal(out, expected)

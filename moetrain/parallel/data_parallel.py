@@ -110,6 +110,7 @@ class FlatBuffer:
     decay: bool
     summed_over: Tuple[str, ...]     # group kinds whose ranks' gradients are added first: "tp" for
                                      # sequence-parallel norms, the tied group for tied weights
+    pieces: Tuple[int, ...] = ()     # level 0: the all-reduce's piece lengths (`piece_sizes`)
 
     @property
     def row(self) -> int:
@@ -118,6 +119,19 @@ class FlatBuffer:
     @property
     def pads(self) -> Tuple[int, ...]:
         return tuple(self.rows * s - n for s, n in zip(self.shards, self.numels))
+
+
+def piece_sizes(n: int, bucket_bytes: int) -> Tuple[int, ...]:
+    """Lengths of the pieces a buffer of `n` elements is all-reduced in: at most `bucket_bytes` of
+    fp32 each (at most 64 pieces), as equal as they can be.
+
+    Computed here, in Python, never inside `ms.jit`: MindSpore 2.10's graph compiler evaluates
+    integer `//` and `%` through float32 (measured: `16777219 // 2` gives 8388610, `16777219 % 2`
+    gives -1, also for literals and shapes), which is wrong once the buffer has more than 2^24
+    elements: worked out in the graph, the sizes of 176,160,768 elements in 27 pieces summed to
+    176,160,771 and `ops.split` refused them (DeepSeek-V3-671B, docs/parallel_engine.md)."""
+    pieces = max(1, min(64, math.ceil(n * 4 / bucket_bytes)))
+    return tuple(n // pieces + (1 if i < n % pieces else 0) for i in range(pieces))
 
 
 def _copies_over_world(param, pctx, group, sharded: bool) -> int:
@@ -208,7 +222,8 @@ class OptimizerStep:
             offsets = tuple(int(o) for o in np.cumsum((0,) + shards[:-1]))
             buffers.append(FlatBuffer(kind, group, len(ordered), len(ordered) + len(members),
                                       tuple(tuple(int(d) for d in p.shape) for p in members), numels, shards,
-                                      offsets, rows, 1.0 / copies, decay, summed_over))
+                                      offsets, rows, 1.0 / copies, decay, summed_over,
+                                      () if sharded else piece_sizes(sum(numels), self.bucket_bytes)))
             ordered += members
         return ordered, buffers
 
@@ -234,12 +249,15 @@ class OptimizerStep:
             else:
                 flat = ops.concat(self.hyper(_AS_ROWS, part, b.pads, (b.rows,) * len(part)), axis=1).reshape(-1)
             if self.level == 2:
-                flat = self._reduce(flat, b, comm.reduce_scatter, out)
+                flat = self._reduce(flat, b, "reduce_scatter", out)
             out += (flat,)
         return out
 
-    def _reduce(self, flat, b: FlatBuffer, collective, previous):
-        """`collective` over the buffer's group in the reduce dtype, after the previous buffers' ones."""
+    def _reduce(self, flat, b: FlatBuffer, op: str, previous):
+        """`op` ("all_reduce" or "reduce_scatter") over the buffer's group in the reduce dtype, after
+        the previous buffers' ones. `op` is a string because a string comparison is folded when the
+        graph is compiled: `collective is comm.all_reduce` (a function passed in) was not, so ms.jit
+        compiled the all-reduce branch at ZeRO-1/2 too and failed on it (docs/parallel_engine.md)."""
         if b.group.size == 1:
             return flat
         if previous:   # independent collectives: keep every rank's order the same
@@ -248,21 +266,18 @@ class OptimizerStep:
             flat = flat.astype(ms.bfloat16).astype(ms.float32)
         elif self.reduce_dtype != ms.float32:
             flat = flat.astype(self.reduce_dtype)
-        if collective is comm.all_reduce:
-            flat = self._chunked_all_reduce(flat, b.group)
+        if op == "all_reduce":
+            flat = self._chunked_all_reduce(flat, b.group, b.pieces)
         else:
-            flat = collective(flat, b.group)
+            flat = comm.reduce_scatter(flat, b.group)
         if self.emulated_bf16:   # the sum as a bf16 collective delivers it
             return flat.astype(ms.bfloat16).astype(ms.float32)
         return flat.astype(ms.float32)
 
-    def _chunked_all_reduce(self, flat, group):
-        """All-reduce in pieces of at most `parallel.grad_bucket_mb` (few, large collectives)."""
-        n = flat.shape[0]
-        pieces = max(1, min(64, math.ceil(n * 4 / self.bucket_bytes)))
-        if pieces == 1:
+    def _chunked_all_reduce(self, flat, group, sizes):
+        """All-reduce in the pieces `sizes` (`piece_sizes`: few, large collectives)."""
+        if len(sizes) == 1:
             return comm.all_reduce(flat, group)
-        sizes = [n // pieces + (1 if i < n % pieces else 0) for i in range(pieces)]
         done = []
         for chunk in ops.split(flat, sizes):
             if done:
@@ -280,9 +295,9 @@ class OptimizerStep:
                     flat = ops.depend(flat, out[-1])
                 flat = comm.all_reduce(flat, self.pctx.group(kind))
             if self.level == 0:
-                flat = self._reduce(flat, b, comm.all_reduce, out)
+                flat = self._reduce(flat, b, "all_reduce", out)
             elif self.level == 1:
-                flat = self._reduce(flat, b, comm.reduce_scatter, out)
+                flat = self._reduce(flat, b, "reduce_scatter", out)
             out += (flat,)
         return out
 
