@@ -1,13 +1,15 @@
 """Per-rank attention time of context parallelism, load-balanced split against a contiguous one.
 
-    python benchmarks/bench_cp_balance.py [--cp 4] [--seq 2048] [--repeats 5]
+    python benchmarks/bench_cp_balance.py [--cp 4] [--seq 2048] [--repeats 5] [--splits balanced]
 
-Each rank's share of one causal attention layer (batch 1, 8 query / 4 K/V heads of 64), forward and
-backward, timed in this process one rank after another (the K/V of the whole sequence given, as the
-all-gather leaves it): the load-balanced split of moetrain (rank i holds chunks i and 2·cp−1−i,
-`moetrain.parallel.context_parallel.blockwise_attention`) and a contiguous split (rank i holds chunk
-i of cp: it attends to i earlier chunks and its own diagonal). Prints the median time per rank and
-the slowest / fastest ratio of each.
+Each rank's share of one causal attention layer (batch 1, 8 query / 4 K/V heads of 64), forward +
+backward and the forward alone (their difference is printed as the backward), timed in this process
+one rank after another (the K/V of the whole sequence given, as the all-gather leaves it): the
+load-balanced split of moetrain (rank i holds chunks i and 2·cp−1−i,
+`moetrain.parallel.context_parallel.blockwise_attention`, blocks through `BlockAttention`) and a
+contiguous split (rank i holds chunk i of cp: it attends to i earlier chunks and its own diagonal).
+Prints the median time per rank (the ranks timed in turn within each repeat) and the slowest /
+fastest ratio of each.
 
 Clock: `--clock thread` (default) is the calling thread's CPU time (`time.thread_time`), with
 MindSpore's ops run on that thread (MS_DEV_HOST_BLOCKING_RUN=1) and its CPU kernels on one thread
@@ -30,6 +32,7 @@ def main():
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clock", choices=("thread", "process"), default="thread")
+    parser.add_argument("--splits", default="balanced,contiguous", help="splits to time, comma-separated")
     args = parser.parse_args()
     os.environ["MS_DEV_HOST_BLOCKING_RUN"] = "1"             # ops on the calling thread (read at the first op)
     import mindspore as ms
@@ -66,23 +69,38 @@ def main():
             return out[0]
         return (Tensor(q[:, :, :, rows]), Tensor(k), Tensor(v)), attend
 
-    results = {}
+    def medians(runs):
+        """Median time of each of `runs`, the repeats interleaved (run 0, 1, ..., then again), so that
+        the other jobs' load drifting over the minutes falls on every rank alike."""
+        for run in runs:
+            run()                                           # warm-up
+        samples = [[] for _ in runs]
+        for _ in range(args.repeats):
+            for run, times in zip(runs, samples):
+                start = clock()
+                run()
+                times.append(clock() - start)
+        return [float(np.median(times)) for times in samples]
+
+    def ratio(times):
+        return ("per rank " + " / ".join(f"{t * 1e3:.0f}" for t in times)
+                + f" ms, slowest / fastest {max(times) / min(times):.2f}")
+
     for name, make in (("balanced", balanced), ("contiguous", contiguous)):
-        times = []
+        if name not in args.splits.split(","):
+            continue
+        forward_runs, both_runs = [], []
         for r in range(cp):
             inputs, attend = make(r)
-            step = ms.value_and_grad(lambda *x: attend(*x).sum(), grad_position=(0, 1, 2))
-            step(*inputs)                                   # warm-up
-            samples = []
-            for _ in range(args.repeats):
-                start = clock()
-                loss, grads = step(*inputs)
-                float(loss.asnumpy())
-                samples.append(clock() - start)
-            times.append(float(np.median(samples)))
-        results[name] = times
-        print(f"{name:>10} ({args.clock} CPU time): per rank " + ", ".join(f"{t * 1e3:.0f} ms" for t in times)
-              + f"; slowest / fastest {max(times) / min(times):.2f}", flush=True)
+            step = ms.value_and_grad(lambda *x, f=attend: f(*x).sum(), grad_position=(0, 1, 2))
+            forward_runs.append(lambda f=attend, x=inputs: float(f(*x).sum().asnumpy()))
+            both_runs.append(lambda s=step, x=inputs: float(s(*x)[0].asnumpy()))
+        forward, both = medians(forward_runs), medians(both_runs)
+        print(f"{name:>10} cp {cp} seq {seq} ({args.clock} CPU time, median of {args.repeats})", flush=True)
+        print(f"   forward + backward: {ratio(both)}", flush=True)
+        print(f"   forward:            {ratio(forward)}", flush=True)
+        backward = [b - f for b, f in zip(both, forward)]
+        print(f"   backward (difference): {ratio(backward)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,9 @@ def test_blockwise_attention_equals_full_attention(ms, monkeypatch, cp, tile):
     """Forward and backward against the whole sequence's causal attention: in float64 to 1e-12; in
     float32 (cp 2) no further from the float64 truth than plain float32 attention is (both ~1e-6:
     rounding). cp 2 has both off-diagonal cases (block before / after), cp 3 merges several blocks;
-    `tile` 4: each block's 6 rows in tiles of 4 and 2 (`BlockAttention`; a causal tile skips later keys)."""
+    `tile` 4: each block's 6 rows in tiles of 4 and 2 (`BlockAttention`; a causal tile skips later keys).
+    Only the tiled case sees a tile's row offset: the causal mask's rows taken from 0 instead of the
+    tile's r0, or the backward's dO tile sliced at 0 instead of r0, fails it (and passes the others)."""
     if tile:
         from moetrain.parallel import context_parallel as cpmod
         monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
