@@ -24,9 +24,11 @@ MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragme
 
 
 def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int,
-                     fused: bool = False, exact: bool = False, rows: float = None) -> Tuple[float, float]:
-    """`(stored, attention_probs)`: bytes one layer keeps for backward for `tokens` tokens of one
-    micro-batch, without recompute. Korthikanti et al. (2022) term by term, for this model: fp32
+                     fused: bool = False, exact: bool = False, rows: float = None) -> Tuple[float, float, float]:
+    """`(stored, attention_probs, expert_inner)`: bytes one layer keeps for backward for `tokens`
+    tokens of one micro-batch, without recompute; `expert_inner` is the part of `stored` inside the
+    routed experts (their SwiGLU intermediates), which the trainer's selective recompute drops when
+    the family's plan recomputes `moe.experts` (its input rows and output stay: the cell's boundary). Korthikanti et al. (2022) term by term, for this model: fp32
     residual and norms, no dropout, GQA, SwiGLU, MoE. Terms outside the tensor-parallel region
     are split by tp only under sequence parallelism. `fused`: the CPU kernels run
     (`moetrain.kernels`, fp32 compute): the attention kernel keeps no probabilities, and the
@@ -45,13 +47,15 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
         # whole on every tp rank; folded, a tp rank dispatches 1/token_slices of the tokens to experts
         # split over etp, into buffers sized from its dp rank's counts (moetrain/moe/capacity.py)
         rows = tokens * arch.routed_rows_per_token(exact) if rows is None else rows
+        expert_inner = (3 if fused else 4) * d * rows * arch.expert_ffn / layout.etp         # expert SwiGLU
         ffn = (FP32 * tokens * h / outside + FP32 * tokens * h  # norm input, router input (fp32)
                + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
                + (FP32 + d) * rows * h                          # dispatched rows (fp32, the norm's), expert output
-               + (3 if fused else 4) * d * rows * arch.expert_ffn / layout.etp)       # expert SwiGLU
+               + expert_inner)
         if arch.shared_ffn:
             ffn += d * tokens * h / outside + 4 * d * tokens * arch.shared_ffn / t
-    return attention + ffn, probs
+        return attention + ffn, probs, expert_inner
+    return attention + ffn, probs, 0.0
 
 
 def recipe_activation_bytes(arch: Arch, moe: bool, tokens: int, layout: Layout, job: Job,
@@ -359,10 +363,13 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
                                      for i in layers) + casts_of(layers) + extra,
                     "full": layer_input * len(layers) + max(none, default=0.0) + extra}
         per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact, buffer_rows) for i in layers]
-        working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
+        working_set = max((stored + probs for stored, probs, _ in per_layer), default=0.0)
         casts = cast_bytes * len(layers) / max(1, len(layer_ids))
-        return {"none": sum(stored + probs for stored, probs in per_layer) + casts + extra,
-                "selective": sum(stored for stored, _ in per_layer) + casts + extra,
+        # selective as the trainer applies it: the attention core, and the routed experts' insides
+        # where the family's plan names them (moe_gpt, deepseek_v3, qwen3_moe)
+        inner = 1.0 if arch.selective_experts else 0.0
+        return {"none": sum(stored + probs for stored, probs, _ in per_layer) + casts + extra,
+                "selective": sum(stored - inner * experts for stored, _, experts in per_layer) + casts + extra,
                 "full": layer_input * len(layers) + working_set + casts / max(1, len(layers)) + extra}
 
     if L.pp == 1:
