@@ -250,7 +250,7 @@ class StageCost:
     layers: int
     params: int                 # parameters held by one device of this stage
     memory: Dict[str, float]    # weights, gradients, optimizer, activations, runtime -> bytes
-    activations_by_recompute: Dict[str, float]
+    activations_by_recompute: Dict[str, float]    # the saved activations' peak per recompute mode
     comm_bytes: Dict[str, float]         # per step, per device
     comm_seconds: Dict[str, float]
     compute_seconds_per_micro_batch: float
@@ -262,6 +262,7 @@ class StageCost:
     pass_costs: List[Tuple[float, float, float]] = field(default_factory=list)   # per chunk: F, B, W seconds
     ep_hidden_seconds: float = 0.0       # of the expert all-to-all, per step, hidden under compute (moe_overlap)
     ep_detail: Dict[str, float] = field(default_factory=dict)   # how the all-to-all was priced (docs/plan.md)
+    unpacked_gradients: float = 0.0      # of memory["activations"]: per-parameter gradients at a backward-end peak
 
     @property
     def total_memory(self) -> float:
@@ -398,6 +399,19 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
                        for mode in RECOMPUTE_MODES}
     by_mode = context.add_held_kv(by_mode, arch, L, tokens, d, len(layer_ids), fused)
     memory["activations"] = by_mode[L.recompute]
+    # The end of a micro-batch's backward (one process or gradient accumulation, this code's step:
+    # moetrain/parallel/runner.py packs inside the compiled step): every trainable parameter's fp32
+    # gradient is live while its packed copy (the flat buffers, `gradients`) is filled. Without
+    # recompute the saved activations are larger; with `full` (or small activations) this is the
+    # step's peak (measured, docs/parallel_engine.md "Recompute under jit"). The pipeline books the
+    # same inside `pipeline_peak`. `unpacked_gradients`: how much the per-parameter gradients raise
+    # the activation peak (part of it, shown apart).
+    unpacked = 0.0
+    if L.pp == 1 and not job.megatron_memory:
+        per_parameter, packed = FP32 * (dense + expert), memory["gradients"]
+        if per_parameter + packed > memory["activations"]:
+            unpacked = per_parameter + packed - max(memory["activations"], packed)
+            memory["activations"] = per_parameter + packed
     memory["runtime"] = device.runtime_bytes
     if job.moe_overlap == "dualpipe" and L.pp > 1:   # DualPipe keeps two copies of the parameters (report 3.2.1)
         memory["weights"] *= 2
@@ -533,7 +547,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     return StageCost(stage=stage, layers=len(layer_ids), params=int(dense + expert + frozen), memory=memory,
                      in_flight=in_flight, in_flight_bytes=stage_inputs,
                      dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact, buffer_rows),
-                     activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
+                     activations_by_recompute=by_mode, unpacked_gradients=unpacked,
+                     comm_bytes=comm_bytes, comm_seconds=comm_seconds,
                      compute_seconds_per_micro_batch=compute, pass_costs=pass_costs,
                      comm_seconds_per_micro_batch=critical / L.num_micro_batches,
                      dp_seconds=dp_seconds, ep_hidden_seconds=ep_hidden, ep_detail=ep_detail)
