@@ -10,6 +10,7 @@ from moetrain.layout import Layout, LayoutError
 from moetrain.planner import (DISPATCH_ROW_MARGIN, THROUGHPUT_TIE, Job, apply_layout, choose_layout, count_parameters,
                               explain_cannot_run_here, flops_per_token, format_plan, load_plan_config, main,
                               parameter_counts, plan, plan_layout, plan_problems)
+from moetrain.planner.costs import dispatch_rows
 from moetrain.planner.search import _tie_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,7 +120,10 @@ def test_memory_and_comm_of_a_small_layout_by_hand():
     logits = 2 * 4 * 4 * 32 + (4 + 4) * 4 * 8                      # fp32 logits + CE grad, final norm/head inputs
     logits += 4 * 32 * 8                                           # + the head weight's fp32 gradient (once)
     by_mode = r.stages[0].activations_by_recompute
-    assert by_mode["none"] == 2 * layer + logits == r.memory["activations"]
+    assert by_mode["none"] == 2 * layer + logits
+    # ... but this model's peak is the backward's end: every parameter's fp32 gradient live while
+    # its packed copy is filled (1704 x 4 each), the per-parameter ones shown apart
+    assert r.memory["activations"] == 2 * 1704 * 4 and r.stages[0].unpacked_gradients == 1704 * 4
     assert by_mode["selective"] == 2 * (layer - 128) + logits
     assert by_mode["full"] == 2 * 4 * 4 * 8 + layer + logits       # layer inputs + one layer recomputed
     assert r.comm_bytes["dp"] == (2 - 1) / 2 * 1704 * (4 + 4)      # reduce-scatter grads + all-gather fp32 masters
@@ -319,9 +323,12 @@ def test_moe_1b_fits_one_910b_node():
     assert (r.layout.ep, r.layout.zero, r.layout.recompute, cfg.precision.compute_dtype) == (8, 1, "selective",
                                                                                            "bfloat16")
     assert r.fits and r.total_memory < 64 * GiB
-    # Selective recompute drops exactly the bf16 attention probabilities: 16 layers x 16 heads x S^2 x 4 seqs.
+    # Selective recompute drops exactly the bf16 attention probabilities (16 layers x 16 heads x S^2 x
+    # 4 seqs) and, as moe_gpt's plan recomputes the routed experts, their SwiGLU intermediates (gate,
+    # up, silu(gate), product: 4 x bf16 x expert_ffn 1152 per dispatched row) in the 15 MoE layers.
     by_mode = r.stages[0].activations_by_recompute
-    assert by_mode["none"] - by_mode["selective"] == 16 * 2 * 16 * 4096 ** 2 * 4
+    rows = dispatch_rows(r.job.arch, 4 * 4096, r.layout, r.job, "ascend910b")
+    assert by_mode["none"] - by_mode["selective"] == 16 * 2 * 16 * 4096 ** 2 * 4 + 15 * 4 * 2 * rows * 1152
     table = format_plan(r)
     for text in ("FITS", "ep all-to-all", "MFU", "1,018,", "ZeRO-1"):
         assert text in table

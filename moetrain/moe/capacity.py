@@ -306,6 +306,10 @@ class AdaptiveStep:
             if not rerun:
                 return out
             self.reruns += 1
+            # drop the discarded result before the re-run: held through it, its gradients (the
+            # packed buffers of a training step) stayed live beside the re-run's own (measured:
+            # moe_1b, 4 layers, 445 MiB more at the step's peak)
+            del out, keys, values
 
 
 def tokens_per_call(args) -> int:

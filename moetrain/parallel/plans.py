@@ -8,10 +8,11 @@ is built) reads the family of `model.registered_name`, slices the model over the
 Recompute (`parallel.recompute`, MindSpore's `cell.recompute()` on the cells a policy names): "full"
 recomputes every transformer block in the backward, MoE blocks included (only block inputs and
 outputs are kept); "selective" the attention core softmax(QK^T)V (its [B, heads, S, S]
-probabilities) and the routed experts (their tokens x top_k x ffn activations). Loss, stats and
-gradients are unchanged. Measured on CPU (docs/parallel_engine.md, "Recompute"): the jitted step's
-memory-pool peak (what the dry run measures) drops, moe_tiny at 16 layers: full 0.27x, selective
-0.69x of none; PyNative peaks drop too.
+probabilities) and the routed experts (their tokens x top_k x ffn activations; the planner reads
+the plan's patterns, `Arch.selective_experts`). Loss, stats and gradients are unchanged. Measured
+on CPU (docs/parallel_engine.md, "Recompute"): the jitted step's memory-pool peak (what the dry
+run measures) drops, moe_tiny at 16 layers: full 0.27x, selective 0.69x of none; PyNative peaks
+drop too.
 """
 from __future__ import annotations
 

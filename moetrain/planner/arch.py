@@ -44,6 +44,9 @@ class Arch:
     mtp_depth: int = 0                # multi-token-prediction modules after the stack (each an MoE block)
     groups: int = 1                   # group-limited routing (moe.num_groups): node-limited when groups map to nodes
     topk_groups: int = 1              # groups a token may reach (moe.topk_groups)
+    # the family's `selective` recompute plan recomputes the routed experts (a `moe.experts` cell):
+    # their SwiGLU intermediates are not kept (moetrain/parallel/plans.py)
+    selective_experts: bool = False
 
     @classmethod
     def of(cls, model_cfg) -> "Arch":
@@ -52,7 +55,8 @@ class Arch:
         if family is None or family.arch is None:
             raise LayoutError(f"the planner models the families that declare their shape numbers (Family.arch, "
                               f"moetrain/family.py); model {getattr(model_cfg, 'name', model_cfg)!r} declares none")
-        return cls(**family.arch(model_cfg))
+        selective = tuple((family.recompute or {}).get("selective", ()))
+        return cls(**family.arch(model_cfg), selective_experts=any(p.endswith("moe.experts") for p in selective))
 
     @property
     def v_dim(self) -> int:

@@ -24,9 +24,11 @@ MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragme
 
 
 def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int,
-                     fused: bool = False, exact: bool = False, rows: float = None) -> Tuple[float, float]:
-    """`(stored, attention_probs)`: bytes one layer keeps for backward for `tokens` tokens of one
-    micro-batch, without recompute. Korthikanti et al. (2022) term by term, for this model: fp32
+                     fused: bool = False, exact: bool = False, rows: float = None) -> Tuple[float, float, float]:
+    """`(stored, attention_probs, expert_inner)`: bytes one layer keeps for backward for `tokens`
+    tokens of one micro-batch, without recompute; `expert_inner` is the part of `stored` inside the
+    routed experts (their SwiGLU intermediates), which the trainer's selective recompute drops when
+    the family's plan recomputes `moe.experts` (its input rows and output stay: the cell's boundary). Korthikanti et al. (2022) term by term, for this model: fp32
     residual and norms, no dropout, GQA, SwiGLU, MoE. Terms outside the tensor-parallel region
     are split by tp only under sequence parallelism. `fused`: the CPU kernels run
     (`moetrain.kernels`, fp32 compute): the attention kernel keeps no probabilities, and the
@@ -48,13 +50,15 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
         # whole on every tp rank; folded, a tp rank dispatches 1/token_slices of the tokens to experts
         # split over etp, into buffers sized from its dp rank's counts (moetrain/moe/capacity.py)
         rows = tokens * arch.routed_rows_per_token(exact) if rows is None else rows
+        expert_inner = (3 if fused else 4) * d * rows * arch.expert_ffn / layout.etp         # expert SwiGLU
         ffn = (FP32 * tokens * h / outside + FP32 * tokens * h  # norm input, router input (fp32)
                + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
                + (FP32 + d) * rows * h                          # dispatched rows (fp32, the norm's), expert output
-               + (3 if fused else 4) * d * rows * arch.expert_ffn / layout.etp)       # expert SwiGLU
+               + expert_inner)
         if arch.shared_ffn:
             ffn += d * tokens * h / outside + 4 * d * tokens * arch.shared_ffn / t
-    return attention + ffn, probs
+        return attention + ffn, probs, expert_inner
+    return attention + ffn, probs, 0.0
 
 
 def recipe_activation_bytes(arch: Arch, moe: bool, tokens: int, layout: Layout, job: Job,
@@ -249,7 +253,7 @@ class StageCost:
     layers: int
     params: int                 # parameters held by one device of this stage
     memory: Dict[str, float]    # weights, gradients, optimizer, activations, runtime -> bytes
-    activations_by_recompute: Dict[str, float]
+    activations_by_recompute: Dict[str, float]    # the saved activations' peak per recompute mode
     comm_bytes: Dict[str, float]         # per step, per device
     comm_seconds: Dict[str, float]
     compute_seconds_per_micro_batch: float
@@ -261,6 +265,7 @@ class StageCost:
     pass_costs: List[Tuple[float, float, float]] = field(default_factory=list)   # per chunk: F, B, W seconds
     ep_hidden_seconds: float = 0.0       # of the expert all-to-all, per step, hidden under compute (moe_overlap)
     ep_detail: Dict[str, float] = field(default_factory=dict)   # how the all-to-all was priced (docs/plan.md)
+    unpacked_gradients: float = 0.0      # of memory["activations"]: per-parameter gradients at a backward-end peak
 
     @property
     def total_memory(self) -> float:
@@ -362,10 +367,13 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
                                      for i in layers) + casts_of(layers) + extra,
                     "full": layer_input * len(layers) + max(none, default=0.0) + extra}
         per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact, buffer_rows) for i in layers]
-        working_set = max((stored + probs for stored, probs in per_layer), default=0.0)
+        working_set = max((stored + probs for stored, probs, _ in per_layer), default=0.0)
         casts = cast_bytes * len(layers) / max(1, len(layer_ids))
-        return {"none": sum(stored + probs for stored, probs in per_layer) + casts + extra,
-                "selective": sum(stored for stored, _ in per_layer) + casts + extra,
+        # selective as the trainer applies it: the attention core, and the routed experts' insides
+        # where the family's plan names them (moe_gpt, deepseek_v3, qwen3_moe)
+        inner = 1.0 if arch.selective_experts else 0.0
+        return {"none": sum(stored + probs for stored, probs, _ in per_layer) + casts + extra,
+                "selective": sum(stored - inner * experts for stored, _, experts in per_layer) + casts + extra,
                 "full": layer_input * len(layers) + working_set + casts / max(1, len(layers)) + extra}
 
     if L.pp == 1:
@@ -394,6 +402,19 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
                        for mode in RECOMPUTE_MODES}
     by_mode = context.add_held_kv(by_mode, arch, L, tokens, d, len(layer_ids))
     memory["activations"] = by_mode[L.recompute]
+    # The end of a micro-batch's backward (one process or gradient accumulation, this code's step:
+    # moetrain/parallel/runner.py packs inside the compiled step): every trainable parameter's fp32
+    # gradient is live while its packed copy (the flat buffers, `gradients`) is filled. Without
+    # recompute the saved activations are larger; with `full` (or small activations) this is the
+    # step's peak (measured, docs/parallel_engine.md "Recompute under jit"). The pipeline books the
+    # same inside `pipeline_peak`. `unpacked_gradients`: how much the per-parameter gradients raise
+    # the activation peak (part of it, shown apart).
+    unpacked = 0.0
+    if L.pp == 1 and not job.megatron_memory:
+        per_parameter, packed = FP32 * (dense + expert), memory["gradients"]
+        if per_parameter + packed > memory["activations"]:
+            unpacked = per_parameter + packed - max(memory["activations"], packed)
+            memory["activations"] = per_parameter + packed
     memory["runtime"] = device.runtime_bytes
     if job.moe_overlap == "dualpipe" and L.pp > 1:   # DualPipe keeps two copies of the parameters (report 3.2.1)
         memory["weights"] *= 2
@@ -529,7 +550,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     return StageCost(stage=stage, layers=len(layer_ids), params=int(dense + expert + frozen), memory=memory,
                      in_flight=in_flight, in_flight_bytes=stage_inputs,
                      dispatch_bytes=sum(arch.is_moe(i) for i in layer_ids) * dispatch_bytes(arch, tokens, L, d, exact, buffer_rows),
-                     activations_by_recompute=by_mode, comm_bytes=comm_bytes, comm_seconds=comm_seconds,
+                     activations_by_recompute=by_mode, unpacked_gradients=unpacked,
+                     comm_bytes=comm_bytes, comm_seconds=comm_seconds,
                      compute_seconds_per_micro_batch=compute, pass_costs=pass_costs,
                      comm_seconds_per_micro_batch=critical / L.num_micro_batches,
                      dp_seconds=dp_seconds, ep_hidden_seconds=ep_hidden, ep_detail=ep_detail)

@@ -36,13 +36,15 @@ How each category is measured (independently of the planner's formulas):
                     everything transient in a step: saved activations, backward temporaries, the
                     per-parameter gradients before they are packed, workspaces. The buffers are
                     held at the peak when earlier micro-batches' gradients accumulate in them
-                    through a later one's forward and backward; with one micro-batch they are
-                    packed as the step's last act, after the peak (measured: moe_tiny's peak is
-                    at the start of the backward, with every layer's saved activations), so
-                    nothing is subtracted. The config's `parallel.recompute` is in effect (marked
-                    by `parallelize`, as in training); with `full` the peak moves to the end of the
-                    backward, where the per-parameter gradients not yet packed are most of it
-                    (docs/parallel_engine.md, "Recompute under jit").
+                    through a later one's forward and backward; with one micro-batch nothing is
+                    subtracted. The config's `parallel.recompute` is in effect (marked by
+                    `parallelize`, as in training). Without recompute the peak is at the start of
+                    the backward (every layer's saved activations); with `full`, or where the
+                    activations are small beside the parameters, at the end of the backward: every
+                    per-parameter gradient live while its packed copy is filled, the copy the
+                    step then returns. The plan books that peak too and shows the per-parameter
+                    gradients' part of it apart (`detail.planned_unpacked_gradients`; the pool
+                    record has sizes, not names, so the measurement is not split).
   dispatch_buffers  nbytes of the token-row buffers of one MoE layer, measured in PyNative on this
                     rank's first MoE layer with the step's micro-batch shape and the largest
                     capacities any of the step's calls ran with (the first's: the prior): the rows
@@ -317,7 +319,7 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
     planned, planned_full = ({**{k: c.memory[k] for k in CATEGORIES[:4]}, "dispatch_buffers": c.dispatch_bytes}
                              for c in (cost, full))
     setup_device("cpu")
-    detail = {}
+    detail = {"planned_unpacked_gradients": cost.unpacked_gradients}   # part of planned activations
     started = time.perf_counter()
     with SoloComm() as solo:
         ms.set_seed(run.train.seed)
@@ -379,6 +381,9 @@ def format_dry_run(r: DryRun) -> str:
         lines.append(f"  {key:<20}{format_bytes(p):>14}{format_bytes(m):>14}{ratio:>18}{format_bytes(r.planned_full.get(key, 0)):>16}")
     static_p = sum(r.planned[k] for k in STATIC)
     static_m = sum(r.measured[k] for k in STATIC)
+    if r.detail.get("planned_unpacked_gradients"):
+        lines.append(f"  {'  of which per-parameter gradients before packing (planned)':<66}"
+                     f"{format_bytes(r.detail['planned_unpacked_gradients']).strip()}")
     lines.append(f"  {'static (w+g+o)':<20}{format_bytes(static_p):>14}{format_bytes(static_m):>14}{static_m / static_p:>18.3f}")
     lines.append(f"  step {r.detail.get('step_s', 0):.1f} s, peak RSS {format_bytes(r.detail.get('peak_rss', 0)).strip()}; "
                  f"bounds (issue 18): static within {STATIC_BOUND:.0%}, activations within {ACTIVATION_BOUND:.0%}")

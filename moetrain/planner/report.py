@@ -90,6 +90,8 @@ def format_plan(result: PlanResult) -> str:
         + "    [" + ", ".join(f"{mode} {format_bytes(by_mode[mode]).strip()}" for mode in RECOMPUTE_MODES) + "]",
         *([f"     of which {r.stages[r.peak_stage].in_flight} pipeline input(s) in flight".ljust(56)
            + format_bytes(r.stages[r.peak_stage].in_flight_bytes)] if L.pp > 1 else []),
+        *([f"     of which per-parameter gradients before packing".ljust(56)
+           + format_bytes(r.stages[r.peak_stage].unpacked_gradients)] if r.stages[r.peak_stage].unpacked_gradients else []),
         f"   runtime (framework, workspace)".ljust(56) + format_bytes(r.memory["runtime"]),
         f"   total".ljust(56) + format_bytes(r.total_memory)
         + f"    of {r.capacity_bytes / GiB:.2f} GiB: {'FITS' if r.fits else 'DOES NOT FIT'} (usable "
