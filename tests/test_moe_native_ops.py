@@ -314,6 +314,9 @@ def test_adaptive_step_keeps_a_bounded_number_of_graphs(ms):
         def update(self, load):
             return False
 
+        def note_largest(self):                               # the dry run's record of the largest set
+            pass
+
     controller, wraps = Keys(), []
     adaptive = AdaptiveStep(lambda x: (x, ("expert_load",), (ms.Tensor(np.ones(8, np.float32)),)),
                             lambda fn: wraps.append(fn) or fn, controller, lambda load: load[None],
