@@ -18,6 +18,7 @@ of the step function so far.
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -60,6 +61,7 @@ def train_runs(out_dir, config, runs, contexts=None):
         undersize = "+undersize" in overrides
         cfg = load_config(config, [o for o in overrides if o != "+undersize"]
                           + [f"train.output_dir={os.path.join(out_dir, name)}"])
+        cpu_start = time.process_time()
         trainer = trainer_module.Trainer(cfg)
         rank = trainer.rank
         if undersize:
@@ -83,7 +85,9 @@ def train_runs(out_dir, config, runs, contexts=None):
             records.append(record)
         trainer.logger.close()
         results[name] = records
-        print(f"rank {rank}: {name} done, {records[-1].get('step_time_s', 0):.2f} s last step", flush=True)
+        records[-1]["cpu_seconds"] = time.process_time() - cpu_start     # this rank's CPU time for the run
+        print(f"rank {rank}: {name} done, {records[-1].get('step_time_s', 0):.2f} s last step, "
+              f"{records[-1]['cpu_seconds']:.1f} CPU s", flush=True)
         with open(os.path.join(out_dir, f"rank_{rank}.json"), "w") as fh:   # after every run: partial results survive
             json.dump(results, fh)
 

@@ -151,6 +151,7 @@ def main():
             "context_parallel_layers": sum(getattr(c, "context_parallel", None) is not None
                                            for _, c in model.cells_and_names()),
             "seconds": seconds,
+            "cpu_seconds": cpu_seconds,      # this rank's CPU time for the run (compiles included)
             "shards": {p.name: [list(shard_spec(p).global_shape), shard_spec(p).axis, shard_spec(p).index,
                                 shard_spec(p).count, shard_spec(p).group_kind] for p in params},
             "shard_extra": {p.name: [list(e) for e in shard_spec(p).extra] for p in params if shard_spec(p).extra},
@@ -160,6 +161,9 @@ def main():
             "optimizer_state_bytes": trainer.opt_step.optimizer_state_bytes(),
             "param_sizes": [int(p.size) for p in trainer.opt_step.params],
             "gradient_bytes_held": getattr(trainer.runner, "grad_bytes_held", None),
+            # adaptive dispatch buffers (moetrain/moe/capacity.py AdaptiveStep): re-run calls, graphs compiled
+            "dispatch_reruns": getattr(getattr(trainer.runner, "_grad_step", None), "reruns", None),
+            "dispatch_graphs": len(getattr(getattr(trainer.runner, "_grad_step", None), "compiled", ())) or None,
             "dp": pctx.dp,
             "train": {k: plain(v) for k, v in result["train"].items()},
             "eval": result["eval"],
