@@ -435,8 +435,12 @@ EP_RUNS = {
 }   # each dispatcher at ep2 and ep4 (dropless and capacity, skewed routing) is checked per rank
     # against numpy in the dispatcher cases above; allgather's capacity drops there too
 REFERENCES = {"dropless": TINY_MOE, "dropless-sgd": f"{TINY_MOE},{SGD}", "capacity": f"{TINY_MOE},{CAPACITY}"}
-# the test-only hook of tests/workers/ep_train_worker.py: buffers at half the need, overflows ignored
-UNDERSIZED = "ep4-undersized:" + TINY_MOE + ",parallel.data_parallel=4,parallel.expert_parallel=4,+undersize"
+# the test-only hook of tests/workers/ep_train_worker.py: buffers at half the need, overflows ignored; a
+# prior of a quarter of the even share (14 rows a pair against a need of at least 32) undersizes the
+# first call already, so the run stops at step 1 after one compile (the bound's graph, then the halved
+# one, cost two)
+UNDERSIZED = ("ep4-undersized:" + TINY_MOE + ",parallel.data_parallel=4,parallel.expert_parallel=4,"
+              "parallel.moe_capacity_prior=0.25,+undersize")
 # expert loads: exact for the first steps; later another summation order may flip a near-tied
 # routing decision (one assignment moves: two counts of one); layers x flips allowed
 EXACT_LOAD_STEPS, LOAD_SLACK = 5, 8
@@ -520,7 +524,7 @@ def test_undersized_dispatch_stops_the_run_before_the_optimizer_step(training):
     for rank, results in enumerate(ranks):
         last = results["ep4-undersized"][-1]
         assert last.get("error") == "DispatchInvariantError", f"rank {rank}: {last}"
-        assert last["steps_applied"] <= 1, last                 # the first call may still fit the prior
+        assert last["steps_applied"] == 0, last                 # the prior (UNDERSIZED) undersizes the first call
         message = last["message"]
         assert f"dispatch invariant broken at step {last['steps_applied'] + 1}: MoE layer" in message, message
         assert "rows unaccounted" in message and "dp=4 tp=1 pp=1 ep=4" in message, message

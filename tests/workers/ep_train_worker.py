@@ -4,9 +4,10 @@ process and write every step's record (loss, expert loads, drops, ...) of this r
     python tests/workers/ep_train_worker.py OUT_DIR CONFIG RUN [RUN ...]
     RUN = name:key=value,key=value,...      (overrides of CONFIG for that run)
 
-The override `+undersize` is a test-only hook: from the second call on, the dispatch buffers are
-set to half of what the routing needs and overflows are not re-run, so rows are lost; the run must
-stop with the dispatch invariant's error, which this worker records as the run's last record.
+The override `+undersize` is a test-only hook: after every call the dispatch buffers are set to half
+of what the routing needs and overflows are not re-run, so rows are lost (from the first call on when
+`parallel.moe_capacity_prior` is below the need); the run must stop with the dispatch invariant's
+error, which this worker records as the run's last record.
 
 (or `train_runs` from another worker of the same job: tests/workers/ep_layer_worker.py)
 Under msrun (one job, several runs: MindSpore starts its communication once per process) or
