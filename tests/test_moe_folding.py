@@ -42,11 +42,17 @@ MODEL = [
     "checkpoint.save_steps=0", "logging.tensorboard=false", "logging.progress_bar=false",
 ]
 CONTRACT = "MOETRAIN_COMM_BACKEND=contract"
+# the adaptive dispatch buffers (moetrain/moe/capacity.py) start at the even share, sized (44 rows a
+# pair), which this routing never exceeds: one graph. At the default prior (the bound, 64, here) the
+# first sizing shrank them to 36 and the next call overflowed, grew them and was re-run: three graphs
+# for a 3-step run whose subject is the folding. Resizes and re-runs are tested on dp4.ep4
+# (tests/test_expert_parallel.py) and against thousands of simulated routings (test_capacity_property.py).
+ADAPTIVE_ONE_GRAPH = "parallel.moe_capacity_prior=1.0"
 TP2_DP2 = ["parallel.model_parallel=2", "parallel.data_parallel=2"]
 ETP2_EP2 = TP2_DP2 + ["parallel.expert_tensor_parallel=2", "parallel.expert_parallel=2"]
 LAUNCHES = {
     4: {"ascend_tp2_etp2_ep2": ETP2_EP2 + [CONTRACT, "MOETRAIN_CONTRACT_TARGET=Ascend",
-                                           f"checkpoint.save_steps={SAVED_AT}"],
+                                           f"checkpoint.save_steps={SAVED_AT}", ADAPTIVE_ONE_GRAPH],
         "tp2_etp2_ep1": TP2_DP2 + ["parallel.expert_tensor_parallel=2"],
         "tp2_ep4_sp": TP2_DP2 + ["parallel.expert_parallel=4", "parallel.use_seq_parallel=true",
                                  "parallel.moe_token_dispatcher=allgather"]},
@@ -89,6 +95,8 @@ def test_folded_layout_reproduces_one_process(runs, name):
         assert info["comm_backend"] == ("contract" if native else "emulated"), info["rank"]
         if native:
             assert info["native_target"] == "Ascend" and info["contract_primitives"].get("AlltoAll", 0) > 0
+            # the dispatch buffers are managed (AdaptiveStep: counts gathered and checked every call)
+            assert info["dispatch_graphs"] is not None and info["dispatch_reruns"] is not None, info["rank"]
 
 
 @pytest.mark.distributed
