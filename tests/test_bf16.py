@@ -76,7 +76,7 @@ def test_linear_bf16_matches_float64(ms, kernel_ops):
     ms.set_seed(0)
     rng = np.random.default_rng(0)
     layer = Linear(24, 40, 0.5, "bfloat16")
-    assert isinstance(layer.emulated, kernel_ops.RoundBF16) and isinstance(layer.matmul, kernel_ops.LinearMatmul)
+    assert layer.bf16 and isinstance(layer.matmul, kernel_ops.LinearMatmulBF16)   # 2-byte storage
     x = rng.standard_normal((70, 24)).astype(np.float32)
     up = rng.standard_normal((70, 40)).astype(np.float32)
     w = layer.weight.asnumpy().astype(np.float64)
@@ -120,13 +120,18 @@ def test_swiglu_mlp_bf16_matches_float64_and_plain_ops(ms, kernel_ops):
     for p, g in zip(params, dparams):
         close(g, want[p.name.split(".")[0]], BF16_TOL, p.name)
     # the plain ops (fp32 MatMul and silu on the same rounded values) agree with the kernels
+    assert mlp.bf16 and isinstance(mlp.swiglu, kernel_ops.FusedSwiGLUBF16)
     kernels = [layer.matmul for layer in (mlp.w_gate, mlp.w_up, mlp.w_down)], mlp.swiglu
+    for layer in (mlp, mlp.w_gate, mlp.w_up, mlp.w_down):
+        layer.bf16 = False
     for layer in (mlp.w_gate, mlp.w_up, mlp.w_down):
         layer.matmul = ops.MatMul(transpose_b=True)
     mlp.swiglu = None
     plain_y, _, (plain_dx,), _ = run()
     for layer, matmul in zip((mlp.w_gate, mlp.w_up, mlp.w_down), kernels[0]):
         layer.matmul = matmul
+    for layer in (mlp, mlp.w_gate, mlp.w_up, mlp.w_down):
+        layer.bf16 = True
     mlp.swiglu = kernels[1]
     close(plain_y, y.astype(np.float64), 8e-3, "plain y")
     close(plain_dx, dx.astype(np.float64), 8e-3, "plain dx")
@@ -169,7 +174,7 @@ def test_grouped_experts_bf16_matches_float64(ms, kernel_ops):
     ms.set_seed(0)
     rng = np.random.default_rng(3)
     experts = GroupedExperts(3, 16, 12, 0.3, "bfloat16")
-    assert experts.compute == "kernel" and experts.emulated is not None
+    assert experts.compute == "kernel" and experts.bf16 and isinstance(experts.grouped_matmul, kernel_ops.GroupedMatmulBF16)
     row_expert = np.sort(rng.integers(0, 3, 50)).astype(np.int32)
     x = rng.standard_normal((50, 16)).astype(np.float32)
     up = rng.standard_normal((50, 16)).astype(np.float32)

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "common.h"
 
 extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
@@ -253,3 +254,18 @@ extern "C" int GroupedMatmulPairTN(int nparam, void **params, int *ndims, int64_
                                    void *stream, void *extra) {
   return ColumnKernel(nparam, params, ndims, shapes, dtypes, 2);
 }
+
+// bf16 storage (bf16.h): activations as bf16 containers, the fp32 master weights read as bf16 values,
+// the weight gradients rounded to bf16 values.
+MOETRAIN_BF16_KERNEL(GroupedMatmulNN, "aw-|a")
+MOETRAIN_BF16_TYPE(GroupedMatmulNN, 0)
+MOETRAIN_BF16_KERNEL(GroupedMatmulNT, "aw-|a")
+MOETRAIN_BF16_TYPE(GroupedMatmulNT, 0)
+MOETRAIN_BF16_KERNEL(GroupedMatmulTN, "aa--|w")
+MOETRAIN_BF16_TYPE(GroupedMatmulTN, 3)
+MOETRAIN_BF16_KERNEL(GroupedMatmulPairNN, "aww-|a")
+MOETRAIN_BF16_TYPE(GroupedMatmulPairNN, 0)
+MOETRAIN_BF16_KERNEL(GroupedMatmulPairNT, "aww-|a")
+MOETRAIN_BF16_TYPE(GroupedMatmulPairNT, 0)
+MOETRAIN_BF16_KERNEL(GroupedMatmulPairTN, "aa---|ww")
+MOETRAIN_BF16_TYPES(GroupedMatmulPairTN, 3, 4)

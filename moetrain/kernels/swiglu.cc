@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "common.h"
 
 namespace {
@@ -72,3 +73,9 @@ extern "C" int SwiGLUBackward(int nparam, void **params, int *ndims, int64_t **s
   });
   return 0;
 }
+
+// bf16 storage (bf16.h): gate|up, h and their gradients bf16 containers; the math stays fp32.
+MOETRAIN_BF16_KERNEL(SwiGLUForward, "a|a")
+MOETRAIN_BF16_TYPE(SwiGLUForward, 0)
+MOETRAIN_BF16_KERNEL(SwiGLUBackward, "aa|a")
+MOETRAIN_BF16_TYPE(SwiGLUBackward, 0)
