@@ -629,8 +629,8 @@ class LMHeadCrossEntropy(nn.Cell):
 
     def __init__(self, compute_dtype=ms.float32):
         super().__init__()
-        self.fused = FusedLMHeadCrossEntropy()
         self.emulated = bf16_rounder(compute_dtype)
+        self.fused = FusedLMHeadCrossEntropy(bf16=self.emulated is not None and kernels.available())
 
     @staticmethod
     def supported(compute_dtype) -> bool:
@@ -638,6 +638,6 @@ class LMHeadCrossEntropy(nn.Cell):
 
     def construct(self, h, weight, labels):
         h = h.reshape(-1, h.shape[-1]).astype(ms.float32)
-        if self.emulated is not None:   # bf16 operands, fp32 logits and loss
+        if self.emulated is not None and not self.fused.bf16:   # bf16 operands, fp32 logits and loss
             h, weight = self.emulated(h), self.emulated(weight)
         return self.fused(h, weight, labels.reshape(-1).astype(ms.int32))

@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -54,6 +56,64 @@ inline void RoundToBF16(const float *x, float *y, int64_t n) {
 
 inline bool Float16(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
 
+// fp32 scratch for the conversions, kept for reuse: a fresh allocation of a few MB per call is fresh
+// pages, whose faults and zeroing cost about what the conversion does. A buffer is lent to one call at
+// a time (MindSpore may run two kernels at once); the pool only grows, to what the calls at the same
+// time needed.
+class ScratchPool {
+ public:
+  static ScratchPool &Instance() {
+    static ScratchPool *pool = new ScratchPool();   // never deleted: used until the process ends
+    return *pool;
+  }
+  std::unique_ptr<float[]> Take(int64_t n, int64_t *capacity) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int best = -1;
+    for (int i = 0; i < static_cast<int>(free_.size()); ++i)
+      if (free_[i].first >= n && (best < 0 || free_[i].first < free_[best].first)) best = i;
+    if (best < 0) {   // none large enough: replace the largest free one (its memory goes back), or add one
+      for (int i = 0; i < static_cast<int>(free_.size()); ++i)
+        if (best < 0 || free_[i].first > free_[best].first) best = i;
+      if (best >= 0) free_.erase(free_.begin() + best);
+      *capacity = std::max<int64_t>(n, 1);
+      return std::unique_ptr<float[]>(new float[*capacity]);
+    }
+    std::unique_ptr<float[]> buffer = std::move(free_[best].second);
+    *capacity = free_[best].first;
+    free_.erase(free_.begin() + best);
+    return buffer;
+  }
+  void Give(std::unique_ptr<float[]> buffer, int64_t capacity) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.emplace_back(capacity, std::move(buffer));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::pair<int64_t, std::unique_ptr<float[]>>> free_;
+};
+
+// A buffer of at least n floats from the pool, given back when this goes out of scope.
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch &) = delete;
+  Scratch &operator=(const Scratch &) = delete;
+  ~Scratch() {
+    if (buffer_) ScratchPool::Instance().Give(std::move(buffer_), capacity_);
+  }
+  float *Get(int64_t n) {
+    buffer_ = ScratchPool::Instance().Take(n, &capacity_);
+    return buffer_.get();
+  }
+  explicit operator bool() const { return static_cast<bool>(buffer_); }
+  float *get() const { return buffer_.get(); }
+
+ private:
+  std::unique_ptr<float[]> buffer_;
+  int64_t capacity_ = 0;
+};
+
 using KernelFn = int (*)(int, void **, int *, int64_t **, const char **, void *, void *);
 
 // Runs the fp32 kernel `body` with its inputs and outputs converted as `spec` says (see above).
@@ -64,7 +124,7 @@ inline int RunBF16(KernelFn body, const char *spec, int nparam, void **params, i
   const int inputs = static_cast<int>(bar - spec);
   std::vector<void *> p(params, params + nparam);
   std::vector<const char *> d(dtypes, dtypes + nparam);
-  std::vector<std::unique_ptr<float[]>> scratch(nparam);
+  std::vector<Scratch> scratch(nparam);
   for (int i = 0; i < nparam; ++i) {
     const char kind = spec[i < inputs ? i : i + 1];
     if (kind == '-') continue;
@@ -74,13 +134,12 @@ inline int RunBF16(KernelFn body, const char *spec, int nparam, void **params, i
     const int64_t n = Size(ndims[i], shapes[i]);
     d[i] = "float32";
     if (i < inputs) {   // inputs: an fp32 copy holding bf16 values
-      scratch[i].reset(new float[std::max<int64_t>(n, 1)]);
+      scratch[i].Get(n);
       if (half) DecodeBF16(static_cast<const uint16_t *>(params[i]), scratch[i].get(), n);
       else RoundToBF16(static_cast<const float *>(params[i]), scratch[i].get(), n);
       p[i] = scratch[i].get();
     } else if (half) {   // a container output: the body writes fp32 scratch, encoded below
-      scratch[i].reset(new float[std::max<int64_t>(n, 1)]);
-      p[i] = scratch[i].get();
+      p[i] = scratch[i].Get(n);
     }
   }
   const int status = body(nparam, p.data(), ndims, shapes, d.data(), stream, extra);

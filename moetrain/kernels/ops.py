@@ -337,21 +337,34 @@ class FusedLMHeadCrossEntropy(nn.Cell):
     In training mode (the default of this cell) one kernel returns the loss and its gradients for
     `h` and `weight` (three GEMMs, the backward only scales them by the upstream gradient); after
     `set_train(False)` a loss-only kernel (one GEMM) runs, whose backward recomputes the logits.
-    Every label must lie in `[0, V)`: one outside fails the op."""
+    Every label must lie in `[0, V)`: one outside fails the op. `bf16=True`: h and weight are used
+    as their bf16 values (rounded inside the training kernel, no rounded copies), logits and loss fp32,
+    the gradients rounded to bf16 values (as the rounding casts' backward rounds them)."""
 
-    def __init__(self):
+    def __init__(self, bf16: bool = False):
         super().__init__()
+        self.bf16 = bf16
+        if bf16:   # the training kernel reads h and weight as bf16 values; their gradients are stored as bf16
+            round_bf16 = _custom("RoundBF16", (F32,))
 
-        def loss_grad_bprop(h, weight, labels, out, dout):
-            return out[1] * dout[0], out[2] * dout[0], ops.zeros_like(labels)
+            def loss_grad_bprop(h, weight, labels, out, dout):
+                return round_bf16(out[1] * dout[0]), round_bf16(out[2] * dout[0]), ops.zeros_like(labels)
 
-        self.loss_grad = _custom("LMHeadLossGrad", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
+            self.loss_grad = _custom("LMHeadLossGradBF16", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
+            self.round_bf16 = RoundBF16()
+        else:
+            def loss_grad_bprop(h, weight, labels, out, dout):
+                return out[1] * dout[0], out[2] * dout[0], ops.zeros_like(labels)
+
+            self.loss_grad = _custom("LMHeadLossGrad", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
         self.stats = LMHeadLogitStats(strict=True)
         self.set_train(True)
 
     def construct(self, h, weight, labels):
         if self.training:
             return self.loss_grad(h, weight, labels)[0].reshape(())
+        if self.bf16:
+            h, weight = self.round_bf16(h), self.round_bf16(weight)
         row_max, sum_exp, target = self.stats(h, weight, labels)
         return (ops.log(sum_exp) + row_max - target).mean()
 
