@@ -54,6 +54,17 @@ inline void RoundToBF16(const float *x, float *y, int64_t n) {
   ParallelElements(n, [&](int64_t i) { out[i] = RoundBF16Bits(in[i]); });
 }
 
+// Serial helpers for the kernels' own tasks: n floats rounded to bf16 values; n bf16 bits decoded.
+inline void RoundRow(const float *x, float *y, int64_t n) {
+  const uint32_t *in = reinterpret_cast<const uint32_t *>(x);
+  uint32_t *out = reinterpret_cast<uint32_t *>(y);
+  for (int64_t i = 0; i < n; ++i) out[i] = RoundBF16Bits(in[i]);
+}
+inline void DecodeRow(const uint16_t *x, float *y, int64_t n) {
+  uint32_t *out = reinterpret_cast<uint32_t *>(y);
+  for (int64_t i = 0; i < n; ++i) out[i] = uint32_t{x[i]} << 16;
+}
+
 inline bool Float16(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }
 
 // fp32 scratch for the conversions, kept for reuse: a fresh allocation of a few MB per call is fresh
