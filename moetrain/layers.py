@@ -155,8 +155,11 @@ class Linear(nn.Cell):
     def apply(self, x, weight):
         """`x @ weight.T` with this layer's compute dtype and product (`weight` may be this layer's
         weight with others stacked along the output features: one product for several projections)."""
-        if self.bf16:   # fp32 out, holding the bf16 values a bf16 GEMM stores
-            return self.from_bf16(self.apply_bf16(x, weight))
+        if self.bf16:   # fp32 in and out, read as and rounded to bf16 values inside the kernel
+            x = fp32(x)
+            if x.ndim == 2:
+                return self.matmul(x, weight)
+            return self.matmul(x.reshape(-1, x.shape[-1]), weight).reshape(x.shape[:-1] + (weight.shape[0],))
         if self.compute_dtype != ms.float32:
             x, weight = (to_compute(t, self.compute_dtype, self.emulated) for t in (x, weight))
         if x.ndim == 2:

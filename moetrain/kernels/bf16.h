@@ -26,9 +26,11 @@
 
 namespace moetrain {
 
+// Branch-free (a select), so that the conversion loops vectorise.
 inline uint32_t RoundBF16Bits(uint32_t u) {
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u | 0x00400000u) & 0xffff0000u;   // NaN: keep it quiet
-  return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t quiet_nan = (u | 0x00400000u) & 0xffff0000u;   // a NaN stays a (quiet) NaN
+  return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
 }
 
 template <typename Fn>

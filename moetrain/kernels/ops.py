@@ -21,15 +21,18 @@ F32, I32, I64 = DataType.F32_Default, DataType.I32_Default, DataType.I64_Default
 BF16 = DataType.F16_Default   # a bf16 container (kernels/bf16.h): MindSpore's CPU has no bf16 Reshape/Gather/AddN
 
 
-def _custom(name: str, input_dtypes, bprop=None, output_dtypes=(F32,)):
+def _custom(name: str, input_dtypes, bprop=None, output_dtypes=(F32,), more_formats=()):
     """The kernel `name` of the library: inputs of `input_dtypes`, outputs of `output_dtypes` (a
-    tuple of tensors when there are several; their C++ shape inference returns one shape each)."""
+    tuple of tensors when there are several; their C++ shape inference returns one shape each).
+    `more_formats`: further `(input_dtypes, output_dtypes)` the kernel also takes."""
     reg = CustomRegOp()
     for i in range(len(input_dtypes)):
         reg = reg.input(i, f"x{i}")
     for i in range(len(output_dtypes)):
         reg = reg.output(i, f"y{i}")
-    reg = reg.dtype_format(*input_dtypes, *output_dtypes).target("CPU").get_op_info()
+    for inputs, outputs in ((input_dtypes, output_dtypes), *more_formats):
+        reg = reg.dtype_format(*inputs, *outputs)
+    reg = reg.target("CPU").get_op_info()
     return ops.Custom(f"{library_path()}:{name}", out_shape=None, out_dtype=None, func_type="aot", bprop=bprop,
                       reg_info=reg)
 
@@ -147,19 +150,21 @@ class FromBF16(nn.Cell):
 
 
 class LinearMatmulBF16(nn.Cell):
-    """`LinearMatmul` on bf16 storage: `construct(x [N, K] bf16 container, weight [F, K] fp32)` ->
-    `[N, F]` bf16 container; the product reads the weight's bf16 values (fp32 accumulation), the
-    backward returns `dx` as a container and `dweight` fp32 holding bf16 values. No rounded copy of
-    the weight is kept between forward and backward."""
+    """`LinearMatmul` on bf16 values: `construct(x [N, K], weight [F, K] fp32) -> [N, F]`, `x` and the
+    output bf16 containers, or both fp32 tensors (read as / rounded to bf16 values). The product reads
+    the weight's bf16 values (fp32 accumulation); the backward returns `dx` like `x` and `dweight`
+    fp32 holding bf16 values. No rounded copy of the weight is kept between forward and backward."""
 
     def __init__(self):
         super().__init__()
-        backward = _custom("LinearBackwardBF16", (BF16, F32, BF16), output_dtypes=(BF16, F32))
+        backward = _custom("LinearBackwardBF16", (BF16, F32, BF16), output_dtypes=(BF16, F32),
+                           more_formats=(((F32, F32, F32), (F32, F32)),))
 
         def bprop(x, weight, out, dout):
             return backward(x, weight, dout)
 
-        self.forward = _custom("LinearForwardBF16", (BF16, F32), bprop, output_dtypes=(BF16,))
+        self.forward = _custom("LinearForwardBF16", (BF16, F32), bprop, output_dtypes=(BF16,),
+                               more_formats=(((F32, F32), (F32,)),))
 
     def construct(self, x, weight):
         return self.forward(x, weight)
