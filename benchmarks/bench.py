@@ -20,6 +20,8 @@ graph compiles in the first) are not timed. Printed fields:
                     CPU-second times the usable cores (robust to other processes on the host)
   cpu_ms_median     median CPU time of the process per timed step, all threads (less sensitive
                     to other processes than the wall time; ~2x the wall time on an idle 2-core host)
+  peak_rss_steps_mb peak resident memory from the end of the first step (graph compilation) to the
+                    end (Linux; None elsewhere): the training step's own peak, without the compiler's
   peak_rss_mb       peak resident memory of the process (the matmul calibration runs in a child
                     process: MindSpore's memory pool keeps its buffers, ~45 MB at 2048^2, which
                     would count as the training step's otherwise)
@@ -214,6 +216,7 @@ def run(args) -> dict:
                 turns.done()
                 if step == 0:
                     first_step_s = end - start
+                    steps_rss_reset = reset_peak_rss()   # the steps' peak, without the compilation's
                 if step >= args.warmup:
                     times.append(end - start)
                     cpu_times.append(cpu_end - cpu_start)
@@ -242,6 +245,7 @@ def run(args) -> dict:
         "peak_gflops_numpy": round(peak["numpy"], 1),
         "peak_gflops_per_core_x_cores": round(peak["per_core_x_cores"], 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_steps_mb": peak_rss_mb() if steps_rss_reset else None,
         "loss_first": round(records[0]["loss"], 4),
         "loss_last": round(last["loss"], 4),
         "drop_rate": round(last.get("drop_rate", 0.0), 4),
@@ -261,6 +265,26 @@ def run(args) -> dict:
         for name, ms_per_step, share in profile:
             print(f"{name:28s} {ms_per_step:8.1f}  {share:6.1%}", file=sys.stderr)
     return result
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux: `5` to /proc/self/clear_refs); False where that fails."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb():
+    """VmHWM of this process in MB (since start or the last `reset_peak_rss`), or None."""
+    try:
+        with open("/proc/self/status") as fh:
+            kb = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+        return round(kb / 1024, 1)
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def main(argv=None) -> int:

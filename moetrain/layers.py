@@ -25,8 +25,8 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from moetrain import kernels
-from moetrain.kernels.ops import (FusedCausalAttention, FusedLMHeadCrossEntropy, FusedRMSNorm, FusedSwiGLU, LinearMatmul,
-                                  RoundBF16, shared)
+from moetrain.kernels.ops import (FromBF16, FusedCausalAttention, FusedLMHeadCrossEntropy, FusedRMSNorm, FusedSwiGLU,
+                                  FusedSwiGLUBF16, LinearMatmul, LinearMatmulBF16, RoundBF16, ToBF16, shared)
 from moetrain.param_init import parameter
 
 COMPUTE_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -88,6 +88,17 @@ def to_compute(x, compute_dtype, emulated):
     return x if x.dtype == compute_dtype else x.astype(compute_dtype)
 
 
+def bf16_storage(compute_dtype) -> bool:
+    """True where bf16 activations are stored in 2 bytes on the CPU: bf16 emulated and the kernels
+    available (their `...BF16` variants read and write bf16 containers, kernels/bf16.h)."""
+    return emulates_bf16(compute_dtype) and kernels.available()
+
+
+def is_bf16_container(x) -> bool:
+    """True for a bf16 container (a float16-typed tensor holding bf16 bits; only under `bf16_storage`)."""
+    return x.dtype == ms.float16
+
+
 def fused_for(compute_dtype) -> bool:
     """True where the fp32 kernels serve this compute dtype (fp32, or bf16 emulated on the CPU)."""
     if not kernels.available():
@@ -130,7 +141,10 @@ class Linear(nn.Cell):
         self.weight = normal_parameter((out_features, in_features), init_std, "weight")
         self.compute_dtype = compute_dtype_of(compute_dtype)
         self.emulated = bf16_rounder(self.compute_dtype)
-        if fused_for(self.compute_dtype):
+        self.bf16 = bf16_storage(self.compute_dtype)
+        if self.bf16:   # bf16 containers in and out, the fp32 weight read as bf16 values in the kernel
+            self.matmul, self.to_bf16, self.from_bf16 = shared(LinearMatmulBF16), shared(ToBF16), shared(FromBF16)
+        elif fused_for(self.compute_dtype):
             self.matmul = shared(LinearMatmul)
         else:
             self.matmul = ops.MatMul(transpose_b=True)
@@ -141,6 +155,11 @@ class Linear(nn.Cell):
     def apply(self, x, weight):
         """`x @ weight.T` with this layer's compute dtype and product (`weight` may be this layer's
         weight with others stacked along the output features: one product for several projections)."""
+        if self.bf16:   # fp32 in and out, read as and rounded to bf16 values inside the kernel
+            x = fp32(x)
+            if x.ndim == 2:
+                return self.matmul(x, weight)
+            return self.matmul(x.reshape(-1, x.shape[-1]), weight).reshape(x.shape[:-1] + (weight.shape[0],))
         if self.compute_dtype != ms.float32:
             x, weight = (to_compute(t, self.compute_dtype, self.emulated) for t in (x, weight))
         if x.ndim == 2:
@@ -148,6 +167,15 @@ class Linear(nn.Cell):
         else:
             y = self.matmul(x.reshape(-1, x.shape[-1]), weight).reshape(x.shape[:-1] + (weight.shape[0],))
         return y if self.emulated is None else self.emulated(y)   # a bf16 GEMM stores its fp32 sums as bf16
+
+    def apply_bf16(self, x, weight):
+        """Under `bf16_storage`: `x` (fp32, or a bf16 container) @ `weight.T` as a bf16 container; only
+        the 2-byte input is kept for the backward."""
+        if not is_bf16_container(x):
+            x = self.to_bf16(fp32(x))
+        if x.ndim == 2:
+            return self.matmul(x, weight)
+        return self.matmul(x.reshape(-1, x.shape[-1]), weight).reshape(x.shape[:-1] + (weight.shape[0],))
 
     @property
     def plain(self) -> bool:
@@ -556,10 +584,20 @@ class SwiGLUMLP(nn.Cell):
         self.w_up = Linear(hidden_size, ffn_hidden_size, init_std, compute_dtype)
         self.w_down = Linear(ffn_hidden_size, hidden_size, output_init_std, compute_dtype)
         self.swiglu = None
-        if fused_for(compute_dtype):
+        self.bf16 = bf16_storage(compute_dtype)
+        if self.bf16:
+            self.swiglu, self.from_bf16 = shared(FusedSwiGLUBF16), shared(FromBF16)
+        elif fused_for(compute_dtype):
             self.swiglu = shared(FusedSwiGLU)
 
     def construct(self, x):
+        if self.bf16 and self.w_gate.plain and self.w_up.plain and self.w_down.plain:
+            # bf16 storage: gate|up and h stay 2-byte containers from product to product
+            gate_up = self.w_gate.apply_bf16(x, ops.concat((self.w_gate.weight, self.w_up.weight), 0))
+            return self.from_bf16(self.w_down.apply_bf16(self.swiglu(gate_up), self.w_down.weight))
+        if self.bf16 and self.w_gate.plain and self.w_up.plain:
+            gate_up = self.w_gate.apply_bf16(x, ops.concat((self.w_gate.weight, self.w_up.weight), 0))
+            return self.w_down(self.from_bf16(self.swiglu(gate_up)))
         if self.swiglu is not None and self.w_gate.plain and self.w_up.plain:   # [gate | up] in one product
             gate_up = self.w_gate.apply(x, ops.concat((self.w_gate.weight, self.w_up.weight), 0))
             return self.w_down(self.swiglu(gate_up.astype(ms.float32)))
@@ -594,8 +632,8 @@ class LMHeadCrossEntropy(nn.Cell):
 
     def __init__(self, compute_dtype=ms.float32):
         super().__init__()
-        self.fused = FusedLMHeadCrossEntropy()
         self.emulated = bf16_rounder(compute_dtype)
+        self.fused = FusedLMHeadCrossEntropy(bf16=self.emulated is not None and kernels.available())
 
     @staticmethod
     def supported(compute_dtype) -> bool:
@@ -603,6 +641,6 @@ class LMHeadCrossEntropy(nn.Cell):
 
     def construct(self, h, weight, labels):
         h = h.reshape(-1, h.shape[-1]).astype(ms.float32)
-        if self.emulated is not None:   # bf16 operands, fp32 logits and loss
+        if self.emulated is not None and not self.fused.bf16:   # bf16 operands, fp32 logits and loss
             h, weight = self.emulated(h), self.emulated(weight)
         return self.fused(h, weight, labels.reshape(-1).astype(ms.int32))

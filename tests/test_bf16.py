@@ -76,7 +76,7 @@ def test_linear_bf16_matches_float64(ms, kernel_ops):
     ms.set_seed(0)
     rng = np.random.default_rng(0)
     layer = Linear(24, 40, 0.5, "bfloat16")
-    assert isinstance(layer.emulated, kernel_ops.RoundBF16) and isinstance(layer.matmul, kernel_ops.LinearMatmul)
+    assert layer.bf16 and isinstance(layer.matmul, kernel_ops.LinearMatmulBF16)   # 2-byte storage
     x = rng.standard_normal((70, 24)).astype(np.float32)
     up = rng.standard_normal((70, 40)).astype(np.float32)
     w = layer.weight.asnumpy().astype(np.float64)
@@ -120,13 +120,18 @@ def test_swiglu_mlp_bf16_matches_float64_and_plain_ops(ms, kernel_ops):
     for p, g in zip(params, dparams):
         close(g, want[p.name.split(".")[0]], BF16_TOL, p.name)
     # the plain ops (fp32 MatMul and silu on the same rounded values) agree with the kernels
+    assert mlp.bf16 and isinstance(mlp.swiglu, kernel_ops.FusedSwiGLUBF16)
     kernels = [layer.matmul for layer in (mlp.w_gate, mlp.w_up, mlp.w_down)], mlp.swiglu
+    for layer in (mlp, mlp.w_gate, mlp.w_up, mlp.w_down):
+        layer.bf16 = False
     for layer in (mlp.w_gate, mlp.w_up, mlp.w_down):
         layer.matmul = ops.MatMul(transpose_b=True)
     mlp.swiglu = None
     plain_y, _, (plain_dx,), _ = run()
     for layer, matmul in zip((mlp.w_gate, mlp.w_up, mlp.w_down), kernels[0]):
         layer.matmul = matmul
+    for layer in (mlp, mlp.w_gate, mlp.w_up, mlp.w_down):
+        layer.bf16 = True
     mlp.swiglu = kernels[1]
     close(plain_y, y.astype(np.float64), 8e-3, "plain y")
     close(plain_dx, dx.astype(np.float64), 8e-3, "plain dx")
@@ -169,7 +174,7 @@ def test_grouped_experts_bf16_matches_float64(ms, kernel_ops):
     ms.set_seed(0)
     rng = np.random.default_rng(3)
     experts = GroupedExperts(3, 16, 12, 0.3, "bfloat16")
-    assert experts.compute == "kernel" and experts.emulated is not None
+    assert experts.compute == "kernel" and experts.bf16 and isinstance(experts.grouped_matmul, kernel_ops.GroupedMatmulBF16)
     row_expert = np.sort(rng.integers(0, 3, 50)).astype(np.int32)
     x = rng.standard_normal((50, 16)).astype(np.float32)
     up = rng.standard_normal((50, 16)).astype(np.float32)
@@ -258,3 +263,52 @@ def test_plain_ops_fallback_is_logged_once(ms, monkeypatch, caplog):
     assert len(fallback) == 1
     y = first(ms.Tensor(np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32))).asnumpy()
     assert is_bf16(y)
+
+
+def test_bf16_containers_are_two_bytes_and_round_to_nearest_even(ms, kernel_ops):
+    """ToBF16 stores bf16 bits in a 2-byte (float16-typed) tensor, FromBF16 reads them back exactly;
+    the gradients cross them as a bf16 run's would (decoded, and rounded)."""
+    x = np.random.default_rng(5).standard_normal(70_000).astype(np.float32)   # several tasks
+    x[:4] = [1 + 2 ** -8, 1 + 3 * 2 ** -8, np.inf, -0.0]
+    container = kernel_ops.ToBF16()(ms.Tensor(x))
+    assert container.dtype == ms.float16 and container.asnumpy().itemsize == 2
+    np.testing.assert_array_equal(container.asnumpy().view(np.uint16),
+                                  (rb(x).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    back = kernel_ops.FromBF16()(container).asnumpy()
+    np.testing.assert_array_equal(back, rb(x).astype(np.float32))
+    weight = ms.Tensor(x[::-1].copy())
+    _, grad = ms.value_and_grad(lambda t: (kernel_ops.FromBF16()(kernel_ops.ToBF16()(t)) * weight).sum())(ms.Tensor(x))
+    np.testing.assert_array_equal(grad.asnumpy(), rb(x[::-1]).astype(np.float32))
+
+
+def test_bf16_storage_is_bitwise_the_emulation(ms, kernel_ops, monkeypatch):
+    """Linear, the SwiGLU MLP and the grouped experts on 2-byte bf16 storage (`...BF16` kernels) give
+    exactly the emulation's values (fp32 kernels on RoundBF16-rounded fp32 tensors), forward and
+    backward: the same products on the same bf16 values, only stored in 2 bytes."""
+    from moetrain import layers
+    from moetrain.moe import experts as experts_module
+
+    rng = np.random.default_rng(6)
+    row_expert = ms.Tensor(np.sort(rng.integers(0, 3, 50)).astype(np.int32))
+    cases = {   # name: (build, input shape, extra construct args)
+        "linear": (lambda: layers.Linear(24, 40, 0.5, "bfloat16"), (2, 35, 24), ()),
+        "swiglu_mlp": (lambda: layers.SwiGLUMLP(16, 24, 0.3, 0.3, "bfloat16"), (2, 33, 16), ()),
+        "grouped_experts": (lambda: experts_module.GroupedExperts(3, 16, 12, 0.3, "bfloat16"), (50, 16), (row_expert,)),
+    }
+    for name, (build, shape, extra) in cases.items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        up = rng.standard_normal(shape[:-1] + (16 if name != "linear" else 40,)).astype(np.float32)
+        results = []
+        for storage in (True, False):
+            with monkeypatch.context() as m:
+                if not storage:   # the emulation: fp32 tensors holding bf16 values
+                    m.setattr(layers, "bf16_storage", lambda dtype: False)
+                    m.setattr(experts_module, "bf16_storage", lambda dtype: False)
+                ms.set_seed(0)
+                module = build()
+            assert getattr(module, "bf16") is storage
+            params = module.trainable_params()
+            value, (dx,), dparams = grads_of(ms, lambda x_: (module(x_, *extra) * ms.Tensor(up)).sum(), [x], params)
+            results.append([module(ms.Tensor(x), *extra).asnumpy(), dx, *dparams])
+        for got, want in zip(*results):
+            np.testing.assert_array_equal(got, want, err_msg=name)

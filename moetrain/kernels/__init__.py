@@ -31,10 +31,12 @@ ELEMENTWISE_FLAGS = ("-march=native", "-ffast-math")
 # approximations (rsqrt + a Newton step) in the SIMD body and exact in the scalar tail, so an
 # element's update would depend on where a task or a ZeRO shard boundary falls.
 EXACT_FLAGS = ("-march=native", "-fno-math-errno")
-SOURCES = {"grouped_gemm.cc": (), "linear.cc": (), "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
+# The GEMM drivers' own loops are integer work (copies, bf16 conversions): built for this CPU, exact.
+GEMM_FLAGS = ("-march=native",)
+SOURCES = {"grouped_gemm.cc": GEMM_FLAGS, "linear.cc": GEMM_FLAGS, "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
            "attention.cc": ELEMENTWISE_FLAGS, "lm_head_loss.cc": ELEMENTWISE_FLAGS, "router.cc": ELEMENTWISE_FLAGS,
            "adamw.cc": EXACT_FLAGS, "permute.cc": ELEMENTWISE_FLAGS, "pool.cc": (), "bf16.cc": ELEMENTWISE_FLAGS}
-HEADERS = ("common.h",)
+HEADERS = ("common.h", "bf16.h")
 # -z nodelete: the library stays mapped until the process ends, whoever dlcloses it (MindSpore does
 # when a custom op's kernel is destroyed): its thread pool's workers (common.h) sleep inside its code
 # for the life of the process.

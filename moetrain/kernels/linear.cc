@@ -12,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "common.h"
 
 extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
@@ -86,3 +87,9 @@ extern "C" int LinearBackward(int nparam, void **params, int *ndims, int64_t **s
   });
   return 0;
 }
+
+// bf16 storage (bf16.h): x and y bf16 containers, the fp32 weight read as bf16 values, dweight rounded.
+MOETRAIN_BF16_KERNEL(LinearForward, "aw|a")
+MOETRAIN_BF16_TYPE(LinearForward, 0)
+MOETRAIN_BF16_KERNEL(LinearBackward, "awa|aw")
+MOETRAIN_BF16_TYPES(LinearBackward, 0, 1)

@@ -29,6 +29,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16.h"
 #include "common.h"
 
 extern "C" int dnnl_sgemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
@@ -243,4 +244,11 @@ extern "C" int LMHeadLogitStatsBackward(int nparam, void **params, int *ndims, i
     }
   });
   return 0;
+}
+
+// bf16 (bf16.h): h and the head weight read as bf16 values in the kernel (no rounded copies of them);
+// the logits, the loss and the gradients stay fp32 (the caller rounds the gradients after scaling).
+MOETRAIN_BF16_KERNEL(LMHeadLossGrad, "ww-|---")
+extern "C" std::vector<int> LMHeadLossGradBF16InferType(std::vector<int> type_ids, void *extra) {
+  return LMHeadLossGradInferType(type_ids, extra);
 }

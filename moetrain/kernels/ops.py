@@ -1,4 +1,5 @@
-"""The kernels as differentiable MindSpore ops (Cells; PyNative and `ms.jit`). fp32 only.
+"""The kernels as differentiable MindSpore ops (Cells; PyNative and `ms.jit`): fp32, and the `...BF16`
+ones on bf16 storage (bf16 containers: float16-typed tensors holding bf16 bits, `kernels/bf16.h`).
 
 Build them only when `moetrain.kernels.available()` is True. Shapes and dtypes are inferred by the
 C++ functions in the library (`out_shape=None`), which MindSpore needs where it compiles a graph
@@ -17,17 +18,21 @@ from moetrain.kernels import library_path
 
 
 F32, I32, I64 = DataType.F32_Default, DataType.I32_Default, DataType.I64_Default
+BF16 = DataType.F16_Default   # a bf16 container (kernels/bf16.h): MindSpore's CPU has no bf16 Reshape/Gather/AddN
 
 
-def _custom(name: str, input_dtypes, bprop=None, output_dtypes=(F32,)):
+def _custom(name: str, input_dtypes, bprop=None, output_dtypes=(F32,), more_formats=()):
     """The kernel `name` of the library: inputs of `input_dtypes`, outputs of `output_dtypes` (a
-    tuple of tensors when there are several; their C++ shape inference returns one shape each)."""
+    tuple of tensors when there are several; their C++ shape inference returns one shape each).
+    `more_formats`: further `(input_dtypes, output_dtypes)` the kernel also takes."""
     reg = CustomRegOp()
     for i in range(len(input_dtypes)):
         reg = reg.input(i, f"x{i}")
     for i in range(len(output_dtypes)):
         reg = reg.output(i, f"y{i}")
-    reg = reg.dtype_format(*input_dtypes, *output_dtypes).target("CPU").get_op_info()
+    for inputs, outputs in ((input_dtypes, output_dtypes), *more_formats):
+        reg = reg.dtype_format(*inputs, *outputs)
+    reg = reg.target("CPU").get_op_info()
     return ops.Custom(f"{library_path()}:{name}", out_shape=None, out_dtype=None, func_type="aot", bprop=bprop,
                       reg_info=reg)
 
@@ -108,6 +113,113 @@ class RoundBF16(nn.Cell):
 
     def construct(self, x):
         return self.forward(x)
+
+
+class ToBF16(nn.Cell):
+    """`construct(x fp32) -> bf16 container` (nearest even), one pass; the backward decodes the
+    gradient (a bf16 container from the kernel that read it) to fp32."""
+
+    def __init__(self):
+        super().__init__()
+        decode = _custom("FromBF16", (BF16,), output_dtypes=(F32,))
+
+        def bprop(x, out, dout):
+            return (decode(dout),)
+
+        self.forward = _custom("ToBF16", (F32,), bprop, output_dtypes=(BF16,))
+
+    def construct(self, x):
+        return self.forward(x)
+
+
+class FromBF16(nn.Cell):
+    """`construct(x bf16 container) -> fp32` (exact); the backward rounds the gradient to a bf16
+    container, as a bf16 tensor's gradient is stored."""
+
+    def __init__(self):
+        super().__init__()
+        encode = _custom("ToBF16", (F32,), output_dtypes=(BF16,))
+
+        def bprop(x, out, dout):
+            return (encode(dout),)
+
+        self.forward = _custom("FromBF16", (BF16,), bprop, output_dtypes=(F32,))
+
+    def construct(self, x):
+        return self.forward(x)
+
+
+class LinearMatmulBF16(nn.Cell):
+    """`LinearMatmul` on bf16 values: `construct(x [N, K], weight [F, K] fp32) -> [N, F]`, `x` and the
+    output bf16 containers, or both fp32 tensors (read as / rounded to bf16 values). The product reads
+    the weight's bf16 values (fp32 accumulation); the backward returns `dx` like `x` and `dweight`
+    fp32 holding bf16 values. No rounded copy of the weight is kept between forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        backward = _custom("LinearBackwardBF16", (BF16, F32, BF16), output_dtypes=(BF16, F32),
+                           more_formats=(((F32, F32, F32), (F32, F32)),))
+
+        def bprop(x, weight, out, dout):
+            return backward(x, weight, dout)
+
+        self.forward = _custom("LinearForwardBF16", (BF16, F32), bprop, output_dtypes=(BF16,),
+                               more_formats=(((F32, F32), (F32,)),))
+
+    def construct(self, x, weight):
+        return self.forward(x, weight)
+
+
+class GroupedMatmulBF16(nn.Cell):
+    """`GroupedMatmul` on bf16 storage: `x` and the output bf16 containers, `w` the fp32 master read
+    as bf16 values, its gradient fp32 holding bf16 values."""
+
+    def __init__(self):
+        super().__init__()
+        matmul_nt = _custom("GroupedMatmulNTBF16", (BF16, F32, I32), output_dtypes=(BF16,))
+        matmul_tn = _custom("GroupedMatmulTNBF16", (BF16, BF16, I32, F32))
+
+        def bprop(x, w, row_expert, out, dout):
+            return matmul_nt(dout, w, row_expert), matmul_tn(x, dout, row_expert, w), ops.zeros_like(row_expert)
+
+        self.matmul_nn = _custom("GroupedMatmulNNBF16", (BF16, F32, I32), bprop, output_dtypes=(BF16,))
+
+    def construct(self, x, w, row_expert):
+        return self.matmul_nn(x, w, row_expert)
+
+
+class GroupedMatmulPairBF16(nn.Cell):
+    """`GroupedMatmulPair` on bf16 storage (as `GroupedMatmulBF16`)."""
+
+    def __init__(self):
+        super().__init__()
+        matmul_nt = _custom("GroupedMatmulPairNTBF16", (BF16, F32, F32, I32), output_dtypes=(BF16,))
+        matmul_tn = _custom("GroupedMatmulPairTNBF16", (BF16, BF16, I32, F32, F32), output_dtypes=(F32, F32))
+
+        def bprop(x, w_a, w_b, row_expert, out, dout):
+            dw_a, dw_b = matmul_tn(x, dout, row_expert, w_a, w_b)
+            return matmul_nt(dout, w_a, w_b, row_expert), dw_a, dw_b, ops.zeros_like(row_expert)
+
+        self.matmul_nn = _custom("GroupedMatmulPairNNBF16", (BF16, F32, F32, I32), bprop, output_dtypes=(BF16,))
+
+    def construct(self, x, w_a, w_b, row_expert):
+        return self.matmul_nn(x, w_a, w_b, row_expert)
+
+
+class FusedSwiGLUBF16(nn.Cell):
+    """`FusedSwiGLU` on bf16 containers (fp32 math in between)."""
+
+    def __init__(self):
+        super().__init__()
+        backward = _custom("SwiGLUBackwardBF16", (BF16, BF16), output_dtypes=(BF16,))
+
+        def bprop(gate_up, out, dout):
+            return (backward(gate_up, dout),)
+
+        self.forward = _custom("SwiGLUForwardBF16", (BF16,), bprop, output_dtypes=(BF16,))
+
+    def construct(self, gate_up):
+        return self.forward(gate_up)
 
 
 class FusedSwiGLU(nn.Cell):
@@ -230,21 +342,34 @@ class FusedLMHeadCrossEntropy(nn.Cell):
     In training mode (the default of this cell) one kernel returns the loss and its gradients for
     `h` and `weight` (three GEMMs, the backward only scales them by the upstream gradient); after
     `set_train(False)` a loss-only kernel (one GEMM) runs, whose backward recomputes the logits.
-    Every label must lie in `[0, V)`: one outside fails the op."""
+    Every label must lie in `[0, V)`: one outside fails the op. `bf16=True`: h and weight are used
+    as their bf16 values (rounded inside the training kernel, no rounded copies), logits and loss fp32,
+    the gradients rounded to bf16 values (as the rounding casts' backward rounds them)."""
 
-    def __init__(self):
+    def __init__(self, bf16: bool = False):
         super().__init__()
+        self.bf16 = bf16
+        if bf16:   # the training kernel reads h and weight as bf16 values; their gradients are stored as bf16
+            round_bf16 = _custom("RoundBF16", (F32,))
 
-        def loss_grad_bprop(h, weight, labels, out, dout):
-            return out[1] * dout[0], out[2] * dout[0], ops.zeros_like(labels)
+            def loss_grad_bprop(h, weight, labels, out, dout):
+                return round_bf16(out[1] * dout[0]), round_bf16(out[2] * dout[0]), ops.zeros_like(labels)
 
-        self.loss_grad = _custom("LMHeadLossGrad", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
+            self.loss_grad = _custom("LMHeadLossGradBF16", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
+            self.round_bf16 = RoundBF16()
+        else:
+            def loss_grad_bprop(h, weight, labels, out, dout):
+                return out[1] * dout[0], out[2] * dout[0], ops.zeros_like(labels)
+
+            self.loss_grad = _custom("LMHeadLossGrad", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
         self.stats = LMHeadLogitStats(strict=True)
         self.set_train(True)
 
     def construct(self, h, weight, labels):
         if self.training:
             return self.loss_grad(h, weight, labels)[0].reshape(())
+        if self.bf16:
+            h, weight = self.round_bf16(h), self.round_bf16(weight)
         row_max, sum_exp, target = self.stats(h, weight, labels)
         return (ops.log(sum_exp) + row_max - target).mean()
 

@@ -17,8 +17,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from moetrain.kernels.ops import FusedSwiGLU, GroupedMatmul, GroupedMatmulPair, shared
-from moetrain.layers import bf16_rounder, compute_dtype_of, normal_parameter, to_compute
+from moetrain.kernels.ops import (FromBF16, FusedSwiGLU, FusedSwiGLUBF16, GroupedMatmul, GroupedMatmulBF16, GroupedMatmulPair,
+                                  GroupedMatmulPairBF16, ToBF16, shared)
+from moetrain.layers import bf16_rounder, bf16_storage, compute_dtype_of, normal_parameter, to_compute
 from moetrain.moe.native_ops import MoEOps
 from moetrain.distributed.sharding import mark_role
 
@@ -57,7 +58,12 @@ class GroupedExperts(nn.Cell):
             mark_role(weight, expert=True)
         self.bmm = ops.BatchMatMul()
         self.grouped_matmul = self.grouped_matmul_pair = self.swiglu = None
-        if self.compute == "kernel":
+        self.bf16 = self.compute == "kernel" and bf16_storage(self.compute_dtype)
+        if self.bf16:   # rows, gate|up and h as 2-byte bf16 containers; the fp32 weights read as bf16 in the kernels
+            self.grouped_matmul, self.swiglu = shared(GroupedMatmulBF16), shared(FusedSwiGLUBF16)
+            self.grouped_matmul_pair = shared(GroupedMatmulPairBF16)
+            self.to_bf16, self.from_bf16 = shared(ToBF16), shared(FromBF16)
+        elif self.compute == "kernel":
             self.grouped_matmul, self.swiglu = shared(GroupedMatmul), shared(FusedSwiGLU)
             self.grouped_matmul_pair = shared(GroupedMatmulPair)
 
@@ -139,6 +145,11 @@ class GroupedExperts(nn.Cell):
         compute dtype. Gate and up projections are one op writing `[N, 2F]` (the two weights read
         in place, not concatenated), followed by the fused SwiGLU kernel."""
         w_gate, w_up, w_down = self.w_gate, self.w_up, self.w_down
+        if self.bf16:   # bf16 storage: no rounded copy of a weight, 2-byte activations saved for the backward
+            row_expert = row_expert.astype(ms.int32)
+            rows = self.to_bf16(x.astype(ms.float32))
+            hidden = self.swiglu(self.grouped_matmul_pair(rows, w_gate, w_up, row_expert))
+            return self.from_bf16(self.grouped_matmul(hidden, w_down, row_expert))
         if self.emulated is not None:   # bf16: the one-pass rounding kernel
             x, w_gate, w_up, w_down = (self.emulated(t) for t in (x.astype(ms.float32), w_gate, w_up, w_down))
         else:
@@ -148,6 +159,9 @@ class GroupedExperts(nn.Cell):
             w_up = w_up.astype(self.compute_dtype).astype(ms.float32)
             w_down = w_down.astype(self.compute_dtype).astype(ms.float32)
         row_expert = row_expert.astype(ms.int32)
-        hidden = self.swiglu(self.grouped_matmul_pair(x, w_gate, w_up, row_expert))
+        gate_up = self.grouped_matmul_pair(x, w_gate, w_up, row_expert)
+        if self.emulated is not None:   # a bf16 grouped matmul stores bf16 (as the bf16 storage path does)
+            gate_up = self.emulated(gate_up)
+        hidden = self.swiglu(gate_up)
         hidden = hidden.astype(self.compute_dtype).astype(ms.float32) if self.emulated is None else self.emulated(hidden)
         return to_compute(self.grouped_matmul(hidden, w_down, row_expert), self.compute_dtype, self.emulated)
