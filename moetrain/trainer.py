@@ -333,6 +333,7 @@ class Trainer:
         """Stops the run when MoE dispatch lost rows (`moetrain.moe.accounting`): one host all-reduce
         of every layer's dispatch rows (`over_world`: every rank calls this; else this rank's dispatch
         stayed on this rank). Takes the terms out of `values`; returns their sums (None: no MoE)."""
+        values.pop(accounting.LOAD_KEY, None)   # the dispatch buffers' sizing input, read by the runner
         rows = values.pop(accounting.KEY, None)
         if rows is None:
             return None

@@ -18,7 +18,8 @@ dispatcher uses when nobody manages it (tests, the pipeline schedule, `parallel.
 1. Run the micro-batch with the current capacities (a graph compiled once per set of capacities;
    graphs are kept, so a set seen before costs nothing). Before any counts are seen they are
    `parallel.moe_capacity_prior` (default PRIOR = 2) times the even share, sized, at most the bound.
-2. Every rank's `expert_load` (assignments per expert, per layer, already a stat of the step) is
+2. Every rank's `dispatch_load` (assignments per expert, per layer, of every row the layer
+   exchanged: `expert_load` plus any positions it does not count; already a stat of the step) is
    all-gathered over the world on the host: one small collective per micro-batch. From these
    counts every rank computes the same rows each buffer needed (`needed_capacity`).
 3. If a buffer was too small, the rows past it were not exchanged: the outputs are wrong, so the
@@ -294,10 +295,13 @@ class AdaptiveStep:
             out = self.compiled[key](*args)
             self.calls += 1
             keys, values = out[1], out[2]
-            if "expert_load" not in keys:
-                raise ValueError(f"AdaptiveStep: the step's stats {tuple(keys)} lack 'expert_load', which sizes "
-                                 f"the MoE dispatch buffers")
-            load = values[list(keys).index("expert_load")].asnumpy().astype(np.float64)
+            # every row each layer dispatched (`dispatch_load`): `expert_load` leaves out positions a
+            # layer exchanges but does not count (DeepSeek-V3's MTP under context parallelism)
+            key = next((k for k in ("dispatch_load", "expert_load") if k in keys), None)
+            if key is None:
+                raise ValueError(f"AdaptiveStep: the step's stats {tuple(keys)} lack 'dispatch_load' and "
+                                 f"'expert_load', which size the MoE dispatch buffers")
+            load = values[list(keys).index(key)].asnumpy().astype(np.float64)
             rerun = self.controller.update(self.gather(load.reshape(len(self.controller.dispatchers), -1)))
             if self.controller.changes:
                 self.log("moetrain: MoE dispatch capacities: " + "; ".join(self.controller.changes)
