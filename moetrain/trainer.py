@@ -342,8 +342,8 @@ class Trainer:
         if over_world and p.world_size > 1:   # through comm: booked in its ledger like every collective
             flat = ms.Tensor(total.reshape(-1).astype(np.float32))
             total = comm.all_reduce(flat, p.group("world")).asnumpy().astype(np.float64).reshape(total.shape)
-        accounting.check_dispatch_rows(total, where, f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp}",
-                                       capacities)
+        layout = f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp}" + (f" cp={p.cp}" if p.cp > 1 else "")
+        accounting.check_dispatch_rows(total, where, layout, capacities)
         return total
 
     def _reduce_over_dp(self, values) -> Dict:

@@ -101,6 +101,16 @@ def recorded(wanted: bool):
         yield calls
 
 
+def _capacity_record(runner):
+    """The adaptive capacities' calls, re-runs (one per overflow) and sets in force / largest, or None
+    when nothing sizes them (the bound)."""
+    step = getattr(runner, "_grad_step", None)
+    if getattr(step, "controller", None) is None:
+        return None
+    return {"calls": step.calls, "reruns": step.reruns, "in_force": runner.capacities_in_force(),
+            "largest": runner.capacities_largest()}
+
+
 def main():
     out_dir, runs = sys.argv[1], sys.argv[2:]
     from moetrain import trainer as trainer_module
@@ -161,6 +171,8 @@ def main():
             "param_sizes": [int(p.size) for p in trainer.opt_step.params],
             "gradient_bytes_held": getattr(trainer.runner, "grad_bytes_held", None),
             "dp": pctx.dp,
+            # the adaptive dispatch capacities (moetrain/moe/capacity.py): calls, overflow re-runs, the sets
+            "capacity": _capacity_record(trainer.runner),
             "train": {k: plain(v) for k, v in result["train"].items()},
             "eval": result["eval"],
             **backend,
