@@ -540,14 +540,6 @@ def validate(cfg: Config, source: str) -> None:
                                    seq_length=cfg.data.seq_length or getattr(cfg.model, "seq_length", None))
         if problems:
             raise ConfigError(f"{source}: the parallel layout cannot run:\n  - " + "\n  - ".join(problems))
-        # MTP under cp: its block dispatches the positions past S-k-1 but leaves them out of expert_load,
-        # which is what sizes adaptive expert-parallel buffers (moetrain/moe/capacity.py); the bound is exact
-        need(not (p.context_parallel > 1 and getattr(cfg.model, "mtp_depth", 0) and p.expert_parallel > 1
-                  and p.pipeline_stage == 1 and p.moe_capacity == "adaptive"), "parallel.moe_capacity",
-             f"'adaptive' with multi-token prediction (model.mtp_depth={getattr(cfg.model, 'mtp_depth', 0)}) under "
-             f"context_parallel ({p.context_parallel}) and expert_parallel ({p.expert_parallel}) is not supported "
-             f"yet (the MTP block dispatches positions that expert_load, which sizes the buffers, does not count; "
-             f"docs/context_parallel.md); set parallel.moe_capacity=bound")
     _validate_data(cfg.data, source)
     _validate_document_layout(cfg, source)
     need(cfg.optimizer.lr >= 0, "optimizer.lr", "must be >= 0")

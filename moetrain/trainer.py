@@ -333,6 +333,7 @@ class Trainer:
         """Stops the run when MoE dispatch lost rows (`moetrain.moe.accounting`): one host all-reduce
         of every layer's dispatch rows (`over_world`: every rank calls this; else this rank's dispatch
         stayed on this rank). Takes the terms out of `values`; returns their sums (None: no MoE)."""
+        values.pop(accounting.LOAD_KEY, None)   # the dispatch buffers' sizing input, read by the runner
         rows = values.pop(accounting.KEY, None)
         if rows is None:
             return None
@@ -341,8 +342,8 @@ class Trainer:
         if over_world and p.world_size > 1:   # through comm: booked in its ledger like every collective
             flat = ms.Tensor(total.reshape(-1).astype(np.float32))
             total = comm.all_reduce(flat, p.group("world")).asnumpy().astype(np.float64).reshape(total.shape)
-        accounting.check_dispatch_rows(total, where, f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp}",
-                                       capacities)
+        layout = f"dp={p.dp} tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp}" + (f" cp={p.cp}" if p.cp > 1 else "")
+        accounting.check_dispatch_rows(total, where, layout, capacities)
         return total
 
     def _reduce_over_dp(self, values) -> Dict:

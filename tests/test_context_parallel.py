@@ -260,11 +260,11 @@ def test_config_errors_name_the_key(tmp_path):
     from moetrain.config import ConfigError, load_config
 
     load_config("configs/moe_tiny.yaml", ["parallel.context_parallel=2", "model.seq_length=64"])
-    # MTP under cp with ep: the MTP block's uncounted positions are dispatched, so only the bound capacity
+    # MTP under cp with ep: adaptive capacities (the default) and the bound both run (the MTP block's
+    # uncounted positions are sized through dispatch_load: test_context_parallel_training)
     mtp_ep = ["model.seq_length=64", "parallel.context_parallel=2", "parallel.data_parallel=2",
               "parallel.expert_parallel=4", "train.global_batch_size=8"]
-    with pytest.raises(ConfigError, match="'parallel.moe_capacity': 'adaptive' with multi-token prediction"):
-        load_config("configs/deepseek_v3_tiny.yaml", mtp_ep)
+    assert load_config("configs/deepseek_v3_tiny.yaml", mtp_ep).parallel.moe_capacity == "adaptive"
     load_config("configs/deepseek_v3_tiny.yaml", mtp_ep + ["parallel.moe_capacity=bound"])
     for override, text in (("parallel.context_parallel=3", "2 x parallel.context_parallel = 6"),
                            ("parallel.cp_comm_type=ring", "parallel.cp_comm_type"),

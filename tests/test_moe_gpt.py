@@ -122,8 +122,9 @@ def test_stats_and_loss_composition(ms):
     loss, stats = model(ms.Tensor(ids), ms.Tensor(labels))
     stats = {k: v.asnumpy() for k, v in stats.items()}
     assert set(stats) == {"lm_loss", "aux_loss", "seq_aux_loss", "z_loss", "expert_load", "dropped", "routed",
-                          "expert_rows", "dispatch_rows"}
+                          "expert_rows", "dispatch_rows", "dispatch_load"}
     assert stats["expert_load"].shape == (2, 4)
+    np.testing.assert_array_equal(stats["dispatch_load"], stats["expert_load"])   # every position counted
     # per MoE layer: dispatched = computed (every routed row, padding excluded), nothing dropped
     np.testing.assert_array_equal(stats["dispatch_rows"][:, :3], [[ids.size * 2, ids.size * 2, 0]] * 2)
     assert stats["dispatch_rows"][:, 3].sum() == stats["expert_rows"]          # the GEMM rows, padding included

@@ -301,7 +301,9 @@ class DeepSeekV3(MoEGPT):
 
     def head_loss(self, h, labels, context=None):
         """lm_loss, and with MTP: `mtp_loss` (mean over depths) weighted into the loss, the MTP
-        blocks' MoE stats (their aux terms weighted in too) and their `expert_load` rows."""
+        blocks' MoE stats (their aux terms weighted in too) and their rows of every per-layer stat
+        (`expert_load`, and `dispatch_rows` / `dispatch_load`: the dispatch invariant and the adaptive
+        capacities cover the MTP blocks as they do the stack's layers)."""
         if (labels.ndim == 3) != (self.held is not None):
             raise ValueError(f"DeepSeekV3: labels of shape {labels.shape}: [B, S] on one process, [B, 1 + mtp_depth, "
                              f"S/cp] under context parallelism (ContextParallelRunner)")
@@ -310,7 +312,7 @@ class DeepSeekV3(MoEGPT):
             summed, stacked = self.layer_stats
             zero = ops.zeros((), ms.float32)
             totals = {name: zero for name in summed}
-            rows, mtp_loss = [], zero
+            rows, mtp_loss = {name: [] for name in stacked}, zero
             for k in range(self.mtp_depth):
                 h, logits, mtp_stats = self.mtp_depth_step(k, h, labels, context)
                 if self.held is None:
@@ -321,9 +323,11 @@ class DeepSeekV3(MoEGPT):
                     mtp_stats["z_loss"] = mtp_stats["z_loss"] * weight
                 for name in summed:
                     totals[name] = totals[name] + mtp_stats[name].astype(ms.float32)
-                rows.append(mtp_stats["expert_load"].astype(ms.float32))
+                for name in stacked:   # expert_load, and the dispatch rows / loads the trainer checks and sizes by
+                    rows[name].append(mtp_stats[name].astype(ms.float32))
                 loss = loss + self.mtp[k].block.moe.weighted_aux(mtp_stats)
-            totals["expert_load"] = ops.stack(rows)
+            for name in stacked:
+                totals[name] = ops.stack(rows[name])
             totals["mtp_loss"] = mtp_loss / self.mtp_depth
             loss = loss + self.mtp_loss_weight * totals["mtp_loss"]
             stats = merge_stats(stats, totals, stacked)

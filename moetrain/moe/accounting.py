@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 KEY = "dispatch_rows"
+LOAD_KEY = "dispatch_load"   # per layer, the rows each expert was sent (sizes the buffers; not logged)
 
 
 class DispatchInvariantError(RuntimeError):

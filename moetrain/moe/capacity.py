@@ -12,13 +12,15 @@ therefore sizes its buffers with Python ints ("capacities", read when the graph 
     SortDispatcher       expert_capacity  (bmm experts only)
 
 Unset (0 / `()`) means the bound (`T min(k, L)` per pair, `ep T` per expert): exact for any routing, and what a
-dispatcher uses when nobody manages it (tests, the pipeline schedule, `parallel.moe_capacity: bound`).
-`AdaptiveStep` manages them for the trainer's step and evaluation functions:
+dispatcher uses when nobody manages it (tests, `parallel.moe_capacity: bound`). `AdaptiveStep`
+manages them for the trainer's step and evaluation functions (`StepCapacities`, at the end, for the
+pipeline schedule, which can re-run only a whole step):
 
 1. Run the micro-batch with the current capacities (a graph compiled once per set of capacities;
    graphs are kept, so a set seen before costs nothing). Before any counts are seen they are
    `parallel.moe_capacity_prior` (default PRIOR = 2) times the even share, sized, at most the bound.
-2. Every rank's `expert_load` (assignments per expert, per layer, already a stat of the step) is
+2. Every rank's `dispatch_load` (assignments per expert, per layer, of every row the layer
+   exchanged: `expert_load` plus any positions it does not count; already a stat of the step) is
    all-gathered over the world on the host: one small collective per micro-batch. From these
    counts every rank computes the same rows each buffer needed (`needed_capacity`).
 3. If a buffer was too small, the rows past it were not exchanged: the outputs are wrong, so the
@@ -294,10 +296,13 @@ class AdaptiveStep:
             out = self.compiled[key](*args)
             self.calls += 1
             keys, values = out[1], out[2]
-            if "expert_load" not in keys:
-                raise ValueError(f"AdaptiveStep: the step's stats {tuple(keys)} lack 'expert_load', which sizes "
-                                 f"the MoE dispatch buffers")
-            load = values[list(keys).index("expert_load")].asnumpy().astype(np.float64)
+            # every row each layer dispatched (`dispatch_load`): `expert_load` leaves out positions a
+            # layer exchanges but does not count (DeepSeek-V3's MTP under context parallelism)
+            key = next((k for k in ("dispatch_load", "expert_load") if k in keys), None)
+            if key is None:
+                raise ValueError(f"AdaptiveStep: the step's stats {tuple(keys)} lack 'dispatch_load' and "
+                                 f"'expert_load', which size the MoE dispatch buffers")
+            load = values[list(keys).index(key)].asnumpy().astype(np.float64)
             rerun = self.controller.update(self.gather(load.reshape(len(self.controller.dispatchers), -1)))
             if self.controller.changes:
                 self.log("moetrain: MoE dispatch capacities: " + "; ".join(self.controller.changes)
@@ -330,7 +335,7 @@ def adaptive_steps(dispatchers: Sequence, pctx, wrap: Callable, *fns: Callable, 
     """`fns` wrapped with `wrap` (e.g. `ms.jit`), as `AdaptiveStep`s sharing one controller when
     the model's MoE `dispatchers` (one per MoE layer) are dropless with capacities to manage;
     plainly otherwise. The pipeline
-    schedule (pp > 1) runs its stages itself: its dispatchers keep the bound. `policy` "bound"
+    schedule (pp > 1) runs its stages itself and sizes them per step (`StepCapacities`). `policy` "bound"
     (`parallel.moe_capacity: bound`) keeps the bound everywhere: one graph, no re-runs, no host
     sync, larger buffers (runs too short for sizing to pay off); `prior`: the first capacities in
     multiples of the even share (`parallel.moe_capacity_prior`)."""
@@ -361,3 +366,116 @@ def _world_gather(pctx) -> Callable[[np.ndarray], np.ndarray]:
         rows = comm.all_gather(Tensor(load[None].astype(np.float32)), world).asnumpy()
         return rows.astype(np.float64)
     return gather
+
+
+class StepCapacities:
+    """Adaptive `pair_capacity` for a runner that can re-run only a whole step: the pipeline schedule,
+    where a micro-batch's passes are spread over the stages and every backward recomputes its
+    forward, so the capacities may not change within a step (a backward's recompute must fit where
+    its forward did). The sizing rules are `CapacityController`'s for the bucketed all-to-all:
+
+    1. A step runs with the capacities in force (primed before the first step: `prior` times the
+       even share, sized, at most the bound; one compiled set of passes per capacity set).
+    2. After it every rank all-gathers over the world one small row: per destination j the most
+       rows it sent j in any of its calls and MoE layers (from `dispatch_load`), the most tokens
+       a call routed (the bound), and whether it holds pair-sized dispatchers (a dense stage holds
+       none, and takes part all the same).
+    3. A destination that needed more than its capacity overflowed: the outputs of the step are
+       wrong, so every rank grows it (`sized(need)`, at least GROWTH) and runs the step again.
+       Otherwise the capacities shrink when the largest need of the last WINDOW steps fits a bucket
+       below SHRINK * capacity.
+
+    Every MoE layer of the world holds the same set (the largest need of any layer, any ep group):
+    one compiled graph per block, as `CapacityController` explains. `expert_capacity` (the bmm
+    layout's) is not sized here: those dispatchers keep the bound."""
+
+    def __init__(self, dispatchers: Sequence, n: int, num_experts: int, top_k: int,
+                 gather: Callable[[np.ndarray], np.ndarray], prior: float = PRIOR):
+        if not prior > 0:
+            raise ValueError(f"parallel.moe_capacity_prior: must be > 0 (the first capacities, in multiples "
+                             f"of the even share of rows), got {prior!r}")
+        self.dispatchers = [d for d in dispatchers if "pair_capacity" in d.capacity_fields()]
+        self.n, self.num_experts, self.top_k, self.prior = int(n), int(num_experts), int(top_k), float(prior)
+        self.gather = gather
+        self.capacity: Tuple[int, ...] = ()      # () = the bound
+        self.largest: Tuple[int, ...] = ()
+        self.history: List[np.ndarray] = []
+        self.changes: List[str] = []
+        self.managed = None                      # whether any rank sizes pairs: known after the first step
+        self.steps = self.reruns = 0
+
+    def _set(self, value: Tuple[int, ...]) -> None:
+        self.capacity = value
+        for dispatcher in self.dispatchers:
+            dispatcher.pair_capacity = value
+        if value:
+            self.largest = value if not self.largest else _capacity(np.maximum(self.largest, value))
+
+    def key(self) -> Tuple[int, ...]:
+        return self.capacity
+
+    def prime(self, num_tokens: int) -> None:
+        """The first capacities, for calls of `num_tokens` tokens a rank (before any counts)."""
+        if not self.capacity and self.managed is not False:
+            even = num_tokens * self.top_k / self.n
+            bound = num_tokens * min(self.top_k, self.num_experts // self.n)
+            self._set(_capacity(np.minimum(_sized(np.full(self.n, np.ceil(self.prior * even))), bound)))
+
+    def local_need(self, loads: Sequence[np.ndarray]) -> np.ndarray:
+        """This rank's row for the gather from `loads`, its calls' `dispatch_load` `[layers, E]`:
+        `[n]` the most rows sent to each destination in one call of one layer, the most tokens a call
+        routed, and 1 if this rank holds pair-sized dispatchers."""
+        row = np.zeros(self.n + 2, np.float64)
+        for load in loads:
+            load = np.asarray(load, np.float64).reshape(-1, self.num_experts)
+            if load.size:
+                pairs = load.reshape(load.shape[0], self.n, -1).sum(-1)
+                row[:self.n] = np.maximum(row[:self.n], pairs.max(0))
+                row[self.n] = max(row[self.n], float(load.sum(-1).max()) / self.top_k)
+        row[self.n + 1] = 1.0 if self.dispatchers else 0.0
+        return row
+
+    def update(self, row: np.ndarray) -> bool:
+        """Gathers every rank's `local_need` row and resizes; True when a destination overflowed,
+        i.e. the step must be run again (with the grown capacities now set)."""
+        rows = np.asarray(self.gather(np.asarray(row, np.float64)), np.float64).reshape(-1, self.n + 2)
+        self.managed = bool(rows[:, self.n + 1].max() > 0)
+        if not self.managed:           # nobody sizes pairs (another dispatcher): nothing to manage
+            if self.capacity:
+                self._set(())
+            return False
+        need = np.maximum(1, rows[:, :self.n].max(0)).astype(np.int64)
+        bound = np.full(self.n, int(rows[:, self.n].max()) * min(self.top_k, self.num_experts // self.n), np.int64)
+        self.history.append(need)
+        del self.history[:-WINDOW]
+        current = self.capacity
+        now = np.asarray(current or (0,) * self.n, np.int64)
+        recent = np.max(self.history, axis=0)
+        grow = (now > 0) & (need > now)
+        new = np.where(now == 0, _sized(need), now)
+        new = np.where(grow, np.maximum(_sized(need), _bucketed(GROWTH * now)), new)
+        new = np.where((now > 0) & ~grow & (_sized(recent) < SHRINK * now), _sized(recent), new)
+        new = np.minimum(new, bound)
+        if (new != now).any():
+            value = _capacity(new)
+            why = "overflow" if grow.any() else ("sized" if (now == 0).all() else "shrink")
+            self.changes.append(f"pair_capacity {current or 'bound'} -> {value} ({why})")
+            self._set(value)
+        return bool(grow.any())
+
+    def state(self) -> Dict:
+        """What a checkpoint keeps (see `CapacityController.state`)."""
+        return {"step_capacities": True, "n": self.n, "capacity": list(self.capacity),
+                "history": [_plain(h) for h in self.history]}
+
+    def load_state(self, state: Dict) -> bool:
+        if not state or not state.get("step_capacities") or state.get("n") != self.n:
+            return False
+        self._set(tuple(int(c) for c in state["capacity"]))
+        self.history = [np.asarray(h, np.int64) for h in state["history"]]
+        return True
+
+
+def world_gather(pctx) -> Callable[[np.ndarray], np.ndarray]:
+    """`gather(row [...]) -> [world, ...]`: every rank's row, over the world (float64 in and out)."""
+    return _world_gather(pctx)

@@ -31,6 +31,7 @@ def moe_stat_specs(num_experts: int):
     return {"aux_loss": StatSpec(MEAN), "seq_aux_loss": StatSpec(MEAN), "z_loss": StatSpec(MEAN),
             "dropped": StatSpec(SUM), "routed": StatSpec(SUM), "expert_rows": StatSpec(SUM),
             "expert_load": StatSpec(SUM, per_layer=True, row=(num_experts,)),
+            "dispatch_load": StatSpec(SUM, per_layer=True, row=(num_experts,)),
             "dispatch_rows": StatSpec(SUM, per_layer=True, row=(4,))}
 
 
@@ -46,7 +47,10 @@ class MoELayer(nn.Cell):
     expert GEMMs of this rank computed: `routed` on the rows layout, the whole buffer on a capacity
     layout, the rows received from the ep group with expert parallelism) and "dispatch_rows" `[4]`
     (this rank's rows dispatched, computed by its experts, dropped, and its expert GEMM rows: the
-    dispatch invariant's terms, `moetrain.moe.accounting`).
+    dispatch invariant's terms, `moetrain.moe.accounting`) and "dispatch_load" `[E]` (assignments per
+    expert of every row this rank dispatched: `expert_load` but for the positions `valid` leaves
+    uncounted, which are exchanged all the same; what sizes the adaptive dispatch buffers,
+    `moetrain.moe.capacity`; the trainer keeps it out of `metrics.jsonl`).
 
     Parameters: `router.weight [E, H]`, `experts.w_gate/w_up [E, H, F]`, `experts.w_down [E, F, H]`,
     `shared_experts.{w_gate,w_up,w_down}.weight` (HF `[out, in]` layout) when
@@ -166,6 +170,8 @@ class MoELayer(nn.Cell):
                                                    self.token_group)[0]
         if shared is not None:
             y = y + shared
+        # the rows exchanged per expert, the uncounted positions included: what the buffers must hold
+        dispatch_load = ops.stop_gradient(state["tokens_per_expert"].astype(ms.float32))
         if valid:   # the stats of the counted positions only (a static slice of each sequence)
             batch, seq_len = x.shape[0], x.shape[1]
             if x.ndim != 3 or not 0 < valid <= seq_len:
@@ -177,6 +183,7 @@ class MoELayer(nn.Cell):
             state["tokens_per_expert"] = expert_counts(topk_idx, self.num_experts).astype(topk_weight.dtype)
         stats = self._routing_stats(x if not valid else x[:, :valid], topk_idx, probs, logits, state)
         stats["dispatch_rows"] = dispatch_rows
+        stats["dispatch_load"] = dispatch_load
         if self.aux_loss_scope == "global":   # its all-reduce before the next layer's collectives
             y = ops.depend(y, stats["aux_loss"])
         if self.sequence_group is not None:   # likewise the sequence statistics' all-reduce

@@ -55,6 +55,14 @@ the model declares in `stat_specs`; per-layer stats such as `expert_load` at the
 chunk's layers, zeros elsewhere) and one AllReduce over the `pp` group gives every rank the metrics
 a one-process run reports.
 
+MoE dispatch capacities. Dropless expert-parallel buffers are sized from the routing
+(`parallel.moe_capacity: adaptive`) per STEP, not per micro-batch: a micro-batch's passes are spread
+over the stages and every backward recomputes its forward, so its capacities may not change inside
+the step. After the schedule every rank (a dense stage too) all-gathers its largest need per
+destination (`moetrain.moe.capacity.StepCapacities`); an overflow anywhere grows them and every rank
+runs the step again (each capacity set compiles its own passes); shrinks wait for the step's end.
+Evaluation runs at the bound (its counts are not checked).
+
 Tied embeddings: first and last virtual stage both hold `embed.weight`; on two ranks it is
 broadcast from the first stage at start and marked `tied_group="embedding"`, so the optimizer sums
 its gradient over that group every step and counts it as two copies in the global gradient norm.
@@ -62,6 +70,7 @@ its gradient over that group every step and counts it as two copies in the globa
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -77,6 +86,8 @@ from moetrain.distributed.sharding import mark_role
 from moetrain.layout import split_layers
 from moetrain.modeling import (BuiltPart, StatSpec, attention_context, keep_stage, layer_stat_rows, merge_stats,
                                split_specs)
+from moetrain.moe.capacity import StepCapacities, world_gather
+from moetrain.moe.layer import moe_layers
 from moetrain.param_init import materialize
 from moetrain.parallel.runner import as_tensors
 # the schedules are data (pure Python, moetrain/parallel/schedules.py); re-exported: the pipeline's vocabulary
@@ -324,8 +335,23 @@ class PipelineExecutor:
         self.split = schedule in SPLIT_BACKWARD
         self.num_micro = num_micro
         self.in_flight = self.peak_in_flight = 0
-        pack = flatten if flatten is not None else tuple
-        self.passes = [ChunkPasses(chunk, self.params, jit, pack) for chunk in chunks]
+        self.jit, self.pack = jit, (flatten if flatten is not None else tuple)
+        self.passes = [ChunkPasses(chunk, self.params, jit, self.pack) for chunk in chunks]
+        self.compiled: Dict[Tuple, List[ChunkPasses]] = {}     # MoE capacity set -> its passes
+
+    def use_capacities(self, key: Tuple, max_sets: int = 8) -> None:
+        """Run the next passes with the MoE dispatch capacities now set on the dispatchers (`key`
+        names the set): the capacities are Python ints baked in when a graph is compiled, so each
+        set has its own compiled passes (built at its first use; at most `max_sets` kept)."""
+        if key not in self.compiled:
+            if not self.compiled:          # the passes built at construction compile the first set
+                self.compiled[key] = self.passes
+            else:
+                self.compiled[key] = [ChunkPasses(chunk, self.params, self.jit, self.pack) for chunk in self.chunks]
+                if len(self.compiled) > max_sets:
+                    self.compiled.pop(next(iter(self.compiled)))
+        self.passes = self.compiled.pop(key)
+        self.compiled[key] = self.passes   # most recently used last
 
     @staticmethod
     def _accumulate(acc, grads):
@@ -547,6 +573,7 @@ class Pipeline:
         self.seq_length = seq_length // pctx.tp if sequence_parallel else seq_length
         self.hidden_size = cfg.model.hidden_size
         self.executor = None
+        self.capacities = None      # StepCapacities when dropless expert-parallel buffers are sized (bind)
         self.links: Dict[int, PairLink] = {}
         self.step_bytes_sent = 0
         self.step_wait_s = self.step_comm_s = self.step_seconds = 0.0
@@ -568,6 +595,14 @@ class Pipeline:
         self.executor = PipelineExecutor(self.chunks, opt_step.params, self.cfg.parallel.pipeline_schedule,
                                          self.cfg.num_micro_batches, self.cfg.train.jit, opt_step.flatten)
         self.links = {peer: self._link(peer) for peer in self.executor.peers()}
+        moe = getattr(self.cfg.model, "moe", None)
+        p = self.cfg.parallel
+        # decided from the config alone, so that every rank (a dense stage too) joins the gather
+        if (moe is not None and p.moe_capacity == "adaptive" and self.pctx.ep > 1
+                and not getattr(moe, "capacity_factor", 0) > 0):
+            dispatchers = [layer.dispatcher for chunk in self.chunks for layer in moe_layers(chunk)]
+            self.capacities = StepCapacities(dispatchers, self.pctx.ep, moe.num_experts, moe.top_k,
+                                             world_gather(self.pctx), p.moe_capacity_prior)
         return self
 
     @property
@@ -588,16 +623,43 @@ class Pipeline:
         the same hidden-state shape), so the bubble is the time in exchanges beyond that."""
         batches = [as_tensors(batch) for batch in batches]
         shape = self.activation_shape(int(batches[0][0].shape[0]))
-        clock = {"wait": 0.0}
-        start = time.perf_counter()
-        with comm.CommLedger() as ledger:
-            grads, stats = run_with_links(self.executor.steps(batches, scale, shape), self.links, clock)
+        capacities = self.capacities
+        if capacities is not None:
+            capacities.prime(int(np.prod(batches[0][0].shape)))
+        while True:
+            if capacities is not None:
+                self.executor.use_capacities(capacities.key())
+            clock = {"wait": 0.0}
+            start = time.perf_counter()
+            with comm.CommLedger() as ledger:
+                grads, stats = run_with_links(self.executor.steps(batches, scale, shape), self.links, clock)
+            if capacities is None or not self._resized(stats):
+                break
+            # a buffer overflowed somewhere: every rank runs the step again with the grown capacities
+            # (the discarded gradients dropped first, not held through the re-run)
+            del grads, stats
         self.step_seconds = time.perf_counter() - start
         self.step_comm_s = clock.get("count", 0) * clock.get("fastest", 0.0)
         self.step_wait_s = clock["wait"] - self.step_comm_s
         self.step_bytes_sent = ledger.bytes_by_group(backward=False).get("pp", 0)
         step = max(self.step_seconds, 1e-12)
         return grads, self.combine_stats(stats, self.step_wait_s / step, self.step_comm_s / step)
+
+    def _resized(self, stats: Sequence[Sequence[Dict]]) -> bool:
+        """After a step: the dispatch capacities checked against every rank's routing counts (its
+        chunks' `dispatch_load` of every micro-batch) and resized; True when the step must be re-run."""
+        capacities = self.capacities
+        loads = [s["dispatch_load"].asnumpy() for chunk_stats in stats for s in chunk_stats
+                 if s is not None and "dispatch_load" in s]
+        rerun = capacities.update(capacities.local_need(loads))
+        capacities.steps += 1
+        capacities.reruns += int(rerun)
+        if capacities.changes:
+            if self.pctx.rank == 0:   # stderr: stdout carries what a command prints for machines
+                print("moetrain: MoE dispatch capacities (pipeline): " + "; ".join(capacities.changes)
+                      + ("; re-running the step" if rerun else ""), file=sys.stderr, flush=True)
+            capacities.changes.clear()
+        return rerun
 
     def combine_stats(self, stats: Sequence[Sequence[Dict]], bubble: float = 0.0,
                       transfer: float = 0.0) -> Dict[str, object]:
@@ -633,21 +695,41 @@ class Pipeline:
         """The model's loss on one batch and `{"lm_loss"}` (every stage gets both)."""
         batch = as_tensors(batch)
         shape = self.activation_shape(int(batch[0].shape[0]))
-        stats = run_with_links(self.executor.forward_only(batch, shape), self.links)
+        if self.capacities is not None:
+            # the bound: an evaluation batch is not checked for overflow (its stats stay on the stage)
+            held = self.capacities.key()
+            for dispatcher in self.capacities.dispatchers:
+                dispatcher.pair_capacity = ()
+            self.executor.use_capacities(())
+            try:
+                stats = run_with_links(self.executor.forward_only(batch, shape), self.links)
+            finally:
+                for dispatcher in self.capacities.dispatchers:
+                    dispatcher.pair_capacity = held
+        else:
+            stats = run_with_links(self.executor.forward_only(batch, shape), self.links)
         part = np.array([stats["loss"], stats["lm_loss"]], np.float32)
         loss, lm_loss = comm.all_reduce(ms.Tensor(part), self.pctx.group("pp")).asnumpy()
         return float(loss), {"lm_loss": np.float32(lm_loss)}
 
     def capacity_state(self):
-        """None: the stages' MoE dispatchers keep the bound (`moetrain.moe.capacity.adaptive_steps`)."""
-        return None
+        """The MoE dispatch capacities and their sizing history (None when nothing sizes them:
+        `moetrain.moe.capacity.StepCapacities`)."""
+        return None if self.capacities is None else self.capacities.state()
 
     def capacities_in_force(self):
-        """None: the stages' dispatchers keep the bound."""
-        return None
+        """The capacities the last step ran with (None: the bound)."""
+        key = None if self.capacities is None else self.capacities.key()
+        return {"pair_capacity": list(key)} if key else None
+
+    def capacities_largest(self):
+        """Element-wise the largest capacities any step ran with (None: the bound)."""
+        largest = None if self.capacities is None else self.capacities.largest
+        return {"pair_capacity": list(largest)} if largest else None
 
     def load_capacity_state(self, state) -> None:
-        """Nothing to restore (see `capacity_state`)."""
+        if self.capacities is not None and state:
+            self.capacities.load_state(state)
 
     def update_expert_bias(self, expert_load) -> None:
         """Aux-loss-free balancing for this stage's MoE layers, from its chunks' rows of the whole

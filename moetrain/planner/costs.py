@@ -137,10 +137,11 @@ def dispatch_rows(arch: Arch, tokens: float, layout: Layout, job: Job, device: s
 
       ep 1                  exactly the routed rows T k (the one-row layout, the grouped GEMM kernel)
       ep n, all-to-all      n C rows received, sum_j C_j = n C sent, C per destination rank:
-        adaptive, pp 1      the first micro-batch's capacities, the largest a run holds under
+        adaptive            the first micro-batch's capacities, the largest a run holds under
                             balanced routing (later ones are sized from the counts and only shrink
-                            below them): sized(prior x T k / n), at most the bound
-        pp > 1, or bound    the bound T min(k, L) (the pipeline schedule sizes nothing; L = E / n)
+                            below them): sized(prior x T k / n), at most the bound; the pipeline
+                            sizes them the same way, per step (`moetrain.moe.capacity.StepCapacities`)
+        bound               the bound T min(k, L) (L = E / n)
 
     Other devices (the priced GPU / Ascend systems) and the all-gather dispatcher keep the
     load-proportional estimate T k x DISPATCH_ROW_MARGIN; a capacity factor fixes T k x factor."""
@@ -150,7 +151,7 @@ def dispatch_rows(arch: Arch, tokens: float, layout: Layout, job: Job, device: s
     if n == 1:
         return tokens * k
     bound = tokens * min(k, arch.experts // n)
-    if layout.pp > 1 or job.moe_capacity == "bound":
+    if job.moe_capacity == "bound":
         return n * bound
     return n * min(bound, capacity_sized(math.ceil(job.moe_capacity_prior * tokens * k / n)))
 

@@ -343,7 +343,7 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
         detail["optimizer_step_transient"] = optimizer_pool.peak_above_start
         # the dispatch buffers at their largest in the step: each capacity the largest any call ran
         # with (moetrain/moe/capacity.py: the first call runs the prior's, later ones are sized from
-        # the routed counts, shrink or grow); the pipeline's dispatchers keep the bound. A MoE
+        # the routed counts, shrink or grow; the pipeline's per step). A MoE
         # layer's input: this rank's sequence shard under sequence parallelism (it gathers the
         # rest), 1/cp of it under context parallelism
         largest = getattr(parallel.runner, "capacities_largest", lambda: None)()

@@ -101,6 +101,16 @@ def recorded(wanted: bool):
         yield calls
 
 
+def _capacity_record(runner):
+    """The adaptive capacities' calls, re-runs (one per overflow) and sets in force / largest, or None
+    when nothing sizes them (the bound)."""
+    step = getattr(runner, "_grad_step", None)
+    if getattr(step, "controller", None) is None:
+        return None
+    return {"calls": step.calls, "reruns": step.reruns, "in_force": runner.capacities_in_force(),
+            "largest": runner.capacities_largest()}
+
+
 def main():
     out_dir, runs = sys.argv[1], sys.argv[2:]
     from moetrain import trainer as trainer_module
@@ -165,6 +175,8 @@ def main():
             "dispatch_reruns": getattr(getattr(trainer.runner, "_grad_step", None), "reruns", None),
             "dispatch_graphs": len(getattr(getattr(trainer.runner, "_grad_step", None), "compiled", ())) or None,
             "dp": pctx.dp,
+            # the adaptive dispatch capacities (moetrain/moe/capacity.py): calls, overflow re-runs, the sets
+            "capacity": _capacity_record(trainer.runner),
             "train": {k: plain(v) for k, v in result["train"].items()},
             "eval": result["eval"],
             **backend,
