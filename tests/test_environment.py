@@ -8,6 +8,7 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = re.compile(r"MOETRAIN_[A-Z][A-Z0-9_]*")
+STRING_LITERAL = re.compile(r'"((?:[^"\\]|\\.)*)"')
 FORMER_SWITCHES = {"MOETRAIN_EP_SPLITS", "MOETRAIN_FUSED_OPTIMIZER", "MOETRAIN_CELL_REUSE", "MOETRAIN_MOE_CAPACITY"}
 
 
@@ -25,9 +26,10 @@ def package_reads(root: str = ROOT) -> dict:
                         tree = ast.parse(fh.read(), path)
                     hits = [(node.lineno, node.value) for node in ast.walk(tree)
                             if isinstance(node, ast.Constant) and isinstance(node.value, str)]
-                elif name.endswith((".cc", ".h")):
+                elif name.endswith((".cc", ".h")):   # string literals (what getenv reads), not macro names
                     with open(path) as fh:
-                        hits = [(i, line.split("//")[0]) for i, line in enumerate(fh, 1)]
+                        hits = [(i, literal) for i, line in enumerate(fh, 1)
+                                for literal in STRING_LITERAL.findall(line.split("//")[0])]
                 else:
                     continue
                 for line, text in hits:
