@@ -121,13 +121,25 @@ def test_ep_dispatch_buffers_planned_as_the_dispatcher_sizes_them(dry_ep):
     assert dry_ep["detail"]["capacities_largest"]["pair_capacity"][1] > 0
 
 
-def test_planner_sizes_capacities_as_the_dispatcher():
-    """The planner's copy of the capacity rounding (it imports no MindSpore) is the dispatcher's."""
-    from moetrain.moe.capacity import bucket, sized
-    from moetrain.planner.costs import _bucket, capacity_sized
+def test_capacity_sizes_agree_element_wise_and_import_no_mindspore():
+    """The controller sizes whole tables with the numpy forms of `bucket` and `sized`, the planner and
+    the dispatchers' scalars with the int forms (moetrain/moe/sizing.py, one module for both, which the
+    planner imports without MindSpore)."""
+    import subprocess
+    import sys
 
-    for rows in (1, 7, 16, 17, 31, 100, 511, 512, 513, 4097, 123457):
-        assert _bucket(rows) == bucket(rows) and capacity_sized(rows) == sized(rows), rows
+    import numpy as np
+
+    from moetrain.moe.sizing import bucket, bucketed, sized, sized_array
+
+    rows = np.array([1, 7, 16, 17, 31, 100, 511, 512, 513, 4097, 123457, 16777217])
+    assert bucketed(rows).tolist() == [bucket(r) for r in rows] == [1, 7, 16, 18, 32, 104, 512, 512, 576, 4608,
+                                                                    131072, 18874368]
+    assert sized_array(rows).tolist() == [sized(r) for r in rows]
+    assert bucket(16.2) == 18 and sized(32) == 44                       # a fractional need rounds up
+    code = "import sys, moetrain.moe.sizing, moetrain.planner.costs; print('mindspore' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", out
 
 
 def plan_in_process(capsys, monkeypatch, *args):

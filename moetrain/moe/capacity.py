@@ -46,29 +46,14 @@ from mindspore import Tensor
 
 from moetrain.distributed import comm
 from moetrain.distributed.topology import ParallelContext
+from moetrain.moe.sizing import SPREAD, bucket, sized  # noqa: F401  (SPREAD, bucket: this module's API too)
+from moetrain.moe.sizing import bucketed as _bucketed, sized_array as _sized
 
 
 PRIOR = 2.0          # before any counts: capacities for PRIOR x the even share (parallel.moe_capacity_prior)
-SPREAD = 2.0         # headroom in standard deviations of a count (~sqrt(count), multinomial routing)
 GROWTH = 1.5         # an overflowing capacity grows at least this much (few recompiles while routing drifts)
 SHRINK = 1 / 1.5     # shrink only to a bucket below SHRINK * current capacity
 WINDOW = 16          # micro-batches whose largest need decides a shrink
-
-
-def bucket(rows: int) -> int:
-    """The smallest `m 2^e >= rows` with `m` in 8..15 (every size up to 16), at least 1."""
-    rows = max(1, int(rows))
-    if rows <= 16:
-        return rows
-    step = 2 ** (rows.bit_length() - 4)          # rows in [8 step, 16 step)
-    return -(-rows // step) * step
-
-
-def sized(needed: int) -> int:
-    """The capacity chosen for a buffer that needed `needed` rows: the need plus SPREAD standard
-    deviations of a multinomial count (`sqrt(needed)`), bucketed. Relative headroom shrinks as
-    counts grow: 1.5x at 32 rows, 1.13x at 1024 (before the bucket's rounding)."""
-    return bucket(math.ceil(needed + SPREAD * math.sqrt(needed)))
 
 
 class DroplessSizing:
@@ -249,19 +234,6 @@ def _capacity(value: np.ndarray):
 def _plain(value):
     """A capacity or a need as JSON: an int or a list of ints."""
     return np.asarray(value, np.int64).tolist()
-
-
-def _bucketed(rows) -> np.ndarray:
-    """`bucket` element-wise (rows rounded up first)."""
-    rows = np.maximum(1, np.ceil(np.asarray(rows, np.float64))).astype(np.int64)
-    step = 2 ** np.maximum(0, np.frexp(rows.astype(np.float64))[1] - 4)    # frexp's exponent: bit_length
-    return np.where(rows <= 16, rows, -(-rows // step) * step)
-
-
-def _sized(need) -> np.ndarray:
-    """`sized` element-wise."""
-    need = np.asarray(need, np.float64)
-    return _bucketed(np.ceil(need + SPREAD * np.sqrt(need)))
 
 
 class AdaptiveStep:

@@ -13,6 +13,7 @@ from typing import Dict, List, Tuple, Union
 
 from moetrain.devices import DeviceProfile, get_device
 from moetrain.layout import RECOMPUTE_MODES, Layout
+from moetrain.moe.sizing import sized
 from moetrain.parallel import schedules
 from moetrain.planner import context
 from moetrain.planner.arch import (DTYPE_BYTES, FP32, OPTIMIZER_FP32_STATES, Arch, Job, ParamCount,
@@ -115,21 +116,6 @@ def dispatch_bytes(arch: Arch, tokens: int, layout: Layout, dtype_bytes: int, ex
     return rows * arch.hidden * (FP32 + dtype_bytes) * (3 if layout.ep > 1 else 1)
 
 
-def _bucket(rows: float) -> int:
-    """`moetrain.moe.capacity.bucket` (the planner imports no MindSpore; tests/test_dryrun.py checks
-    the two agree): the smallest `m 2^e >= rows`, `m` in 8..15, every size up to 16."""
-    rows = max(1, int(math.ceil(rows)))
-    if rows <= 16:
-        return rows
-    step = 2 ** (rows.bit_length() - 4)
-    return -(-rows // step) * step
-
-
-def capacity_sized(needed: float) -> int:
-    """`moetrain.moe.capacity.sized`: the need plus 2 standard deviations of a count, bucketed."""
-    return _bucket(math.ceil(needed + 2.0 * math.sqrt(needed)))
-
-
 def dispatch_rows(arch: Arch, tokens: float, layout: Layout, job: Job, device: str) -> float:
     """Rows of one MoE layer's expert buffers (and, with expert parallelism, of each exchange's send
     and receive buffer) for `tokens` tokens of one micro-batch, as this trainer sizes them on the
@@ -153,7 +139,7 @@ def dispatch_rows(arch: Arch, tokens: float, layout: Layout, job: Job, device: s
     bound = tokens * min(k, arch.experts // n)
     if job.moe_capacity == "bound":
         return n * bound
-    return n * min(bound, capacity_sized(math.ceil(job.moe_capacity_prior * tokens * k / n)))
+    return n * min(bound, sized(math.ceil(job.moe_capacity_prior * tokens * k / n)))
 
 
 
