@@ -144,14 +144,16 @@ def attention_and_grads(ms, attention, arrays, weights, dtype):
     return [attention(q, k, v).asnumpy()] + [g.asnumpy() for g in grads]
 
 
-@pytest.mark.parametrize("cp, tile", [(2, None), (3, None), (3, 4)])
+@pytest.mark.parametrize("cp, tile", [(2, None), (3, None), (3, 2)])
 def test_blockwise_attention_equals_full_attention(ms, monkeypatch, cp, tile):
     """Forward and backward against the whole sequence's causal attention: in float64 to 1e-12; in
     float32 (cp 2) no further from the float64 truth than plain float32 attention is (both ~1e-6:
-    rounding). cp 2 has both off-diagonal cases (block before / after), cp 3 merges several blocks;
-    `tile` 4: each block's 6 rows in tiles of 4 and 2 (`BlockAttention`; a causal tile skips later keys).
-    Only the tiled case sees a tile's row offset: the causal mask's rows taken from 0 instead of the
-    tile's r0, or the backward's dO tile sliced at 0 instead of r0, fails it (and passes the others)."""
+    rounding). cp 2 has both off-diagonal cases (block before / after), cp 3 merges several key
+    chunks; `tile` 2: each 3-row chunk's rows in tiles of 2 and 1 (`TiledAttention`; a causal tile
+    skips later keys). Only the tiled case sees a tile's offset within its chunk: the causal mask's
+    rows taken from 0 instead of it fails that case alone (checked by mutation); the backward's dO
+    sliced at 0 instead of the tile's row fails every cp 3 case.
+    """
     if tile:
         from moetrain.parallel import context_parallel as cpmod
         monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
@@ -175,22 +177,29 @@ def test_blockwise_attention_equals_full_attention(ms, monkeypatch, cp, tile):
         assert error <= 2 * plain_error + 1e-6, f"{name}, cp={cp}, float32: {error:.2e} vs plain {plain_error:.2e}"
 
 
-def test_merge_of_partials_is_the_softmax_over_the_union(ms):
-    """Two key sets attended separately and merged by their log-sum-exp give attention over both."""
+def test_key_ranges_merge_to_the_softmax_over_their_union(ms):
+    """One query range against two key ranges in one `TiledAttention` cell (each its own step,
+    combined by their log-sum-exp) gives attention over both as one range, forward (out, lse) and
+    backward."""
     from mindspore import Tensor, ops
 
-    from moetrain.parallel.context_parallel import block_attention, merge_partials
+    from moetrain.parallel.context_parallel import block_attention, tiled_attention
 
     rng = np.random.default_rng(0)
     q = Tensor(rng.normal(0, 1, (1, 2, 3, 4, 8)))                       # [B, h, g, Sq, d]
     k, v = (Tensor(rng.normal(0, 1, (1, 2, 10, 8))) for _ in range(2))
+    split = ((0, 4, ((0, 3, False), (3, 10, False))),)
     whole, whole_lse = block_attention(q, k, v)
-    first, second = (block_attention(q, k[:, :, s], v[:, :, s]) for s in (slice(0, 3), slice(3, 10)))
-    merged, merged_lse = merge_partials(first, second)
+    merged, merged_lse = tiled_attention(split, q, k, v)
     np.testing.assert_allclose(merged.asnumpy(), whole.asnumpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(merged_lse.asnumpy(), whole_lse.asnumpy(), rtol=1e-12, atol=1e-12)
     scores = ops.matmul(q.reshape(1, 2, 12, 8), k.swapaxes(-1, -2)).asnumpy()
     np.testing.assert_allclose(whole_lse.asnumpy().reshape(1, 2, 12), np.log(np.exp(scores).sum(-1)), rtol=1e-12)
+    w = Tensor(rng.normal(0, 1, (1, 2, 3, 4, 8)))
+    grads = [ms.grad(lambda q, k, v: (f(q, k, v)[0] * w).sum(), grad_position=(0, 1, 2))(q, k, v)
+             for f in (block_attention, lambda q, k, v: tiled_attention(split, q, k, v))]
+    for name, got, want in zip(("dq", "dk", "dv"), grads[1], grads[0]):
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-12, atol=1e-12, err_msg=name)
 
 
 def test_blockwise_attention_keeps_no_block_probabilities(ms):
@@ -216,6 +225,34 @@ def test_blockwise_attention_keeps_no_block_probabilities(ms):
     assert all(np.isfinite(g).all() for g in grads)
     pair_bytes = 12 * batch * heads * group * rows * rows * (cp + 1) / 2
     assert 0 < pool.peak_above_start < 0.5 * pair_bytes, (pool.peak_above_start / 2 ** 20, pair_bytes / 2 ** 20)
+
+
+def test_blockwise_attention_keeps_no_block_outputs(ms):
+    """The blockwise path keeps, for the backward, its L rows' merged output and log-sum-exp (one
+    `TiledAttention` cell for all the blocks, recomputing the probabilities from the merged lse), not
+    each block's output and the merges' terms, which cover the whole sequence's rows whatever cp is
+    (about 3.5 fp32 copies of `[S, g, dv]` on the last rank). cp 4, rank 3 (its lower blocks are
+    attended by all its rows), wide values (dv 256) so that those outputs dominate: the memory pool's
+    peak over forward and backward stays under 2 copies (measured 2.4 MiB of the 4 allowed; the
+    per-block path with autodiff merges held 7.0 MiB and fails it, checked by mutation)."""
+    from mindspore import Tensor
+
+    from moetrain.parallel.context_parallel import blockwise_attention
+    from moetrain.planner.dryrun import PoolRecorder
+
+    rng = np.random.default_rng(0)
+    cp, rank, group, rows, dim, value_dim = 4, 3, 8, 64, 8, 256
+    q = Tensor(rng.normal(0, 1, (1, 1, group, rows, dim)).astype(np.float32))
+    k = Tensor(rng.normal(0, 1, (1, 1, cp * rows, dim)).astype(np.float32))
+    v = Tensor(rng.normal(0, 1, (1, 1, cp * rows, value_dim)).astype(np.float32))
+    step = ms.grad(lambda q, k, v: blockwise_attention(q, k, v, rank, cp).sum(), grad_position=(0, 1, 2))
+    step(q, k, v)                                                       # warm-up: the pool's own growth
+    with PoolRecorder() as pool:
+        grads = [g.asnumpy() for g in step(q, k, v)]
+    assert all(np.isfinite(g).all() for g in grads)
+    sequence_outputs = 4 * cp * rows * group * value_dim                # one fp32 [S, g, dv]
+    assert 0 < pool.peak_above_start < 2 * sequence_outputs, (pool.peak_above_start / 2 ** 20,
+                                                              sequence_outputs / 2 ** 20)
 
 
 # ---------------------------------------------------------------------------------------------
