@@ -366,7 +366,7 @@ def mla_layer(seq):
 @pytest.mark.parametrize("family, comm_type, packed, cp", [
     ("gqa", "all_gather", False, 2), ("gqa", "p2p", False, 2), ("gqa", "a2a", False, 2), ("mla", "all_gather", False, 2),
     ("mla", "all_gather", True, 2), ("mla", "a2a", False, 2), ("gqa", "all_gather", True, 2), ("gqa", "p2p", True, 2), ("gqa", "a2a", True, 2),
-    ("gqa", "p2p", False, 4)])
+    ("mla", "p2p", True, 2), ("gqa", "p2p", False, 4)])
 def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, family, comm_type, packed, cp):
     """An `Attention` layer (GQA 4/2 heads, RoPE) switched to `ContextParallelAttention`, each rank's
     local tokens with their global positions (`local_batch`), the collectives simulated in one process
@@ -439,6 +439,8 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
     np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
     if (family, comm_type) == ("mla", "all_gather"):    # kv_lora_rank 16 + qk_rope_head_dim 4 a token, not 4 x (12 + 6)
         assert {value.shape[-1] for key, value in sent.items() if value.ndim == 3} == {16 + 4}
+    if (family, comm_type) == ("mla", "p2p"):           # the ring passes the same: 2 x 4 tokens x 20, and their doc ids
+        assert {value[0].shape[-1] for value in sent.values()} == {2 * 4 * (16 + 4), 2 * 4}
 
 
 def plan_of(config, *overrides, device="gpu_h100"):
@@ -468,19 +470,26 @@ def test_the_planner_models_context_parallel():
         assert "cp" not in one.comm_bytes or one.comm_bytes["cp"] == 0
     zero = plan_of("configs/moe_tiny.yaml", *base, "parallel.context_parallel=2", "parallel.optimizer_shard=1")
     assert zero.memory["optimizer"] == pytest.approx(one.memory["optimizer"] * 3 / 4)   # (m + v + master) / 2
-    # on this CPU: the blockwise path's block outputs, merge terms and one layer's tile transient, no
-    # probabilities; the dry run measured 147.1 MiB (cp 2) and 96.6 MiB (cp 4; docs/context_parallel.md)
-    for cp, measured in ((2, 147.1), (4, 96.6)):
+    # on this CPU: the blockwise path's merged output and lse and one step's transient, no probabilities
+    # or per-block outputs; the dry run measured 84.0 MiB (cp 2) and 47.3 MiB (cp 4; docs/context_parallel.md)
+    for cp, measured in ((2, 84.0), (4, 47.3)):
         cpu = plan_of("configs/moe_tiny.yaml", *base, f"parallel.context_parallel={cp}", device="cpu")
         assert cpu.memory["activations"] / 2 ** 20 == pytest.approx(measured, rel=0.15), cp
     from moetrain.parallel.context_parallel import TILE_ROWS
     from moetrain.planner.context import BLOCK_TILE_ROWS
     assert BLOCK_TILE_ROWS == TILE_ROWS
-    # MLA under all_gather sends its fp32 latent and RoPE key (64 + 16 values a token), the ring the K|V
-    # expanded per head (4 heads x (48 + 32) fp32): a quarter of the bytes
+    # MLA under all_gather and p2p sends its fp32 latent and RoPE key (64 + 16 values a token), not the K|V
+    # expanded per head (4 heads x (48 + 32) fp32: 4x the bytes)
+    from moetrain.config import load_config
+    from moetrain.planner import context
+    from moetrain.planner.arch import Job
     mla = {comm: plan_of("configs/deepseek_v3_tiny.yaml", *base, "parallel.context_parallel=2",
-                         f"parallel.cp_comm_type={comm}").comm_bytes["cp"] for comm in ("all_gather", "p2p")}
-    assert mla["all_gather"] == pytest.approx(mla["p2p"] * 4 * (64 + 16) / (4 * 4 * (48 + 32)))
+                         f"parallel.cp_comm_type={comm}") for comm in ("all_gather", "p2p")}
+    assert mla["all_gather"].comm_bytes["cp"] == pytest.approx(mla["p2p"].comm_bytes["cp"])
+    arch = Job.of(load_config("configs/deepseek_v3_tiny.yaml", base)).arch
+    for comm, r in mla.items():
+        assert context.crossing_bytes_per_token(arch, r.layout, 4) == 4 * (64 + 16), comm
+        assert context.kv_bytes_per_token(arch, 4, 1) == 4 * 4 * (48 + 32)
 
 
 def test_a_128k_token_deepseek_v3_run_fits_only_with_cp():

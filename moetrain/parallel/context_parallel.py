@@ -131,7 +131,7 @@ def _softmax_dtype(x):
     return ms.float64 if x.dtype == ms.float64 else ms.float32
 
 
-TILE_ROWS = 128         # query rows attended at a time: a step's transient scores are rows x chunk keys per head
+TILE_ROWS = 64          # query rows attended at a time: a step's transient scores are rows x chunk keys per head
 
 
 class TiledAttention(nn.Cell):
@@ -172,67 +172,66 @@ class TiledAttention(nn.Cell):
                 raise ValueError(f"TiledAttention: key ranges [{a0}, {a1}) and [{b0}, {b1}) overlap")
         self.slots = tuple(slots)
         # per query range, per key range: the slot its dK / dV accumulate into
-        self.slot_of = tuple(tuple(slots.index((k0, k1)) for k0, k1, _ in ranges) for _, _, ranges in plan)
-
-    def steps(self):
-        """`[(r0, r1, k0, k1, causal, slot, first, offset), ...]`: every (row tile, key range) step in
-        order; r0, r1 absolute rows of q, `first` the tile's first step, `offset` = r0 − q0."""
-        out = []
-        for (q0, q1, ranges), slots in zip(self.plan, self.slot_of):
+        slot_of = [[slots.index((k0, k1)) for k0, k1, _ in ranges] for _, _, ranges in plan]
+        # `((r0, r1, offset, ((k0, k1, causal, slot), ...)), ...)`: every row tile in order (r0, r1 absolute
+        # rows of q, offset = r0 − q0), its key ranges and the slot each one's dK / dV accumulate into;
+        # fixed here (TILE_ROWS as it is now): the graph compiler reads constants, it cannot run the loops
+        tiles = []
+        for (q0, q1, ranges), slot_row in zip(plan, slot_of):
+            steps = tuple((k0, k1, causal, slot) for (k0, k1, causal), slot in zip(ranges, slot_row))
             for r0 in range(q0, q1, TILE_ROWS):
-                r1 = r0 + TILE_ROWS if r0 + TILE_ROWS < q1 else q1
-                for i, (k0, k1, causal) in enumerate(ranges):
-                    out.append((r0, r1, k0, k1, causal, slots[i], i == 0, r0 - q0))
-        return out
+                tiles.append((r0, min(r0 + TILE_ROWS, q1), r0 - q0, steps))
+        self.tiles = tuple(tiles)
 
-    def exponentials(self, q_tile, k, query_docs, key_docs, step, dtype):
+    def exponentials(self, q_tile, k, query_docs, key_docs, r0, offset, step, dtype):
         """`(e [B, h, g·t, kc], row max m [B, h, g, t, 1], kc)` of one step: the masked fp32 (fp64)
-        scores S of the tile's rows against the keys they may see, e = exp(S − m)."""
-        r0, r1, k0, k1, causal, _, _, offset = step
+        scores S of the tile's rows against the keys of range `step` they may see, e = exp(S − m)."""
+        k0, k1, causal, _ = step
         batch, heads, group, rows, dim = q_tile.shape
         keys = offset + rows if causal else k1 - k0
-        scores = _BMM_NT(q_tile.reshape(batch, heads, group * rows, dim), k[:, :, k0:k0 + keys]).astype(dtype)
+        # every slice after the tile's turn (`_after`): else the graph may take every step's at once
+        scores = _BMM_NT(q_tile.reshape(batch, heads, group * rows, dim), _after(k, q_tile)[:, :, k0:k0 + keys])
+        if scores.dtype != dtype:
+            scores = scores.astype(dtype)
         scores = scores.reshape(batch, heads, group, rows, keys)
         if causal and offset + rows > 1:
             query = ops.arange(offset, offset + rows, dtype=ms.int32).reshape(-1, 1)
             hidden = ops.arange(0, keys, dtype=ms.int32).reshape(1, -1) > query
             scores = scores + hidden.astype(dtype) * _MASKED
         if self.documents:
-            other = query_docs[:, r0:r1].reshape(batch, 1, 1, rows, 1) != \
-                key_docs[:, k0:k0 + keys].reshape(batch, 1, 1, 1, keys)
+            other = _after(query_docs, q_tile)[:, r0:r0 + rows].reshape(batch, 1, 1, rows, 1) != \
+                _after(key_docs, q_tile)[:, k0:k0 + keys].reshape(batch, 1, 1, 1, keys)
             scores = scores + other.astype(dtype) * _MASKED
         top = scores.max(axis=-1, keepdims=True)
         weights = ops.exp(scores - top)
         return weights.reshape(batch, heads, group * rows, keys), top, keys
 
+    def step_forward(self, q_tile, k, v, query_docs, key_docs, r0, offset, step, dtype):
+        """One step's `(e·V [B, h, g, t, dv], m, l)`, m and l (the sum of e) `[B, h, g, t, 1]` fp64."""
+        batch, heads, group, rows, _ = q_tile.shape
+        e, top, keys = self.exponentials(q_tile, k, query_docs, key_docs, r0, offset, step, dtype)
+        total = e.sum(axis=-1).reshape(top.shape).astype(ms.float64)
+        value = _BMM(e.astype(v.dtype), _after(v, e)[:, :, step[0]:step[0] + keys]).astype(dtype)
+        return value.reshape(batch, heads, group, rows, v.shape[-1]), top.astype(ms.float64), total
+
     def construct(self, q, k, v, query_docs, key_docs):
         dtype = _softmax_dtype(q)
-        batch, heads, group, _, _ = q.shape
-        outs, lses, last = [], [], None
-        steps = self.steps()
-        for i, step in enumerate(steps):
-            r0, r1, k0, _, _, _, first, _ = step
+        outs, lses = [], []
+        for r0, r1, offset, steps in self.tiles:
             q_tile = q[:, :, :, r0:r1]
-            if last is not None:                                  # one step after another: one transient at a time
-                q_tile = ops.depend(q_tile, last)
-            e, top, keys = self.exponentials(q_tile, k, query_docs, key_docs, step, dtype)
-            total = e.sum(axis=-1).reshape(top.shape).astype(ms.float64)
-            value = _BMM(e.astype(v.dtype), v[:, :, k0:k0 + keys]).astype(dtype).reshape(
-                batch, heads, group, r1 - r0, v.shape[-1])
-            top = top.astype(ms.float64)
-            if first:                                             # the running sums of the tile's rows
-                acc, peak, norm = value, top, total
-            else:                                                 # rescaled to the new running maximum (fp64)
+            if outs:                                              # one step after another: one transient at a time
+                q_tile = ops.depend(q_tile, outs[-1])
+            acc, peak, norm = self.step_forward(q_tile, k, v, query_docs, key_docs, r0, offset, steps[0], dtype)
+            for step in steps[1:]:                                # running sums, rescaled to the new maximum (fp64)
+                value, top, total = self.step_forward(ops.depend(q_tile, acc), k, v, query_docs, key_docs, r0,
+                                                      offset, step, dtype)
                 new_peak = ops.maximum(peak, top)
                 old_w, new_w = ops.exp(peak - new_peak), ops.exp(top - new_peak)
                 acc = acc * old_w.astype(dtype) + value * new_w.astype(dtype)
                 norm = norm * old_w + total * new_w
                 peak = new_peak
-            last = acc
-            if i + 1 == len(steps) or steps[i + 1][6]:            # the tile's last key range
-                outs.append(acc / norm.astype(dtype))
-                lses.append(peak + ops.log(norm))
-                last = outs[-1]
+            outs.append(acc / norm.astype(dtype))
+            lses.append(peak + ops.log(norm))
         if len(outs) == 1:
             return outs[0], lses[0]
         return ops.concat(outs, 3), ops.concat(lses, 3)
@@ -242,39 +241,39 @@ class TiledAttention(nn.Cell):
         o, lse, d_out, d_lse = out[0], out[1], dout[0], dout[1]
         batch, heads, group, _, dim = q.shape
         k_c, v_c = k.astype(dtype), v.astype(dtype)
-        dq_tiles, dq, dks, dvs, last = [], None, (None,) * len(self.slots), (None,) * len(self.slots), None
-        for step in self.steps():
-            r0, r1, k0, k1, _, slot, first, _ = step
+        dq_tiles, dks, dvs = [], (None,) * len(self.slots), (None,) * len(self.slots)
+        for r0, r1, offset, steps in self.tiles:
             t = r1 - r0
             q_tile = q[:, :, :, r0:r1]
-            if last is not None:
-                q_tile = ops.depend(q_tile, last)
-            if first:
-                if dq is not None:
-                    dq_tiles.append(dq)
-                dq = None
-                do_tile = d_out[:, :, :, r0:r1].astype(dtype)
-                delta = (do_tile * o[:, :, :, r0:r1].astype(dtype)).sum(axis=-1, keepdims=True) \
-                    - d_lse[:, :, :, r0:r1].astype(dtype)
-                delta = delta.reshape(batch, heads, group * t, 1)
-                do_rows = do_tile.reshape(batch, heads, group * t, -1)
-                lse_tile = lse[:, :, :, r0:r1].astype(ms.float64)
-            e, top, keys = self.exponentials(q_tile, k, query_docs, key_docs, step, dtype)
-            scale = ops.exp(top.astype(ms.float64) - lse_tile).astype(dtype).reshape(batch, heads, group * t, 1)
-            probs = e * scale                                                        # [B, h, g·t, kc]
-            d_probs = _BMM_NT(do_rows, v_c[:, :, k0:k0 + keys])
-            d_scores = probs * (d_probs - delta)
-            dq_part = _BMM(d_scores, k_c[:, :, k0:k0 + keys]).reshape(batch, heads, group, t, dim)
-            dq = dq_part if dq is None else dq + dq_part
-            dk_part = _BMM_TN(d_scores, q_tile.reshape(batch, heads, group * t, dim).astype(dtype))   # [B, h, kc, d]
-            dv_part = _BMM_TN(probs, do_rows)                                                     # [B, h, kc, dv]
-            if keys < k1 - k0:                                                       # a causal tile: keys [k0, k0 + kc)
-                dk_part = ops.pad(dk_part, (0, 0, 0, k1 - k0 - keys))
-                dv_part = ops.pad(dv_part, (0, 0, 0, k1 - k0 - keys))
-            dks = _accumulate(dks, slot, dk_part)
-            dvs = _accumulate(dvs, slot, dv_part)
-            last = dq
-        dq_tiles.append(dq)
+            if dq_tiles:
+                q_tile = ops.depend(q_tile, dq_tiles[-1])
+            do_tile = _after(d_out, q_tile)[:, :, :, r0:r1].astype(dtype)
+            delta = (do_tile * _after(o, q_tile)[:, :, :, r0:r1].astype(dtype)).sum(axis=-1, keepdims=True) \
+                - _after(d_lse, q_tile)[:, :, :, r0:r1].astype(dtype)
+            delta = delta.reshape(batch, heads, group * t, 1)
+            do_rows = do_tile.reshape(batch, heads, group * t, -1)
+            lse_tile = _after(lse, q_tile)[:, :, :, r0:r1].astype(ms.float64)
+            q_rows = q_tile.reshape(batch, heads, group * t, dim).astype(dtype)
+            dq = None
+            for step in steps:
+                k0, k1, _, slot = step
+                q_step = q_tile if dq is None else ops.depend(q_tile, dq)
+                e, top, keys = self.exponentials(q_step, k, query_docs, key_docs, r0, offset, step, dtype)
+                scale = ops.exp(top.astype(ms.float64) - lse_tile).astype(dtype).reshape(batch, heads, group * t, 1)
+                probs = e * scale                                                    # [B, h, g·t, kc]
+                # after P: else the graph may compute every step's dP first, all their transients at once
+                d_probs = _BMM_NT(ops.depend(do_rows, probs), _after(v_c, probs)[:, :, k0:k0 + keys])
+                d_scores = probs * (d_probs - delta)
+                dq_part = _BMM(d_scores, _after(k_c, d_scores)[:, :, k0:k0 + keys]).reshape(batch, heads, group, t, dim)
+                dq = dq_part if dq is None else dq + dq_part
+                dk_part = _BMM_TN(d_scores, q_rows)                                  # [B, h, kc, d]
+                dv_part = _BMM_TN(probs, do_rows)                                    # [B, h, kc, dv]
+                if keys < k1 - k0:                                                   # a causal tile: keys [k0, k0 + kc)
+                    dk_part = ops.pad(dk_part, (0, 0, 0, k1 - k0 - keys))
+                    dv_part = ops.pad(dv_part, (0, 0, 0, k1 - k0 - keys))
+                dks = _accumulate(dks, slot, dk_part)
+                dvs = _accumulate(dvs, slot, dv_part)
+            dq_tiles.append(dq)
         dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
         dk, dv = self.whole_keys(dks, k.shape, dtype), self.whole_keys(dvs, v.shape, dtype)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), ops.zeros_like(query_docs),
@@ -291,6 +290,11 @@ class TiledAttention(nn.Cell):
         if shape[2] > at:
             pieces.append(ops.zeros((shape[0], shape[1], shape[2] - at, shape[3]), dtype))
         return pieces[0] if len(pieces) == 1 else ops.concat(pieces, 2)
+
+
+def _after(x, event):
+    """`x`, read only once `event` is computed (ops.depend: no copy)."""
+    return ops.depend(x, event)
 
 
 def _accumulate(parts, slot: int, value):
@@ -327,14 +331,24 @@ _CELLS = {}
 _NO_DOCS = Tensor(np.zeros((1, 1), np.float32))
 
 
-def tiled_attention(plan, q, k, v, documents=None):
-    """`TiledAttention(plan)`'s `(out, lse)`; `documents` None or `(query_docs, key_docs)` fp32 ids."""
-    key = (plan, documents is not None)
+def tiled_cell(plan, documents: bool) -> TiledAttention:
+    """The shared `TiledAttention` of `plan` (made here, in Python: ms.jit cannot make a cell)."""
+    key = (plan, documents, TILE_ROWS)
     if key not in _CELLS:
-        _CELLS[key] = TiledAttention(plan, documents is not None)
+        _CELLS[key] = TiledAttention(plan, documents)
+    return _CELLS[key]
+
+
+def run_tiled(cell, q, k, v, documents=None):
+    """`cell(q, k, v, ...)` -> `(out, lse)`; `documents` None or `(query_docs, key_docs)` fp32 ids."""
     if documents is None:
-        return _CELLS[key](q, k, v, _NO_DOCS, _NO_DOCS)
-    return _CELLS[key](q, k, v, documents[0], documents[1])
+        return cell(q, k, v, _NO_DOCS, _NO_DOCS)
+    return cell(q, k, v, documents[0], documents[1])
+
+
+def tiled_attention(plan, q, k, v, documents=None):
+    """`TiledAttention(plan)`'s `(out, lse)` (PyNative: the cell is looked up or made here)."""
+    return run_tiled(tiled_cell(plan, documents is not None), q, k, v, documents)
 
 
 def block_attention(q, k, v, causal: bool = False, documents=None):
@@ -392,15 +406,19 @@ class ContextParallelAttention(nn.Cell):
         self.cp, self.rank = group.size, group.rank_in_group
         self.splits_heads = comm_type == "a2a"
         self.ring = comm_type == "p2p"
-        # all_gather: the keys cross the split in one all-gather, so a layer may gather a smaller form of
-        # them and expand it after (MLA: its compressed latent and shared RoPE key; `gather_keys`)
-        self.gathers_keys = comm_type == "all_gather"
+        # all_gather, p2p: the keys cross the split whole (all-gathered or round the ring), so a layer may
+        # send a smaller form of them and expand it after (MLA: its compressed latent and shared RoPE key;
+        # `gather_keys`)
+        self.gathers_keys = comm_type in ("all_gather", "p2p")
         # p2p: each ring step sends this rank's current block to the next rank and receives the previous
         # rank's (rows of one block; an all-to-all-v with one non-zero count each way)
         nxt, prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
         self.send_counts = tuple(1 if r == nxt else 0 for r in range(self.cp))
         self.recv_counts = tuple(1 if r == prev else 0 for r in range(self.cp))
         self.seq_length = seq_length
+        # all_gather / p2p: the local queries against the keys in rank order, one cell (made here, not under ms.jit)
+        self.rows = seq_length // self.cp
+        self.tiled = None if self.splits_heads else tiled_cell(balanced_plan(self.rows, self.rank, self.cp), packed)
         # a2a: the gathered sequence arrives in rank order of the local chunks; these put it in order and back
         ranks_order = np.concatenate([chunk_order(seq_length, self.cp, r) for r in range(self.cp)])
         self.to_natural = Tensor(np.argsort(ranks_order).astype(np.int32))
@@ -437,38 +455,33 @@ class ContextParallelAttention(nn.Cell):
         position_ids = context[1]
         if rope is not None:
             q, k = rope(q, position_ids), rope(k, position_ids)
-        head_dim = k.shape[3]
-        if not self.ring:                                                   # all_gather: K and V as one tensor
-            kv, key_docs = self.gather_keys(ops.concat((k, v), -1), context)  # [B, cp * L, n_kv, d + dv]
-            k_all, v_all = ops.split(kv, [head_dim, v.shape[-1]], -1)
-            return self.attend_gathered(q, k_all, v_all, scale, context, key_docs)
-        q = q * scale
-        queries = heads_major_queries(q, k.shape[2])
-        docs = context[0].astype(ms.float32) if self.packed else None       # ids < 2^24: exact in fp32
-        # p2p: the ring
-        block = ops.concat((k, v), -1).transpose(0, 2, 1, 3)             # [B, n_kv, L, d + dv]
-        blocks, doc_blocks = [block], [docs]
-        for _ in range(1, self.cp):                                     # rank r - t's block at step t
-            blocks.append(self.ring_shift(blocks[-1]))
-            if docs is not None:                                        # after the block: one order everywhere
-                doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
-        # the blocks in rank order (block t is rank r - t's): the all-gather's layout, one cell for them all
-        by_rank = [(self.rank - j) % self.cp for j in range(self.cp)]
-        kv_all = ops.concat([blocks[t] for t in by_rank], 2)             # [B, n_kv, cp * L, d + dv]
-        k_all, v_all = ops.split(kv_all, [head_dim, v.shape[-1]], -1)
-        documents = None if docs is None else (docs, ops.concat([doc_blocks[t] for t in by_rank], 1))
-        out = blockwise_attention(queries, k_all, v_all, self.rank, self.cp, documents)
-        return tokens_major_output(out.astype(q.dtype))
+        # K and V as one tensor, all-gathered or passed around the ring into every rank's, in rank order
+        kv, key_docs = self.gather_keys(ops.concat((k, v), -1), context)      # [B, cp * L, n_kv, d + dv]
+        k_all, v_all = ops.split(kv, [k.shape[3], v.shape[-1]], -1)
+        return self.attend_gathered(q, k_all, v_all, scale, context, key_docs)
 
     def gather_keys(self, x, context):
-        """all_gather: a per-token tensor of the local keys `[B, L, ...]` (K|V, or MLA's compressed
-        latent and RoPE key) -> every rank's `[B, cp·L, ...]` in rank order (comm.all_gather; its
-        backward reduce-scatters the gradient to the owners), and the keys' document ids `[B, cp·L]`
-        fp32 with packed documents (None otherwise)."""
-        whole = comm.all_gather(x, self.group, 1)
-        key_docs = None
-        if self.packed:                                                     # after the keys: one order everywhere
-            key_docs = comm.all_gather(ops.depend(context[0].astype(ms.float32), whole), self.group, 1)
+        """all_gather and p2p: a per-token tensor of the local keys `[B, L, ...]` (K|V, or MLA's
+        compressed latent and RoPE key) -> every rank's `[B, cp·L, ...]` in rank order, and the keys'
+        document ids `[B, cp·L]` fp32 with packed documents (None otherwise). all_gather: comm.all_gather
+        (its backward reduce-scatters the gradient to the owners); p2p: cp − 1 ring steps (`ring_shift`,
+        block t is rank r − t's), the blocks put in rank order (the backward sends each block's
+        gradient back round the ring)."""
+        docs = context[0].astype(ms.float32) if self.packed else None       # ids < 2^24: exact in fp32
+        if not self.ring:
+            whole = comm.all_gather(x, self.group, 1)
+            key_docs = None
+            if docs is not None:                                            # after the keys: one order everywhere
+                key_docs = comm.all_gather(ops.depend(docs, whole), self.group, 1)
+            return whole, key_docs
+        blocks, doc_blocks = [x], [docs]
+        for _ in range(1, self.cp):                                         # rank r - t's block at step t
+            blocks.append(self.ring_shift(blocks[-1]))
+            if docs is not None:                                            # after the block: one order everywhere
+                doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
+        by_rank = [(self.rank - j) % self.cp for j in range(self.cp)]
+        whole = ops.concat([blocks[t] for t in by_rank], 1)
+        key_docs = None if docs is None else ops.concat([doc_blocks[t] for t in by_rank], 1)
         return whole, key_docs
 
     def attend_gathered(self, q, k_all, v_all, scale: float, context, key_docs=None):
@@ -478,9 +491,16 @@ class ContextParallelAttention(nn.Cell):
         q = q * scale
         queries = heads_major_queries(q, k_all.shape[2])
         documents = None if key_docs is None else (context[0].astype(ms.float32), key_docs)
-        out = blockwise_attention(queries, k_all.transpose(0, 2, 1, 3), v_all.transpose(0, 2, 1, 3), self.rank,
-                                  self.cp, documents)
+        out = self.blockwise(queries, k_all.transpose(0, 2, 1, 3), v_all.transpose(0, 2, 1, 3), documents)
         return tokens_major_output(out.astype(q.dtype))
+
+    def blockwise(self, queries, k_all, v_all, documents):
+        """`blockwise_attention` through this layer's cell: queries `[B, h, g, L, d]`, keys and values
+        `[B, h, cp·L, ·]` in rank order -> `[B, h, g, L, dv]`."""
+        if queries.shape[3] != self.rows:   # ValueError: a graph may raise only Python's own exception types
+            raise ValueError(f"context parallel attention: {queries.shape[3]} local tokens, the layer was set up "
+                             f"for {self.rows} (seq_length {self.seq_length} / cp {self.cp})")
+        return run_tiled(self.tiled, queries, k_all, v_all, documents)[0]
 
     def whole_context(self, context):
         """Ulysses: the attention context of the whole sequence, in order (packed documents: document
