@@ -203,12 +203,13 @@ def test_key_ranges_merge_to_the_softmax_over_their_union(ms):
 
 
 def test_blockwise_attention_keeps_no_block_probabilities(ms):
-    """The blockwise path (all_gather / p2p) keeps O(rows·d) per block for the backward, as the fused
-    kernel and FlashAttention do, not the fp32 scores, exponentials and probabilities of its
-    query-key pairs (12 bytes each, l² (cp+1)/2 of them per head: 9 MiB here). One cp2 rank's attention,
+    """The blockwise path (all_gather / p2p) keeps O(rows·d) for the backward, as the fused kernel
+    and FlashAttention do, not the fp32 scores, exponentials and probabilities of its query-key
+    pairs (12 bytes each, l² (cp+1)/2 of them per head: 9 MiB here). One cp2 rank's attention,
     forward and backward, in one process: the memory pool's peak above its start (the dry run's
-    measurement) stays under half of those bytes (measured 3.0 MiB: the 128-row tiles' transient
-    scores; the autodiff of the plain ops held 12.3 MiB)."""
+    measurement) stays under half of those bytes (measured 1.5 MiB: one 64-row step's transient
+    scores; 3.0 MiB with a cell per block and 128-row tiles; the autodiff of the plain ops held
+    12.3 MiB)."""
     from mindspore import Tensor
 
     from moetrain.parallel.context_parallel import blockwise_attention
