@@ -6,8 +6,9 @@ Each rank's share of one causal attention layer (batch 1, 8 query / 4 K/V heads 
 backward and the forward alone (their difference is printed as the backward), timed in this process
 one rank after another (the K/V of the whole sequence given, as the all-gather leaves it): the
 load-balanced split of moetrain (rank i holds chunks i and 2·cp−1−i,
-`moetrain.parallel.context_parallel.blockwise_attention`, blocks through `BlockAttention`) and a
-contiguous split (rank i holds chunk i of cp: it attends to i earlier chunks and its own diagonal).
+`moetrain.parallel.context_parallel.blockwise_attention`: one `TiledAttention` cell) and a
+contiguous split (rank i holds chunk i of cp: it attends to i earlier chunks and its own diagonal;
+the same cell, chunks and tiles).
 Prints the median time per rank (the ranks timed in turn within each repeat) and the slowest /
 fastest ratio of each.
 
@@ -36,10 +37,9 @@ def main():
     args = parser.parse_args()
     os.environ["MS_DEV_HOST_BLOCKING_RUN"] = "1"             # ops on the calling thread (read at the first op)
     import mindspore as ms
-    from mindspore import Tensor, ops
+    from mindspore import Tensor
 
-    from moetrain.parallel.context_parallel import (block_attention, blockwise_attention,
-                                                    chunk_order, merge_partials)
+    from moetrain.parallel.context_parallel import blockwise_attention, chunk_order, chunk_plan, tiled_attention
 
     ms.set_device("CPU")
     if args.clock == "thread":
@@ -60,14 +60,10 @@ def main():
 
     def contiguous(r):
         rows = slice(r * local, (r + 1) * local)
-
-        def attend(q_, k_, v_):
-            ks, vs = ops.split(k_, [local] * cp, 2), ops.split(v_, [local] * cp, 2)
-            out = block_attention(q_, ks[r], vs[r], causal=True)
-            for j in range(r):
-                out = merge_partials(out, block_attention(q_, ks[j], vs[j]))
-            return out[0]
-        return (Tensor(q[:, :, :, rows]), Tensor(k), Tensor(v)), attend
+        chunk = local // 2                                  # the same chunks and steps, not balanced
+        plan = chunk_plan((2 * r, 2 * r + 1), lambda j: j * chunk, chunk)
+        return (Tensor(q[:, :, :, rows]), Tensor(k), Tensor(v)), \
+            lambda q_, k_, v_: tiled_attention(plan, q_, k_, v_)[0]
 
     def medians(runs):
         """Median time of each of `runs`, the repeats interleaved (run 0, 1, ..., then again), so that

@@ -144,14 +144,16 @@ def attention_and_grads(ms, attention, arrays, weights, dtype):
     return [attention(q, k, v).asnumpy()] + [g.asnumpy() for g in grads]
 
 
-@pytest.mark.parametrize("cp, tile", [(2, None), (3, None), (3, 4)])
+@pytest.mark.parametrize("cp, tile", [(2, None), (3, None), (3, 2)])
 def test_blockwise_attention_equals_full_attention(ms, monkeypatch, cp, tile):
     """Forward and backward against the whole sequence's causal attention: in float64 to 1e-12; in
     float32 (cp 2) no further from the float64 truth than plain float32 attention is (both ~1e-6:
-    rounding). cp 2 has both off-diagonal cases (block before / after), cp 3 merges several blocks;
-    `tile` 4: each block's 6 rows in tiles of 4 and 2 (`BlockAttention`; a causal tile skips later keys).
-    Only the tiled case sees a tile's row offset: the causal mask's rows taken from 0 instead of the
-    tile's r0, or the backward's dO tile sliced at 0 instead of r0, fails it (and passes the others)."""
+    rounding). cp 2 has both off-diagonal cases (block before / after), cp 3 merges several key
+    chunks; `tile` 2: each 3-row chunk's rows in tiles of 2 and 1 (`TiledAttention`; a causal tile
+    skips later keys). Only the tiled case sees a tile's offset within its chunk: the causal mask's
+    rows taken from 0 instead of it fails that case alone (checked by mutation); the backward's dO
+    sliced at 0 instead of the tile's row fails every cp 3 case.
+    """
     if tile:
         from moetrain.parallel import context_parallel as cpmod
         monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
@@ -175,31 +177,39 @@ def test_blockwise_attention_equals_full_attention(ms, monkeypatch, cp, tile):
         assert error <= 2 * plain_error + 1e-6, f"{name}, cp={cp}, float32: {error:.2e} vs plain {plain_error:.2e}"
 
 
-def test_merge_of_partials_is_the_softmax_over_the_union(ms):
-    """Two key sets attended separately and merged by their log-sum-exp give attention over both."""
+def test_key_ranges_merge_to_the_softmax_over_their_union(ms):
+    """One query range against two key ranges in one `TiledAttention` cell (each its own step,
+    combined by their log-sum-exp) gives attention over both as one range, forward (out, lse) and
+    backward."""
     from mindspore import Tensor, ops
 
-    from moetrain.parallel.context_parallel import block_attention, merge_partials
+    from moetrain.parallel.context_parallel import block_attention, tiled_attention
 
     rng = np.random.default_rng(0)
     q = Tensor(rng.normal(0, 1, (1, 2, 3, 4, 8)))                       # [B, h, g, Sq, d]
     k, v = (Tensor(rng.normal(0, 1, (1, 2, 10, 8))) for _ in range(2))
+    split = ((0, 4, ((0, 3, False), (3, 10, False))),)
     whole, whole_lse = block_attention(q, k, v)
-    first, second = (block_attention(q, k[:, :, s], v[:, :, s]) for s in (slice(0, 3), slice(3, 10)))
-    merged, merged_lse = merge_partials(first, second)
+    merged, merged_lse = tiled_attention(split, q, k, v)
     np.testing.assert_allclose(merged.asnumpy(), whole.asnumpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(merged_lse.asnumpy(), whole_lse.asnumpy(), rtol=1e-12, atol=1e-12)
     scores = ops.matmul(q.reshape(1, 2, 12, 8), k.swapaxes(-1, -2)).asnumpy()
     np.testing.assert_allclose(whole_lse.asnumpy().reshape(1, 2, 12), np.log(np.exp(scores).sum(-1)), rtol=1e-12)
+    w = Tensor(rng.normal(0, 1, (1, 2, 3, 4, 8)))
+    grads = [ms.grad(lambda q, k, v: (f(q, k, v)[0] * w).sum(), grad_position=(0, 1, 2))(q, k, v)
+             for f in (block_attention, lambda q, k, v: tiled_attention(split, q, k, v))]
+    for name, got, want in zip(("dq", "dk", "dv"), grads[1], grads[0]):
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-12, atol=1e-12, err_msg=name)
 
 
 def test_blockwise_attention_keeps_no_block_probabilities(ms):
-    """The blockwise path (all_gather / p2p) keeps O(rows·d) per block for the backward, as the fused
-    kernel and FlashAttention do, not the fp32 scores, exponentials and probabilities of its
-    query-key pairs (12 bytes each, l² (cp+1)/2 of them per head: 9 MiB here). One cp2 rank's attention,
+    """The blockwise path (all_gather / p2p) keeps O(rows·d) for the backward, as the fused kernel
+    and FlashAttention do, not the fp32 scores, exponentials and probabilities of its query-key
+    pairs (12 bytes each, l² (cp+1)/2 of them per head: 9 MiB here). One cp2 rank's attention,
     forward and backward, in one process: the memory pool's peak above its start (the dry run's
-    measurement) stays under half of those bytes (measured 3.0 MiB: the 128-row tiles' transient
-    scores; the autodiff of the plain ops held 12.3 MiB)."""
+    measurement) stays under half of those bytes (measured 1.5 MiB: one 64-row step's transient
+    scores; 3.0 MiB with a cell per block and 128-row tiles; the autodiff of the plain ops held
+    12.3 MiB)."""
     from mindspore import Tensor
 
     from moetrain.parallel.context_parallel import blockwise_attention
@@ -216,6 +226,34 @@ def test_blockwise_attention_keeps_no_block_probabilities(ms):
     assert all(np.isfinite(g).all() for g in grads)
     pair_bytes = 12 * batch * heads * group * rows * rows * (cp + 1) / 2
     assert 0 < pool.peak_above_start < 0.5 * pair_bytes, (pool.peak_above_start / 2 ** 20, pair_bytes / 2 ** 20)
+
+
+def test_blockwise_attention_keeps_no_block_outputs(ms):
+    """The blockwise path keeps, for the backward, its L rows' merged output and log-sum-exp (one
+    `TiledAttention` cell for all the blocks, recomputing the probabilities from the merged lse), not
+    each block's output and the merges' terms, which cover the whole sequence's rows whatever cp is
+    (about 3.5 fp32 copies of `[S, g, dv]` on the last rank). cp 4, rank 3 (its lower blocks are
+    attended by all its rows), wide values (dv 256) so that those outputs dominate: the memory pool's
+    peak over forward and backward stays under 2 copies (measured 2.4 MiB of the 4 allowed; the
+    per-block path with autodiff merges held 7.0 MiB and fails it, checked by mutation)."""
+    from mindspore import Tensor
+
+    from moetrain.parallel.context_parallel import blockwise_attention
+    from moetrain.planner.dryrun import PoolRecorder
+
+    rng = np.random.default_rng(0)
+    cp, rank, group, rows, dim, value_dim = 4, 3, 8, 64, 8, 256
+    q = Tensor(rng.normal(0, 1, (1, 1, group, rows, dim)).astype(np.float32))
+    k = Tensor(rng.normal(0, 1, (1, 1, cp * rows, dim)).astype(np.float32))
+    v = Tensor(rng.normal(0, 1, (1, 1, cp * rows, value_dim)).astype(np.float32))
+    step = ms.grad(lambda q, k, v: blockwise_attention(q, k, v, rank, cp).sum(), grad_position=(0, 1, 2))
+    step(q, k, v)                                                       # warm-up: the pool's own growth
+    with PoolRecorder() as pool:
+        grads = [g.asnumpy() for g in step(q, k, v)]
+    assert all(np.isfinite(g).all() for g in grads)
+    sequence_outputs = 4 * cp * rows * group * value_dim                # one fp32 [S, g, dv]
+    assert 0 < pool.peak_above_start < 2 * sequence_outputs, (pool.peak_above_start / 2 ** 20,
+                                                              sequence_outputs / 2 ** 20)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +367,7 @@ def mla_layer(seq):
 @pytest.mark.parametrize("family, comm_type, packed, cp", [
     ("gqa", "all_gather", False, 2), ("gqa", "p2p", False, 2), ("gqa", "a2a", False, 2), ("mla", "all_gather", False, 2),
     ("mla", "all_gather", True, 2), ("mla", "a2a", False, 2), ("gqa", "all_gather", True, 2), ("gqa", "p2p", True, 2), ("gqa", "a2a", True, 2),
-    ("gqa", "p2p", False, 4)])
+    ("mla", "p2p", True, 2), ("gqa", "p2p", False, 4)])
 def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkeypatch, family, comm_type, packed, cp):
     """An `Attention` layer (GQA 4/2 heads, RoPE) switched to `ContextParallelAttention`, each rank's
     local tokens with their global positions (`local_batch`), the collectives simulated in one process
@@ -402,6 +440,8 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
     np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
     if (family, comm_type) == ("mla", "all_gather"):    # kv_lora_rank 16 + qk_rope_head_dim 4 a token, not 4 x (12 + 6)
         assert {value.shape[-1] for key, value in sent.items() if value.ndim == 3} == {16 + 4}
+    if (family, comm_type) == ("mla", "p2p"):           # the ring passes the same: 2 x 4 tokens x 20, and their doc ids
+        assert {value[0].shape[-1] for value in sent.values()} == {2 * 4 * (16 + 4), 2 * 4}
 
 
 def plan_of(config, *overrides, device="gpu_h100"):
@@ -431,19 +471,26 @@ def test_the_planner_models_context_parallel():
         assert "cp" not in one.comm_bytes or one.comm_bytes["cp"] == 0
     zero = plan_of("configs/moe_tiny.yaml", *base, "parallel.context_parallel=2", "parallel.optimizer_shard=1")
     assert zero.memory["optimizer"] == pytest.approx(one.memory["optimizer"] * 3 / 4)   # (m + v + master) / 2
-    # on this CPU: the blockwise path's block outputs, merge terms and one layer's tile transient, no
-    # probabilities; the dry run measured 147.1 MiB (cp 2) and 96.6 MiB (cp 4; docs/context_parallel.md)
-    for cp, measured in ((2, 147.1), (4, 96.6)):
+    # on this CPU: the blockwise path's merged output and lse and one step's transient, no probabilities
+    # or per-block outputs; the dry run measured 84.0 MiB (cp 2) and 47.3 MiB (cp 4; docs/context_parallel.md)
+    for cp, measured in ((2, 84.0), (4, 47.3)):
         cpu = plan_of("configs/moe_tiny.yaml", *base, f"parallel.context_parallel={cp}", device="cpu")
         assert cpu.memory["activations"] / 2 ** 20 == pytest.approx(measured, rel=0.15), cp
     from moetrain.parallel.context_parallel import TILE_ROWS
     from moetrain.planner.context import BLOCK_TILE_ROWS
     assert BLOCK_TILE_ROWS == TILE_ROWS
-    # MLA under all_gather sends its fp32 latent and RoPE key (64 + 16 values a token), the ring the K|V
-    # expanded per head (4 heads x (48 + 32) fp32): a quarter of the bytes
+    # MLA under all_gather and p2p sends its fp32 latent and RoPE key (64 + 16 values a token), not the K|V
+    # expanded per head (4 heads x (48 + 32) fp32: 4x the bytes)
+    from moetrain.config import load_config
+    from moetrain.planner import context
+    from moetrain.planner.arch import Job
     mla = {comm: plan_of("configs/deepseek_v3_tiny.yaml", *base, "parallel.context_parallel=2",
-                         f"parallel.cp_comm_type={comm}").comm_bytes["cp"] for comm in ("all_gather", "p2p")}
-    assert mla["all_gather"] == pytest.approx(mla["p2p"] * 4 * (64 + 16) / (4 * 4 * (48 + 32)))
+                         f"parallel.cp_comm_type={comm}") for comm in ("all_gather", "p2p")}
+    assert mla["all_gather"].comm_bytes["cp"] == pytest.approx(mla["p2p"].comm_bytes["cp"])
+    arch = Job.of(load_config("configs/deepseek_v3_tiny.yaml", base)).arch
+    for comm, r in mla.items():
+        assert context.crossing_bytes_per_token(arch, r.layout, 4) == 4 * (64 + 16), comm
+        assert context.kv_bytes_per_token(arch, 4, 1) == 4 * 4 * (48 + 32)
 
 
 def test_a_128k_token_deepseek_v3_run_fits_only_with_cp():

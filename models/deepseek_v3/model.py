@@ -120,9 +120,10 @@ class MultiHeadLatentAttention(CausalAttention):
     """MLA (DeepSeek-V2/V3); `construct(x [B, S, H], context=None) -> [B, S, H]` in the compute dtype;
     `context`: packed documents (`CausalAttention`): RoPE, applied here to the decoupled part only,
     rotates at its position ids, and `attend` masks across documents. Under context parallelism with
-    `cp_comm_type: all_gather` the normed latent and the rotated shared key (kv_lora_rank +
-    qk_rope_head_dim values a token) cross the split and every rank expands all of them through
-    `wkv_b`, rather than gathering the per-head keys and values (docs/context_parallel.md).
+    `cp_comm_type: all_gather` or `p2p` the normed latent and the rotated shared key (kv_lora_rank +
+    qk_rope_head_dim values a token) cross the split (all-gathered or round the ring) and every rank
+    expands all of them through `wkv_b`, rather than sending the per-head keys and values
+    (docs/context_parallel.md).
 
     Head counts are read from the `wq_b`/`wq` and `wkv_b` outputs, so a tensor-parallel plan may
     split those column-wise (and `wo` row-wise) while the latent projections and norms stay whole."""
@@ -160,7 +161,7 @@ class MultiHeadLatentAttention(CausalAttention):
         cp = self.context_parallel
         gathered = cp is not None and cp.gathers_keys
         key_docs = None
-        if gathered:   # all_gather under cp: the compressed K/V crosses the split, expanded after
+        if gathered:   # all_gather / p2p under cp: the compressed K/V crosses the split, expanded after
             compressed = ops.cat((latent.astype(ms.float32),
                                   k_rot.reshape(batch, seq_len, self.rope_dim).astype(ms.float32)), -1)
             compressed, key_docs = cp.gather_keys(compressed, context)     # [B, cp * L, latent + rope]

@@ -3,8 +3,8 @@
     chunk_order(seq_len, cp, rank)          the global token positions rank `rank` holds
     local_batch(batch, cp, rank)            a batch's local tokens, labels and global position ids
     blockwise_attention(q, k, v, rank, cp)  causal attention of the local queries against the
-                                            gathered K/V, block by block, merged by log-sum-exp
-    BlockAttention                          one block's (out, lse), its backward recomputing P
+                                            gathered K/V, chunk by chunk, merged by log-sum-exp
+    TiledAttention                          that in one cell, its backward recomputing P
     ContextParallelAttention                that, with the K/V all-gathered over the cp group (comm)
                                             or passed around it (ring); or Ulysses' all-to-alls
                                             around the layer's own attention
@@ -29,22 +29,22 @@ per-expert sums, the sequence-wise aux loss) are all-reduced over the cp group f
 Attention (`cp_comm_type: all_gather`, Megatron-Core's name): K and V (after RoPE at the global
 positions) are all-gathered over the cp group (`comm.all_gather`: native AllGather on a device,
 derived from AllReduce on the CPU; its backward reduce-scatters dK, dV back to their owners). The
-local queries then attend to the gathered blocks in ring order (the block of rank r, r−1, ...), as
-ring attention (`p2p`) receives them, each block's partial result `(out, lse)` merged with the
-running one by its log-sum-exp:
+local queries then attend to them in one `TiledAttention` cell: each local chunk (i = r, then
+2·cp−1−r) against the key chunks 0..i, the last (its own) causal, in tiles of `TILE_ROWS` rows
+against one key chunk at a time, the steps' partial results combined by their log-sum-exp:
 
     lse = log(e^lse1 + e^lse2),   out = out1 · e^(lse1 − lse) + out2 · e^(lse2 − lse)
 
-Per block, for rank r and the block of rank j (Megatron's cases): j = r the causal diagonal; j < r
-every local query against the block's first chunk (its second chunk lies after both local chunks);
-j > r only the local second chunk against the whole block (the local first chunk lies before both).
-Each block is a `BlockAttention` cell with a hand-written backward that recomputes its probabilities
-tile by tile (FlashAttention style; exact), so a layer keeps no query-key pairs for the backward; the
-merges are autodiff (exact; the running maximum is a constant of it).
-Ring attention (`cp_comm_type: p2p`) runs the same loop (`ring_attention`) on blocks passed around
-the ring: each step sends the block in hand to the next rank and receives the previous rank's
-(`comm.all_to_all_v` with one row each way: Ascend's AlltoAllV moves just that row; on the CPU comm
-derives it from AllReduce, so there `all_gather` moves fewer bytes). Its backward is the reverse shift.
+(kept as running sums, the per-row terms in fp64). Every rank sees 2·cp + 1 key chunks in all, so
+every rank runs the same number of equal steps. The cell's hand-written backward keeps only q, the
+gathered k and v, the merged output and its log-sum-exp, and recomputes each step's probabilities
+from them (FlashAttention style; exact): a layer keeps O(S/cp·dv) for the backward, no query-key
+pairs and no per-block outputs.
+Ring attention (`cp_comm_type: p2p`) passes the blocks around the ring instead: each step sends the
+block in hand to the next rank and receives the previous rank's (`comm.all_to_all_v` with one row
+each way: Ascend's AlltoAllV moves just that row; on the CPU comm derives it from AllReduce, so
+there `all_gather` moves fewer bytes; its backward is the reverse shift); the blocks, put in rank
+order, go through the same cell.
 
 Attention (`cp_comm_type: a2a`, DeepSpeed Ulysses): an all-to-all over the cp group per q, k, v trades
 the sequence split for a head split (each rank: the whole sequence, 1/cp of the query and K/V heads),
@@ -131,185 +131,242 @@ def _softmax_dtype(x):
     return ms.float64 if x.dtype == ms.float64 else ms.float32
 
 
-TILE_ROWS = 128         # query rows a block attends at a time: its transient scores are rows x keys per head
+TILE_ROWS = 64          # query rows attended at a time: a step's transient scores are rows x chunk keys per head
 
 
-class BlockAttention(nn.Cell):
-    """One block's softmax attention with its log-sum-exp, FlashAttention-style: the backward keeps
-    only what it was given (q, k, v, the query / key document ids) and returned (`out`, `lse`), and
-    recomputes the probabilities from `lse`, so a layer keeps O(rows·d) per block for the backward
-    instead of its fp32 scores, exponentials and probabilities (docs/context_parallel.md, "Measured").
+class TiledAttention(nn.Cell):
+    """Softmax attention of query row ranges against key ranges, all in one cell whose backward keeps
+    only what it was given (q, k, v, the document ids) and returned (the output and its log-sum-exp)
+    and recomputes the probabilities FlashAttention-style, so a layer keeps O(rows·dv) for the
+    backward: no scores, probabilities, per-block outputs or merge terms (docs/context_parallel.md,
+    "Measured").
 
-    `construct(q, k, v, query_docs, key_docs)`: q `[B, h, g, R, d]` (pre-scaled; the g query heads
-    sharing one of the h K/V heads), k `[B, h, C, d]`, v `[B, h, C, dv]`; with `documents` the fp32
-    document ids `[B, R]` / `[B, C]` (a query sees only keys of its own document; otherwise any
-    placeholders); `causal`: R == C and query i sees keys <= i (the diagonal block) ->
-    `(out [B, h, g, R, dv], lse [B, h, g, R, 1])` fp32 (fp64 for fp64), `out` normalised over this
-    block's keys only. Masked scores get the finite −1e9, so a row that sees no key gets `lse` about
-    −1e9 and no weight in a merge. The rows run in tiles of `TILE_ROWS`, one after another (each
-    tile's inputs depend on the previous tile's result), so the transient scores of a block are
-    `TILE_ROWS` x keys per head, forward and backward; a causal tile skips the keys after its rows.
+    `plan`: `((q0, q1, ((k0, k1, causal), ...)), ...)`: query rows [q0, q1) attend to the union of
+    their key ranges; a `causal` range is aligned with the query range (key k0 + i is query q0 + i's
+    position), so query i sees its keys <= i. Ranges of one query range are disjoint; the ranges of
+    different query ranges are equal or disjoint. `construct(q, k, v, query_docs, key_docs)`: q
+    `[B, h, g, R, d]` (pre-scaled; the g query heads sharing one of the h K/V heads), k `[B, h, K, d]`,
+    v `[B, h, K, dv]`; with `documents` the fp32 document ids `[B, R]` / `[B, K]` (a query sees only
+    keys of its own document; otherwise placeholders) -> `(out [B, h, g, R, dv], lse [B, h, g, R, 1])`,
+    out fp32 (fp64 for fp64 inputs), lse fp64. Every query must see at least one key.
 
-    Backward per tile, with P recomputed (`probabilities`): dV += Pᵀ dO, dP = dO Vᵀ,
-    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ = dS K, dK += dSᵀ Q: exact."""
+    Steps: the rows of a query range in tiles of `TILE_ROWS`, each tile against each of its key
+    ranges in turn (each step after the one before, so one step's `[rows, keys]` transient lives at a
+    time; a causal range skips the keys after the tile's rows). A step keeps its row maximum m, the
+    sum l of e = exp(S − m) and e·V; the tile's lse = log Σ e^(m + log l) and out = Σ (e·V) e^(m − lse),
+    the per-row terms in fp64. Backward per step, P = e · e^(m − lse) (e recomputed with the forward's
+    very ops, the per-row factor in fp64: MindSpore's fp32 exp on the CPU is 5e-6 off, so P as
+    exp(S − lse) in fp32 would not be the forward's P): dV += Pᵀ dO, dP = dO Vᵀ,
+    dS = P ∘ (dP − rowsum(dO ∘ O) + dlse), dQ += dS K, dK += dSᵀ Q: exact.
 
-    def __init__(self, causal: bool, documents: bool):
+    Every step is one tile of rows against one key range: with the load-balanced split's plan
+    (`balanced_plan`) every rank runs the same number of equal steps (the balance of
+    benchmarks/bench_cp_balance.py)."""
+
+    def __init__(self, plan, documents: bool):
         super().__init__()
-        self.causal, self.documents = causal, documents
+        self.plan, self.documents = plan, documents
+        slots = sorted({(k0, k1) for _, _, ranges in plan for k0, k1, _ in ranges})
+        for (a0, a1), (b0, b1) in zip(slots, slots[1:]):
+            if b0 < a1:
+                raise ValueError(f"TiledAttention: key ranges [{a0}, {a1}) and [{b0}, {b1}) overlap")
+        self.slots = tuple(slots)
+        # per query range, per key range: the slot its dK / dV accumulate into
+        slot_of = [[slots.index((k0, k1)) for k0, k1, _ in ranges] for _, _, ranges in plan]
+        # `((r0, r1, offset, ((k0, k1, causal, slot), ...)), ...)`: every row tile in order (r0, r1 absolute
+        # rows of q, offset = r0 − q0), its key ranges and the slot each one's dK / dV accumulate into;
+        # fixed here (TILE_ROWS as it is now): the graph compiler reads constants, it cannot run the loops
+        tiles = []
+        for (q0, q1, ranges), slot_row in zip(plan, slot_of):
+            steps = tuple((k0, k1, causal, slot) for (k0, k1, causal), slot in zip(ranges, slot_row))
+            for r0 in range(q0, q1, TILE_ROWS):
+                tiles.append((r0, min(r0 + TILE_ROWS, q1), r0 - q0, steps))
+        self.tiles = tuple(tiles)
 
-    def tiles(self, rows: int):
-        """`[(r0, r1), ...]`: the row tiles (no `min`: graph mode does not parse it here)."""
-        out = []
-        for r0 in range(0, rows, TILE_ROWS):
-            out.append((r0, r0 + TILE_ROWS if r0 + TILE_ROWS < rows else rows))
-        return out
-
-    def scores(self, q_tile, k, query_docs, key_docs, r0: int, r1: int, dtype):
-        """fp32 (fp64) masked scores of query rows [r0, r1) `[B, h, g, t, kc]` and kc, the keys they may see."""
+    def exponentials(self, q_tile, k, query_docs, key_docs, r0, offset, step, dtype):
+        """`(e [B, h, g·t, kc], row max m [B, h, g, t, 1], kc)` of one step: the masked fp32 (fp64)
+        scores S of the tile's rows against the keys of range `step` they may see, e = exp(S − m)."""
+        k0, k1, causal, _ = step
         batch, heads, group, rows, dim = q_tile.shape
-        keys = r1 if self.causal else k.shape[2]
-        scores = _BMM_NT(q_tile.reshape(batch, heads, group * rows, dim), k[:, :, :keys]).astype(dtype)
+        keys = offset + rows if causal else k1 - k0
+        # every slice after the tile's turn (`_after`): else the graph may take every step's at once
+        scores = _BMM_NT(q_tile.reshape(batch, heads, group * rows, dim), _after(k, q_tile)[:, :, k0:k0 + keys])
+        if scores.dtype != dtype:
+            scores = scores.astype(dtype)
         scores = scores.reshape(batch, heads, group, rows, keys)
-        if self.causal and r1 > 1:
-            query = ops.arange(r0, r1, dtype=ms.int32).reshape(-1, 1)
+        if causal and offset + rows > 1:
+            query = ops.arange(offset, offset + rows, dtype=ms.int32).reshape(-1, 1)
             hidden = ops.arange(0, keys, dtype=ms.int32).reshape(1, -1) > query
             scores = scores + hidden.astype(dtype) * _MASKED
         if self.documents:
-            other = query_docs[:, r0:r1].reshape(batch, 1, 1, rows, 1) != key_docs[:, :keys].reshape(batch, 1, 1, 1, keys)
+            other = _after(query_docs, q_tile)[:, r0:r0 + rows].reshape(batch, 1, 1, rows, 1) != \
+                _after(key_docs, q_tile)[:, k0:k0 + keys].reshape(batch, 1, 1, 1, keys)
             scores = scores + other.astype(dtype) * _MASKED
-        return scores, keys
-
-    def probabilities(self, q_tile, k, query_docs, key_docs, r0: int, r1: int, dtype):
-        """`(P [B, h, g, t, kc], kc, row max, row sum of the exponentials)` of query rows [r0, r1): the
-        backward recomputes P with the forward's very ops, so it is the forward's P to the bit (MindSpore's
-        fp32 exp on the CPU is 5e-6 off: P from exp(S − lse) would not sum to 1 as closely)."""
-        scores, keys = self.scores(q_tile, k, query_docs, key_docs, r0, r1, dtype)
         top = scores.max(axis=-1, keepdims=True)
         weights = ops.exp(scores - top)
-        total = weights.sum(axis=-1, keepdims=True)
-        return weights / total, keys, top, total
+        return weights.reshape(batch, heads, group * rows, keys), top, keys
+
+    def step_forward(self, q_tile, k, v, query_docs, key_docs, r0, offset, step, dtype):
+        """One step's `(e·V [B, h, g, t, dv], m, l)`, m and l (the sum of e) `[B, h, g, t, 1]` fp64."""
+        batch, heads, group, rows, _ = q_tile.shape
+        e, top, keys = self.exponentials(q_tile, k, query_docs, key_docs, r0, offset, step, dtype)
+        total = e.sum(axis=-1).reshape(top.shape).astype(ms.float64)
+        value = _BMM(e.astype(v.dtype), _after(v, e)[:, :, step[0]:step[0] + keys]).astype(dtype)
+        return value.reshape(batch, heads, group, rows, v.shape[-1]), top.astype(ms.float64), total
 
     def construct(self, q, k, v, query_docs, key_docs):
         dtype = _softmax_dtype(q)
-        batch, heads, group, rows, _ = q.shape
         outs, lses = [], []
-        for r0, r1 in self.tiles(rows):
+        for r0, r1, offset, steps in self.tiles:
             q_tile = q[:, :, :, r0:r1]
-            if outs:                                              # one tile after another: one transient at a time
+            if outs:                                              # one step after another: one transient at a time
                 q_tile = ops.depend(q_tile, outs[-1])
-            probs, keys, top, total = self.probabilities(q_tile, k, query_docs, key_docs, r0, r1, dtype)
-            probs = probs.astype(v.dtype).reshape(batch, heads, group * (r1 - r0), keys)
-            outs.append(_BMM(probs, v[:, :, :keys]).astype(dtype).reshape(batch, heads, group, r1 - r0, v.shape[-1]))
-            lses.append(top + ops.log(total))
+            acc, peak, norm = self.step_forward(q_tile, k, v, query_docs, key_docs, r0, offset, steps[0], dtype)
+            for step in steps[1:]:                                # running sums, rescaled to the new maximum (fp64)
+                value, top, total = self.step_forward(ops.depend(q_tile, acc), k, v, query_docs, key_docs, r0,
+                                                      offset, step, dtype)
+                new_peak = ops.maximum(peak, top)
+                old_w, new_w = ops.exp(peak - new_peak), ops.exp(top - new_peak)
+                acc = acc * old_w.astype(dtype) + value * new_w.astype(dtype)
+                norm = norm * old_w + total * new_w
+                peak = new_peak
+            outs.append(acc / norm.astype(dtype))
+            lses.append(peak + ops.log(norm))
         if len(outs) == 1:
             return outs[0], lses[0]
         return ops.concat(outs, 3), ops.concat(lses, 3)
 
     def bprop(self, q, k, v, query_docs, key_docs, out, dout):
         dtype = _softmax_dtype(q)
-        o, d_out, d_lse = out[0], dout[0], dout[1]
-        batch, heads, group, rows, dim = q.shape
+        o, lse, d_out, d_lse = out[0], out[1], dout[0], dout[1]
+        batch, heads, group, _, dim = q.shape
         k_c, v_c = k.astype(dtype), v.astype(dtype)
-        dq_tiles, dk, dv = [], None, None
-        for r0, r1 in self.tiles(rows):
+        dq_tiles, dks, dvs = [], (None,) * len(self.slots), (None,) * len(self.slots)
+        for r0, r1, offset, steps in self.tiles:
             t = r1 - r0
             q_tile = q[:, :, :, r0:r1]
             if dq_tiles:
                 q_tile = ops.depend(q_tile, dq_tiles[-1])
-            probs, keys, _, _ = self.probabilities(q_tile, k, query_docs, key_docs, r0, r1, dtype)
-            probs = probs.reshape(batch, heads, group * t, keys)
-            do_tile = d_out[:, :, :, r0:r1].astype(dtype)
-            delta = (do_tile * o[:, :, :, r0:r1].astype(dtype)).sum(axis=-1, keepdims=True) - d_lse[:, :, :, r0:r1]
+            do_tile = _after(d_out, q_tile)[:, :, :, r0:r1].astype(dtype)
+            delta = (do_tile * _after(o, q_tile)[:, :, :, r0:r1].astype(dtype)).sum(axis=-1, keepdims=True) \
+                - _after(d_lse, q_tile)[:, :, :, r0:r1].astype(dtype)
+            delta = delta.reshape(batch, heads, group * t, 1)
             do_rows = do_tile.reshape(batch, heads, group * t, -1)
-            d_probs = _BMM_NT(do_rows, v_c[:, :, :keys])                           # [B, h, g·t, kc]
-            d_scores = probs * (d_probs - delta.reshape(batch, heads, group * t, 1))
-            dq_tiles.append(_BMM(d_scores, k_c[:, :, :keys]).reshape(batch, heads, group, t, dim))
-            dk_tile = _BMM_TN(d_scores, q_tile.reshape(batch, heads, group * t, dim).astype(dtype))   # [B, h, kc, d]
-            dv_tile = _BMM_TN(probs, do_rows)                                       # [B, h, kc, dv]
-            if keys < k.shape[2]:                                                    # a causal tile: keys [0, r1)
-                dk_tile = ops.pad(dk_tile, (0, 0, 0, k.shape[2] - keys))
-                dv_tile = ops.pad(dv_tile, (0, 0, 0, k.shape[2] - keys))
-            dk = dk_tile if dk is None else dk + dk_tile
-            dv = dv_tile if dv is None else dv + dv_tile
+            lse_tile = _after(lse, q_tile)[:, :, :, r0:r1].astype(ms.float64)
+            q_rows = q_tile.reshape(batch, heads, group * t, dim).astype(dtype)
+            dq = None
+            for step in steps:
+                k0, k1, _, slot = step
+                q_step = q_tile if dq is None else ops.depend(q_tile, dq)
+                e, top, keys = self.exponentials(q_step, k, query_docs, key_docs, r0, offset, step, dtype)
+                scale = ops.exp(top.astype(ms.float64) - lse_tile).astype(dtype).reshape(batch, heads, group * t, 1)
+                probs = e * scale                                                    # [B, h, g·t, kc]
+                # after P: else the graph may compute every step's dP first, all their transients at once
+                d_probs = _BMM_NT(ops.depend(do_rows, probs), _after(v_c, probs)[:, :, k0:k0 + keys])
+                d_scores = probs * (d_probs - delta)
+                dq_part = _BMM(d_scores, _after(k_c, d_scores)[:, :, k0:k0 + keys]).reshape(batch, heads, group, t, dim)
+                dq = dq_part if dq is None else dq + dq_part
+                dk_part = _BMM_TN(d_scores, q_rows)                                  # [B, h, kc, d]
+                dv_part = _BMM_TN(probs, do_rows)                                    # [B, h, kc, dv]
+                if keys < k1 - k0:                                                   # a causal tile: keys [k0, k0 + kc)
+                    dk_part = ops.pad(dk_part, (0, 0, 0, k1 - k0 - keys))
+                    dv_part = ops.pad(dv_part, (0, 0, 0, k1 - k0 - keys))
+                dks = _accumulate(dks, slot, dk_part)
+                dvs = _accumulate(dvs, slot, dv_part)
+            dq_tiles.append(dq)
         dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
+        dk, dv = self.whole_keys(dks, k.shape, dtype), self.whole_keys(dvs, v.shape, dtype)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), ops.zeros_like(query_docs),
                 ops.zeros_like(key_docs))
 
+    def whole_keys(self, parts, shape, dtype):
+        """The per-slot gradients -> one `[B, h, K, ·]` tensor, zeros where no query looked."""
+        pieces, at = [], 0
+        for (k0, k1), part in zip(self.slots, parts):
+            if k0 > at:
+                pieces.append(ops.zeros((shape[0], shape[1], k0 - at, shape[3]), dtype))
+            pieces.append(part)
+            at = k1
+        if shape[2] > at:
+            pieces.append(ops.zeros((shape[0], shape[1], shape[2] - at, shape[3]), dtype))
+        return pieces[0] if len(pieces) == 1 else ops.concat(pieces, 2)
 
-# one instance per kind, shared by every layer (MindSpore parses and infers the backward once)
-_BLOCKS = {(causal, documents): BlockAttention(causal, documents) for causal in (False, True) for documents in (False, True)}
+
+def _after(x, event):
+    """`x`, read only once `event` is computed (ops.depend: no copy)."""
+    return ops.depend(x, event)
+
+
+def _accumulate(parts, slot: int, value):
+    """`parts` (a tuple) with `value` added at `slot` (a tuple rebuilt: no list item assignment under ms.jit)."""
+    now = value if parts[slot] is None else parts[slot] + value
+    return parts[:slot] + (now,) + parts[slot + 1:]
+
+
+def chunk_plan(held: Sequence[int], key_offset, chunk: int):
+    """`TiledAttention`'s plan for causal attention of a rank holding the chunks `held` (their
+    indices in the sequence, in local order, `chunk` tokens each) against the keys of every chunk up
+    to each: query chunk i sees key chunks 0..i, the last causal. `key_offset(j)`: where chunk j's
+    keys start in k."""
+    plan = []
+    for local, index in enumerate(held):
+        ranges = tuple((key_offset(j), key_offset(j) + chunk, j == index) for j in range(index + 1))
+        plan.append((local * chunk, (local + 1) * chunk, ranges))
+    return tuple(plan)
+
+
+def balanced_plan(rows: int, rank: int, cp: int):
+    """The plan of rank `rank`'s L = `rows` local queries (chunks rank and 2·cp−1−rank) against k in
+    rank order (rank j's local keys at [j·L, (j+1)·L): chunk j, then chunk 2·cp−1−j, as the all-gather
+    leaves them). Every rank: (2·cp + 1) key chunks in all, so the same steps."""
+    chunk = rows // 2
+
+    def key_offset(j):
+        return j * rows if j < cp else (2 * cp - 1 - j) * rows + chunk
+    return chunk_plan((rank, 2 * cp - 1 - rank), key_offset, chunk)
+
+
+# one instance per plan, shared by every layer (MindSpore parses and infers the backward once)
+_CELLS = {}
 _NO_DOCS = Tensor(np.zeros((1, 1), np.float32))
 
 
-def block_attention(q, k, v, causal: bool = False, documents=None):
-    """One block's `(out, lse)` (`BlockAttention`): q `[B, h, g, Sq, d]` pre-scaled, k `[B, h, Sk, d]`,
-    v `[B, h, Sk, dv]`; `causal` for the diagonal block; `documents` None or `(query_docs [B, Sq],
-    key_docs [B, Sk])` fp32 ids."""
+def tiled_cell(plan, documents: bool) -> TiledAttention:
+    """The shared `TiledAttention` of `plan` (made here, in Python: ms.jit cannot make a cell)."""
+    key = (plan, documents, TILE_ROWS)
+    if key not in _CELLS:
+        _CELLS[key] = TiledAttention(plan, documents)
+    return _CELLS[key]
+
+
+def run_tiled(cell, q, k, v, documents=None):
+    """`cell(q, k, v, ...)` -> `(out, lse)`; `documents` None or `(query_docs, key_docs)` fp32 ids."""
     if documents is None:
-        return _BLOCKS[(causal, False)](q, k, v, _NO_DOCS, _NO_DOCS)
-    return _BLOCKS[(causal, True)](q, k, v, documents[0], documents[1])
+        return cell(q, k, v, _NO_DOCS, _NO_DOCS)
+    return cell(q, k, v, documents[0], documents[1])
 
 
-def merge_partials(first, second):
-    """Two partial results `(out, lse)` over disjoint key sets -> the result over their union."""
-    out1, lse1 = first
-    out2, lse2 = second
-    top = ops.stop_gradient(ops.maximum(lse1, lse2))
-    w1, w2 = ops.exp(lse1 - top), ops.exp(lse2 - top)
-    total = w1 + w2
-    return (out1 * w1 + out2 * w2) / total, top + ops.log(total)
+def tiled_attention(plan, q, k, v, documents=None):
+    """`TiledAttention(plan)`'s `(out, lse)` (PyNative: the cell is looked up or made here)."""
+    return run_tiled(tiled_cell(plan, documents is not None), q, k, v, documents)
 
 
-def _halves(x, axis: int):
-    size = x.shape[axis] // 2
-    return ops.split(x, [size, size], axis)
+def block_attention(q, k, v, causal: bool = False, documents=None):
+    """One block's `(out, lse)`: q `[B, h, g, Sq, d]` pre-scaled against all of k `[B, h, Sk, d]`,
+    v `[B, h, Sk, dv]`; `causal` (Sq == Sk) for a diagonal block; `documents` None or `(query_docs
+    [B, Sq], key_docs [B, Sk])` fp32 ids."""
+    plan = ((0, q.shape[3], ((0, k.shape[2], causal),)),)
+    return tiled_attention(plan, q, k, v, documents)
 
 
 def blockwise_attention(q, k_all, v_all, rank: int, cp: int, documents=None):
-    """Causal attention of rank `rank`'s local queries against every rank's keys, block by block in
-    ring order, merged by log-sum-exp (module docstring). q `[B, h, g, L, d]` pre-scaled, the local
-    L = S / cp tokens (chunk `rank`, then chunk 2·cp−1−rank); k_all `[B, h, cp·L, d]`, v_all
-    `[B, h, cp·L, dv]`: rank j's local keys at `[j·L, (j+1)·L)` (what an all-gather over the cp group
-    gives); `documents`: None, or `(query_docs [B, L],
-    key_docs [B, cp·L])` (packed documents) -> `[B, h, g, L, dv]` fp32 (fp64 for fp64)."""
-    rows = q.shape[3]
-    k_blocks = ops.split(k_all, [rows] * cp, 2)
-    v_blocks = ops.split(v_all, [rows] * cp, 2)
-    arrival = [(rank - step) % cp for step in range(cp)]
-    if documents is not None:
-        doc_blocks = ops.split(documents[1], [rows] * cp, 1)
-        documents = (documents[0], [doc_blocks[j] for j in arrival])
-    return ring_attention(q, [k_blocks[j] for j in arrival], [v_blocks[j] for j in arrival], rank, cp, documents)
-
-
-def ring_attention(q, k_blocks, v_blocks, rank: int, cp: int, documents=None):
-    """`blockwise_attention` on blocks in ring order: `k_blocks[t]`, `v_blocks[t]` `[B, h, L, d]` /
-    `[B, h, L, dv]` are the local keys and values of rank (rank − t) mod cp, as a ring delivers them
-    (t = 0: this rank's own). `documents`: None, or `(query_docs [B, L], doc_blocks)` with
-    `doc_blocks[t]` `[B, L]` the document ids of block t's keys (packed documents: a query sees only
-    keys of its own document)."""
-    rows = q.shape[3]
-    query_docs, doc_blocks = (None, [None] * cp) if documents is None else documents
-    # the diagonal block: the local tokens in increasing global order, so the plain causal mask
-    docs = None if query_docs is None else (query_docs, doc_blocks[0])
-    out, lse = block_attention(q, k_blocks[0], v_blocks[0], True, docs)
-    first_out, second_out = _halves(out, 3)
-    first_lse, second_lse = _halves(lse, 3)
-    first, second = (first_out, first_lse), (second_out, second_lse)
-    q_second = _halves(q, 3)[1]
-    for step in range(1, cp):
-        j = (rank - step) % cp
-        if j < rank:   # both local chunks see the block's first chunk, neither its second
-            docs = None if query_docs is None else (query_docs, _halves(doc_blocks[step], 1)[0])
-            out, lse = block_attention(q, _halves(k_blocks[step], 2)[0], _halves(v_blocks[step], 2)[0], False, docs)
-            out_a, out_b = _halves(out, 3)
-            lse_a, lse_b = _halves(lse, 3)
-            first = merge_partials(first, (out_a, lse_a))
-            second = merge_partials(second, (out_b, lse_b))
-        else:          # only the local second chunk sees the block, all of it
-            docs = None if query_docs is None else (_halves(query_docs, 1)[1], doc_blocks[step])
-            second = merge_partials(second, block_attention(q_second, k_blocks[step], v_blocks[step], False, docs))
-    return ops.concat((first[0], second[0]), 3)
+    """Causal attention of rank `rank`'s local queries against every rank's keys, one `TiledAttention`
+    cell (`balanced_plan`). q `[B, h, g, L, d]` pre-scaled, the local L = S / cp tokens (chunk `rank`,
+    then chunk 2·cp−1−rank); k_all `[B, h, cp·L, d]`, v_all `[B, h, cp·L, dv]`: rank j's local keys at
+    `[j·L, (j+1)·L)` (what an all-gather over the cp group gives, or the ring's blocks put in rank
+    order); `documents`: None, or `(query_docs [B, L], key_docs [B, cp·L])` (packed documents)
+    -> `[B, h, g, L, dv]` fp32 (fp64 for fp64)."""
+    return tiled_attention(balanced_plan(q.shape[3], rank, cp), q, k_all, v_all, documents)[0]
 
 
 def heads_major_queries(q, num_kv_heads: int):
@@ -349,15 +406,19 @@ class ContextParallelAttention(nn.Cell):
         self.cp, self.rank = group.size, group.rank_in_group
         self.splits_heads = comm_type == "a2a"
         self.ring = comm_type == "p2p"
-        # all_gather: the keys cross the split in one all-gather, so a layer may gather a smaller form of
-        # them and expand it after (MLA: its compressed latent and shared RoPE key; `gather_keys`)
-        self.gathers_keys = comm_type == "all_gather"
+        # all_gather, p2p: the keys cross the split whole (all-gathered or round the ring), so a layer may
+        # send a smaller form of them and expand it after (MLA: its compressed latent and shared RoPE key;
+        # `gather_keys`)
+        self.gathers_keys = comm_type in ("all_gather", "p2p")
         # p2p: each ring step sends this rank's current block to the next rank and receives the previous
         # rank's (rows of one block; an all-to-all-v with one non-zero count each way)
         nxt, prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
         self.send_counts = tuple(1 if r == nxt else 0 for r in range(self.cp))
         self.recv_counts = tuple(1 if r == prev else 0 for r in range(self.cp))
         self.seq_length = seq_length
+        # all_gather / p2p: the local queries against the keys in rank order, one cell (made here, not under ms.jit)
+        self.rows = seq_length // self.cp
+        self.tiled = None if self.splits_heads else tiled_cell(balanced_plan(self.rows, self.rank, self.cp), packed)
         # a2a: the gathered sequence arrives in rank order of the local chunks; these put it in order and back
         ranks_order = np.concatenate([chunk_order(seq_length, self.cp, r) for r in range(self.cp)])
         self.to_natural = Tensor(np.argsort(ranks_order).astype(np.int32))
@@ -394,35 +455,33 @@ class ContextParallelAttention(nn.Cell):
         position_ids = context[1]
         if rope is not None:
             q, k = rope(q, position_ids), rope(k, position_ids)
-        head_dim = k.shape[3]
-        if not self.ring:                                                   # all_gather: K and V as one tensor
-            kv, key_docs = self.gather_keys(ops.concat((k, v), -1), context)  # [B, cp * L, n_kv, d + dv]
-            k_all, v_all = ops.split(kv, [head_dim, v.shape[-1]], -1)
-            return self.attend_gathered(q, k_all, v_all, scale, context, key_docs)
-        q = q * scale
-        queries = heads_major_queries(q, k.shape[2])
-        docs = context[0].astype(ms.float32) if self.packed else None       # ids < 2^24: exact in fp32
-        # p2p: the ring
-        block = ops.concat((k, v), -1).transpose(0, 2, 1, 3)             # [B, n_kv, L, d + dv]
-        blocks, doc_blocks = [block], [docs]
-        for _ in range(1, self.cp):                                     # rank r - t's block at step t
-            blocks.append(self.ring_shift(blocks[-1]))
-            if docs is not None:                                        # after the block: one order everywhere
-                doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
-        pairs = [ops.split(b, [head_dim, v.shape[-1]], -1) for b in blocks]
-        out = ring_attention(queries, [p[0] for p in pairs], [p[1] for p in pairs], self.rank, self.cp,
-                             None if docs is None else (docs, doc_blocks))
-        return tokens_major_output(out.astype(q.dtype))
+        # K and V as one tensor, all-gathered or passed around the ring into every rank's, in rank order
+        kv, key_docs = self.gather_keys(ops.concat((k, v), -1), context)      # [B, cp * L, n_kv, d + dv]
+        k_all, v_all = ops.split(kv, [k.shape[3], v.shape[-1]], -1)
+        return self.attend_gathered(q, k_all, v_all, scale, context, key_docs)
 
     def gather_keys(self, x, context):
-        """all_gather: a per-token tensor of the local keys `[B, L, ...]` (K|V, or MLA's compressed
-        latent and RoPE key) -> every rank's `[B, cp·L, ...]` in rank order (comm.all_gather; its
-        backward reduce-scatters the gradient to the owners), and the keys' document ids `[B, cp·L]`
-        fp32 with packed documents (None otherwise)."""
-        whole = comm.all_gather(x, self.group, 1)
-        key_docs = None
-        if self.packed:                                                     # after the keys: one order everywhere
-            key_docs = comm.all_gather(ops.depend(context[0].astype(ms.float32), whole), self.group, 1)
+        """all_gather and p2p: a per-token tensor of the local keys `[B, L, ...]` (K|V, or MLA's
+        compressed latent and RoPE key) -> every rank's `[B, cp·L, ...]` in rank order, and the keys'
+        document ids `[B, cp·L]` fp32 with packed documents (None otherwise). all_gather: comm.all_gather
+        (its backward reduce-scatters the gradient to the owners); p2p: cp − 1 ring steps (`ring_shift`,
+        block t is rank r − t's), the blocks put in rank order (the backward sends each block's
+        gradient back round the ring)."""
+        docs = context[0].astype(ms.float32) if self.packed else None       # ids < 2^24: exact in fp32
+        if not self.ring:
+            whole = comm.all_gather(x, self.group, 1)
+            key_docs = None
+            if docs is not None:                                            # after the keys: one order everywhere
+                key_docs = comm.all_gather(ops.depend(docs, whole), self.group, 1)
+            return whole, key_docs
+        blocks, doc_blocks = [x], [docs]
+        for _ in range(1, self.cp):                                         # rank r - t's block at step t
+            blocks.append(self.ring_shift(blocks[-1]))
+            if docs is not None:                                            # after the block: one order everywhere
+                doc_blocks.append(self.ring_shift(ops.depend(doc_blocks[-1], blocks[-1])))
+        by_rank = [(self.rank - j) % self.cp for j in range(self.cp)]
+        whole = ops.concat([blocks[t] for t in by_rank], 1)
+        key_docs = None if docs is None else ops.concat([doc_blocks[t] for t in by_rank], 1)
         return whole, key_docs
 
     def attend_gathered(self, q, k_all, v_all, scale: float, context, key_docs=None):
@@ -432,9 +491,16 @@ class ContextParallelAttention(nn.Cell):
         q = q * scale
         queries = heads_major_queries(q, k_all.shape[2])
         documents = None if key_docs is None else (context[0].astype(ms.float32), key_docs)
-        out = blockwise_attention(queries, k_all.transpose(0, 2, 1, 3), v_all.transpose(0, 2, 1, 3), self.rank,
-                                  self.cp, documents)
+        out = self.blockwise(queries, k_all.transpose(0, 2, 1, 3), v_all.transpose(0, 2, 1, 3), documents)
         return tokens_major_output(out.astype(q.dtype))
+
+    def blockwise(self, queries, k_all, v_all, documents):
+        """`blockwise_attention` through this layer's cell: queries `[B, h, g, L, d]`, keys and values
+        `[B, h, cp·L, ·]` in rank order -> `[B, h, g, L, dv]`."""
+        if queries.shape[3] != self.rows:   # ValueError: a graph may raise only Python's own exception types
+            raise ValueError(f"context parallel attention: {queries.shape[3]} local tokens, the layer was set up "
+                             f"for {self.rows} (seq_length {self.seq_length} / cp {self.cp})")
+        return run_tiled(self.tiled, queries, k_all, v_all, documents)[0]
 
     def whole_context(self, context):
         """Ulysses: the attention context of the whole sequence, in order (packed documents: document

@@ -7,8 +7,8 @@ docs/context_parallel.md "Planner"), kept apart from costs.py, which calls them 
                                      all-reduce span them (Megatron-Core's dp group "with cp")
     add_held_kv(...)                 what the split attention keeps per layer beside the local
                                      activations: the other ranks' K|V blocks and the blockwise
-                                     path's block outputs and merge terms (all_gather / p2p; it keeps
-                                     no probabilities: each block recomputes them in its backward)
+                                     path's merged output and log-sum-exp (all_gather / p2p; it keeps
+                                     no probabilities: each step recomputes them in its backward)
     traffic_per_micro_batch(...)     bytes the cp group moves per device and micro-batch
     span(L)                          ranks one cp group spans (link placement: tp innermost)
 
@@ -19,7 +19,7 @@ backward; + one forward under full recompute), with K|V the keys and values of t
     all_gather, p2p (ring)   (cp - 1) x K|V_local = (cp - 1) / cp of the sequence's K|V
                              (the backward sends dK|dV back the same way), i.e. Megatron's ring
                              2 (cp - 1) / cp of the KV per layer per pass counted as K and V of
-                             one head group each; MLA under all_gather: its compressed latent and
+                             one head group each; MLA (all_gather, p2p): its compressed latent and
                              shared RoPE key instead (fp32, kv_lora_rank + rope_dim a token)
     a2a (Ulysses)            four all-to-alls (q, k, v, o), each (cp - 1) / cp of its local tensor
 
@@ -59,10 +59,10 @@ def kv_bytes_per_token(arch, dtype_bytes: int, tp: int) -> float:
 
 
 def crossing_bytes_per_token(arch, L: Layout, dtype_bytes: int) -> float:
-    """What crosses the split per token and tp rank: MLA under all_gather sends its normed latent
-    and rotated shared key (fp32: kv_lora_rank + rope_dim values, whole on every tp rank) and expands
-    them after; everything else its K|V (`kv_bytes_per_token`)."""
-    if arch.kv_lora_rank and L.cp_comm == "all_gather":
+    """What crosses the split per token and tp rank: MLA under all_gather or p2p sends its normed
+    latent and rotated shared key (fp32: kv_lora_rank + rope_dim values, whole on every tp rank) and
+    expands them after; everything else its K|V (`kv_bytes_per_token`)."""
+    if arch.kv_lora_rank and L.cp_comm in ("all_gather", "p2p"):
         return 4 * (arch.kv_lora_rank + arch.rope_dim)
     return kv_bytes_per_token(arch, dtype_bytes, L.tp)
 
@@ -77,34 +77,34 @@ def held_kv_bytes(arch, L: Layout, tokens: int, dtype_bytes: int) -> float:
     return (L.cp - 1) * tokens * kv_bytes_per_token(arch, dtype_bytes, L.tp)
 
 
-BLOCK_TILE_ROWS = 128   # query rows a block attends at a time (moetrain/parallel/context_parallel.py TILE_ROWS)
+BLOCK_TILE_ROWS = 64    # query rows attended at a time (moetrain/parallel/context_parallel.py TILE_ROWS)
+BLOCK_WORKING_COPIES = 7    # fp32 step-sized tensors live at the peak of a step (fitted: docs/context_parallel.md)
 
 
 def block_output_bytes(arch, L: Layout, tokens: int) -> float:
     """What the blockwise attention (all_gather / p2p) of one layer keeps for its backward beside
-    q, k, v: each block's fp32 output and log-sum-exp (its `BlockAttention` recomputes the
-    probabilities, tile by tile) and the merges' terms (both partial outputs, their weights, the
-    merged output), O(S·dv) per sequence and head whatever cp is: the blocks of one rank cover its
-    l query rows against cp blocks of keys. 4.5 fp32 copies of `[S, heads, dv]` per sequence,
-    fitted to the dry run of moe_tiny at 2048 tokens (cp 2 and 4: docs/context_parallel.md)."""
+    q, k, v and the layer's output: its one `TiledAttention` cell's merged output (fp32) and
+    log-sum-exp (fp64) of the l local rows, `[l, heads, dv]` and `[l, heads]`: O(S/cp·dv), no
+    probabilities and no per-block outputs (each step recomputes them in the backward)."""
     if L.cp == 1 or L.cp_comm == "a2a":
         return 0.0
-    return 4.5 * 4 * tokens * L.cp * arch.heads / L.tp * arch.v_dim
+    return tokens * arch.heads / L.tp * (4 * arch.v_dim + 8)
 
 
 def block_working_bytes(arch, L: Layout, tokens: int, micro_batch_size: int) -> float:
-    """The transient of the layer whose blockwise attention runs (forward or backward): about 8 fp32
-    `[micro-batch, heads, BLOCK_TILE_ROWS, l]` tensors (a tile's scores, exponentials, probabilities
-    and their gradients; l = S / cp, the widest block's keys), one layer at a time."""
+    """The transient of the layer whose blockwise attention runs (forward or backward): about
+    `BLOCK_WORKING_COPIES` fp32 `[micro-batch, heads, BLOCK_TILE_ROWS, c]` tensors, one step's
+    scores, exponentials, probabilities and their gradients (a step: a tile of rows against one key
+    chunk, c = S / (2 cp) = l / 2 keys), one layer and one step at a time."""
     if L.cp == 1 or L.cp_comm == "a2a":
         return 0.0
-    rows = tokens / micro_batch_size
-    return 8 * 4 * micro_batch_size * arch.heads / L.tp * min(BLOCK_TILE_ROWS, rows) * rows
+    chunk = tokens / micro_batch_size / 2
+    return BLOCK_WORKING_COPIES * 4 * micro_batch_size * arch.heads / L.tp * min(BLOCK_TILE_ROWS, chunk) * chunk
 
 
 def add_held_kv(by_mode, arch, L: Layout, tokens: int, dtype_bytes: int, layers: int) -> dict:
     """`by_mode` (activations per recompute mode) with what the split attention holds per layer: the
-    other ranks' K|V and the blockwise path's block outputs and merge terms (no probabilities:
+    other ranks' K|V and the blockwise path's merged output and log-sum-exp (no probabilities:
     `activation_bytes` counts none for it), and the one layer's tile transient. Under full recompute
     only the layer being recomputed holds them."""
     held = held_kv_bytes(arch, L, tokens, dtype_bytes) + block_output_bytes(arch, L, tokens)
