@@ -291,8 +291,8 @@ def test_bf16_storage_is_bitwise_the_emulation(ms, kernel_ops, monkeypatch):
     rng = np.random.default_rng(6)
     row_expert = ms.Tensor(np.sort(rng.integers(0, 3, 50)).astype(np.int32))
     cases = {   # name: (build, input shape, extra construct args)
-        "linear": (lambda: layers.Linear(24, 40, 0.5, "bfloat16"), (2, 35, 24), ()),
-        "swiglu_mlp": (lambda: layers.SwiGLUMLP(16, 24, 0.3, 0.3, "bfloat16"), (2, 33, 16), ()),
+        "linear": (lambda: layers.Linear(24, 40, 0.5, "bfloat16"), (3, 50, 24), ()),   # 150 rows: 2 row blocks
+        "swiglu_mlp": (lambda: layers.SwiGLUMLP(16, 24, 0.3, 0.3, "bfloat16"), (2, 65, 16), ()),
         "grouped_experts": (lambda: experts_module.GroupedExperts(3, 16, 12, 0.3, "bfloat16"), (50, 16), (row_expert,)),
     }
     for name, (build, shape, extra) in cases.items():
