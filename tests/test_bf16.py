@@ -334,7 +334,8 @@ def _container_op_attrs(cls):
         for target, value in zip(targets, values):
             names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
             op = next(iter(names & CONTAINER_READERS), None)
-            if op and isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+            on_self = isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+            if op and on_self:
                 attrs[target.attr] = op
     return attrs
 
