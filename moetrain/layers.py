@@ -94,10 +94,6 @@ def bf16_storage(compute_dtype) -> bool:
     return emulates_bf16(compute_dtype) and kernels.available()
 
 
-def is_bf16_container(x) -> bool:
-    """True for a bf16 container (a float16-typed tensor holding bf16 bits; only under `bf16_storage`)."""
-    return x.dtype == ms.float16
-
 
 def fused_for(compute_dtype) -> bool:
     """True where the fp32 kernels serve this compute dtype (fp32, or bf16 emulated on the CPU)."""
@@ -142,8 +138,8 @@ class Linear(nn.Cell):
         self.compute_dtype = compute_dtype_of(compute_dtype)
         self.emulated = bf16_rounder(self.compute_dtype)
         self.bf16 = bf16_storage(self.compute_dtype)
-        if self.bf16:   # bf16 containers in and out, the fp32 weight read as bf16 values in the kernel
-            self.matmul, self.to_bf16, self.from_bf16 = shared(LinearMatmulBF16), shared(ToBF16), shared(FromBF16)
+        if self.bf16:   # fp32 in and out, read as and rounded to bf16 values in the kernel (no containers here)
+            self.matmul = shared(LinearMatmulBF16)
         elif fused_for(self.compute_dtype):
             self.matmul = shared(LinearMatmul)
         else:
@@ -167,15 +163,6 @@ class Linear(nn.Cell):
         else:
             y = self.matmul(x.reshape(-1, x.shape[-1]), weight).reshape(x.shape[:-1] + (weight.shape[0],))
         return y if self.emulated is None else self.emulated(y)   # a bf16 GEMM stores its fp32 sums as bf16
-
-    def apply_bf16(self, x, weight):
-        """Under `bf16_storage`: `x` (fp32, or a bf16 container) @ `weight.T` as a bf16 container; only
-        the 2-byte input is kept for the backward."""
-        if not is_bf16_container(x):
-            x = self.to_bf16(fp32(x))
-        if x.ndim == 2:
-            return self.matmul(x, weight)
-        return self.matmul(x.reshape(-1, x.shape[-1]), weight).reshape(x.shape[:-1] + (weight.shape[0],))
 
     @property
     def plain(self) -> bool:
@@ -586,22 +573,32 @@ class SwiGLUMLP(nn.Cell):
         self.swiglu = None
         self.bf16 = bf16_storage(compute_dtype)
         if self.bf16:
-            self.swiglu, self.from_bf16 = shared(FusedSwiGLUBF16), shared(FromBF16)
+            self.swiglu, self.matmul = shared(FusedSwiGLUBF16), shared(LinearMatmulBF16)
+            self.to_bf16, self.from_bf16 = shared(ToBF16), shared(FromBF16)
         elif fused_for(compute_dtype):
             self.swiglu = shared(FusedSwiGLU)
 
     def construct(self, x):
-        if self.bf16 and self.w_gate.plain and self.w_up.plain and self.w_down.plain:
-            # bf16 storage: gate|up and h stay 2-byte containers from product to product
-            gate_up = self.w_gate.apply_bf16(x, ops.concat((self.w_gate.weight, self.w_up.weight), 0))
-            return self.from_bf16(self.w_down.apply_bf16(self.swiglu(gate_up), self.w_down.weight))
         if self.bf16 and self.w_gate.plain and self.w_up.plain:
-            gate_up = self.w_gate.apply_bf16(x, ops.concat((self.w_gate.weight, self.w_up.weight), 0))
-            return self.w_down(self.from_bf16(self.swiglu(gate_up)))
+            return self._bf16_storage(x)
         if self.swiglu is not None and self.w_gate.plain and self.w_up.plain:   # [gate | up] in one product
             gate_up = self.w_gate.apply(x, ops.concat((self.w_gate.weight, self.w_up.weight), 0))
             return self.w_down(self.swiglu(gate_up.astype(ms.float32)))
         return self.w_down(ops.silu(self.w_gate(x)) * self.w_up(x))
+
+    def _bf16_storage(self, x):
+        """Under `bf16_storage`: the MLP with gate|up and `silu(gate) * up` as 2-byte bf16 containers,
+        the input kept for the backward as one too; fp32 out. Every container is made and consumed in
+        this method, each by one op (docs/precision.md: a second consumer would add gradients in fp16;
+        tests/test_bf16.py checks it)."""
+        lead = x.shape[:-1]
+        weight = ops.concat((self.w_gate.weight, self.w_up.weight), 0)
+        hidden = self.swiglu(self.matmul(self.to_bf16(fp32(x).reshape(-1, x.shape[-1])), weight))
+        if self.w_down.plain:
+            y = self.from_bf16(self.matmul(hidden, self.w_down.weight))
+            return y.reshape(lead + (y.shape[-1],))
+        h = self.from_bf16(hidden)   # the down projection communicates (tensor parallel): fp32, its own shape
+        return self.w_down(h.reshape(lead + (h.shape[-1],)))
 
 
 class CrossEntropy(nn.Cell):

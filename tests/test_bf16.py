@@ -291,8 +291,8 @@ def test_bf16_storage_is_bitwise_the_emulation(ms, kernel_ops, monkeypatch):
     rng = np.random.default_rng(6)
     row_expert = ms.Tensor(np.sort(rng.integers(0, 3, 50)).astype(np.int32))
     cases = {   # name: (build, input shape, extra construct args)
-        "linear": (lambda: layers.Linear(24, 40, 0.5, "bfloat16"), (2, 35, 24), ()),
-        "swiglu_mlp": (lambda: layers.SwiGLUMLP(16, 24, 0.3, 0.3, "bfloat16"), (2, 33, 16), ()),
+        "linear": (lambda: layers.Linear(24, 40, 0.5, "bfloat16"), (3, 50, 24), ()),   # 150 rows: 2 row blocks
+        "swiglu_mlp": (lambda: layers.SwiGLUMLP(16, 24, 0.3, 0.3, "bfloat16"), (2, 65, 16), ()),
         "grouped_experts": (lambda: experts_module.GroupedExperts(3, 16, 12, 0.3, "bfloat16"), (50, 16), (row_expert,)),
     }
     for name, (build, shape, extra) in cases.items():
@@ -312,3 +312,160 @@ def test_bf16_storage_is_bitwise_the_emulation(ms, kernel_ops, monkeypatch):
             results.append([module(ms.Tensor(x), *extra).asnumpy(), dx, *dparams])
         for got, want in zip(*results):
             np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+# --- bf16 containers never leave the method that makes them (docs/precision.md) -------------------------
+
+CONTAINER_OPS = {"ToBF16", "FusedSwiGLUBF16", "GroupedMatmulBF16", "GroupedMatmulPairBF16"}   # always a container out
+CONTAINER_IF_FIRST = {"LinearMatmulBF16"}   # a container out when its first input is one
+CONTAINER_READERS = CONTAINER_OPS | CONTAINER_IF_FIRST | {"FromBF16"}
+
+
+def _container_op_attrs(cls):
+    """{attribute: op class name} for `self.a = shared(Op)` / `self.a = Op()` (tuples too) in `cls`."""
+    import ast
+
+    attrs = {}
+    for node in ast.walk(cls):
+        if not isinstance(node, ast.Assign):
+            continue
+        targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
+        values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+        for target, value in zip(targets, values):
+            names = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+            op = next(iter(names & CONTAINER_READERS), None)
+            on_self = isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+            if op and on_self:
+                attrs[target.attr] = op
+    return attrs
+
+
+def container_violations(source: str, where: str):
+    """(methods that make a bf16 container, violations) in `source`: a container (an expression from a
+    container op, or a local name bound to one) that is read twice, returned, stored anywhere but a
+    local name, put in a tuple/list, or handed to anything but the kernel ops and `.reshape`."""
+    import ast
+
+    makers, bad = [], []
+    for cls in (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)):
+        ops_ = _container_op_attrs(cls)
+        if not ops_:
+            continue
+        for method in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+            # the bf16 storage code: a method named for it, or the branches under `if self.bf16 ...`
+            regions = [method] if "bf16" in method.name else [
+                ast.Module(body=n.body, type_ignores=[]) for n in ast.walk(method) if isinstance(n, ast.If) and any(
+                    isinstance(a, ast.Attribute) and a.attr == "bf16" for a in ast.walk(n.test))]
+            for fn in regions:
+                _check_region(fn, ops_, f"{where}:{cls.name}.{method.name}", method.name, makers, bad)
+    return makers, bad
+
+
+def _reads(node, name):
+    """How often a path through `node` reads `name` at most: the branches of an if are alternatives, and
+    so are an if's body that ends in `return` and the statements after it."""
+    import ast
+
+    if isinstance(node, list):   # a statement list
+        for i, stmt in enumerate(node):
+            if isinstance(stmt, ast.If) and stmt.body and isinstance(stmt.body[-1], ast.Return):
+                before = sum(_reads(n, name) for n in node[:i]) + _reads(stmt.test, name)
+                return before + max(_reads(stmt.body, name), _reads(stmt.orelse + node[i + 1:], name))
+        return sum(_reads(n, name) for n in node)
+    if isinstance(node, ast.IfExp):
+        return _reads(node.test, name) + max(_reads(node.body, name), _reads(node.orelse, name))
+    if isinstance(node, ast.If):
+        return _reads(node.test, name) + max(_reads(node.body, name), _reads(node.orelse, name))
+    if isinstance(node, (ast.FunctionDef, ast.Module)):
+        return _reads(node.body, name)
+    here = int(isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id == name)
+    return here + sum(_reads(child, name) for child in ast.iter_child_nodes(node))
+
+
+def _check_region(fn, ops_, here, method, makers, bad):
+    """`container_violations` on one region of bf16 storage code (appends to makers and bad)."""
+    import ast
+
+    names = set()
+
+    def op_of(call):
+        f = call.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+            return ops_.get(f.attr)
+        return None
+
+    def is_container(e):
+        if isinstance(e, ast.Name):
+            return e.id in names
+        if isinstance(e, ast.Call):
+            op = op_of(e)
+            if op in CONTAINER_OPS:
+                return True
+            if op in CONTAINER_IF_FIRST:
+                return bool(e.args) and is_container(e.args[0])
+            f = e.func
+            return isinstance(f, ast.Attribute) and f.attr == "reshape" and is_container(f.value)
+        return False
+
+    for node in ast.walk(fn):   # bindings first (the methods are straight-line code)
+        if isinstance(node, ast.Assign) and is_container(node.value):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    names.add(t.id)
+                else:
+                    bad.append(f"{here}: a container stored in {ast.unparse(t)}")
+    made = False
+    loads = {n: _reads(fn, n) for n in names}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and op_of(node) in CONTAINER_OPS:
+            made = True
+        if isinstance(node, ast.Return) and node.value is not None:
+            vals = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            bad += [f"{here}: returns a container" for v in vals if is_container(v)]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+            elts = node.values if isinstance(node, ast.Dict) else node.elts
+            if not isinstance(getattr(node, "ctx", None), ast.Store) and any(is_container(e) for e in elts):
+                bad.append(f"{here}: a container in a {type(node).__name__.lower()}")
+        if isinstance(node, ast.Call):
+            reader = op_of(node) in CONTAINER_READERS or (
+                isinstance(node.func, ast.Attribute) and node.func.attr == "reshape")
+            args = list(node.args) + [k.value for k in node.keywords]
+            if not reader and any(is_container(a) for a in args):
+                bad.append(f"{here}: a container handed to {ast.unparse(node.func)}")
+    bad += [f"{here}: container {n!r} read {c} times on one path" for n, c in loads.items() if c > 1]
+    bad += [f"{here}: container {n!r} never read" for n, c in loads.items() if c == 0]
+    if made:
+        makers.append(here.split(":")[-1])
+
+
+def test_bf16_containers_have_one_consumer_in_the_method_that_makes_them():
+    """Every bf16 container is made and consumed inside one method, by exactly one op (a second consumer
+    would make MindSpore add two gradients in fp16): checked statically over moetrain/, so a new maker is
+    covered as soon as it is written. The checker itself is shown to catch each kind of escape."""
+    import glob
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "moetrain")
+    makers, bad = [], []
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        with open(path) as fh:
+            m, b = container_violations(fh.read(), os.path.relpath(path, root))
+        makers += m
+        bad += b
+    assert not bad, "\n".join(bad)
+    assert sorted(makers) == ["GroupedExperts._kernel_rows", "SwiGLUMLP._bf16_storage"], makers
+
+    template = """
+class M:
+    def __init__(self):
+        self.to_bf16, self.matmul, self.from_bf16 = shared(ToBF16), shared(LinearMatmulBF16), shared(FromBF16)
+    def f_bf16(self, x, w):
+        c = self.matmul(self.to_bf16(x), w)
+        BODY
+"""
+    ok = "return self.from_bf16(c.reshape(-1, 4))"
+    assert container_violations(template.replace("BODY", ok), "t") == (["M.f_bf16"], [])
+    for escape in ("return c", "return self.from_bf16(c), c", "self.saved = c\n        return self.from_bf16(c)",
+                   "return self.from_bf16(self.matmul(c, w)) + self.from_bf16(c)", "return helper(c)",
+                   "return self.from_bf16(c) if c is not None else None", "return [self.from_bf16(x), c]"):
+        _, found = container_violations(template.replace("BODY", escape), "t")
+        assert found, f"not caught: {escape}"

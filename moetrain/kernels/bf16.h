@@ -56,7 +56,8 @@ inline void RoundToBF16(const float *x, float *y, int64_t n) {
   ParallelElements(n, [&](int64_t i) { out[i] = RoundBF16Bits(in[i]); });
 }
 
-// Serial helpers for the kernels' own tasks: n floats rounded to bf16 values; n bf16 bits decoded.
+// Serial helpers for the kernels' own tasks: n floats rounded to bf16 values; n bf16 bits decoded; n
+// floats encoded as bf16 bits.
 inline void RoundRow(const float *x, float *y, int64_t n) {
   const uint32_t *in = reinterpret_cast<const uint32_t *>(x);
   uint32_t *out = reinterpret_cast<uint32_t *>(y);
@@ -65,6 +66,10 @@ inline void RoundRow(const float *x, float *y, int64_t n) {
 inline void DecodeRow(const uint16_t *x, float *y, int64_t n) {
   uint32_t *out = reinterpret_cast<uint32_t *>(y);
   for (int64_t i = 0; i < n; ++i) out[i] = uint32_t{x[i]} << 16;
+}
+inline void EncodeRow(const float *x, uint16_t *y, int64_t n) {
+  const uint32_t *in = reinterpret_cast<const uint32_t *>(x);
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint16_t>(RoundBF16Bits(in[i]) >> 16);
 }
 
 inline bool Float16(const char *dtype) { return std::strcmp(dtype, "float16") == 0; }

@@ -88,8 +88,48 @@ extern "C" int LinearBackward(int nparam, void **params, int *ndims, int64_t **s
   return 0;
 }
 
-// bf16 storage (bf16.h): x and y bf16 containers, the fp32 weight read as bf16 values, dweight rounded.
-MOETRAIN_BF16_KERNEL(LinearForward, "aw|a")
+// bf16 storage (bf16.h): x and y bf16 containers (or fp32 tensors read as / rounded to bf16 values), the
+// fp32 weight read as bf16 values, dweight rounded.
+//
+// The forward converts per row block inside its tasks: each task decodes (or rounds) its rows of x into
+// its own scratch, runs the same fp32 GEMM on them and encodes (or rounds) its rows of y, so no fp32 copy
+// of the whole x or y is made and a block's conversion runs while it is in cache. The weight is rounded
+// once per call (every task reads all of it). Bitwise what `RunBF16` around `LinearForward` computes: the
+// same blocks, the same GEMM calls on the same values.
+extern "C" int LinearForwardBF16(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *stream, void *extra) {
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2) return 1;
+  const bool half_in = moetrain::Float16(dtypes[0]), half_out = moetrain::Float16(dtypes[2]);
+  if ((!half_in && !moetrain::Float32(dtypes[0])) || !moetrain::Float32(dtypes[1]) ||
+      (!half_out && !moetrain::Float32(dtypes[2])))
+    return 1;
+  const int64_t n = shapes[0][0], k = shapes[0][1], f = shapes[1][0];
+  if (shapes[1][1] != k) return 1;
+  if (k == 0) {
+    std::memset(params[2], 0, n * f * (half_out ? 2 : 4));
+    return 0;
+  }
+  moetrain::Scratch weight;
+  moetrain::RoundToBF16(static_cast<const float *>(params[1]), weight.Get(f * k), f * k);
+  const float *w = weight.get();
+  const int64_t blocks = Blocks(n);
+  moetrain::ParallelFor(blocks, [&](int64_t b, int) {
+    const int64_t r0 = n * b / blocks, r1 = n * (b + 1) / blocks, rows = r1 - r0;
+    if (rows <= 0) return;
+    moetrain::Scratch xs, ys;
+    float *xb = xs.Get(rows * k);
+    if (half_in) moetrain::DecodeRow(static_cast<const uint16_t *>(params[0]) + r0 * k, xb, rows * k);
+    else moetrain::RoundRow(static_cast<const float *>(params[0]) + r0 * k, xb, rows * k);
+    float *yb = half_out ? ys.Get(rows * f) : static_cast<float *>(params[2]) + r0 * f;
+    dnnl_sgemm('N', 'T', rows, f, k, 1.0f, xb, k, w, k, 0.0f, yb, f);
+    if (half_out) moetrain::EncodeRow(yb, static_cast<uint16_t *>(params[2]) + r0 * f, rows * f);
+    else moetrain::RoundRow(yb, yb, rows * f);
+  });
+  return 0;
+}
+extern "C" std::vector<int64_t> LinearForwardBF16InferShape(int *ndims, int64_t **shapes, void *extra) {
+  return LinearForwardInferShape(ndims, shapes, extra);
+}
 MOETRAIN_BF16_TYPE(LinearForward, 0)
 MOETRAIN_BF16_KERNEL(LinearBackward, "awa|aw")
 MOETRAIN_BF16_TYPES(LinearBackward, 0, 1)
