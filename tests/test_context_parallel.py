@@ -205,18 +205,20 @@ def test_key_ranges_merge_to_the_softmax_over_their_union(ms):
 def test_blockwise_attention_keeps_no_block_probabilities(ms):
     """The blockwise path (all_gather / p2p) keeps O(rows·d) for the backward, as the fused kernel
     and FlashAttention do, not the fp32 scores, exponentials and probabilities of its query-key
-    pairs (12 bytes each, l² (cp+1)/2 of them per head: 9 MiB here). One cp2 rank's attention,
+    pairs (12 bytes each, l² (cp+1)/2 of them per head: 15 MiB here). One cp4 rank's attention,
     forward and backward, in one process: the memory pool's peak above its start (the dry run's
-    measurement) stays under half of those bytes (measured 1.5 MiB: one 64-row step's transient
-    scores; 3.0 MiB with a cell per block and 128-row tiles; the autodiff of the plain ops held
-    12.3 MiB)."""
+    measurement) stays under half of those bytes, and under twice one step's working set as
+    `tiling.step_bytes` models it (here a whole 256-row chunk a step, 3.5 MiB; measured 4.3 MiB;
+    at cp 2 with 64-row steps 1.5 MiB, with a cell per block and 128-row tiles 3.0 MiB; the autodiff
+    of the plain ops held 12.3 MiB)."""
     from mindspore import Tensor
 
     from moetrain.parallel.context_parallel import blockwise_attention
+    from moetrain.parallel.tiling import step_bytes, tile_rows
     from moetrain.planner.dryrun import PoolRecorder
 
     rng = np.random.default_rng(0)
-    cp, batch, heads, group, rows, dim = 2, 1, 1, 2, 512, 16
+    cp, batch, heads, group, rows, dim = 4, 1, 1, 2, 512, 16
     q = Tensor(rng.normal(0, 1, (batch, heads, group, rows, dim)).astype(np.float32))
     k, v = (Tensor(rng.normal(0, 1, (batch, heads, cp * rows, dim)).astype(np.float32)) for _ in range(2))
     step = ms.grad(lambda q, k, v: blockwise_attention(q, k, v, 0, cp).sum(), grad_position=(0, 1, 2))
@@ -226,6 +228,9 @@ def test_blockwise_attention_keeps_no_block_probabilities(ms):
     assert all(np.isfinite(g).all() for g in grads)
     pair_bytes = 12 * batch * heads * group * rows * rows * (cp + 1) / 2
     assert 0 < pool.peak_above_start < 0.5 * pair_bytes, (pool.peak_above_start / 2 ** 20, pair_bytes / 2 ** 20)
+    lanes, chunk = batch * heads * group, rows // 2
+    working = step_bytes(tile_rows(chunk, lanes), chunk, lanes)
+    assert pool.peak_above_start < 2 * working, (pool.peak_above_start / 2 ** 20, working / 2 ** 20)
 
 
 def test_blockwise_attention_keeps_no_block_outputs(ms):
@@ -472,13 +477,13 @@ def test_the_planner_models_context_parallel():
     zero = plan_of("configs/moe_tiny.yaml", *base, "parallel.context_parallel=2", "parallel.optimizer_shard=1")
     assert zero.memory["optimizer"] == pytest.approx(one.memory["optimizer"] * 3 / 4)   # (m + v + master) / 2
     # on this CPU: the blockwise path's merged output and lse and one step's transient, no probabilities
-    # or per-block outputs; the dry run measured 84.0 MiB (cp 2) and 47.3 MiB (cp 4; docs/context_parallel.md)
-    for cp, measured in ((2, 84.0), (4, 47.3)):
+    # or per-block outputs; the dry run measured 84.0 MiB (cp 2, 64-row steps) and 49.1 MiB (cp 4, 128-row
+    # steps by tiling.tile_rows; 47.3 with 64; docs/context_parallel.md)
+    for cp, measured in ((2, 84.0), (4, 49.1)):
         cpu = plan_of("configs/moe_tiny.yaml", *base, f"parallel.context_parallel={cp}", device="cpu")
         assert cpu.memory["activations"] / 2 ** 20 == pytest.approx(measured, rel=0.15), cp
     from moetrain.parallel.context_parallel import TILE_ROWS
-    from moetrain.planner.context import BLOCK_TILE_ROWS
-    assert BLOCK_TILE_ROWS == TILE_ROWS
+    assert TILE_ROWS is None                                             # the cell's tiles by tiling.tile_rows
     # MLA under all_gather and p2p sends its fp32 latent and RoPE key (64 + 16 values a token), not the K|V
     # expanded per head (4 heads x (48 + 32) fp32: 4x the bytes)
     from moetrain.config import load_config

@@ -30,8 +30,8 @@ Attention (`cp_comm_type: all_gather`, Megatron-Core's name): K and V (after RoP
 positions) are all-gathered over the cp group (`comm.all_gather`: native AllGather on a device,
 derived from AllReduce on the CPU; its backward reduce-scatters dK, dV back to their owners). The
 local queries then attend to them in one `TiledAttention` cell: each local chunk (i = r, then
-2·cp−1−r) against the key chunks 0..i, the last (its own) causal, in tiles of `TILE_ROWS` rows
-against one key chunk at a time, the steps' partial results combined by their log-sum-exp:
+2·cp−1−r) against the key chunks 0..i, the last (its own) causal, in tiles of rows (as many as fit a
+bound on one step's transient, `tiling.tile_rows`) against one key chunk at a time, the steps' partial results combined by their log-sum-exp:
 
     lse = log(e^lse1 + e^lse2),   out = out1 · e^(lse1 − lse) + out2 · e^(lse2 − lse)
 
@@ -64,6 +64,7 @@ from moetrain.distributed import comm
 from moetrain.layers import CausalAttention
 from moetrain.layout import LayoutError
 from moetrain.parallel.expert_parallel import moe_layers
+from moetrain.parallel.tiling import tile_rows
 
 _BMM, _BMM_NT, _BMM_TN = ops.BatchMatMul(), ops.BatchMatMul(transpose_b=True), ops.BatchMatMul(transpose_a=True)
 _MASKED = -1e9          # additive mask: finite, so a masked score can never make a NaN
@@ -131,7 +132,7 @@ def _softmax_dtype(x):
     return ms.float64 if x.dtype == ms.float64 else ms.float32
 
 
-TILE_ROWS = 64          # query rows attended at a time: a step's transient scores are rows x chunk keys per head
+TILE_ROWS = None        # query rows attended at a time: None, by `tiling.tile_rows`; a number fixes it (tests)
 
 
 class TiledAttention(nn.Cell):
@@ -150,7 +151,7 @@ class TiledAttention(nn.Cell):
     keys of its own document; otherwise placeholders) -> `(out [B, h, g, R, dv], lse [B, h, g, R, 1])`,
     out fp32 (fp64 for fp64 inputs), lse fp64. Every query must see at least one key.
 
-    Steps: the rows of a query range in tiles of `TILE_ROWS`, each tile against each of its key
+    Steps: the rows of a query range in tiles of `rows` (`tiling.tile_rows`), each tile against each of its key
     ranges in turn (each step after the one before, so one step's `[rows, keys]` transient lives at a
     time; a causal range skips the keys after the tile's rows). A step keeps its row maximum m, the
     sum l of e = exp(S − m) and e·V; the tile's lse = log Σ e^(m + log l) and out = Σ (e·V) e^(m − lse),
@@ -163,9 +164,9 @@ class TiledAttention(nn.Cell):
     (`balanced_plan`) every rank runs the same number of equal steps (the balance of
     benchmarks/bench_cp_balance.py)."""
 
-    def __init__(self, plan, documents: bool):
+    def __init__(self, plan, documents: bool, rows: int):
         super().__init__()
-        self.plan, self.documents = plan, documents
+        self.plan, self.documents, self.rows = plan, documents, rows
         slots = sorted({(k0, k1) for _, _, ranges in plan for k0, k1, _ in ranges})
         for (a0, a1), (b0, b1) in zip(slots, slots[1:]):
             if b0 < a1:
@@ -175,12 +176,12 @@ class TiledAttention(nn.Cell):
         slot_of = [[slots.index((k0, k1)) for k0, k1, _ in ranges] for _, _, ranges in plan]
         # `((r0, r1, offset, ((k0, k1, causal, slot), ...)), ...)`: every row tile in order (r0, r1 absolute
         # rows of q, offset = r0 − q0), its key ranges and the slot each one's dK / dV accumulate into;
-        # fixed here (TILE_ROWS as it is now): the graph compiler reads constants, it cannot run the loops
+        # fixed here: the graph compiler reads constants, it cannot run the loops
         tiles = []
         for (q0, q1, ranges), slot_row in zip(plan, slot_of):
             steps = tuple((k0, k1, causal, slot) for (k0, k1, causal), slot in zip(ranges, slot_row))
-            for r0 in range(q0, q1, TILE_ROWS):
-                tiles.append((r0, min(r0 + TILE_ROWS, q1), r0 - q0, steps))
+            for r0 in range(q0, q1, rows):
+                tiles.append((r0, min(r0 + rows, q1), r0 - q0, steps))
         self.tiles = tuple(tiles)
 
     def exponentials(self, q_tile, k, query_docs, key_docs, r0, offset, step, dtype):
@@ -331,11 +332,21 @@ _CELLS = {}
 _NO_DOCS = Tensor(np.zeros((1, 1), np.float32))
 
 
-def tiled_cell(plan, documents: bool) -> TiledAttention:
-    """The shared `TiledAttention` of `plan` (made here, in Python: ms.jit cannot make a cell)."""
-    key = (plan, documents, TILE_ROWS)
+def plan_tile_rows(plan, lanes: float) -> int:
+    """The tile rows for `plan` with `lanes` = batch x query heads: `TILE_ROWS` when set, else
+    `tiling.tile_rows` of its longest query range (a chunk: every range of a balanced plan is one)."""
+    if TILE_ROWS:
+        return TILE_ROWS
+    return tile_rows(max(q1 - q0 for q0, q1, _ in plan), lanes)
+
+
+def tiled_cell(plan, documents: bool, lanes: float = 1) -> TiledAttention:
+    """The shared `TiledAttention` of `plan` for `lanes` = batch x query heads (its tile size; made
+    here, in Python: ms.jit cannot make a cell)."""
+    rows = plan_tile_rows(plan, lanes)
+    key = (plan, documents, rows)
     if key not in _CELLS:
-        _CELLS[key] = TiledAttention(plan, documents)
+        _CELLS[key] = TiledAttention(plan, documents, rows)
     return _CELLS[key]
 
 
@@ -347,8 +358,10 @@ def run_tiled(cell, q, k, v, documents=None):
 
 
 def tiled_attention(plan, q, k, v, documents=None):
-    """`TiledAttention(plan)`'s `(out, lse)` (PyNative: the cell is looked up or made here)."""
-    return run_tiled(tiled_cell(plan, documents is not None), q, k, v, documents)
+    """`TiledAttention(plan)`'s `(out, lse)` (PyNative: the cell is looked up or made here; its tile
+    size from q's batch x heads)."""
+    lanes = q.shape[0] * q.shape[1] * q.shape[2]
+    return run_tiled(tiled_cell(plan, documents is not None, lanes), q, k, v, documents)
 
 
 def block_attention(q, k, v, causal: bool = False, documents=None):
@@ -395,9 +408,11 @@ class ContextParallelAttention(nn.Cell):
       all-to-all per tensor over the group, and puts the whole sequence back in order, so the layer's
       own attention (fused kernel or plain path, RoPE at positions 0..S-1) runs on 1/cp of the heads;
       `from_heads(out)` trades back. Query head h still reads K/V head h // g: rank r holds query heads
-      [r·n/cp, (r+1)·n/cp) and K/V heads [r·n_kv/cp, (r+1)·n_kv/cp). `seq_length`: the whole sequence."""
+      [r·n/cp, (r+1)·n/cp) and K/V heads [r·n_kv/cp, (r+1)·n_kv/cp). `seq_length`: the whole sequence;
+      `lanes`: micro-batch x query heads on this rank, which size the tiles (`tiling.tile_rows`)."""
 
-    def __init__(self, group, seq_length: int, comm_type: str = "all_gather", packed: bool = False):
+    def __init__(self, group, seq_length: int, comm_type: str = "all_gather", packed: bool = False,
+                 lanes: float = 1):
         super().__init__()
         self.packed = packed          # packed documents: document masks cross the split, positions restart
         if comm_type not in ("all_gather", "p2p", "a2a"):
@@ -418,7 +433,8 @@ class ContextParallelAttention(nn.Cell):
         self.seq_length = seq_length
         # all_gather / p2p: the local queries against the keys in rank order, one cell (made here, not under ms.jit)
         self.rows = seq_length // self.cp
-        self.tiled = None if self.splits_heads else tiled_cell(balanced_plan(self.rows, self.rank, self.cp), packed)
+        self.tiled = None if self.splits_heads else tiled_cell(balanced_plan(self.rows, self.rank, self.cp), packed,
+                                                               lanes)
         # a2a: the gathered sequence arrives in rank order of the local chunks; these put it in order and back
         ranks_order = np.concatenate([chunk_order(seq_length, self.cp, r) for r in range(self.cp)])
         self.to_natural = Tensor(np.argsort(ranks_order).astype(np.int32))
@@ -541,8 +557,10 @@ def parallelize_context(model, cfg, pctx) -> int:
                           f"layer (moetrain.layers.CausalAttention) to split the sequence for; set it to 1")
     seq_length = cfg.data.seq_length or cfg.model.seq_length
     packed = cfg.data.reset_attention_mask or cfg.data.reset_position_ids
+    # the tiles' size: micro-batch x this rank's query heads (the same on every cp rank: equal steps)
+    lanes = max(1, cfg.micro_batch_size) * getattr(cfg.model, "num_heads", 1) / pctx.tp
     for cell in cells:
-        cell.context_parallel = ContextParallelAttention(group, seq_length, cfg.parallel.cp_comm_type, packed)
+        cell.context_parallel = ContextParallelAttention(group, seq_length, cfg.parallel.cp_comm_type, packed, lanes)
     if getattr(model, "label_lookahead", 0):   # a head reading labels ahead (MTP): which positions it counts
         model.hold_positions(chunk_order(seq_length, pctx.cp, pctx.cp_rank), seq_length)
     for layer in moe_layers(model):

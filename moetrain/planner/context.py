@@ -32,6 +32,7 @@ overlaps each step with the block before, which this model does not credit.
 from __future__ import annotations
 
 from moetrain.layout import Layout
+from moetrain.parallel.tiling import step_bytes, tile_rows
 
 OVERLAP = 0.0        # fraction of the cp traffic hidden behind the attention blocks (none: see above)
 
@@ -77,8 +78,6 @@ def held_kv_bytes(arch, L: Layout, tokens: int, dtype_bytes: int) -> float:
     return (L.cp - 1) * tokens * kv_bytes_per_token(arch, dtype_bytes, L.tp)
 
 
-BLOCK_TILE_ROWS = 64    # query rows attended at a time (moetrain/parallel/context_parallel.py TILE_ROWS)
-BLOCK_WORKING_COPIES = 7    # fp32 step-sized tensors live at the peak of a step (fitted: docs/context_parallel.md)
 
 
 def block_output_bytes(arch, L: Layout, tokens: int) -> float:
@@ -92,14 +91,15 @@ def block_output_bytes(arch, L: Layout, tokens: int) -> float:
 
 
 def block_working_bytes(arch, L: Layout, tokens: int, micro_batch_size: int) -> float:
-    """The transient of the layer whose blockwise attention runs (forward or backward): about
-    `BLOCK_WORKING_COPIES` fp32 `[micro-batch, heads, BLOCK_TILE_ROWS, c]` tensors, one step's
-    scores, exponentials, probabilities and their gradients (a step: a tile of rows against one key
-    chunk, c = S / (2 cp) = l / 2 keys), one layer and one step at a time."""
+    """The transient of the layer whose blockwise attention runs (forward or backward): one step's
+    working set (`tiling.step_bytes`: its scores, exponentials, probabilities and their gradients; a
+    step is a tile of `tiling.tile_rows` rows against one key chunk, c = S / (2 cp) = l / 2 keys),
+    one layer and one step at a time."""
     if L.cp == 1 or L.cp_comm == "a2a":
         return 0.0
-    chunk = tokens / micro_batch_size / 2
-    return BLOCK_WORKING_COPIES * 4 * micro_batch_size * arch.heads / L.tp * min(BLOCK_TILE_ROWS, chunk) * chunk
+    chunk = tokens // micro_batch_size // 2
+    lanes = micro_batch_size * arch.heads / L.tp
+    return step_bytes(tile_rows(chunk, lanes), chunk, lanes)
 
 
 def add_held_kv(by_mode, arch, L: Layout, tokens: int, dtype_bytes: int, layers: int) -> dict:

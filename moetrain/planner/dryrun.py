@@ -125,13 +125,17 @@ class DryRun:
 class PoolRecorder:
     """Every allocation and free of MindSpore's device memory pool (CPU included) inside the block,
     from the profiler's memory record: `peak_above_start` = the most the pool held above what it
-    held when the block began."""
+    held when the block began. The record holds every allocation since the process's first profile
+    (measured: a second recorder's file repeats the first's), so only records stamped after this
+    block began count."""
 
     def __init__(self):
         self.folder = tempfile.mkdtemp(prefix="moetrain_dryrun_")
         self.start = self.peak = None      # the pool's level at the first record, its most
+        self.since = 0                     # wall-clock ns the block began (the records' timestamps)
 
     def __enter__(self) -> "PoolRecorder":
+        self.since = time.time_ns()
         self.profiler = ms.profiler.profile(profile_memory=True,
                                             on_trace_ready=ms.profiler.tensorboard_trace_handler(self.folder))
         with _quiet():
@@ -146,7 +150,10 @@ class PoolRecorder:
             with open(records[-1]) as fh:
                 next(fh, None)
                 for line in fh:
-                    level = int(line.split(",", 2)[1])
+                    stamp, level = line.split(",", 2)[:2]
+                    if int(stamp) < self.since:         # an earlier recorder's
+                        continue
+                    level = int(level)
                     if self.start is None:
                         self.start = self.peak = level
                     elif level > self.peak:
