@@ -1,5 +1,6 @@
 """The planner on DeepSeek-V3 (MLA, MTP) and Qwen3-MoE: parameter counts against the built models,
 FLOPs against a hand count from the built model's weights, the published DeepSeek-V3 size, the CLI."""
+import dataclasses
 import os
 
 import numpy as np
@@ -95,3 +96,26 @@ def test_plan_prints_deepseek_configs(capsys):
     assert "682.64 B" in out and "FITS" in out
     assert main([os.path.join(ROOT, "configs", "deepseek_v3_tiny.yaml")]) == 0
     assert "deepseek_v3: 4 layers" in capsys.readouterr().out
+
+
+def test_zero2_gradient_pass_books_the_unsharded_buffer():
+    """At ZeRO-2 a micro-batch's gradients are packed by concatenating each flat buffer whole ([G, S],
+    every rank's row) beside the per-parameter gradients, and only then reduce-scattered to this
+    rank's row (`DataParallel.flatten`). The 671B rank 1024 dry run (stage 8, one MoE layer, 32 tokens)
+    measured its activation peak there: 1.52 GiB of per-parameter gradients + the 0.87 GiB dense
+    buffer unsharded above what the pass began with (docs/plan.md); the rows alone (0.33 GiB) were booked before."""
+    from moetrain.config import load_config
+    from moetrain.layout import Layout
+    from moetrain.planner import Job
+    from moetrain.planner.costs import plan_layout
+
+    path = os.path.join(ROOT, "configs", "deepseek_v3_671b.yaml")
+    cfg = load_config(path, ["parallel.optimizer_shard=2", "model.num_layers=16", "model.seq_length=32",
+                             "data.seq_length=32", "parallel.pipeline_layers=null"])
+    job = dataclasses.replace(Job.of(cfg), compute_dtype="float32", grad_dtype="float32")    # as run on the CPU
+    stage = plan_layout(job, Layout.of(cfg), "cpu", 2048).stages[8]
+    m = cfg.model
+    expert = 3 * m.hidden_size * m.moe.ffn_hidden_size * m.moe.num_experts // cfg.parallel.expert_parallel
+    dense = stage.memory["weights"] / 4 - expert - m.moe.num_experts      # the router's bias: not trained
+    assert stage.memory["gradients"] < 4 * dense                          # ZeRO-2: the rows are far smaller ...
+    assert stage.memory["activations"] >= 4 * (dense + expert) + 4 * dense   # ... than the pack's unsharded buffer

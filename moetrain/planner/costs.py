@@ -311,6 +311,15 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         "gradients": (dense / zero_grads[0] + expert / zero_grads[1]) * grad_bytes,
         "optimizer": (dense / zero_states[0] + expert / zero_states[1]) * state_bytes,
     }
+    # Packing a micro-batch's gradients (DataParallel.flatten): at ZeRO-2 each flat buffer is first
+    # concatenated whole ([G, S], every rank's row) beside the per-parameter gradients, then reduce-
+    # scattered to this rank's row. So the pack holds the largest sharded buffer unsharded, not only
+    # the rows (measured on the 671B rank 1024 dry run's pool record: 0.87 GiB of dense buffer
+    # beside 1.52 GiB of per-parameter gradients, docs/plan.md); below ZeRO-2 the flat is the packed copy.
+    packing = memory["gradients"]
+    if L.zero >= 2 and not job.megatron_memory:
+        packing = max(packing, grad_bytes * max(dense if zero_grads[0] > 1 else 0.0,
+                                                expert if zero_grads[1] > 1 else 0.0))
 
     # ---- activations. Without a pipeline, one micro-batch's activations of every layer (gradient
     # accumulation). With one, the pipeline keeps only each in-flight micro-batch's chunk INPUT and
@@ -384,8 +393,10 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
             if job.pipeline_backward == "stash":   # Megatron / DeepSeek: a micro-batch in flight keeps its activations
                 inputs = [x + w[L.recompute] for x, w in zip(inputs, working)]
             stage_inputs = in_flight * max(inputs)
+            # the pass's end: per-parameter gradients + the pack's largest transient (`packing` >= the rows)
             by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
-                                           FP32 * (dense + expert), memory["gradients"]) - memory["gradients"]
+                                           FP32 * (dense + expert) + packing - memory["gradients"],
+                                           memory["gradients"]) - memory["gradients"]
                        for mode in RECOMPUTE_MODES}
     by_mode = context.add_held_kv(by_mode, arch, L, tokens, d, len(layer_ids))
     memory["activations"] = by_mode[L.recompute]
@@ -398,7 +409,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     # the activation peak (part of it, shown apart).
     unpacked = 0.0
     if L.pp == 1 and not job.megatron_memory:
-        per_parameter, packed = FP32 * (dense + expert), memory["gradients"]
+        per_parameter, packed = FP32 * (dense + expert), packing
         if per_parameter + packed > memory["activations"]:
             unpacked = per_parameter + packed - max(memory["activations"], packed)
             memory["activations"] = per_parameter + packed
