@@ -42,9 +42,12 @@ MICRO_BATCHES = ["train.micro_batch_size=4", "parallel.moe_aux_loss_scope=micro_
 # issue 30's tp2.dp2.ep2.etp2 command ran micro-batches of 2: 4 per dp rank, with the same pairs of
 # samples as one process's micro-batches of 2 (dp ranks take contiguous halves of the global batch)
 MICRO_BATCHES_OF_2 = ["train.micro_batch_size=2", "parallel.moe_aux_loss_scope=micro_batch"]
+# issue 34's context-parallel rows: sequences of 1,024 tokens (8 a step) split over 2 or 4 ranks
+LONG_SEQUENCES = ["model.seq_length=1024", "train.global_batch_size=8"]
 REFERENCE_OF = {"pp2_dp2_ep2": MICRO_BATCHES,   # layout -> the overrides it shares with its reference
                 "dp2_ep2_mb4": MICRO_BATCHES,
-                "tp2_dp2_ep2_etp2_mb2": MICRO_BATCHES_OF_2}
+                "tp2_dp2_ep2_etp2_mb2": MICRO_BATCHES_OF_2,
+                **{f"cp{cp}_{kind}_seq1024": LONG_SEQUENCES for cp in (2, 4) for kind in ("p2p", "a2a")}}
 LAYOUTS = {   # name -> (ranks, overrides)
     "dp4_ep4": (4, ["parallel.data_parallel=4", "parallel.expert_parallel=4"]),
     "dp4_ep2": (4, ["parallel.data_parallel=4", "parallel.expert_parallel=2"]),
@@ -59,6 +62,9 @@ LAYOUTS = {   # name -> (ranks, overrides)
                         "parallel.pipeline_schedule=1f1b"] + MICRO_BATCHES),
     # the pipeline's control: the same dp ranks and micro-batches of 4 without the pipeline
     "dp2_ep2_mb4": (2, ["parallel.data_parallel=2", "parallel.expert_parallel=2"] + MICRO_BATCHES),
+    # context parallelism (no expert parallelism: the capacity policy has nothing to size)
+    **{f"cp{cp}_{kind}_seq1024": (cp, [f"parallel.context_parallel={cp}", f"parallel.cp_comm_type={kind}"]
+                                  + LONG_SEQUENCES) for cp in (2, 4) for kind in ("p2p", "a2a")},
 }
 OPTIMIZERS = {
     "adamw": [],
