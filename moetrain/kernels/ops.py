@@ -115,38 +115,37 @@ class RoundBF16(nn.Cell):
         return self.forward(x)
 
 
-class ToBF16(nn.Cell):
+class _Conversion(nn.Cell):
+    """`construct(x) -> x` converted by the kernel `name` (`source` -> `target` dtype); the backward
+    converts the gradient back with the kernel `inverse`."""
+
+    def __init__(self, name: str, inverse: str, source, target):
+        super().__init__()
+        back = _custom(inverse, (target,), output_dtypes=(source,))
+
+        def bprop(x, out, dout):
+            return (back(dout),)
+
+        self.forward = _custom(name, (source,), bprop, output_dtypes=(target,))
+
+    def construct(self, x):
+        return self.forward(x)
+
+
+class ToBF16(_Conversion):
     """`construct(x fp32) -> bf16 container` (nearest even), one pass; the backward decodes the
     gradient (a bf16 container from the kernel that read it) to fp32."""
 
     def __init__(self):
-        super().__init__()
-        decode = _custom("FromBF16", (BF16,), output_dtypes=(F32,))
-
-        def bprop(x, out, dout):
-            return (decode(dout),)
-
-        self.forward = _custom("ToBF16", (F32,), bprop, output_dtypes=(BF16,))
-
-    def construct(self, x):
-        return self.forward(x)
+        super().__init__("ToBF16", "FromBF16", F32, BF16)
 
 
-class FromBF16(nn.Cell):
+class FromBF16(_Conversion):
     """`construct(x bf16 container) -> fp32` (exact); the backward rounds the gradient to a bf16
     container, as a bf16 tensor's gradient is stored."""
 
     def __init__(self):
-        super().__init__()
-        encode = _custom("ToBF16", (F32,), output_dtypes=(BF16,))
-
-        def bprop(x, out, dout):
-            return (encode(dout),)
-
-        self.forward = _custom("FromBF16", (BF16,), bprop, output_dtypes=(F32,))
-
-    def construct(self, x):
-        return self.forward(x)
+        super().__init__("FromBF16", "ToBF16", BF16, F32)
 
 
 class LinearMatmulBF16(nn.Cell):
