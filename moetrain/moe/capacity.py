@@ -56,6 +56,18 @@ SHRINK = 1 / 1.5     # shrink only to a bucket below SHRINK * current capacity
 WINDOW = 16          # micro-batches whose largest need decides a shrink
 
 
+def resized(now, need, recent, bound):
+    """(grow, new) for capacities `now` (0: ran at the bound) after a call that needed `need` rows,
+    `recent` the largest need of the last WINDOW calls: unsized ones sized to the need, overflowing
+    ones grown to `sized(need)` and by at least GROWTH, the others shrunk when `sized(recent)` is below
+    SHRINK x now; never past `bound` (past it nothing overflows). `grow`: where the call overflowed."""
+    grow = (now > 0) & (need > now)
+    new = np.where(now == 0, _sized(need), now)                  # ran at the bound: size it
+    new = np.where(grow, np.maximum(_sized(need), _bucketed(GROWTH * now)), new)
+    new = np.where((now > 0) & ~grow & (_sized(recent) < SHRINK * now), _sized(recent), new)
+    return grow, np.minimum(new, bound)
+
+
 class DroplessSizing:
     """The host-side sizing rules of a dropless dispatcher's static buffers (pure numpy, shared by the
     dispatchers and by tests that simulate them). Needs `num_experts`, `top_k`, `capacity_factor`,
@@ -211,12 +223,7 @@ class CapacityController:
             del history[:-WINDOW]
             current = self.capacity(field)
             now = np.broadcast_to(np.asarray(current or 0, np.int64), need.shape)
-            recent = np.max(history, axis=0)
-            grow = (now > 0) & (need > now)
-            new = np.where(now == 0, _sized(need), now)                  # ran at the bound: size it
-            new = np.where(grow, np.maximum(_sized(need), _bucketed(GROWTH * now)), new)
-            new = np.where((now > 0) & ~grow & (_sized(recent) < SHRINK * now), _sized(recent), new)
-            new = np.minimum(new, bounds[field])                         # past the bound nothing overflows
+            grow, new = resized(now, need, np.max(history, axis=0), bounds[field])
             if (new != now).any():
                 value = _capacity(new)
                 why = "overflow" if grow.any() else ("sized" if (now == 0).all() else "shrink")
@@ -422,12 +429,7 @@ class StepCapacities:
         del self.history[:-WINDOW]
         current = self.capacity
         now = np.asarray(current or (0,) * self.n, np.int64)
-        recent = np.max(self.history, axis=0)
-        grow = (now > 0) & (need > now)
-        new = np.where(now == 0, _sized(need), now)
-        new = np.where(grow, np.maximum(_sized(need), _bucketed(GROWTH * now)), new)
-        new = np.where((now > 0) & ~grow & (_sized(recent) < SHRINK * now), _sized(recent), new)
-        new = np.minimum(new, bound)
+        grow, new = resized(now, need, np.max(self.history, axis=0), bound)
         if (new != now).any():
             value = _capacity(new)
             why = "overflow" if grow.any() else ("sized" if (now == 0).all() else "shrink")
