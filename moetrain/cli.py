@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
 import signal
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
         # first thing: from here on SIGTERM/SIGINT stop the run cleanly (exit 75), during set-up and
         # compile too, instead of killing it half set up (docs/faults.md, "Preemption")
         preemption = PreemptionFlag().install()
+        if argv is None:   # a process of its own: a native crash (SIGSEGV, SIGABRT) prints every thread's stack
+            faulthandler.enable(file=sys.stderr, all_threads=True)
     args, rest = build_parser().parse_known_args(argv)
     unsupported = unsupported_mindspore()          # the version gate (moetrain/compat.py), before any work
     if unsupported:

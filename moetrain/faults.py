@@ -109,6 +109,10 @@ class PreemptionFlag:
                 previous = signal.signal(sig, self._handle)
             except ValueError:      # not the main thread: leave the process's handlers alone
                 continue
+            # SA_RESTART: the signal may land on any of MindSpore's threads; without it a system call
+            # that thread is in fails with EINTR, which native code need not expect (Python retries
+            # its own calls either way, PEP 475)
+            signal.siginterrupt(sig, False)
             self._previous.setdefault(sig, previous)
         return self
 
