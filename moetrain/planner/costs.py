@@ -25,7 +25,8 @@ MEMORY_SAFETY = 0.90        # usable = 90 % of (device memory - runtime): fragme
 
 
 def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout: Layout, dtype_bytes: int,
-                     fused: bool = False, exact: bool = False, rows: float = None) -> Tuple[float, float, float]:
+                     fused: bool = False, exact: bool = False, rows: float = None,
+                     container_bytes: int = None) -> Tuple[float, float, float]:
     """`(stored, attention_probs, expert_inner)`: bytes one layer keeps for backward for `tokens`
     tokens of one micro-batch, without recompute; `expert_inner` is the part of `stored` inside the
     routed experts (their SwiGLU intermediates), which the trainer's selective recompute drops when
@@ -34,8 +35,17 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     are split by tp only under sequence parallelism. `fused`: the CPU kernels run
     (`moetrain.kernels`, fp32 compute): the attention kernel keeps no probabilities, and the
     grouped experts and the dense SwiGLU MLP keep gate|up and the SwiGLU output (3 F a row, not 4).
-    `rows`: the rows of the experts' buffers when known (`dispatch_rows`), else routed x margin."""
+    `rows`: the rows of the experts' buffers when known (`dispatch_rows`), else routed x margin.
+    `container_bytes` (bf16 on the CPU kernels, docs/precision.md; `dtype_bytes` is then fp32's, the
+    bf16 values the kernels hold in fp32 tensors): the bytes of what they store as 2-byte bf16
+    containers instead, the SwiGLU activations: the routed experts' token rows, gate|up and product,
+    and the dense (or shared) MLP's input, gate|up and product where its projections are whole (tp 1)."""
     h, d, t = arch.hidden, dtype_bytes, layout.tp
+    c = mlp = d       # the routed experts' SwiGLU activations; a dense (or shared) MLP's input and SwiGLU's
+    rows_in = FP32    # the dispatched rows: the norm's output
+    if container_bytes is not None:
+        rows_in = c = container_bytes
+        mlp = container_bytes if t == 1 else d
     outside = t if layout.sequence_parallel else 1
     # attention: norm input (fp32) + QKV input; Q, K, V and the output O
     attention = ((FP32 + d) * tokens * h / outside           # Q, K, V, O (MLA: + its latents, whole)
@@ -46,18 +56,19 @@ def activation_bytes(arch: Arch, moe: bool, tokens: int, seq_length: int, layout
     blockwise = layout.cp > 1 and layout.cp_comm != "a2a"
     probs = 0.0 if fused or blockwise else d * arch.heads * seq_length * tokens / t
     if not moe:   # norm input + MLP input, then gate, up, silu(gate), silu(gate) * up (fused: gate|up, the product)
-        ffn = (FP32 + d) * tokens * h / outside + (3 if fused else 4) * d * tokens * arch.ffn / t
+        ffn = (FP32 + mlp) * tokens * h / outside + (3 if fused else 4) * mlp * tokens * arch.ffn / t
     else:         # the MoE block sees all tokens (gathered under sequence parallelism); its router is
         # whole on every tp rank; folded, a tp rank dispatches 1/token_slices of the tokens to experts
         # split over etp, into buffers sized from its dp rank's counts (moetrain/moe/capacity.py)
         rows = tokens * arch.routed_rows_per_token(exact) if rows is None else rows
-        expert_inner = (3 if fused else 4) * d * rows * arch.expert_ffn / layout.etp         # expert SwiGLU
+        expert_inner = (3 if fused else 4) * c * rows * arch.expert_ffn / layout.etp         # expert SwiGLU
         ffn = (FP32 * tokens * h / outside + FP32 * tokens * h  # norm input, router input (fp32)
                + 2 * FP32 * tokens * arch.experts               # router logits and probabilities
-               + (FP32 + d) * rows * h                          # dispatched rows (fp32, the norm's), expert output
+               + rows_in * rows * h                             # dispatched rows
+               + d * rows * h                                   # expert output
                + expert_inner)
         if arch.shared_ffn:
-            ffn += d * tokens * h / outside + 4 * d * tokens * arch.shared_ffn / t
+            ffn += mlp * tokens * h / outside + (3 if mlp < d else 4) * mlp * tokens * arch.shared_ffn / t
         return attention + ffn, probs, expert_inner
     return attention + ffn, probs, 0.0
 
@@ -271,12 +282,20 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     layer_ids = sorted(layer for chunk in chunks for layer in chunk)
     t, first, last = L.tp, stage == 0, stage == last_stage(L)
     d = DTYPE_BYTES[job.compute_dtype]
+    # bf16 on the CPU (docs/precision.md, "bfloat16 on the CPU"): the kernels compute in fp32 and hold
+    # a bf16 value in an fp32 tensor (attention, the residual stream, what layers exchange, the
+    # gradients' collectives), read the fp32 weights as bf16 (no rounded copies), and store only the
+    # SwiGLU activations as 2-byte bf16 containers (`container_bytes`, activation_bytes)
+    cpu_bf16 = device.name == "cpu" and not job.megatron_memory
+    container_bytes = DTYPE_BYTES["bfloat16"] if cpu_bf16 and job.compute_dtype == "bfloat16" else None
+    if container_bytes is not None:
+        d = FP32
     # What the code holds (measured by `moetrain plan --dry-run`): fp32 parameters, cast to the
     # compute dtype per matmul (moetrain/layers.py); fp32 flat gradient buffers (grad_reduce_dtype
     # is the wire dtype only); fp32 moments, and under ZeRO this rank's fp32 master rows.
     weight_bytes = grad_bytes = FP32
     state_bytes = FP32 * OPTIMIZER_FP32_STATES[job.optimizer] + (FP32 if L.zero >= 1 else 0)
-    wire_bytes = DTYPE_BYTES[job.grad_dtype]
+    wire_bytes = FP32 if cpu_bf16 and job.grad_dtype == "bfloat16" else DTYPE_BYTES[job.grad_dtype]
     if job.megatron_memory:
         # Megatron-Core's recipe (its README, "Distributed optimizer": bf16 parameters with fp32
         # gradients hold 6 + 12/d bytes a parameter): 16-bit parameters, fp32 main gradients (the
@@ -327,7 +346,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     # schedule's instruction list with one chunk's activations live inside a pass.
     tokens = context.local_tokens(L, L.micro_batch_size * s)
     in_flight = pipeline_in_flight(L, stage)
-    fused = device.name == "cpu" and d == FP32       # moetrain.kernels: CPU only, fp32 compute
+    fused = device.name == "cpu" and d == FP32       # moetrain.kernels: CPU only, fp32 compute (bf16 on fp32 GEMMs)
     exact = device.name == "cpu" and L.ep == 1     # SortDispatcher's one-row layout (the grouped GEMM kernel)
     buffer_rows = dispatch_rows(arch, tokens, L, job, device.name)     # the expert buffers as the dispatcher sizes them
     outside = t if L.sequence_parallel else 1
@@ -362,7 +381,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
                     "selective": sum(recipe_activation_bytes(arch, arch.is_moe(i), tokens, L, job, selected)
                                      for i in layers) + casts_of(layers) + extra,
                     "full": layer_input * len(layers) + max(none, default=0.0) + extra}
-        per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact, buffer_rows) for i in layers]
+        per_layer = [activation_bytes(arch, arch.is_moe(i), tokens, s, L, d, fused, exact, buffer_rows, container_bytes)
+                     for i in layers]
         working_set = max((stored + probs for stored, probs, _ in per_layer), default=0.0)
         casts = cast_bytes * len(layers) / max(1, len(layer_ids))
         # selective as the trainer applies it: the attention core, and the routed experts' insides

@@ -14,9 +14,10 @@ are replaced by `moetrain.testing.solo.SoloComm` (shape-correct local stand-ins,
 Then this rank's step runner (`runner.train_step`: gradient accumulation, or the pipeline
 schedule) runs forward and backward on random tokens, and the optimizer step once.
 
-What is adapted, and said so in the output: the device is this CPU; bfloat16 runs as it trains on
-the CPU (fp32 tensors holding bf16-rounded values, docs/precision.md), so the as-run plan books
-those tensors at fp32 (`planned_full` keeps bf16); the sequence may be shortened
+What is adapted, and said so in the output: the device is this CPU, and bfloat16 runs as it trains on
+the CPU (docs/precision.md): fp32 GEMMs on bf16 values, the SwiGLU activations stored as 2-byte bf16
+containers and the other bf16 values in fp32 tensors, as the planner books a CPU bf16 job
+(`moetrain.planner.costs.stage_cost`; `planned` and `planned_full` alike); the sequence may be shortened
 (`seq_length`) and the micro-batches per step limited (`micro_batches`: enough to reach the
 schedule's peak: 2 without pipeline, pp with it); `layers` builds the first layers only (same
 pattern of dense and MoE layers); the planned figures are always those of the job that ran, and
@@ -56,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import glob
 import json
 import os
@@ -213,8 +213,9 @@ def dry_run_config(cfg, seq_length: Optional[int] = None, micro_batches: Optiona
     layout = Layout.of(cfg)
     full_seq = cfg.data.seq_length or cfg.model.seq_length
     if "bfloat16" in (run.precision.compute_dtype, run.parallel.grad_reduce_dtype):
-        notes.append("bfloat16 runs as on this CPU in training: fp32 tensors holding bf16-rounded values "
-                     "(docs/precision.md), so the as-run plan books their bytes at fp32; planned_full keeps bf16")
+        notes.append("bfloat16 runs as on this CPU in training (docs/precision.md): fp32 GEMMs on bf16 values, "
+                     "the SwiGLU activations (MLP and routed experts) stored in 2 bytes, the other bf16 values "
+                     "and the gradients' collectives in fp32 tensors; the plan books them so")
     if seq_length and seq_length != full_seq:
         if not 1 <= seq_length <= cfg.model.seq_length:
             raise ValueError(f"--seq {seq_length}: must be in [1, model.seq_length={cfg.model.seq_length}]")
@@ -296,12 +297,6 @@ def measure_dispatch(model, solo, micro_batch_size: int, seq_length: int, hidden
             "exchanged": exchanged}
 
 
-def _as_held(job: Job) -> Job:
-    """`job` with the dtypes its tensors have on this CPU: bf16 is emulated in fp32 tensors."""
-    held = {k: "float32" for k in ("compute_dtype", "grad_dtype") if getattr(job, k) == "bfloat16"}
-    return dataclasses.replace(job, **held) if held else job
-
-
 def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches: Optional[int] = None,
             layers: Optional[int] = None) -> DryRun:
     """Build rank `rank` of `cfg`'s job, run one step, measure it, plan the same job (module notes)."""
@@ -320,8 +315,8 @@ def dry_run(cfg, rank: int = 0, seq_length: Optional[int] = None, micro_batches:
     pctx = ParallelContext.build(layout.world, rank, layout.dp, layout.tp, layout.pp, layout.ep, layout.etp, layout.cp)
     # the plans first: a config the planner rejects fails before the step
     stage = pctx.pp_rank
-    cost = plan_layout(_as_held(Job.of(run)), Layout.of(run), "cpu", layout.world, source=cfg.source).stages[stage]
-    full_run = dry_run_config(cfg)[0]         # the config as written (its own dtypes)
+    cost = plan_layout(Job.of(run), Layout.of(run), "cpu", layout.world, source=cfg.source).stages[stage]
+    full_run = dry_run_config(cfg)[0]         # the config as written
     full = plan_layout(Job.of(full_run), Layout.of(full_run), "cpu", layout.world, source=cfg.source).stages[stage]
     planned, planned_full = ({**{k: c.memory[k] for k in CATEGORIES[:4]}, "dispatch_buffers": c.dispatch_bytes}
                              for c in (cost, full))
