@@ -30,11 +30,6 @@ EXPERT_PARALLEL = ["--set", "parallel.data_parallel=2", "--set", "parallel.exper
 DATA_PARALLEL = ["--set", "parallel.data_parallel=2", "--set", "parallel.optimizer_shard=1",
                  "--set", "precision.compute_dtype=bfloat16", "--set", "parallel.grad_reduce_dtype=bfloat16"]
 
-def run_plan(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "moetrain.planner", TINY, *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
-
 
 def local_numels(dp: int, ep: int, layers: int = 2):
     """`(name, elements on one rank, ZeRO group size, trainable)` of every Parameter of moe_tiny
@@ -51,20 +46,47 @@ def local_numels(dp: int, ep: int, layers: int = 2):
     return out
 
 
-def dry_run_json(layout):
-    result = run_plan("--dry-run", "--rank", "1", "--json", *layout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)          # --json: stdout is one JSON object, nothing else
+# Both layouts' dry runs in one process, `moetrain plan --dry-run --rank 1 --json` (its `main`) once for
+# each: one MindSpore start-up instead of two. Each dry run's memory record counts only its own
+# block (dryrun.PoolRecorder); measured, both runs' planned and measured bytes and notes equal those of a
+# process of their own (2026-11-28).
+DRY_RUNS_DRIVER = r"""
+import json, sys
+from moetrain.planner.cli import main
+for name, args in json.loads(sys.argv[1]).items():
+    print(f"=== dry run {name}", flush=True)
+    code = main(args)
+    sys.stdout.flush()
+    if code:
+        sys.exit(f"the dry run {name} ended with {code}")
+"""
 
 
 @pytest.fixture(scope="module")
-def dry_ep():
-    return dry_run_json(EXPERT_PARALLEL)
+def dry_runs():
+    """{"ep": ..., "dp": ...}: each one JSON object, the whole of its run's standard output (--json
+    prints nothing else)."""
+    layouts = {name: [TINY, "--dry-run", "--rank", "1", "--json", *layout]
+               for name, layout in (("ep", EXPERT_PARALLEL), ("dp", DATA_PARALLEL))}
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", DRY_RUNS_DRIVER, json.dumps(layouts)], capture_output=True,
+                            text=True, env=env, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    parts = result.stdout.split("=== dry run ")
+    assert parts[0] == "", result.stdout[:3000]
+    runs = dict(part.split("\n", 1) for part in parts[1:])
+    assert sorted(runs) == sorted(layouts), result.stdout[:3000]
+    return {name: json.loads(out) for name, out in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def dry_dp():
-    return dry_run_json(DATA_PARALLEL)
+def dry_ep(dry_runs):
+    return dry_runs["ep"]
+
+
+@pytest.fixture(scope="module")
+def dry_dp(dry_runs):
+    return dry_runs["dp"]
 
 
 def test_dry_run_json_has_every_category(dry_ep):
