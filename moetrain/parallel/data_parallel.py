@@ -111,6 +111,8 @@ class FlatBuffer:
     summed_over: Tuple[str, ...]     # group kinds whose ranks' gradients are added first: "tp" for
                                      # sequence-parallel norms, the tied group for tied weights
     pieces: Tuple[int, ...] = ()     # level 0: the all-reduce's piece lengths (`piece_sizes`)
+    buckets: Tuple[Tuple[int, int], ...] = ()   # ZeRO-2 with G > 1: [start, end) parameter ranges of
+                                     # the buffer (relative), each reduce-scattered on its own
 
     @property
     def row(self) -> int:
@@ -132,6 +134,20 @@ def piece_sizes(n: int, bucket_bytes: int) -> Tuple[int, ...]:
     176,160,771 and `ops.split` refused them (DeepSeek-V3-671B, docs/parallel_engine.md)."""
     pieces = max(1, min(64, math.ceil(n * 4 / bucket_bytes)))
     return tuple(n // pieces + (1 if i < n % pieces else 0) for i in range(pieces))
+
+
+def bucket_ranges(sizes: Sequence[int], bucket_bytes: int) -> Tuple[Tuple[int, int], ...]:
+    """Consecutive [start, end) ranges of items of `sizes` bytes, each at most `bucket_bytes`
+    unless one item alone is larger."""
+    ranges, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > bucket_bytes:
+            ranges.append((start, i))
+            start, total = i, 0
+        total += size
+    if sizes:
+        ranges.append((start, len(sizes)))
+    return tuple(ranges)
 
 
 def _copies_over_world(param, pctx, group, sharded: bool) -> int:
@@ -161,6 +177,11 @@ class OptimizerStep:
         self.bucket_bytes = max(1, int(parallel_cfg.grad_bucket_mb * 2 ** 20))
         self.world = pctx.group("world")
         self.params, self.buffers = self._layout(list(params))
+        self.bucket_order = self._bucket_order(list(params))
+        # per buffer, where its buckets' reduced pieces sit in `bucket_order`, in buffer order
+        self._bucket_slots = tuple(tuple(j for _, j in sorted((start, j) for j, (k, start, _, _) in
+                                                               enumerate(self.bucket_order) if k == i))
+                                   for i in range(len(self.buffers)))
         self.hyper = ops.HyperMap()
         if self.level == 0:
             self.optimizer = build_optimizer(self.params, optimizer_cfg)
@@ -220,12 +241,25 @@ class OptimizerStep:
             numels = tuple(int(np.prod(p.shape)) for p in members)
             shards = tuple(math.ceil(n / rows) for n in numels)
             offsets = tuple(int(o) for o in np.cumsum((0,) + shards[:-1]))
+            buckets = (bucket_ranges([rows * s * 4 for s in shards], self.bucket_bytes)
+                       if self.level == 2 and rows > 1 else ())
             buffers.append(FlatBuffer(kind, group, len(ordered), len(ordered) + len(members),
                                       tuple(tuple(int(d) for d in p.shape) for p in members), numels, shards,
                                       offsets, rows, 1.0 / copies, decay, summed_over,
-                                      () if sharded else piece_sizes(sum(numels), self.bucket_bytes)))
+                                      () if sharded else piece_sizes(sum(numels), self.bucket_bytes), buckets))
             ordered += members
         return ordered, buffers
+
+    def _bucket_order(self, given: List[Parameter]) -> Tuple[Tuple[int, int, int, Tuple[int, ...]], ...]:
+        """ZeRO-2's buckets as (buffer, start, end, pads) in the order the backward completes them: by
+        descending position of their first parameter in `given` (the model's order, which its
+        backward runs in reverse). The same on every rank of a group, so are its collectives."""
+        position = {id(p): i for i, p in enumerate(given)}
+        found = []
+        for i, b in enumerate(self.buffers):
+            for start, end in b.buckets:
+                found.append((position[id(self.params[b.start + start])], i, start, end, b.pads[start:end]))
+        return tuple((i, start, end, pads) for _, i, start, end, pads in sorted(found, key=lambda f: -f[0]))
 
     def _own_row(self, b: FlatBuffer) -> np.ndarray:
         """This rank's row of buffer `b`'s [G, S] matrix, from the parameters' current values."""
@@ -240,7 +274,10 @@ class OptimizerStep:
     # ---- inside the grad step (jit) --------------------------------------------------------
     def flatten(self, grads):
         """Per-parameter gradients (in `params` order) -> one tensor per buffer. ZeRO-2 reduce-
-        scatters here, once per micro-batch, so only this rank's row is accumulated."""
+        scatters here, once per micro-batch, so only this rank's row is accumulated, and does so
+        bucket by bucket in backward order (`_bucketed_rows`)."""
+        if self.level == 2 and self.bucket_order:
+            return self._bucketed_rows(grads)
         out = ()
         for b in self.buffers:
             part = grads[b.start:b.end]
@@ -251,6 +288,33 @@ class OptimizerStep:
             if self.level == 2:
                 flat = self._reduce(flat, b, "reduce_scatter", out)
             out += (flat,)
+        return out
+
+    def _bucketed_rows(self, grads):
+        """ZeRO-2: each bucket (at most `grad_bucket_mb` of its [G, s] rows, or one parameter) packed
+        and reduce-scattered on its own, in the order the backward completes them, then this rank's
+        pieces concatenated into its row of each buffer (the same values as packing the buffer whole:
+        every element takes the same ops). Megatron-Core's distributed optimizer reduces bucket by
+        bucket during the backward; here the jitted grad step holds the collectives, and MindSpore's
+        graph runs each pack as soon as its gradients exist, so a bucket's per-parameter gradients are
+        freed before the backward of the layers below (measured: the pool's peak falls from every
+        gradient plus the buffer to about one layer's, tests/test_optimizer_step.py). The chain of
+        `depend`s keeps every rank's collectives in one order."""
+        reduced = ()
+        for i, start, end, pads in self.bucket_order:
+            b = self.buffers[i]
+            part = grads[b.start + start:b.start + end]
+            flat = ops.concat(self.hyper(_AS_ROWS, part, pads, (b.rows,) * len(part)), axis=1).reshape(-1)
+            reduced += (self._reduce(flat, b, "reduce_scatter", reduced),)
+        out = ()
+        for i, b in enumerate(self.buffers):
+            if not b.buckets:       # a group of one rank: the buffer is its row
+                out += (ops.concat(self.hyper(_FLATTEN, grads[b.start:b.end])),)
+                continue
+            pieces = ()
+            for j in self._bucket_slots[i]:
+                pieces += (reduced[j],)
+            out += (pieces[0] if len(pieces) == 1 else ops.concat(pieces),)
         return out
 
     def _reduce(self, flat, b: FlatBuffer, op: str, previous):
