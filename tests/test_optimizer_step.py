@@ -189,7 +189,8 @@ def test_zero2_buckets_give_each_rank_its_row_exactly(ms):
     """ZeRO-2 packs and reduce-scatters bucket by bucket (here 4 KB: several buckets in each of the
     two buffers, decay and no decay) in backward order; rank 1 of dp 4 (SoloComm: the reduce-scatter
     keeps this rank's chunk) must get exactly its row, the second ceil(n / 4) elements of every
-    parameter, zero-padded, as when each buffer is packed whole (one bucket)."""
+    parameter, zero-padded, as when each buffer is packed whole (one bucket). The master rows'
+    all-gather into the parameters, bucket by bucket as well, must place every column."""
     from mindspore import Parameter, Tensor
 
     from moetrain.testing.solo import SoloComm
@@ -199,12 +200,21 @@ def test_zero2_buckets_give_each_rank_its_row_exactly(ms):
               "d.weight": (40, 40), "d.bias": (333,)}
     grads = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
     params = [Parameter(Tensor(np.zeros(s, np.float32)), name=k) for k, s in shapes.items()]
-    rows = {}
+    rows, gathered = {}, {}
     with SoloComm():
         for bucket_mb in (4 / 1024, 1e6):
             step = _zero2_step(params, bucket_mb)
             flats = ms.jit(step.flatten)(ms.mutable(tuple(Tensor(grads[p.name]) for p in step.params)))
             rows[bucket_mb] = [f.asnumpy() for f in flats]
+            # the optimizer's all-gather of the master rows into the parameters, bucket by bucket too
+            # (SoloComm gathers G copies of this rank's row), compiled and in PyNative
+            for jit in (True, False):
+                for i, master in enumerate(step.masters):
+                    master.set_data(Tensor(np.arange(master.shape[0], dtype=np.float32) + 1000 * i))
+                for p in params:
+                    p.set_data(Tensor(np.zeros(p.shape, np.float32)))
+                (ms.jit(step._gather_masters) if jit else step._gather_masters)()
+                gathered[bucket_mb, jit] = {p.name: p.asnumpy().copy() for p in params}
             if bucket_mb < 1:
                 assert len(step.buffers) == 2 and all(len(b.buckets) > 1 for b in step.buffers)
                 firsts = [step.params[step.buffers[i].start + start].name for i, start, _, _ in step.bucket_order]
@@ -219,6 +229,12 @@ def test_zero2_buckets_give_each_rank_its_row_exactly(ms):
             expected.append(padded[s:2 * s])
         np.testing.assert_array_equal(bucketed, np.concatenate(expected))
         np.testing.assert_array_equal(whole, np.concatenate(expected))
+    for i, b in enumerate(step.buffers):
+        row = np.arange(b.row, dtype=np.float32) + 1000 * i
+        for p, n, s, o in zip(step.params[b.start:b.end], b.numels, b.shards, b.offsets):
+            want = np.tile(row[o:o + s], 4)[:n].reshape(p.shape)
+            for key, got in gathered.items():
+                np.testing.assert_array_equal(got[p.name], want, err_msg=str(key))
 
 
 def test_zero2_buckets_free_each_layers_gradients_inside_the_jitted_backward(ms):

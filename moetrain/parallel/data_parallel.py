@@ -111,8 +111,9 @@ class FlatBuffer:
     summed_over: Tuple[str, ...]     # group kinds whose ranks' gradients are added first: "tp" for
                                      # sequence-parallel norms, the tied group for tied weights
     pieces: Tuple[int, ...] = ()     # level 0: the all-reduce's piece lengths (`piece_sizes`)
-    buckets: Tuple[Tuple[int, int], ...] = ()   # ZeRO-2 with G > 1: [start, end) parameter ranges of
-                                     # the buffer (relative), each reduce-scattered on its own
+    buckets: Tuple[Tuple[int, int], ...] = ()   # ZeRO with G > 1: [start, end) parameter ranges of the
+                                     # buffer (relative), each reduce-scattered (level 2) and
+                                     # all-gathered (levels 1, 2) on its own
 
     @property
     def row(self) -> int:
@@ -190,6 +191,7 @@ class OptimizerStep:
             self.masters = [Parameter(Tensor(self._own_row(b)), name=f"{MASTER_PREFIX}buffer{i}")
                             for i, b in enumerate(self.buffers)]
             self.optimizer = build_optimizer(self.masters, optimizer_cfg, decay_flags=[b.decay for b in self.buffers])
+            self._gather_buckets = [self._gather_layout(b) for b in self.buffers]
         # fused: None reads optimizer.fused (auto / on: wherever the kernels serve the optimizer;
         # off: the plain path); tests pass False / True
         if fused is None:
@@ -241,8 +243,7 @@ class OptimizerStep:
             numels = tuple(int(np.prod(p.shape)) for p in members)
             shards = tuple(math.ceil(n / rows) for n in numels)
             offsets = tuple(int(o) for o in np.cumsum((0,) + shards[:-1]))
-            buckets = (bucket_ranges([rows * s * 4 for s in shards], self.bucket_bytes)
-                       if self.level == 2 and rows > 1 else ())
+            buckets = bucket_ranges([rows * s * 4 for s in shards], self.bucket_bytes) if rows > 1 else ()
             buffers.append(FlatBuffer(kind, group, len(ordered), len(ordered) + len(members),
                                       tuple(tuple(int(d) for d in p.shape) for p in members), numels, shards,
                                       offsets, rows, 1.0 / copies, decay, summed_over,
@@ -260,6 +261,20 @@ class OptimizerStep:
             for start, end in b.buckets:
                 found.append((position[id(self.params[b.start + start])], i, start, end, b.pads[start:end]))
         return tuple((i, start, end, pads) for _, i, start, end, pads in sorted(found, key=lambda f: -f[0]))
+
+    def _gather_layout(self, b: FlatBuffer):
+        """Per bucket of `b` (the whole buffer where it has none): (first column, columns, each
+        parameter's column offset in it, shards, numels, its ParameterTuple or None for all)."""
+        if not b.buckets:
+            return [(0, b.row, b.offsets, b.shards, b.numels, None)]
+        out = []
+        for start, end in b.buckets:
+            lo = b.offsets[start]
+            width = b.offsets[end - 1] + b.shards[end - 1] - lo
+            whole = start == 0 and end == b.end - b.start
+            out.append((lo, width, tuple(o - lo for o in b.offsets[start:end]), b.shards[start:end],
+                        b.numels[start:end], None if whole else ParameterTuple(self.params[b.start + start:b.start + end])))
+        return out
 
     def _own_row(self, b: FlatBuffer) -> np.ndarray:
         """This rank's row of buffer `b`'s [G, S] matrix, from the parameters' current values."""
@@ -304,7 +319,10 @@ class OptimizerStep:
         for i, start, end, pads in self.bucket_order:
             b = self.buffers[i]
             part = grads[b.start + start:b.start + end]
-            flat = ops.concat(self.hyper(_AS_ROWS, part, pads, (b.rows,) * len(part)), axis=1).reshape(-1)
+            if len(part) == 1 and not pads[0]:     # one parameter: its gradient is the bucket (no copy)
+                flat = part[0].reshape(-1)
+            else:
+                flat = ops.concat(self.hyper(_AS_ROWS, part, pads, (b.rows,) * len(part)), axis=1).reshape(-1)
             reduced += (self._reduce(flat, b, "reduce_scatter", reduced),)
         out = ()
         for i, b in enumerate(self.buffers):
@@ -436,13 +454,18 @@ class OptimizerStep:
         return lr
 
     def _gather_masters(self):
-        """ZeRO: all-gather every buffer's updated master rows into the parameters."""
+        """ZeRO: all-gather every buffer's updated master rows into the parameters, bucket by bucket
+        (the buckets of `flatten`): a bucket's [G, s] is the most that is gathered at once, never a
+        whole buffer (the 671B first stage's dense buffer is 10 GiB)."""
         gathered = None
-        for b, master, params in zip(self.buffers, self.masters, self.param_tuples):
-            row = master if gathered is None else ops.depend(master, gathered)
-            gathered = comm.all_gather(row, b.group) if b.group.size > 1 else row
-            matrix = gathered.reshape(b.rows, b.row)
-            self.hyper(ops.partial(_ASSIGN_COLUMNS, matrix), b.offsets, b.shards, b.numels, params)
+        for b, master, params, buckets in zip(self.buffers, self.masters, self.param_tuples, self._gather_buckets):
+            for lo, width, offsets, shards, numels, members in buckets:
+                row = master if width == b.row else ops.slice(master, (lo,), (width,))
+                row = row if gathered is None else ops.depend(row, gathered)
+                gathered = comm.all_gather(row, b.group) if b.group.size > 1 else row
+                matrix = gathered.reshape(b.rows, width)
+                self.hyper(ops.partial(_ASSIGN_COLUMNS, matrix), offsets, shards, numels,
+                           params if members is None else members)
 
     def __call__(self, flats, lr: float, step: int, inv_scale: float):
         """Returns (grad_norm, finite); the optimizer runs only when every gradient is finite."""
