@@ -6,8 +6,10 @@ per parameter: the parameters are ordered buffer by buffer, and each buffer hold
 of parameters that are reduced over the same group (dp, or edp for expert weights), count the
 same number of times in the global norm and share a weight-decay flag.
 
-    grad step    (jit)  flatten(grads): per buffer one concat;  ZeRO-2: reduce-scatter right away,
-                        so only this rank's shard lives between micro-batches
+    grad step    (jit)  flatten(grads): per buffer one concat;  ZeRO-2: packed and reduce-scattered
+                        bucket by bucket in backward order, so only this rank's shard lives between
+                        micro-batches and a bucket's per-parameter gradients are freed as the
+                        backward goes (`_bucketed_rows`)
     accumulate   (jit)  buffer += buffer
     prepare      (jit)  sequence-parallel grads summed over tp; all-reduce (level 0) or
                         reduce-scatter (level 1) over the group; unscale; global norm over the world
