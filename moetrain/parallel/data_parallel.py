@@ -89,6 +89,8 @@ def _take(flat, offset, size, shape):
 def _assign_columns(matrix, offset, shard, numel, param):
     """param <- the first `numel` elements of columns [offset, offset + shard) of `matrix`, row-major."""
     rows = matrix.shape[0]
+    if matrix.shape[1] == shard and rows * shard == numel and matrix.dtype == param.dtype:
+        return ops.assign(param, matrix.reshape(param.shape))     # the whole matrix: no sliced copy
     full = ops.slice(matrix, (0, offset), (rows, shard)).reshape(-1)
     if rows * shard != numel:
         full = ops.slice(full, (0,), (numel,))
@@ -182,7 +184,7 @@ class OptimizerStep:
         self.params, self.buffers = self._layout(list(params))
         self.bucket_order = self._bucket_order(list(params))
         # per buffer, where its buckets' reduced pieces sit in `bucket_order`, in buffer order
-        self._bucket_slots = tuple(tuple(j for _, j in sorted((start, j) for j, (k, start, _, _) in
+        self._bucket_slots = tuple(tuple(j for _, j in sorted((start, j) for j, (k, start, _, _, _) in
                                                                enumerate(self.bucket_order) if k == i))
                                    for i in range(len(self.buffers)))
         self.hyper = ops.HyperMap()
@@ -253,16 +255,30 @@ class OptimizerStep:
             ordered += members
         return ordered, buffers
 
-    def _bucket_order(self, given: List[Parameter]) -> Tuple[Tuple[int, int, int, Tuple[int, ...]], ...]:
-        """ZeRO-2's buckets as (buffer, start, end, pads) in the order the backward completes them: by
-        descending position of their first parameter in `given` (the model's order, which its
-        backward runs in reverse). The same on every rank of a group, so are its collectives."""
+    def _bucket_order(self, given: List[Parameter]) -> Tuple[tuple, ...]:
+        """ZeRO-2's buckets as (buffer, start, end, pads, columns) in the order the backward completes
+        them: by descending position of their first parameter in `given` (the model's order, which
+        its backward runs in reverse). The same on every rank of a group, so are its collectives.
+
+        `columns`: the last bucket, when it is one parameter over `grad_bucket_mb` (the first stage's
+        embedding), is reduce-scattered a few columns of its [G, s] matrix at a time, (first, count)
+        ranges computed here, not in the graph (`piece_sizes`): its collective's output is then a
+        piece, not the parameter's size. Only the last: MindSpore runs a chain of such pieces behind
+        the backward's pending work, so chunking a bucket with layers still to go held their
+        gradients longer (measured: 12 layers chunked in 4 peaked at 35.7 MB against 13.4 MB)."""
         position = {id(p): i for i, p in enumerate(given)}
         found = []
         for i, b in enumerate(self.buffers):
             for start, end in b.buckets:
-                found.append((position[id(self.params[b.start + start])], i, start, end, b.pads[start:end]))
-        return tuple((i, start, end, pads) for _, i, start, end, pads in sorted(found, key=lambda f: -f[0]))
+                found.append((position[id(self.params[b.start + start])], i, start, end, b.pads[start:end], ()))
+        found = [entry[1:] for entry in sorted(found, key=lambda f: -f[0])]
+        if found:
+            i, start, end, pads, _ = found[-1]
+            b = self.buffers[i]
+            if end - start == 1 and b.rows * b.shards[start] * 4 > self.bucket_bytes:
+                widths = piece_sizes(b.shards[start], max(4, self.bucket_bytes // b.rows))   # at most 64
+                found[-1] = (i, start, end, pads, tuple(zip(np.cumsum((0,) + widths[:-1]).tolist(), widths)))
+        return tuple(found)
 
     def _gather_layout(self, b: FlatBuffer):
         """Per bucket of `b` (the whole buffer where it has none): (first column, columns, each
@@ -318,9 +334,18 @@ class OptimizerStep:
         gradient plus the buffer to about one layer's, tests/test_optimizer_step.py). The chain of
         `depend`s keeps every rank's collectives in one order."""
         reduced = ()
-        for i, start, end, pads in self.bucket_order:
+        for i, start, end, pads, columns in self.bucket_order:
             b = self.buffers[i]
             part = grads[b.start + start:b.start + end]
+            if columns:     # the last bucket, one large parameter: its [G, s] matrix a few columns at a time
+                matrix = _as_rows(part[0], pads[0], b.rows)
+                pieces = ()
+                for first, count in columns:
+                    previous = pieces if pieces else reduced
+                    flat = ops.slice(matrix, (0, first), (b.rows, count)).reshape(-1)
+                    pieces += (self._reduce(flat, b, "reduce_scatter", previous),)
+                reduced += (ops.concat(pieces),)
+                continue
             if len(part) == 1 and not pads[0]:     # one parameter: its gradient is the bucket (no copy)
                 flat = part[0].reshape(-1)
             else:
