@@ -314,7 +314,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         head = h + (arch.vocab * h / t if not arch.tied or L.pp > 1 else 0)
         dense += head
         units.append(head)
-    if first or (last and head > h):
+    if last and head > h:     # the first stage's embedding is the last bucket, reduce-scattered in pieces
         largest = max(largest, arch.vocab * h / t)
     zero_grads = (dp, edp) if L.zero >= 2 else (1, 1)
     zero_states = (dp, edp) if L.zero >= 1 else (1, 1)
@@ -330,7 +330,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     # each bucket's gradients are freed at once: what a gradient pass holds beside its activations is
     # one unit's per-parameter gradients (a layer, the embedding or the head: they appear together
     # in its backward) and one bucket's packed copy and collective output (`grad_bucket_mb`, or the
-    # largest parameter, a bucket of its own), plus the rows so far (`gradients`). Measured on the
+    # largest parameter, a bucket of its own, except the first stage's embedding: the last bucket,
+    # reduce-scattered a piece at a time), plus the rows so far (`gradients`). Measured on the
     # 671B full-depth dry runs (docs/plan.md, "Full depth and DeepSeek-V3-671B ranks").
     packing = memory["gradients"]
     bucketed = L.zero >= 2 and not job.megatron_memory and max(zero_grads) > 1
