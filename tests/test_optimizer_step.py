@@ -173,3 +173,113 @@ def test_buffer_past_two_to_the_24_is_reduced_whole_under_jit(ms, level):
     else:   # rank 0's row: the first ceil(n / 2) elements of each parameter
         expected = np.concatenate([by_name[p.name][:s] for p, s in zip(step.params, b.shards)])
     np.testing.assert_array_equal(out, expected)
+
+
+def _zero2_step(params, bucket_mb, world=4, rank=1):
+    from moetrain.config import OptimizerConfig, ParallelConfig
+    from moetrain.distributed.topology import ParallelContext
+    from moetrain.parallel.data_parallel import OptimizerStep
+
+    parallel = ParallelConfig(data_parallel=world, optimizer_shard=2, grad_bucket_mb=bucket_mb)
+    return OptimizerStep(params, OptimizerConfig(name="adamw"), parallel, ParallelContext.build(world, rank, world),
+                         clip=0.0, jit=True, fused=False)
+
+
+def test_zero2_buckets_give_each_rank_its_row_exactly(ms):
+    """ZeRO-2 packs and reduce-scatters bucket by bucket (here 4 KB: several buckets in each of the
+    two buffers, decay and no decay; the last, one larger parameter, in two column pieces) in
+    backward order; rank 1 of dp 4 (SoloComm: the reduce-scatter
+    keeps this rank's chunk) must get exactly its row, the second ceil(n / 4) elements of every
+    parameter, zero-padded, as when each buffer is packed whole (one bucket). The master rows'
+    all-gather into the parameters, bucket by bucket as well, must place every column."""
+    from mindspore import Parameter, Tensor
+
+    from moetrain.testing.solo import SoloComm
+
+    rng = np.random.default_rng(3)
+    shapes = {"a.weight": (40, 40), "a.bias": (701,), "b.weight": (29, 31), "b.norm": (901,), "c.weight": (5, 7, 3),
+              "d.weight": (33, 17), "d.bias": (333,)}
+    grads = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    params = [Parameter(Tensor(np.zeros(s, np.float32)), name=k) for k, s in shapes.items()]
+    rows, gathered = {}, {}
+    with SoloComm():
+        for bucket_mb in (4 / 1024, 1e6):
+            step = _zero2_step(params, bucket_mb)
+            flats = ms.jit(step.flatten)(ms.mutable(tuple(Tensor(grads[p.name]) for p in step.params)))
+            rows[bucket_mb] = [f.asnumpy() for f in flats]
+            # the optimizer's all-gather of the master rows into the parameters, bucket by bucket too
+            # (SoloComm gathers G copies of this rank's row), compiled and in PyNative
+            for jit in (True, False):
+                for i, master in enumerate(step.masters):
+                    master.set_data(Tensor(np.arange(master.shape[0], dtype=np.float32) + 1000 * i))
+                for p in params:
+                    p.set_data(Tensor(np.zeros(p.shape, np.float32)))
+                (ms.jit(step._gather_masters) if jit else step._gather_masters)()
+                gathered[bucket_mb, jit] = {p.name: p.asnumpy().copy() for p in params}
+            if bucket_mb < 1:
+                assert len(step.buffers) == 2 and all(len(b.buckets) > 1 for b in step.buffers)
+                firsts = [step.params[step.buffers[i].start + start].name for i, start, *_ in step.bucket_order]
+                model_order = [p.name for p in params]
+                assert [model_order.index(n) for n in firsts] == sorted((model_order.index(n) for n in firsts),
+                                                                        reverse=True)
+                # the last bucket, a.weight alone (6.4 KB of [4, 400]), goes in column pieces
+                assert firsts[-1] == "a.weight" and len(step.bucket_order[-1][-1]) == 2
+    for b, whole, bucketed in zip(step.buffers, rows[1e6], rows[4 / 1024]):
+        expected = []
+        for p, n, s in zip(step.params[b.start:b.end], b.numels, b.shards):
+            padded = np.zeros(4 * s, np.float32)
+            padded[:n] = grads[p.name].reshape(-1)
+            expected.append(padded[s:2 * s])
+        np.testing.assert_array_equal(bucketed, np.concatenate(expected))
+        np.testing.assert_array_equal(whole, np.concatenate(expected))
+    for i, b in enumerate(step.buffers):
+        row = np.arange(b.row, dtype=np.float32) + 1000 * i
+        for p, n, s, o in zip(step.params[b.start:b.end], b.numels, b.shards, b.offsets):
+            want = np.tile(row[o:o + s], 4)[:n].reshape(p.shape)
+            for key, got in gathered.items():
+                np.testing.assert_array_equal(got[p.name], want, err_msg=str(key))
+
+
+def test_zero2_buckets_free_each_layers_gradients_inside_the_jitted_backward(ms):
+    """The point of the buckets: in the jitted grad step (value_and_grad + flatten, as the runner and
+    the pipeline compile it) each layer's per-parameter gradients are packed and reduce-scattered as
+    the backward produces them and then freed, so the pool never holds every gradient at once. 12
+    layers of 4 MiB weights over dp 8: packed whole, the pool peaks above every gradient plus the
+    unsharded buffer (~96 MiB); bucket by bucket (one layer each) under a third of the weights, four
+    layers' worth (measured 13.4 MiB: a layer's gradient, its packed copy and the activations)."""
+    from mindspore import nn, ops, Tensor
+
+    from moetrain.planner.dryrun import PoolRecorder
+    from moetrain.testing.solo import SoloComm
+
+    layers, width = 12, 1024
+
+    class Stack(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.CellList([nn.Dense(width, width, has_bias=False) for _ in range(layers)])
+
+        def construct(self, x):
+            for layer in self.layers:
+                x = ops.tanh(layer(x))
+            return x.sum()
+
+    net = Stack()
+    x = Tensor(np.random.default_rng(0).standard_normal((16, width), dtype=np.float32))
+    weights = layers * width * width * 4
+    peaks = {}
+    with SoloComm():
+        for bucket_mb in (1.0, 1e6):
+            step = _zero2_step(net.trainable_params(), bucket_mb, world=8, rank=0)
+            grad_fn = ms.value_and_grad(net, None, step.params)
+
+            @ms.jit
+            def grad_step(batch):
+                return step.flatten(grad_fn(batch)[1])
+
+            grad_step(x)            # compiled outside the record
+            with PoolRecorder() as pool:
+                grad_step(x)
+            peaks[bucket_mb] = pool.peak_above_start
+    assert peaks[1e6] > 1.5 * weights, peaks
+    assert peaks[1.0] < weights / 3, peaks

@@ -6,8 +6,10 @@ per parameter: the parameters are ordered buffer by buffer, and each buffer hold
 of parameters that are reduced over the same group (dp, or edp for expert weights), count the
 same number of times in the global norm and share a weight-decay flag.
 
-    grad step    (jit)  flatten(grads): per buffer one concat;  ZeRO-2: reduce-scatter right away,
-                        so only this rank's shard lives between micro-batches
+    grad step    (jit)  flatten(grads): per buffer one concat;  ZeRO-2: packed and reduce-scattered
+                        bucket by bucket in backward order, so only this rank's shard lives between
+                        micro-batches and a bucket's per-parameter gradients are freed as the
+                        backward goes (`_bucketed_rows`)
     accumulate   (jit)  buffer += buffer
     prepare      (jit)  sequence-parallel grads summed over tp; all-reduce (level 0) or
                         reduce-scatter (level 1) over the group; unscale; global norm over the world
@@ -87,6 +89,8 @@ def _take(flat, offset, size, shape):
 def _assign_columns(matrix, offset, shard, numel, param):
     """param <- the first `numel` elements of columns [offset, offset + shard) of `matrix`, row-major."""
     rows = matrix.shape[0]
+    if matrix.shape[1] == shard and rows * shard == numel and matrix.dtype == param.dtype:
+        return ops.assign(param, matrix.reshape(param.shape))     # the whole matrix: no sliced copy
     full = ops.slice(matrix, (0, offset), (rows, shard)).reshape(-1)
     if rows * shard != numel:
         full = ops.slice(full, (0,), (numel,))
@@ -111,6 +115,9 @@ class FlatBuffer:
     summed_over: Tuple[str, ...]     # group kinds whose ranks' gradients are added first: "tp" for
                                      # sequence-parallel norms, the tied group for tied weights
     pieces: Tuple[int, ...] = ()     # level 0: the all-reduce's piece lengths (`piece_sizes`)
+    buckets: Tuple[Tuple[int, int], ...] = ()   # ZeRO with G > 1: [start, end) parameter ranges of the
+                                     # buffer (relative), each reduce-scattered (level 2) and
+                                     # all-gathered (levels 1, 2) on its own
 
     @property
     def row(self) -> int:
@@ -132,6 +139,20 @@ def piece_sizes(n: int, bucket_bytes: int) -> Tuple[int, ...]:
     176,160,771 and `ops.split` refused them (DeepSeek-V3-671B, docs/parallel_engine.md)."""
     pieces = max(1, min(64, math.ceil(n * 4 / bucket_bytes)))
     return tuple(n // pieces + (1 if i < n % pieces else 0) for i in range(pieces))
+
+
+def bucket_ranges(sizes: Sequence[int], bucket_bytes: int) -> Tuple[Tuple[int, int], ...]:
+    """Consecutive [start, end) ranges of items of `sizes` bytes, each at most `bucket_bytes`
+    unless one item alone is larger."""
+    ranges, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > bucket_bytes:
+            ranges.append((start, i))
+            start, total = i, 0
+        total += size
+    if sizes:
+        ranges.append((start, len(sizes)))
+    return tuple(ranges)
 
 
 def _copies_over_world(param, pctx, group, sharded: bool) -> int:
@@ -161,6 +182,11 @@ class OptimizerStep:
         self.bucket_bytes = max(1, int(parallel_cfg.grad_bucket_mb * 2 ** 20))
         self.world = pctx.group("world")
         self.params, self.buffers = self._layout(list(params))
+        self.bucket_order = self._bucket_order(list(params))
+        # per buffer, where its buckets' reduced pieces sit in `bucket_order`, in buffer order
+        self._bucket_slots = tuple(tuple(j for _, j in sorted((start, j) for j, (k, start, _, _, _) in
+                                                               enumerate(self.bucket_order) if k == i))
+                                   for i in range(len(self.buffers)))
         self.hyper = ops.HyperMap()
         if self.level == 0:
             self.optimizer = build_optimizer(self.params, optimizer_cfg)
@@ -169,6 +195,7 @@ class OptimizerStep:
             self.masters = [Parameter(Tensor(self._own_row(b)), name=f"{MASTER_PREFIX}buffer{i}")
                             for i, b in enumerate(self.buffers)]
             self.optimizer = build_optimizer(self.masters, optimizer_cfg, decay_flags=[b.decay for b in self.buffers])
+            self._gather_buckets = [self._gather_layout(b) for b in self.buffers]
         # fused: None reads optimizer.fused (auto / on: wherever the kernels serve the optimizer;
         # off: the plain path); tests pass False / True
         if fused is None:
@@ -220,12 +247,52 @@ class OptimizerStep:
             numels = tuple(int(np.prod(p.shape)) for p in members)
             shards = tuple(math.ceil(n / rows) for n in numels)
             offsets = tuple(int(o) for o in np.cumsum((0,) + shards[:-1]))
+            buckets = bucket_ranges([rows * s * 4 for s in shards], self.bucket_bytes) if rows > 1 else ()
             buffers.append(FlatBuffer(kind, group, len(ordered), len(ordered) + len(members),
                                       tuple(tuple(int(d) for d in p.shape) for p in members), numels, shards,
                                       offsets, rows, 1.0 / copies, decay, summed_over,
-                                      () if sharded else piece_sizes(sum(numels), self.bucket_bytes)))
+                                      () if sharded else piece_sizes(sum(numels), self.bucket_bytes), buckets))
             ordered += members
         return ordered, buffers
+
+    def _bucket_order(self, given: List[Parameter]) -> Tuple[tuple, ...]:
+        """ZeRO-2's buckets as (buffer, start, end, pads, columns) in the order the backward completes
+        them: by descending position of their first parameter in `given` (the model's order, which
+        its backward runs in reverse). The same on every rank of a group, so are its collectives.
+
+        `columns`: the last bucket, when it is one parameter over `grad_bucket_mb` (the first stage's
+        embedding), is reduce-scattered a few columns of its [G, s] matrix at a time, (first, count)
+        ranges computed here, not in the graph (`piece_sizes`): its collective's output is then a
+        piece, not the parameter's size. Only the last: MindSpore runs a chain of such pieces behind
+        the backward's pending work, so chunking a bucket with layers still to go held their
+        gradients longer (measured: 12 layers chunked in 4 peaked at 35.7 MB against 13.4 MB)."""
+        position = {id(p): i for i, p in enumerate(given)}
+        found = []
+        for i, b in enumerate(self.buffers):
+            for start, end in b.buckets:
+                found.append((position[id(self.params[b.start + start])], i, start, end, b.pads[start:end], ()))
+        found = [entry[1:] for entry in sorted(found, key=lambda f: -f[0])]
+        if found:
+            i, start, end, pads, _ = found[-1]
+            b = self.buffers[i]
+            if end - start == 1 and b.rows * b.shards[start] * 4 > self.bucket_bytes:
+                widths = piece_sizes(b.shards[start], max(4, self.bucket_bytes // b.rows))   # at most 64
+                found[-1] = (i, start, end, pads, tuple(zip(np.cumsum((0,) + widths[:-1]).tolist(), widths)))
+        return tuple(found)
+
+    def _gather_layout(self, b: FlatBuffer):
+        """Per bucket of `b` (the whole buffer where it has none): (first column, columns, each
+        parameter's column offset in it, shards, numels, its ParameterTuple or None for all)."""
+        if not b.buckets:
+            return [(0, b.row, b.offsets, b.shards, b.numels, None)]
+        out = []
+        for start, end in b.buckets:
+            lo = b.offsets[start]
+            width = b.offsets[end - 1] + b.shards[end - 1] - lo
+            whole = start == 0 and end == b.end - b.start
+            out.append((lo, width, tuple(o - lo for o in b.offsets[start:end]), b.shards[start:end],
+                        b.numels[start:end], None if whole else ParameterTuple(self.params[b.start + start:b.start + end])))
+        return out
 
     def _own_row(self, b: FlatBuffer) -> np.ndarray:
         """This rank's row of buffer `b`'s [G, S] matrix, from the parameters' current values."""
@@ -240,7 +307,10 @@ class OptimizerStep:
     # ---- inside the grad step (jit) --------------------------------------------------------
     def flatten(self, grads):
         """Per-parameter gradients (in `params` order) -> one tensor per buffer. ZeRO-2 reduce-
-        scatters here, once per micro-batch, so only this rank's row is accumulated."""
+        scatters here, once per micro-batch, so only this rank's row is accumulated, and does so
+        bucket by bucket in backward order (`_bucketed_rows`)."""
+        if self.level == 2 and self.bucket_order:
+            return self._bucketed_rows(grads)
         out = ()
         for b in self.buffers:
             part = grads[b.start:b.end]
@@ -251,6 +321,45 @@ class OptimizerStep:
             if self.level == 2:
                 flat = self._reduce(flat, b, "reduce_scatter", out)
             out += (flat,)
+        return out
+
+    def _bucketed_rows(self, grads):
+        """ZeRO-2: each bucket (at most `grad_bucket_mb` of its [G, s] rows, or one parameter) packed
+        and reduce-scattered on its own, in the order the backward completes them, then this rank's
+        pieces concatenated into its row of each buffer (the same values as packing the buffer whole:
+        every element takes the same ops). Megatron-Core's distributed optimizer reduces bucket by
+        bucket during the backward; here the jitted grad step holds the collectives, and MindSpore's
+        graph runs each pack as soon as its gradients exist, so a bucket's per-parameter gradients are
+        freed before the backward of the layers below (measured: the pool's peak falls from every
+        gradient plus the buffer to about one layer's, tests/test_optimizer_step.py). The chain of
+        `depend`s keeps every rank's collectives in one order."""
+        reduced = ()
+        for i, start, end, pads, columns in self.bucket_order:
+            b = self.buffers[i]
+            part = grads[b.start + start:b.start + end]
+            if columns:     # the last bucket, one large parameter: its [G, s] matrix a few columns at a time
+                matrix = _as_rows(part[0], pads[0], b.rows)
+                pieces = ()
+                for first, count in columns:
+                    previous = pieces if pieces else reduced
+                    flat = ops.slice(matrix, (0, first), (b.rows, count)).reshape(-1)
+                    pieces += (self._reduce(flat, b, "reduce_scatter", previous),)
+                reduced += (ops.concat(pieces),)
+                continue
+            if len(part) == 1 and not pads[0]:     # one parameter: its gradient is the bucket (no copy)
+                flat = part[0].reshape(-1)
+            else:
+                flat = ops.concat(self.hyper(_AS_ROWS, part, pads, (b.rows,) * len(part)), axis=1).reshape(-1)
+            reduced += (self._reduce(flat, b, "reduce_scatter", reduced),)
+        out = ()
+        for i, b in enumerate(self.buffers):
+            if not b.buckets:       # a group of one rank: the buffer is its row
+                out += (ops.concat(self.hyper(_FLATTEN, grads[b.start:b.end])),)
+                continue
+            pieces = ()
+            for j in self._bucket_slots[i]:
+                pieces += (reduced[j],)
+            out += (pieces[0] if len(pieces) == 1 else ops.concat(pieces),)
         return out
 
     def _reduce(self, flat, b: FlatBuffer, op: str, previous):
@@ -372,13 +481,18 @@ class OptimizerStep:
         return lr
 
     def _gather_masters(self):
-        """ZeRO: all-gather every buffer's updated master rows into the parameters."""
+        """ZeRO: all-gather every buffer's updated master rows into the parameters, bucket by bucket
+        (the buckets of `flatten`): a bucket's [G, s] is the most that is gathered at once, never a
+        whole buffer (the 671B first stage's dense buffer is 10 GiB)."""
         gathered = None
-        for b, master, params in zip(self.buffers, self.masters, self.param_tuples):
-            row = master if gathered is None else ops.depend(master, gathered)
-            gathered = comm.all_gather(row, b.group) if b.group.size > 1 else row
-            matrix = gathered.reshape(b.rows, b.row)
-            self.hyper(ops.partial(_ASSIGN_COLUMNS, matrix), b.offsets, b.shards, b.numels, params)
+        for b, master, params, buckets in zip(self.buffers, self.masters, self.param_tuples, self._gather_buckets):
+            for lo, width, offsets, shards, numels, members in buckets:
+                row = master if width == b.row else ops.slice(master, (lo,), (width,))
+                row = row if gathered is None else ops.depend(row, gathered)
+                gathered = comm.all_gather(row, b.group) if b.group.size > 1 else row
+                matrix = gathered.reshape(b.rows, width)
+                self.hyper(ops.partial(_ASSIGN_COLUMNS, matrix), offsets, shards, numels,
+                           params if members is None else members)
 
     def __call__(self, flats, lr: float, step: int, inv_scale: float):
         """Returns (grad_norm, finite); the optimizer runs only when every gradient is finite."""

@@ -78,6 +78,16 @@ class Arch:
             return 0
         return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.rope_dim)
 
+    @functools.cached_property
+    def largest_attention_param(self) -> int:
+        """The largest attention weight before tensor parallelism's split (a bucket of its own in
+        ZeRO-2's packing): MLA's wq_b, wkv_b or wo; else wo or a fused q/k/v projection."""
+        h, n, d = self.hidden, self.heads, self.head_dim
+        if not self.kv_lora_rank:
+            return max(h * (n + 2 * self.kv_heads) * d, n * d * h)
+        return max((self.q_lora_rank or h) * n * d, self.kv_lora_rank * n * (d - self.rope_dim + self.v_dim),
+                   n * self.v_dim * h, self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.rope_dim))
+
     @property
     def attention_params(self) -> int:            # every attention matmul weight
         return self.attention_split_params + self.attention_replicated_params
@@ -150,6 +160,7 @@ class Job:
     moe_capacity: str = "adaptive"    # parallel.moe_capacity: adaptive | bound
     moe_capacity_prior: float = 2.0   # parallel.moe_capacity_prior: the first capacities / the even share
     moe_token_dispatcher: str = "alltoall"   # parallel.moe_token_dispatcher
+    grad_bucket_mb: float = 25.0      # parallel.grad_bucket_mb: ZeRO-2 packs and reduce-scatters buckets of it
 
     @property
     def megatron_memory(self) -> bool:
@@ -172,7 +183,8 @@ class Job:
                    moment_dtype=getattr(cfg.precision, "moment_dtype", "float32"),
                    moe_capacity=getattr(p, "moe_capacity", "adaptive"),
                    moe_capacity_prior=float(getattr(p, "moe_capacity_prior", 2.0)),
-                   moe_token_dispatcher=getattr(p, "moe_token_dispatcher", "alltoall"))
+                   moe_token_dispatcher=getattr(p, "moe_token_dispatcher", "alltoall"),
+                   grad_bucket_mb=float(getattr(p, "grad_bucket_mb", 25.0)))
 
     # Derived once per job: the layout search costs thousands of layouts of the same model.
     @functools.cached_property

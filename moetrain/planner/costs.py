@@ -309,20 +309,32 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
 
     # ---- parameters held by one device of this stage
     dense = expert = frozen = 0.0
+    units, largest = [], 0.0          # trainable parameters of each layer, the embedding, the head; the largest one
     for layer in layer_ids:
+        before = dense + expert
         dense += arch.attention_split_params / t + arch.attention_replicated_params + arch.attention_norm_params + 2 * h
+        largest = max(largest, arch.largest_attention_param / t)
         if layer >= arch.layers:                 # MTP depth: its norms and eh_proj
             dense += 3 * h + 2 * h * h
+            largest = max(largest, 2 * h * h)
         if arch.is_moe(layer):
             dense += arch.experts * h + 3 * h * arch.shared_ffn / t
             expert += 3 * h * arch.expert_ffn * arch.experts / (L.ep * L.etp)   # unsplit by tp unless etp
             frozen += arch.experts
+            largest = max(largest, h * arch.shared_ffn / t, h * arch.expert_ffn * arch.experts / (L.ep * L.etp))
         else:
             dense += 3 * h * arch.ffn / t
+            largest = max(largest, h * arch.ffn / t)
+        units.append(dense + expert - before)
     if first:
         dense += arch.vocab * h / t
+        units.append(arch.vocab * h / t)
     if last:
-        dense += h + (arch.vocab * h / t if not arch.tied or L.pp > 1 else 0)
+        head = h + (arch.vocab * h / t if not arch.tied or L.pp > 1 else 0)
+        dense += head
+        units.append(head)
+    if last and head > h:     # the first stage's embedding is the last bucket, reduce-scattered in pieces
+        largest = max(largest, arch.vocab * h / t)
     zero_grads = (dp, edp) if L.zero >= 2 else (1, 1)
     zero_states = (dp, edp) if L.zero >= 1 else (1, 1)
     memory = {
@@ -330,15 +342,26 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         "gradients": (dense / zero_grads[0] + expert / zero_grads[1]) * grad_bytes,
         "optimizer": (dense / zero_states[0] + expert / zero_states[1]) * state_bytes,
     }
-    # Packing a micro-batch's gradients (DataParallel.flatten): at ZeRO-2 each flat buffer is first
-    # concatenated whole ([G, S], every rank's row) beside the per-parameter gradients, then reduce-
-    # scattered to this rank's row. So the pack holds the largest sharded buffer unsharded, not only
-    # the rows (measured on the 671B rank 1024 dry run's pool record: 0.87 GiB of dense buffer
-    # beside 1.52 GiB of per-parameter gradients, docs/plan.md); below ZeRO-2 the flat is the packed copy.
+    # Packing a micro-batch's gradients (DataParallel.flatten). Below ZeRO-2, or for a buffer whose
+    # group is one rank, each flat buffer is concatenated whole at the pass's end, beside every
+    # per-parameter gradient. At ZeRO-2 a buffer over G > 1 ranks is packed and reduce-scattered
+    # bucket by bucket as the backward produces its gradients (`OptimizerStep._bucketed_rows`), and
+    # each bucket's gradients are freed at once: what a gradient pass holds beside its activations is
+    # one unit's per-parameter gradients (a layer, the embedding or the head: they appear together
+    # in its backward) and one bucket's packed copy and collective output (`grad_bucket_mb`, or the
+    # largest parameter, a bucket of its own, except the first stage's embedding: the last bucket,
+    # reduce-scattered a piece at a time), plus the rows so far (`gradients`). Measured on the
+    # 671B full-depth dry runs (docs/plan.md, "Full depth and DeepSeek-V3-671B ranks").
     packing = memory["gradients"]
-    if L.zero >= 2 and not job.megatron_memory:
-        packing = max(packing, grad_bytes * max(dense if zero_grads[0] > 1 else 0.0,
-                                                expert if zero_grads[1] > 1 else 0.0))
+    bucketed = L.zero >= 2 and not job.megatron_memory and max(zero_grads) > 1
+    if bucketed:
+        whole = (dense if zero_grads[0] == 1 else 0.0) + (expert if zero_grads[1] == 1 else 0.0)
+        # a bucket of several parameters: its packed copy and the collective's output; one parameter
+        # (over the bucket size, unpadded): the collective's output only
+        bucket = max(2 * min(job.grad_bucket_mb * 2 ** 20 / FP32, dense + expert - whole), largest)
+        alongside = grad_bytes * (whole + max(units, default=0.0) + bucket)
+    else:
+        alongside = 0.0
 
     # ---- activations. Without a pipeline, one micro-batch's activations of every layer (gradient
     # accumulation). With one, the pipeline keeps only each in-flight micro-batch's chunk INPUT and
@@ -413,10 +436,11 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
             if job.pipeline_backward == "stash":   # Megatron / DeepSeek: a micro-batch in flight keeps its activations
                 inputs = [x + w[L.recompute] for x, w in zip(inputs, working)]
             stage_inputs = in_flight * max(inputs)
-            # the pass's end: per-parameter gradients + the pack's largest transient (`packing` >= the rows)
+            # the pass's end: per-parameter gradients + the pack's largest transient (`packing` >= the
+            # rows); bucketed (ZeRO-2): a unit's gradients and a bucket beside the chunk's activations
+            grads_at_end = alongside if bucketed else FP32 * (dense + expert) + packing - memory["gradients"]
             by_mode = {mode: pipeline_peak(L, stage, inputs, [w[mode] for w in working], layer_input,
-                                           FP32 * (dense + expert) + packing - memory["gradients"],
-                                           memory["gradients"]) - memory["gradients"]
+                                           grads_at_end, memory["gradients"], alongside) - memory["gradients"]
                        for mode in RECOMPUTE_MODES}
     by_mode = context.add_held_kv(by_mode, arch, L, tokens, d, len(layer_ids))
     memory["activations"] = by_mode[L.recompute]
@@ -429,7 +453,7 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
     # the activation peak (part of it, shown apart).
     unpacked = 0.0
     if L.pp == 1 and not job.megatron_memory:
-        per_parameter, packed = FP32 * (dense + expert), packing
+        per_parameter, packed = (alongside, packing) if bucketed else (FP32 * (dense + expert), packing)
         if per_parameter + packed > memory["activations"]:
             unpacked = per_parameter + packed - max(memory["activations"], packed)
             memory["activations"] = per_parameter + packed

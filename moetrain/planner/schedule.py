@@ -39,7 +39,7 @@ def pipeline_in_flight(layout: Layout, stage: int) -> int:
 
 
 def pipeline_peak(layout: Layout, stage: int, inputs: Sequence[float], working: Sequence[float], hidden: float,
-                  grads: float, buffers: float) -> float:
+                  grads: float, buffers: float, alongside: float = 0.0) -> float:
     """The most `stage` holds above the step's start while it runs its schedule's instruction list,
     as moetrain/parallel/pipeline.py's `PipelineExecutor` keeps tensors (found with the dry run's
     pool record, pass by pass): each chunk input from its forward to its backward (or W);
@@ -49,7 +49,9 @@ def pipeline_peak(layout: Layout, stage: int, inputs: Sequence[float], working: 
     recomputed from the input) and, in a pass that takes parameter gradients (unsplit backward, W,
     the last chunk's forward), the per-parameter gradients `grads` and their packed copy `buffers`
     at its end; between passes, the running gradient sum, with the old sum and the micro-batch's
-    packed gradients while they are added. Every schedule is counted by this one walk."""
+    packed gradients while they are added. `alongside`: what a gradient pass holds beside its working
+    set (ZeRO-2's bucketed packing: one unit's gradients and one bucket, while the activations
+    are live). Every schedule is counted by this one walk."""
     kind, P = layout.schedule, layout.pp
     V, split = P * layout.chunks, kind in schedules.SPLIT_BACKWARD
     held = peak = 0.0
@@ -58,7 +60,7 @@ def pipeline_peak(layout: Layout, stage: int, inputs: Sequence[float], working: 
     def gradient_pass(c: int) -> None:
         nonlocal peak, summed
         total = buffers if summed else 0.0
-        peak = max(peak, held + total + max(working[c], grads + buffers))
+        peak = max(peak, held + total + max(working[c] + alongside, grads + buffers))
         if summed:               # old sum + micro-batch + new sum
             peak = max(peak, held + 3 * buffers)
         summed = True
