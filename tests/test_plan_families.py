@@ -1,5 +1,6 @@
 """The planner on DeepSeek-V3 (MLA, MTP) and Qwen3-MoE: parameter counts against the built models,
 FLOPs against a hand count from the built model's weights, the published DeepSeek-V3 size, the CLI."""
+import dataclasses
 import os
 
 import numpy as np
