@@ -1,13 +1,38 @@
-"""The pipeline's adaptive dispatch capacities (`moetrain.moe.capacity.StepCapacities`) alone, no
-MindSpore graph: a simulated pp2·ep2 world (stage 0 dense, stage 1 with MoE layers) steps through
-random routing counts; every rank must take the same decisions, and after the re-runs no step may
-lose a row."""
+"""The pipeline's adaptive dispatch capacities (`moetrain.moe.capacity.StepCapacities`).
+
+First alone, no MindSpore graph: a simulated pp2·ep2 world (stage 0 dense, stage 1 with MoE layers)
+steps through random routing counts; every rank must take the same decisions, and after the re-runs
+no step may lose a row. Then in training: `configs/deepseek_v3_tiny.yaml` at its depth (MLA, MTP, a
+dense first layer) on pp2·dp2·ep2, dropless at the default adaptive capacities, as
+`configs/deepseek_v3_671b.yaml` runs (pp16·ep64), for 20 steps in the suite's shared 4-rank job,
+against one process."""
 from __future__ import annotations
+
+import json
+import os
+import sys
 
 import numpy as np
 import pytest
 
 from moetrain.moe.capacity import StepCapacities, sized
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distributed import share_runs, shared_reference_dirs, shared_run_dirs, step_records  # noqa: E402
+
+KJV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "kjv_tiny", "kjv_tiny")
+DEEPSEEK = "configs/deepseek_v3_tiny.yaml"
+STEPS = 20
+RUN = [f"data.path={KJV}_train", "data.eval_path=", f"data.tokenizer={KJV}.model", "model.seq_length=64",
+       f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=2", "train.seed=7",
+       "train.eval_interval=0", "checkpoint.save_at_end=false", "checkpoint.save_steps=0",
+       "logging.tensorboard=false", "logging.progress_bar=false"]
+# the buffers start at the even share (prior 1.0), which this routing outgrows: sized, grown, re-run
+PP2_EP2 = ["parallel.pipeline_stage=2", "parallel.data_parallel=2", "parallel.expert_parallel=2",
+           "parallel.moe_capacity_prior=1.0"]
+
+share_runs(4, __name__, lambda fixture, out_dir: [f"pp2_dp2_ep2:{DEEPSEEK}:" + ",".join(RUN + PP2_EP2)],
+           timeout=900, references=lambda fixture: [f"reference:{DEEPSEEK}:" + ",".join(RUN)])
 
 EP, EXPERTS, TOP_K, TOKENS = 2, 8, 2, 64
 
@@ -105,3 +130,30 @@ def test_state_round_trip():
     assert fresh[2].load_state(ranks[2].state()) and fresh[2].key() == ranks[2].key()
     assert all(d.pair_capacity == ranks[2].key() for d in fresh[2].dispatchers)
     assert not fresh[2].load_state({"step_capacities": True, "n": EP + 1})    # another ep size: the prior
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepseek_v3_on_pp2_dp2_ep2_at_adaptive_capacities_reproduces_one_process(shared_job_4):
+    """Each step's buffers sized from the routing, an overflow re-running the whole step on every
+    stage: 20 steps are one process's (losses within 1e-5, grad_norm within 1e-4, expert loads exact
+    for 5 steps, within 4 tokens after), every routed row computed (the trainer's dispatch invariant
+    held at every step; it stops the run otherwise), and at least one re-run happened."""
+    run_dir = shared_run_dirs(shared_job_4, __name__, ["pp2_dp2_ep2"])["pp2_dp2_ep2"]
+    reference = step_records(shared_reference_dirs(shared_job_4, __name__, ["reference"])["reference"])
+    steps = step_records(run_dir)
+    assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
+    for key, rtol in (("loss", 1e-5), ("lm_loss", 1e-5), ("mtp_loss", 1e-5), ("seq_aux_loss", 1e-5),
+                      ("z_loss", 1e-5), ("grad_norm", 1e-4)):
+        np.testing.assert_allclose([r[key] for r in steps], [r[key] for r in reference], rtol=rtol, err_msg=key)
+    for a, b in zip(reference, steps):
+        most = 0 if a["step"] <= 5 else 4
+        assert np.abs(np.subtract(b["expert_load"], a["expert_load"])).max() <= most, f"step {a['step']}"
+    assert np.shape(reference[0]["expert_load"]) == (4, 16)                # 3 MoE layers + the MTP block
+    assert all(r["dropped"] == 0 and r["expert_rows"] == r["routed"] for r in steps), \
+        [(r["expert_rows"], r["routed"]) for r in steps]
+    ranks = [json.load(open(os.path.join(run_dir, f"rank_{r}.json"))) for r in range(4)]
+    assert sorted((r["pp_rank"], r["ep_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    capacity = ranks[-1]["capacity"]                   # the last stage: the MTP block's layer and two MoE layers
+    assert capacity is not None and capacity["calls"] == STEPS + capacity["reruns"], capacity
+    assert capacity["reruns"] >= 1 and all(r["capacity"] == capacity for r in ranks), capacity   # one decision

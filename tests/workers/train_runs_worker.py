@@ -105,9 +105,13 @@ def _capacity_record(runner):
     """The adaptive capacities' calls, re-runs (one per overflow) and sets in force / largest, or None
     when nothing sizes them (the bound)."""
     step = getattr(runner, "_grad_step", None)
-    if getattr(step, "controller", None) is None:
+    if getattr(step, "controller", None) is not None:
+        calls, reruns = step.calls, step.reruns
+    elif getattr(runner, "capacities", None) is not None:      # a pipeline's per-step capacities
+        calls, reruns = runner.capacities.steps, runner.capacities.reruns
+    else:
         return None
-    return {"calls": step.calls, "reruns": step.reruns, "in_force": runner.capacities_in_force(),
+    return {"calls": calls, "reruns": reruns, "in_force": runner.capacities_in_force(),
             "largest": runner.capacities_largest()}
 
 
