@@ -289,7 +289,15 @@ def test_layout_rules_of_context_parallel():
     assert problems(cp=2, ep=2, world=2, seq_length=64) == ""
     assert "expert_parallel (8) must divide data_parallel (2) x context_parallel (2)" in problems(cp=2, dp=2, ep=8)
     assert "parallel.cp_comm_type must be one of" in problems(cp=2, cp_comm="ring")
-    assert "model.num_kv_heads (2) is not divisible by parallel.context_parallel (4)" in problems(cp=4, cp_comm="a2a")
+    # Ulysses: the query heads divide by cp; the K/V heads divide by it or, fewer, are replicated (2 over 4 ranks)
+    assert problems(cp=4, cp_comm="a2a", world=4, seq_length=64) == ""
+    assert "model.num_heads (4) is not divisible by parallel.context_parallel (8)" in problems(cp=8, cp_comm="a2a")
+    assert ("model.num_heads (4) / parallel.model_parallel (2) = 2 a tensor-parallel rank is not divisible by "
+            "parallel.context_parallel (4)") in problems(cp=4, tp=2, cp_comm="a2a")        # per tp rank
+    odd = ModelShape(layers=2, heads=12, kv_heads=4, vocab=2048)      # 4 K/V heads over 6 ranks: neither
+    assert ("model.num_kv_heads (4) neither divides nor is divisible by parallel.context_parallel (6)"
+            in problems(cp=6, cp_comm="a2a", shape=odd))
+    assert "context_parallel in [1, 2, 4, 12]" in problems(cp=6, cp_comm="a2a", shape=odd)
     mtp = ModelShape(layers=2, heads=4, mtp_depth=1, experts=8)                  # MTP runs under cp ...
     assert problems(cp=2, world=2, seq_length=64, shape=mtp) == ""
     assert problems(cp=2, ep=2, world=2, seq_length=64, shape=mtp) == ""       # ep: the capacity rule is the config's
@@ -449,6 +457,81 @@ def test_attention_layer_on_split_sequences_equals_the_whole_sequence(ms, monkey
         assert {value[0].shape[-1] for value in sent.values()} == {2 * 4 * (16 + 4), 2 * 4}
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_ulysses_with_more_ranks_than_kv_heads_equals_the_whole_sequence_forward_and_backward(ms, monkeypatch,
+                                                                                           packed):
+    """Ulysses (a2a) at cp 4 on a GQA layer of 4 query and 2 K/V heads: each K/V head is replicated
+    twice before the all-to-all (`replicate_kv_heads`), so rank r gets K/V head r // 2, the one its query
+    head r reads. The 4 ranks simulated in one process inside one differentiated function (every
+    all-to-all of every rank gets what all ranks put into the same call; three passes, until each rank
+    has seen the others' inputs, so every tensor the last pass reads is the true function of the
+    input): the outputs, put back in order, and the gradients of the input and of every weight equal
+    the layer on the whole sequence (the weight gradients: the sum over the ranks, as the dp x cp
+    all-reduce gives). Replicas in the wrong order (head j to ranks j, j + n_kv: `tile`, not `repeat`)
+    fail it (checked by mutation)."""
+    from mindspore import Tensor, ops
+
+    from moetrain.distributed.topology import Group
+    from moetrain.parallel import context_parallel as cpmod
+
+    cp, seq, hidden = 4, 16, 32
+    rng = np.random.default_rng(1)
+    layer = gqa_layer(seq)
+    x = Tensor(rng.normal(0, 1, (2, seq, hidden)).astype(np.float32))
+    weights = Tensor(rng.normal(0, 1, (2, seq, hidden)).astype(np.float32))
+    batch = [np.zeros((2, seq), np.int32)] * 2
+    if packed:   # documents crossing the chunk boundaries (chunks of 2 tokens), positions restarting
+        docs = np.array([[0] * 3 + [1] * 6 + [2] * 7, [0] * 9 + [1] * 7], np.int32)
+        starts = np.array([[0] * 3 + [3] * 6 + [9] * 7, [0] * 9 + [9] * 7], np.int32)
+        batch += [docs, (np.arange(seq) - starts).astype(np.int32)]
+    whole_context = (Tensor(batch[2]), Tensor(batch[3])) if packed else None
+
+    sent, calls = {}, {}
+    def record(group, value):   # noqa: E306  (-> every rank's input to this call, as far as known)
+        call = calls[group.rank_in_group] = calls.get(group.rank_in_group, -1) + 1
+        sent[(call, group.rank_in_group)] = value
+        return [sent.get((call, r), value) for r in range(cp)]
+
+    def all_to_all(value, group, split_axis, concat_axis):
+        inputs = record(group, value)
+        return ops.concat([ops.split(v, v.shape[split_axis] // cp, split_axis)[group.rank_in_group] for v in inputs],
+                          concat_axis)
+
+    def all_gather(value, group, axis):
+        return ops.concat(record(group, value), axis)
+    monkeypatch.setattr(cpmod.comm, "all_to_all", all_to_all)
+    monkeypatch.setattr(cpmod.comm, "all_gather", all_gather)
+    cells = [cpmod.ContextParallelAttention(Group("cp", tuple(range(cp)), r, "fake"), seq, "a2a", packed)
+             for r in range(cp)]
+    orders = [cpmod.chunk_order(seq, cp, r) for r in range(cp)]
+    contexts = [tuple(Tensor(a) for a in cpmod.local_batch(batch, cp, r)[2:]) for r in range(cp)]
+    back = Tensor(np.argsort(np.concatenate(orders)).astype(np.int32))
+
+    def split(x):
+        outs = []
+        for _ in range(3):
+            calls.clear()
+            outs = []
+            for r in range(cp):
+                layer.context_parallel = cells[r]
+                outs.append(layer(ops.gather(x, Tensor(orders[r].astype(np.int32)), 1), contexts[r]))
+        layer.context_parallel = None
+        return (ops.gather(ops.concat(outs, 1), back, 1) * weights).sum()
+
+    def whole(x):
+        return (layer(x, whole_context) * weights).sum()
+
+    params = layer.trainable_params()
+    truth = ms.grad(whole, grad_position=0, weights=params)(x)
+    got = ms.grad(split, grad_position=0, weights=params)(x)
+    k_and_v = (2, 3) if packed else (1, 2)                              # (packed: the context's gather first)
+    assert {v.shape[2] for (call, _), v in sent.items() if call in k_and_v} == {cp}   # k, v: 2 heads -> 4
+    np.testing.assert_allclose(split(x).asnumpy(), whole(x).asnumpy(), rtol=1e-5)
+    np.testing.assert_allclose(got[0].asnumpy(), truth[0].asnumpy(), rtol=1e-5, atol=1e-5, err_msg="dx")
+    for param, want, have in zip(params, truth[1], got[1]):
+        np.testing.assert_allclose(have.asnumpy(), want.asnumpy(), rtol=1e-5, atol=1e-5, err_msg=param.name)
+
+
 def plan_of(config, *overrides, device="gpu_h100"):
     from moetrain.config import load_config
     from moetrain.planner import plan
@@ -460,15 +543,16 @@ def test_the_planner_models_context_parallel():
     """`moetrain plan` with cp (moetrain/planner/context.py): each rank's activations fall to about 1/cp
     (Ulysses keeps no more than the local tensors), the ZeRO shards span dp x cp, and the cp traffic
     is the issue's: the ring / all-gather (cp-1)/cp of the sequence's K and V per layer per pass, Ulysses
-    (cp-1)/cp of the local q, k, v, o per layer per pass (forward and backward: 2 passes here)."""
+    (cp-1)/cp of the local q, k, v, o per layer per pass (forward and backward: 2 passes here; k and v of
+    cp heads when there are fewer K/V heads, which are replicated)."""
     base = ["model.seq_length=2048", "train.global_batch_size=2", "train.micro_batch_size=2"]
     one = plan_of("configs/moe_tiny.yaml", *base)
     layers, heads, kv_heads, head_dim, tokens, fp32 = 4, 4, 2, 32, 2 * 2048, 4
-    for cp, comm in ((2, "a2a"), (2, "all_gather"), (4, "p2p")):
+    for cp, comm in ((2, "a2a"), (2, "all_gather"), (4, "p2p"), (4, "a2a")):
         r = plan_of("configs/moe_tiny.yaml", *base, f"parallel.context_parallel={cp}", f"parallel.cp_comm_type={comm}")
-        if comm == "a2a":
-            assert 0.45 < r.memory["activations"] / one.memory["activations"] < 0.55
-            expected = layers * 2 * (cp - 1) / cp * tokens / cp * fp32 * head_dim * 2 * (heads + kv_heads)
+        if comm == "a2a":   # at cp 4 the 2 K/V heads go as 4 (each replicated twice), and are held so
+            assert 0.9 / cp < r.memory["activations"] / one.memory["activations"] < 1.1 / cp
+            expected = layers * 2 * (cp - 1) / cp * tokens / cp * fp32 * head_dim * 2 * (heads + max(kv_heads, cp))
         else:   # + the other ranks' K|V held for the backward
             expected = layers * 2 * (cp - 1) / cp * tokens * fp32 * kv_heads * 2 * head_dim
             assert r.memory["activations"] < one.memory["activations"] * (0.55 if cp == 2 else 0.3)
@@ -519,4 +603,7 @@ def test_the_layout_search_tries_cp():
     job = Job.of(load_config("configs/moe_tiny.yaml", ["model.seq_length=2048"]))
     tried = {(L.cp, L.cp_comm) for L in candidate_layouts(job, 4)}
     assert {(1, "all_gather"), (2, "all_gather"), (2, "a2a"), (4, "all_gather")} <= tried
-    assert (4, "a2a") not in tried                                          # 2 K/V heads
+    assert (4, "a2a") in tried                                              # 2 K/V heads, replicated
+    from moetrain.planner.context import search_degrees
+    on_8 = search_degrees(job, 8)
+    assert (8, "all_gather") in on_8 and (8, "a2a") not in on_8            # 4 query heads over 8 ranks

@@ -49,7 +49,9 @@ order, go through the same cell.
 Attention (`cp_comm_type: a2a`, DeepSpeed Ulysses): an all-to-all over the cp group per q, k, v trades
 the sequence split for a head split (each rank: the whole sequence, 1/cp of the query and K/V heads),
 the sequence is put back in order, the layer's own attention runs (the fused kernel or the plain path,
-as on one process), and one all-to-all trades back. Needs num_heads and num_kv_heads divisible by cp.
+as on one process), and one all-to-all trades back. Needs num_heads divisible by cp, and num_kv_heads
+divisible by cp or dividing it: with fewer K/V heads than ranks each is replicated before the
+all-to-all (`replicate_kv_heads`), so every rank gets the one its query heads read.
 """
 from __future__ import annotations
 
@@ -382,6 +384,23 @@ def blockwise_attention(q, k_all, v_all, rank: int, cp: int, documents=None):
     return tiled_attention(balanced_plan(q.shape[3], rank, cp), q, k_all, v_all, documents)[0]
 
 
+def replicate_kv_heads(x, cp: int):
+    """Ulysses with fewer K/V heads than cp ranks (GQA; Megatron-Core's and DeepSpeed-Ulysses' way):
+    `[B, L, n_kv, d]` -> `[B, L, cp, d]`, K/V head j repeated cp / n_kv times in a row, so that the
+    all-to-all over the heads gives rank r K/V head r // (cp / n_kv), the one its n/cp query heads read
+    (all inside one group of n/n_kv). The backward (the broadcast's) sums the replicas' gradients into
+    their head. With n_kv >= cp (n_kv divisible by cp, the layout rule) `x` itself."""
+    batch, rows, heads, dim = x.shape
+    if heads >= cp:
+        return x
+    if cp % heads:       # ValueError: a graph may raise only Python's own exception types
+        raise ValueError(f"context parallel a2a: {heads} K/V heads on this rank cannot be replicated over "
+                         f"{cp} ranks (cp must be a multiple of them, or divide them)")
+    copies = cp // heads
+    whole = ops.broadcast_to(x.reshape(batch, rows, heads, 1, dim), (batch, rows, heads, copies, dim))
+    return whole.reshape(batch, rows, cp, dim)
+
+
 def heads_major_queries(q, num_kv_heads: int):
     """`[B, L, n, d]` -> `[B, n_kv, g, L, d]`: query head h uses K/V head h // g (HF repeat_kv)."""
     batch, rows, heads, dim = q.shape
@@ -408,7 +427,8 @@ class ContextParallelAttention(nn.Cell):
       all-to-all per tensor over the group, and puts the whole sequence back in order, so the layer's
       own attention (fused kernel or plain path, RoPE at positions 0..S-1) runs on 1/cp of the heads;
       `from_heads(out)` trades back. Query head h still reads K/V head h // g: rank r holds query heads
-      [r·n/cp, (r+1)·n/cp) and K/V heads [r·n_kv/cp, (r+1)·n_kv/cp). `seq_length`: the whole sequence;
+      [r·n/cp, (r+1)·n/cp) and K/V heads [r·n_kv/cp, (r+1)·n_kv/cp), or with n_kv < cp the one K/V
+      head r // (cp/n_kv), replicated (`replicate_kv_heads`). `seq_length`: the whole sequence;
       `lanes`: micro-batch x query heads on this rank, which size the tiles (`tiling.tile_rows`)."""
 
     def __init__(self, group, seq_length: int, comm_type: str = "all_gather", packed: bool = False,
@@ -445,7 +465,7 @@ class ContextParallelAttention(nn.Cell):
         this rank's 1/cp of the heads `[B, S, heads/cp, d]`, for q, k and v (in that order on every rank,
         after the tensor `after` when given)."""
         out = ()
-        for x in (q, k, v):
+        for x in (q, replicate_kv_heads(k, self.cp), replicate_kv_heads(v, self.cp)):
             if out:
                 x = ops.depend(x, out[-1])
             elif after is not None:
