@@ -323,12 +323,16 @@ class RingAttention(TiledAttention):
 
     `plan`: the rank's `balanced_plan` against keys in rank order (rank j's at [j·L, (j+1)·L)), its
     steps (`TiledAttention`) grouped by the block they read: ring step t holds rank (r − t)'s block,
-    step 0 the rank's own (every tile's causal step is there, so it starts every tile's running sums).
-    Forward: cp − 1 shifts of K|V, each after the steps on the block before (two blocks live at most).
-    Backward: the same shifts; from step 2 on, each also carries the dK|dV sum of the block it carries
-    (the ranks before added theirs), to which this rank adds its own; after step cp − 1 the sums go
-    one hop more, to their owners, which add their step-0 part: cp − 1 shifts of K|V and cp − 1 of
-    dK|dV (sent with K|V in one exchange where the dtypes agree), Megatron's backward traffic.
+    step 0 the rank's own (every tile's causal step is there, so in the forward it starts every tile's
+    running sums).
+    Forward: cp − 1 shifts of K and of V, each after the steps on the block before (two blocks live
+    at most). Backward: the other ranks' blocks first (steps 1 .. cp − 1, the same shifts); from step
+    2 on, the dK and dV sums of the block arriving come from the previous rank (the ranks before added
+    theirs), this rank adds its part and passes them on; after step cp − 1 the sums go one hop more,
+    to their owners, and only then does a rank form its own block's part, added to the sum that
+    arrived (no dK|dV of its own held while the ring runs): cp − 1 shifts of K|V and cp − 1 of dK|dV,
+    Megatron's backward traffic. K, V and the sums travel as separate tensors: a concatenation and
+    its slices would be copies, live beside the blocks (the dry run: 4.0 MiB more at cp 2, 2.0 at cp 4).
 
     `construct(q, k, v, query_docs, key_docs)`: q `[B, h, g, L, d]` pre-scaled, this rank's k
     `[B, h, L, d]` and v `[B, h, L, dv]`; with `documents` the fp32 document ids of the local queries
@@ -375,18 +379,16 @@ class RingAttention(TiledAttention):
 
     def construct(self, q, k, v, query_docs, key_docs):
         dtype = _softmax_dtype(q)
-        dim = k.shape[3]
-        block = ops.concat((k, v), -1)
         states = (None,) * len(self.tiles)            # per tile: its running (e·V, max, sum)
-        last = block
+        k_b, v_b, last = k, v, q
         for t in range(self.cp):
-            if t:                                     # after the steps on the block before
-                block = self.shift(_after(block, last))
-            k_b, v_b = block[:, :, :, :dim], block[:, :, :, dim:]
+            if t:                                     # after the steps on the block before; k, then v
+                k_b = self.shift(_after(k_b, last))
+                v_b = self.shift(_after(v_b, k_b))
             docs = self.block_docs(key_docs, t)
             for tile, step in self.block_steps[t]:
                 r0, r1, offset, _ = self.tiles[tile]
-                q_tile = _after(q[:, :, :, r0:r1], last)
+                q_tile = _after(_after(q[:, :, :, r0:r1], last), v_b)
                 value, top, total = self.step_forward(q_tile, k_b, v_b, query_docs, docs, r0, offset, step, dtype)
                 state = states[tile]
                 if state is not None:                  # running sums, rescaled to the new maximum (fp64)
@@ -403,70 +405,70 @@ class RingAttention(TiledAttention):
             return outs[0], lses[0]
         return ops.concat(outs, 3), ops.concat(lses, 3)
 
+    def block_grads(self, t, q, k_b, v_b, query_docs, key_docs, out, dout, delta_all, dq_tiles, last):
+        """Ring step t of the backward: dQ of every tile reading block r − t added to `dq_tiles`, and
+        this rank's part of that block's dK and dV `[B, h, L, ·]` (fp32 / fp64); each step after
+        `last` and the one before."""
+        dtype = _softmax_dtype(q)
+        lse, d_out = out[1], dout[0]
+        batch, heads, group, _, dim = q.shape
+        k_c, v_c = k_b.astype(dtype), v_b.astype(dtype)
+        docs = self.block_docs(key_docs, t)
+        dks = dvs = (None,) * len(self.block_slots[t])
+        for tile, step in self.block_steps[t]:
+            r0, r1, offset, _ = self.tiles[tile]
+            k0, k1, _, slot = step
+            rows = r1 - r0
+            q_tile = _after(q[:, :, :, r0:r1], last)
+            do_rows = _after(d_out, q_tile)[:, :, :, r0:r1].astype(dtype).reshape(batch, heads, group * rows, -1)
+            delta = _after(delta_all, q_tile)[:, :, :, r0:r1].reshape(batch, heads, group * rows, 1)
+            lse_tile = _after(lse, q_tile)[:, :, :, r0:r1].astype(ms.float64)
+            q_rows = q_tile.reshape(batch, heads, group * rows, dim).astype(dtype)
+            e, top, keys = self.exponentials(q_tile, k_b, query_docs, docs, r0, offset, step, dtype)
+            scale = ops.exp(top.astype(ms.float64) - lse_tile).astype(dtype).reshape(batch, heads, group * rows, 1)
+            probs = e * scale                                                    # [B, h, g·t, kc]
+            d_probs = _BMM_NT(ops.depend(do_rows, probs), _after(v_c, probs)[:, :, k0:k0 + keys])
+            d_scores = probs * (d_probs - delta)
+            dq_part = _BMM(d_scores, _after(k_c, d_scores)[:, :, k0:k0 + keys]).reshape(batch, heads, group, rows, dim)
+            dq_tiles = _accumulate(dq_tiles, tile, dq_part)
+            dk_part = _BMM_TN(d_scores, q_rows)                                  # [B, h, kc, d]
+            dv_part = _BMM_TN(probs, do_rows)                                    # [B, h, kc, dv]
+            if keys < k1 - k0:                                                   # a causal tile
+                dk_part = ops.pad(dk_part, (0, 0, 0, k1 - k0 - keys))
+                dv_part = ops.pad(dv_part, (0, 0, 0, k1 - k0 - keys))
+            dks = _accumulate(dks, slot, dk_part)
+            dvs = _accumulate(dvs, slot, dv_part)
+            last = ops.depend(dvs[slot], ops.depend(dks[slot], dq_tiles[tile]))
+        shape = (batch, heads, self.block, dim)
+        dk = self.whole_keys(dks, shape, dtype, self.block_slots[t])
+        dv = self.whole_keys(dvs, shape[:3] + (v_b.shape[3],), dtype, self.block_slots[t])
+        return dq_tiles, dk, dv
+
     def bprop(self, q, k, v, query_docs, key_docs, out, dout):
         dtype = _softmax_dtype(q)
-        o, lse, d_out, d_lse = out[0], out[1], dout[0], dout[1]
-        batch, heads, group, _, dim = q.shape
-        width = dim + v.shape[3]
         # rowsum(dO ∘ O) − dlse of every local row: [B, h, g, L, 1], small
-        delta_all = (d_out.astype(dtype) * o.astype(dtype)).sum(axis=-1, keepdims=True) - d_lse.astype(dtype)
-        together = k.dtype == dtype                   # K|V and the dK|dV sums in one exchange
-        block = ops.concat((k, v), -1)
+        delta_all = (dout[0].astype(dtype) * out[0].astype(dtype)).sum(axis=-1, keepdims=True) \
+            - dout[1].astype(dtype)
         dq_tiles = (None,) * len(self.tiles)
-        own, carried, arrived, last = None, None, None, delta_all
-        for t in range(self.cp):
-            if t == 1:
-                block = self.shift(_after(block, last))
-            if t > 1:
-                if together:
-                    both = self.shift(ops.concat((_after(block, last), carried), -1))
-                    block, arrived = both[:, :, :, :width], both[:, :, :, width:]
-                else:
-                    block = self.shift(_after(block, last))
-                    arrived = self.shift(_after(carried, block))
-            k_b, v_b = block[:, :, :, :dim], block[:, :, :, dim:]
-            k_c, v_c = k_b.astype(dtype), v_b.astype(dtype)
-            docs = self.block_docs(key_docs, t)
-            dks = dvs = (None,) * len(self.block_slots[t])
-            for tile, step in self.block_steps[t]:
-                r0, r1, offset, _ = self.tiles[tile]
-                k0, k1, _, slot = step
-                rows = r1 - r0
-                q_tile = _after(q[:, :, :, r0:r1], last)
-                do_rows = _after(d_out, q_tile)[:, :, :, r0:r1].astype(dtype).reshape(batch, heads, group * rows, -1)
-                delta = _after(delta_all, q_tile)[:, :, :, r0:r1].reshape(batch, heads, group * rows, 1)
-                lse_tile = _after(lse, q_tile)[:, :, :, r0:r1].astype(ms.float64)
-                q_rows = q_tile.reshape(batch, heads, group * rows, dim).astype(dtype)
-                e, top, keys = self.exponentials(q_tile, k_b, query_docs, docs, r0, offset, step, dtype)
-                scale = ops.exp(top.astype(ms.float64) - lse_tile).astype(dtype).reshape(batch, heads, group * rows, 1)
-                probs = e * scale                                                    # [B, h, g·t, kc]
-                d_probs = _BMM_NT(ops.depend(do_rows, probs), _after(v_c, probs)[:, :, k0:k0 + keys])
-                d_scores = probs * (d_probs - delta)
-                dq_part = _BMM(d_scores, _after(k_c, d_scores)[:, :, k0:k0 + keys]).reshape(batch, heads, group, rows,
-                                                                                           dim)
-                dq_tiles = _accumulate(dq_tiles, tile, dq_part)
-                dk_part = _BMM_TN(d_scores, q_rows)                                  # [B, h, kc, d]
-                dv_part = _BMM_TN(probs, do_rows)                                    # [B, h, kc, dv]
-                if keys < k1 - k0:                                                   # a causal tile
-                    dk_part = ops.pad(dk_part, (0, 0, 0, k1 - k0 - keys))
-                    dv_part = ops.pad(dv_part, (0, 0, 0, k1 - k0 - keys))
-                dks = _accumulate(dks, slot, dk_part)
-                dvs = _accumulate(dvs, slot, dv_part)
-                last = ops.depend(dvs[slot], ops.depend(dks[slot], dq_tiles[tile]))
-            shape = (batch, heads, self.block, dim)
-            mine = ops.concat((self.whole_keys(dks, shape, dtype, self.block_slots[t]),
-                               self.whole_keys(dvs, shape[:3] + (width - dim,), dtype, self.block_slots[t])), -1)
-            if t == 0:
-                own = mine
-            elif t == 1:
-                carried = mine
-            else:
-                carried = arrived + mine
-            last = mine if t == 0 else carried
-        if self.cp > 1:                                # the sums' last hop, to their owners
-            own = own + self.shift(carried)
+        k_b, v_b, dk_sum, dv_sum, last = k, v, None, None, delta_all
+        for t in range(1, self.cp):                   # the other ranks' blocks; this rank's own last
+            k_b = self.shift(_after(k_b, last))
+            v_b = self.shift(_after(v_b, k_b))
+            if t > 1:                                 # the sums of block r − t from rank r − 1
+                dk_sum = self.shift(_after(dk_sum, v_b))
+                dv_sum = self.shift(_after(dv_sum, dk_sum))
+            dq_tiles, dk, dv = self.block_grads(t, q, k_b, v_b, query_docs, key_docs, out, dout, delta_all,
+                                                dq_tiles, v_b if t == 1 else dv_sum)
+            dk_sum = dk if t == 1 else dk_sum + dk
+            dv_sum = dv if t == 1 else dv_sum + dv
+            last = dv_sum
+        # the sums' last hop, to their owners (this rank gets its own block's), then this rank's part of it
+        dk_sum = self.shift(_after(dk_sum, last))
+        dv_sum = self.shift(_after(dv_sum, dk_sum))
+        dq_tiles, dk, dv = self.block_grads(0, q, k, v, query_docs, key_docs, out, dout, delta_all, dq_tiles,
+                                            dv_sum)
+        dk, dv = dk_sum + dk, dv_sum + dv
         dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
-        dk, dv = own[:, :, :, :dim], own[:, :, :, dim:]
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), ops.zeros_like(query_docs),
                 ops.zeros_like(key_docs))
 

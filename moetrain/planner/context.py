@@ -110,9 +110,9 @@ RING_BLOCKS = 4      # local K|V-sized fp32 tensors the ring's layer holds at on
 
 def ring_working_bytes(arch, L: Layout, tokens: int) -> float:
     """The transient of the layer whose ring attention runs: about `RING_BLOCKS` fp32 tensors of the
-    local K|V's size (the block in hand, the block and dK|dV sums arriving in one exchange, this rank's
-    own dK|dV; measured 2.0-5.0 of them with q, dq and the output, one layer under ms.jit:
-    tests/test_context_parallel.py), beside one step's working set."""
+    local K|V's size (the K|V in hand and the next, the dK|dV sums held and arriving; one layer's ring
+    under ms.jit measured 2.0-6.3 of them with q, dq and the output, docs/context_parallel.md), beside
+    one step's working set."""
     if not ring_in_cell(arch, L):
         return 0.0
     return RING_BLOCKS * tokens * kv_bytes_per_token(arch, 4, L.tp)
