@@ -300,11 +300,7 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
     if shape is None:
         return problems
     if L.cp_comm == "a2a":
-        for key, value in (("model.num_heads", shape.heads), ("model.num_kv_heads", shape.kv_heads)):
-            if value is not None and value % L.cp:
-                problems.append(f"{key} ({value}) is not divisible by parallel.context_parallel ({L.cp}), which "
-                                f"cp_comm_type=a2a (Ulysses) needs: each rank attends over 1/cp of the heads; use "
-                                f"cp_comm_type=all_gather or context_parallel in {divisors(value)}")
+        problems += ulysses_problems(L, shape)
     if shape.layers is None or shape.heads is None:
         problems.append("parallel.context_parallel > 1 splits the sequences of a language model; this model "
                         "has no attention layers (model.num_layers / num_heads): set it to 1")
@@ -315,6 +311,34 @@ def context_parallel_problems(L: Layout, shape: Optional[ModelShape], seq_length
                             f"every cp rank needs a position that each depth predicts from; lower mtp_depth or "
                             f"context_parallel")
     return problems
+
+
+def ulysses_degrees(heads: int, kv_heads: Optional[int]) -> List[int]:
+    """The cp degrees Ulysses (`cp_comm_type: a2a`) runs at with `heads` query and `kv_heads` K/V heads
+    on a tensor-parallel rank: cp divides the query heads, and divides the K/V heads or is a multiple
+    of them (fewer K/V heads than ranks: each replicated cp / n_kv times before the all-to-all, as
+    Megatron-Core and DeepSpeed-Ulysses do; moetrain/parallel/context_parallel.py)."""
+    kv = kv_heads or heads
+    return [c for c in divisors(heads) if kv % c == 0 or c % kv == 0]
+
+
+def ulysses_problems(L: Layout, shape: ModelShape) -> List[str]:
+    """Ulysses' head rule (`ulysses_degrees`) on one tensor-parallel rank's heads (num_heads / tp)."""
+    heads, kv = shape.heads, shape.kv_heads or shape.heads
+    if heads is None or heads % L.tp or kv % L.tp:   # no heads, or the tensor-parallel rule says it
+        return []
+    local, local_kv = heads // L.tp, kv // L.tp
+    if L.cp in ulysses_degrees(local, local_kv):
+        return []
+    per_rank = f" / parallel.model_parallel ({L.tp}) = {local} a tensor-parallel rank" if L.tp > 1 else ""
+    fix = f"use cp_comm_type=all_gather or p2p, or context_parallel in {ulysses_degrees(local, local_kv)}"
+    if local % L.cp:
+        return [f"model.num_heads ({heads}){per_rank} is not divisible by parallel.context_parallel ({L.cp}), "
+                f"which cp_comm_type=a2a (Ulysses) needs: each rank attends over 1/cp of the query heads; {fix}"]
+    per_rank = f" / parallel.model_parallel ({L.tp}) = {local_kv} a tensor-parallel rank" if L.tp > 1 else ""
+    return [f"model.num_kv_heads ({kv}){per_rank} neither divides nor is divisible by parallel.context_parallel "
+            f"({L.cp}), which cp_comm_type=a2a (Ulysses) needs: each rank gets 1/cp of the K/V heads, or with "
+            f"fewer K/V heads than ranks the one its query heads read, replicated; {fix}"]
 
 
 def schedule_problems(L: Layout, layers: Optional[int]) -> List[str]:

@@ -680,6 +680,19 @@ def all_to_all_v(x, send_counts: Sequence[int], recv_counts: Sequence[int], grou
     return _run(_op("_AllToAllV", group, x.shape, x.dtype, counts), x)
 
 
+def all_to_all_v_raw(x, send_counts: Sequence[int], recv_counts: Sequence[int], group: Group,
+                     max_count: Optional[int] = None):
+    """`all_to_all_v`'s exchange without a backward of its own, for the inside of a cell with a
+    hand-written bprop (moetrain/parallel/context_parallel.py's ring, which passes K|V round again in
+    its backward): under ms.jit, MindSpore 2.10 cannot call a cell that has a bprop from inside another
+    cell's bprop ("Illegal AnfNode for evaluating"), nor a function that does ("The func graph is
+    empty"), so the op's `construct` runs inline. Call it from a cell without a bprop of its own, on a
+    group of 2 or more ranks, the counts as tuples: the function has one return statement (measured:
+    with an early return for one rank MindSpore drops it inside a bprop, "The func graph is empty").
+    Books no bytes in the ledger (the caller's traffic is the planner's to count)."""
+    return _op("_AllToAllV", group, x.shape, x.dtype, (send_counts, recv_counts, max_count)).construct(x)
+
+
 def all_to_all_v_dynamic(x, send_rows, recv_rows, group: Group):
     """`all_to_all_v` with split sizes known only on the device (Megatron's all_to_all_single with
     counts exchanged first): `send_rows`/`recv_rows` `[n]` int Tensors (rows to / from each rank),

@@ -40,16 +40,21 @@ every rank runs the same number of equal steps. The cell's hand-written backward
 gathered k and v, the merged output and its log-sum-exp, and recomputes each step's probabilities
 from them (FlashAttention style; exact): a layer keeps O(S/cp·dv) for the backward, no query-key
 pairs and no per-block outputs.
-Ring attention (`cp_comm_type: p2p`) passes the blocks around the ring instead: each step sends the
-block in hand to the next rank and receives the previous rank's (`comm.all_to_all_v` with one row
-each way: Ascend's AlltoAllV moves just that row; on the CPU comm derives it from AllReduce, so
-there `all_gather` moves fewer bytes; its backward is the reverse shift); the blocks, put in rank
-order, go through the same cell.
+Ring attention (`cp_comm_type: p2p`, `RingAttention`, as Megatron-Core runs it) passes the blocks
+around the ring instead, inside one cell: each step sends the block in hand to the next rank and
+receives the previous rank's (an all-to-all-v with one row each way: Ascend's AlltoAllV moves just
+that row; on the CPU comm derives it from AllReduce, so there `all_gather` moves fewer bytes), and
+the same steps run against each block as it arrives. Its backward keeps only the local K|V and
+passes the blocks round again, each block's dK|dV summed by the ranks in turn and handed back to
+its owner, so a layer holds no other rank's K|V for the backward. MLA's ring passes its compressed
+latent and RoPE key round (`gather_keys`), expands them and runs the all_gather form's cell.
 
 Attention (`cp_comm_type: a2a`, DeepSpeed Ulysses): an all-to-all over the cp group per q, k, v trades
 the sequence split for a head split (each rank: the whole sequence, 1/cp of the query and K/V heads),
 the sequence is put back in order, the layer's own attention runs (the fused kernel or the plain path,
-as on one process), and one all-to-all trades back. Needs num_heads and num_kv_heads divisible by cp.
+as on one process), and one all-to-all trades back. Needs num_heads divisible by cp, and num_kv_heads
+divisible by cp or dividing it: with fewer K/V heads than ranks each is replicated before the
+all-to-all (`replicate_kv_heads`), so every rank gets the one its query heads read.
 """
 from __future__ import annotations
 
@@ -280,10 +285,11 @@ class TiledAttention(nn.Cell):
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), ops.zeros_like(query_docs),
                 ops.zeros_like(key_docs))
 
-    def whole_keys(self, parts, shape, dtype):
-        """The per-slot gradients -> one `[B, h, K, ·]` tensor, zeros where no query looked."""
+    def whole_keys(self, parts, shape, dtype, slots=None):
+        """The per-slot gradients -> one `[B, h, K, ·]` tensor, zeros where no query looked (`slots`:
+        the key ranges `parts` belong to; this cell's by default)."""
         pieces, at = [], 0
-        for (k0, k1), part in zip(self.slots, parts):
+        for (k0, k1), part in zip(self.slots if slots is None else slots, parts):
             if k0 > at:
                 pieces.append(ops.zeros((shape[0], shape[1], k0 - at, shape[3]), dtype))
             pieces.append(part)
@@ -291,6 +297,180 @@ class TiledAttention(nn.Cell):
         if shape[2] > at:
             pieces.append(ops.zeros((shape[0], shape[1], shape[2] - at, shape[3]), dtype))
         return pieces[0] if len(pieces) == 1 else ops.concat(pieces, 2)
+
+
+class _RingShift(nn.Cell):
+    """One ring step over `group` (`comm.all_to_all_v_raw`, one row each way), in a cell of its own
+    without a bprop: what `RingAttention`'s forward and hand-written backward call (under ms.jit a
+    bprop can call neither comm's differentiable ops nor, measured, comm's functions directly)."""
+
+    def __init__(self, group, send_counts, recv_counts):
+        super().__init__()
+        self.group, self.send_counts, self.recv_counts = group, send_counts, recv_counts
+
+    def construct(self, block):
+        shape = block.shape
+        moved = comm.all_to_all_v_raw(block.reshape(1, -1), self.send_counts, self.recv_counts, self.group, None)
+        return moved.reshape(shape)
+
+
+class RingAttention(TiledAttention):
+    """Ring attention (`cp_comm_type: p2p`) in one cell, as Megatron-Core runs it: the local queries
+    against every rank's K|V, the blocks passed round the cp group inside the cell, and a backward that
+    keeps only the local K|V (besides q, the output and its log-sum-exp) and passes the blocks round
+    again, each block's dK|dV summed by the ranks in turn and handed back to its owner. A layer keeps
+    O(S/cp) for the backward: no other rank's K|V (docs/context_parallel.md, "Ring").
+
+    `plan`: the rank's `balanced_plan` against keys in rank order (rank j's at [j·L, (j+1)·L)), its
+    steps (`TiledAttention`) grouped by the block they read: ring step t holds rank (r − t)'s block,
+    step 0 the rank's own (every tile's causal step is there, so in the forward it starts every tile's
+    running sums).
+    Forward: cp − 1 shifts of K and of V, each after the steps on the block before (two blocks live
+    at most). Backward: the other ranks' blocks first (steps 1 .. cp − 1, the same shifts); from step
+    2 on, the dK and dV sums of the block arriving come from the previous rank (the ranks before added
+    theirs), this rank adds its part and passes them on; after step cp − 1 the sums go one hop more,
+    to their owners, and only then does a rank form its own block's part, added to the sum that
+    arrived (no dK|dV of its own held while the ring runs): cp − 1 shifts of K|V and cp − 1 of dK|dV,
+    Megatron's backward traffic. K, V and the sums travel as separate tensors: a concatenation and
+    its slices would be copies, live beside the blocks (the dry run: 4.0 MiB more at cp 2, 2.0 at cp 4).
+
+    `construct(q, k, v, query_docs, key_docs)`: q `[B, h, g, L, d]` pre-scaled, this rank's k
+    `[B, h, L, d]` and v `[B, h, L, dv]`; with `documents` the fp32 document ids of the local queries
+    `[B, L]` and of every rank's keys `[B, cp·L]` in rank order (one value a token: kept whole) ->
+    `(out [B, h, g, L, dv], lse [B, h, g, L, 1])` as `TiledAttention`. `shift`: one ring step, `block`
+    to the next rank of `group`, the previous rank's back (`_RingShift`: one row each way)."""
+
+    def __init__(self, plan, documents: bool, rows: int, group, block: int):
+        super().__init__(plan, documents, rows)
+        self.group, self.cp, self.rank, self.block = group, group.size, group.rank_in_group, block
+        nxt, prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        self.send_counts = tuple(1 if r == nxt else 0 for r in range(self.cp))
+        self.recv_counts = tuple(1 if r == prev else 0 for r in range(self.cp))
+        # per ring step t: the block's rank, its key ranges (block-local), and the steps reading it:
+        # `(tile, (k0, k1, causal, slot))`, k0 / k1 block-local, slot: the range's index in the block
+        owners, block_slots, block_steps = [], [], []
+        for t in range(self.cp):
+            owner = (self.rank - t) % self.cp
+            lo, hi = owner * block, (owner + 1) * block
+            mine = sorted({(k0 - lo, k1 - lo) for k0, k1 in self.slots if lo <= k0 < hi})
+            steps = []
+            for tile, (_, _, _, tile_steps) in enumerate(self.tiles):
+                for k0, k1, causal, _ in tile_steps:
+                    if lo <= k0 < hi:
+                        steps.append((tile, (k0 - lo, k1 - lo, causal, mine.index((k0 - lo, k1 - lo)))))
+            owners.append(owner)
+            block_slots.append(tuple(mine))
+            block_steps.append(tuple(steps))
+        if not all(tile in {tile for tile, _ in block_steps[0]} for tile in range(len(self.tiles))):
+            raise ValueError("RingAttention: every query tile must read its own block (its causal keys)")
+        self.owners, self.block_slots, self.block_steps = tuple(owners), tuple(block_slots), tuple(block_steps)
+        self.shifter = _RingShift(group, self.send_counts, self.recv_counts)
+
+    def shift(self, block):
+        """One ring step: `block` to the next rank, the previous rank's back (its backward: the other way)."""
+        return self.shifter(block)
+
+    def block_docs(self, key_docs, t: int):
+        """The document ids of ring step t's keys (placeholders without documents)."""
+        if not self.documents:
+            return key_docs
+        at = self.owners[t] * self.block
+        return key_docs[:, at:at + self.block]
+
+    def construct(self, q, k, v, query_docs, key_docs):
+        dtype = _softmax_dtype(q)
+        states = (None,) * len(self.tiles)            # per tile: its running (e·V, max, sum)
+        k_b, v_b, last = k, v, q
+        for t in range(self.cp):
+            if t:                                     # after the steps on the block before; k, then v
+                k_b = self.shift(_after(k_b, last))
+                v_b = self.shift(_after(v_b, k_b))
+            docs = self.block_docs(key_docs, t)
+            for tile, step in self.block_steps[t]:
+                r0, r1, offset, _ = self.tiles[tile]
+                q_tile = _after(_after(q[:, :, :, r0:r1], last), v_b)
+                value, top, total = self.step_forward(q_tile, k_b, v_b, query_docs, docs, r0, offset, step, dtype)
+                state = states[tile]
+                if state is not None:                  # running sums, rescaled to the new maximum (fp64)
+                    peak = ops.maximum(state[1], top)
+                    old_w, new_w = ops.exp(state[1] - peak), ops.exp(top - peak)
+                    value = state[0] * old_w.astype(dtype) + value * new_w.astype(dtype)
+                    total = state[2] * old_w + total * new_w
+                    top = peak
+                states = states[:tile] + ((value, top, total),) + states[tile + 1:]
+                last = value
+        outs = [acc / norm.astype(dtype) for acc, _, norm in states]
+        lses = [peak + ops.log(norm) for _, peak, norm in states]
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return ops.concat(outs, 3), ops.concat(lses, 3)
+
+    def block_grads(self, t, q, k_b, v_b, query_docs, key_docs, out, dout, delta_all, dq_tiles, last):
+        """Ring step t of the backward: dQ of every tile reading block r − t added to `dq_tiles`, and
+        this rank's part of that block's dK and dV `[B, h, L, ·]` (fp32 / fp64); each step after
+        `last` and the one before."""
+        dtype = _softmax_dtype(q)
+        lse, d_out = out[1], dout[0]
+        batch, heads, group, _, dim = q.shape
+        k_c, v_c = k_b.astype(dtype), v_b.astype(dtype)
+        docs = self.block_docs(key_docs, t)
+        dks = dvs = (None,) * len(self.block_slots[t])
+        for tile, step in self.block_steps[t]:
+            r0, r1, offset, _ = self.tiles[tile]
+            k0, k1, _, slot = step
+            rows = r1 - r0
+            q_tile = _after(q[:, :, :, r0:r1], last)
+            do_rows = _after(d_out, q_tile)[:, :, :, r0:r1].astype(dtype).reshape(batch, heads, group * rows, -1)
+            delta = _after(delta_all, q_tile)[:, :, :, r0:r1].reshape(batch, heads, group * rows, 1)
+            lse_tile = _after(lse, q_tile)[:, :, :, r0:r1].astype(ms.float64)
+            q_rows = q_tile.reshape(batch, heads, group * rows, dim).astype(dtype)
+            e, top, keys = self.exponentials(q_tile, k_b, query_docs, docs, r0, offset, step, dtype)
+            scale = ops.exp(top.astype(ms.float64) - lse_tile).astype(dtype).reshape(batch, heads, group * rows, 1)
+            probs = e * scale                                                    # [B, h, g·t, kc]
+            d_probs = _BMM_NT(ops.depend(do_rows, probs), _after(v_c, probs)[:, :, k0:k0 + keys])
+            d_scores = probs * (d_probs - delta)
+            dq_part = _BMM(d_scores, _after(k_c, d_scores)[:, :, k0:k0 + keys]).reshape(batch, heads, group, rows, dim)
+            dq_tiles = _accumulate(dq_tiles, tile, dq_part)
+            dk_part = _BMM_TN(d_scores, q_rows)                                  # [B, h, kc, d]
+            dv_part = _BMM_TN(probs, do_rows)                                    # [B, h, kc, dv]
+            if keys < k1 - k0:                                                   # a causal tile
+                dk_part = ops.pad(dk_part, (0, 0, 0, k1 - k0 - keys))
+                dv_part = ops.pad(dv_part, (0, 0, 0, k1 - k0 - keys))
+            dks = _accumulate(dks, slot, dk_part)
+            dvs = _accumulate(dvs, slot, dv_part)
+            last = ops.depend(dvs[slot], ops.depend(dks[slot], dq_tiles[tile]))
+        shape = (batch, heads, self.block, dim)
+        dk = self.whole_keys(dks, shape, dtype, self.block_slots[t])
+        dv = self.whole_keys(dvs, shape[:3] + (v_b.shape[3],), dtype, self.block_slots[t])
+        return dq_tiles, dk, dv
+
+    def bprop(self, q, k, v, query_docs, key_docs, out, dout):
+        dtype = _softmax_dtype(q)
+        # rowsum(dO ∘ O) − dlse of every local row: [B, h, g, L, 1], small
+        delta_all = (dout[0].astype(dtype) * out[0].astype(dtype)).sum(axis=-1, keepdims=True) \
+            - dout[1].astype(dtype)
+        dq_tiles = (None,) * len(self.tiles)
+        k_b, v_b, dk_sum, dv_sum, last = k, v, None, None, delta_all
+        for t in range(1, self.cp):                   # the other ranks' blocks; this rank's own last
+            k_b = self.shift(_after(k_b, last))
+            v_b = self.shift(_after(v_b, k_b))
+            if t > 1:                                 # the sums of block r − t from rank r − 1
+                dk_sum = self.shift(_after(dk_sum, v_b))
+                dv_sum = self.shift(_after(dv_sum, dk_sum))
+            dq_tiles, dk, dv = self.block_grads(t, q, k_b, v_b, query_docs, key_docs, out, dout, delta_all,
+                                                dq_tiles, v_b if t == 1 else dv_sum)
+            dk_sum = dk if t == 1 else dk_sum + dk
+            dv_sum = dv if t == 1 else dv_sum + dv
+            last = dv_sum
+        # the sums' last hop, to their owners (this rank gets its own block's), then this rank's part of it
+        dk_sum = self.shift(_after(dk_sum, last))
+        dv_sum = self.shift(_after(dv_sum, dk_sum))
+        dq_tiles, dk, dv = self.block_grads(0, q, k, v, query_docs, key_docs, out, dout, delta_all, dq_tiles,
+                                            dv_sum)
+        dk, dv = dk_sum + dk, dv_sum + dv
+        dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), ops.zeros_like(query_docs),
+                ops.zeros_like(key_docs))
 
 
 def _after(x, event):
@@ -350,6 +530,15 @@ def tiled_cell(plan, documents: bool, lanes: float = 1) -> TiledAttention:
     return _CELLS[key]
 
 
+def ring_cell(plan, documents: bool, lanes: float, group, block: int) -> RingAttention:
+    """The shared `RingAttention` of `plan` on `group` (`block`: the local rows, one rank's keys)."""
+    rows = plan_tile_rows(plan, lanes)
+    key = ("ring", plan, documents, rows, group, block)
+    if key not in _CELLS:
+        _CELLS[key] = RingAttention(plan, documents, rows, group, block)
+    return _CELLS[key]
+
+
 def run_tiled(cell, q, k, v, documents=None):
     """`cell(q, k, v, ...)` -> `(out, lse)`; `documents` None or `(query_docs, key_docs)` fp32 ids."""
     if documents is None:
@@ -382,6 +571,23 @@ def blockwise_attention(q, k_all, v_all, rank: int, cp: int, documents=None):
     return tiled_attention(balanced_plan(q.shape[3], rank, cp), q, k_all, v_all, documents)[0]
 
 
+def replicate_kv_heads(x, cp: int):
+    """Ulysses with fewer K/V heads than cp ranks (GQA; Megatron-Core's and DeepSpeed-Ulysses' way):
+    `[B, L, n_kv, d]` -> `[B, L, cp, d]`, K/V head j repeated cp / n_kv times in a row, so that the
+    all-to-all over the heads gives rank r K/V head r // (cp / n_kv), the one its n/cp query heads read
+    (all inside one group of n/n_kv). The backward (the broadcast's) sums the replicas' gradients into
+    their head. With n_kv >= cp (n_kv divisible by cp, the layout rule) `x` itself."""
+    batch, rows, heads, dim = x.shape
+    if heads >= cp:
+        return x
+    if cp % heads:       # ValueError: a graph may raise only Python's own exception types
+        raise ValueError(f"context parallel a2a: {heads} K/V heads on this rank cannot be replicated over "
+                         f"{cp} ranks (cp must be a multiple of them, or divide them)")
+    copies = cp // heads
+    whole = ops.broadcast_to(x.reshape(batch, rows, heads, 1, dim), (batch, rows, heads, copies, dim))
+    return whole.reshape(batch, rows, cp, dim)
+
+
 def heads_major_queries(q, num_kv_heads: int):
     """`[B, L, n, d]` -> `[B, n_kv, g, L, d]`: query head h uses K/V head h // g (HF repeat_kv)."""
     batch, rows, heads, dim = q.shape
@@ -404,11 +610,14 @@ class ContextParallelAttention(nn.Cell):
     * all_gather: `attend(q, k, v, scale, rope, context)`, the signature of `CausalAttention.attend`, on
       the local tokens; `context` is `(document_ids, position_ids)` of the local tokens (`local_batch`)
       and RoPE rotates at those global positions; K and V travel as one tensor, one all-gather a layer.
+      p2p: the same signature; the ring runs inside `RingAttention` (`attend_ring`), whose backward
+      passes K|V round again instead of keeping them.
     * a2a (DeepSpeed Ulysses): `to_heads(q, k, v)` trades the sequence split for a head split, one
       all-to-all per tensor over the group, and puts the whole sequence back in order, so the layer's
       own attention (fused kernel or plain path, RoPE at positions 0..S-1) runs on 1/cp of the heads;
       `from_heads(out)` trades back. Query head h still reads K/V head h // g: rank r holds query heads
-      [r·n/cp, (r+1)·n/cp) and K/V heads [r·n_kv/cp, (r+1)·n_kv/cp). `seq_length`: the whole sequence;
+      [r·n/cp, (r+1)·n/cp) and K/V heads [r·n_kv/cp, (r+1)·n_kv/cp), or with n_kv < cp the one K/V
+      head r // (cp/n_kv), replicated (`replicate_kv_heads`). `seq_length`: the whole sequence;
       `lanes`: micro-batch x query heads on this rank, which size the tiles (`tiling.tile_rows`)."""
 
     def __init__(self, group, seq_length: int, comm_type: str = "all_gather", packed: bool = False,
@@ -435,6 +644,10 @@ class ContextParallelAttention(nn.Cell):
         self.rows = seq_length // self.cp
         self.tiled = None if self.splits_heads else tiled_cell(balanced_plan(self.rows, self.rank, self.cp), packed,
                                                                lanes)
+        # p2p: the ring in one cell (K|V passed round inside it, again in its backward); MLA's ring passes its
+        # compressed keys through `gather_keys` and `tiled` instead
+        self.ring_attention = ring_cell(balanced_plan(self.rows, self.rank, self.cp), packed, lanes, group,
+                                        self.rows) if self.ring else None
         # a2a: the gathered sequence arrives in rank order of the local chunks; these put it in order and back
         ranks_order = np.concatenate([chunk_order(seq_length, self.cp, r) for r in range(self.cp)])
         self.to_natural = Tensor(np.argsort(ranks_order).astype(np.int32))
@@ -445,7 +658,7 @@ class ContextParallelAttention(nn.Cell):
         this rank's 1/cp of the heads `[B, S, heads/cp, d]`, for q, k and v (in that order on every rank,
         after the tensor `after` when given)."""
         out = ()
-        for x in (q, k, v):
+        for x in (q, replicate_kv_heads(k, self.cp), replicate_kv_heads(v, self.cp)):
             if out:
                 x = ops.depend(x, out[-1])
             elif after is not None:
@@ -471,10 +684,40 @@ class ContextParallelAttention(nn.Cell):
         position_ids = context[1]
         if rope is not None:
             q, k = rope(q, position_ids), rope(k, position_ids)
-        # K and V as one tensor, all-gathered or passed around the ring into every rank's, in rank order
+        if self.ring:
+            return self.attend_ring(q, k, v, scale, context)
+        # K and V as one tensor, all-gathered into every rank's, in rank order
         kv, key_docs = self.gather_keys(ops.concat((k, v), -1), context)      # [B, cp * L, n_kv, d + dv]
         k_all, v_all = ops.split(kv, [k.shape[3], v.shape[-1]], -1)
         return self.attend_gathered(q, k_all, v_all, scale, context, key_docs)
+
+    def attend_ring(self, q, k, v, scale: float, context):
+        """p2p: the local queries `q [B, L, n, d]` (RoPE applied) against every rank's K|V, passed round
+        the ring inside `RingAttention` (its backward keeps only this rank's k and v) -> `[B, L, n·dv]`.
+        Packed documents: the keys' document ids go round first (`ring_gather`; one value a token)."""
+        q = q * scale
+        queries = heads_major_queries(q, k.shape[2])
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        docs = _NO_DOCS
+        if self.packed:                                      # before K|V: one order of the ring steps everywhere
+            docs = context[0].astype(ms.float32)
+            key_docs = self.ring_gather(docs)
+            k = ops.depend(k, key_docs)
+        else:
+            key_docs = _NO_DOCS
+        if queries.shape[3] != self.rows:   # ValueError: a graph may raise only Python's own exception types
+            raise ValueError(f"context parallel attention: {queries.shape[3]} local tokens, the layer was set up "
+                             f"for {self.rows} (seq_length {self.seq_length} / cp {self.cp})")
+        out = self.ring_attention(queries, k, v, docs, key_docs)[0]
+        return tokens_major_output(out.astype(q.dtype))
+
+    def ring_gather(self, x, after=None):
+        """Every rank's `x [B, L, ...]` in rank order `[B, cp·L, ...]` by cp − 1 ring steps (block t is
+        rank r − t's), each after the one before (and the first after `after`)."""
+        blocks = [x if after is None else ops.depend(x, after)]
+        for _ in range(1, self.cp):
+            blocks.append(self.ring_shift(blocks[-1]))
+        return ops.concat([blocks[(self.rank - j) % self.cp] for j in range(self.cp)], 1)
 
     def gather_keys(self, x, context):
         """all_gather and p2p: a per-token tensor of the local keys `[B, L, ...]` (K|V, or MLA's

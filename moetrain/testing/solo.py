@@ -14,7 +14,7 @@ flat buffers) runs unchanged in one CPU process at the shapes rank R would have.
     all_gather(axis)        n copies of x along axis
     reduce_scatter(axis)    chunk r of x along axis
     all_to_all(s, c)        x's n chunks along s, concatenated along c (from source j: R's chunk j)
-    all_to_all_v            per source j, the first min(send_j, recv_j) rows R sends j, zero-padded
+    all_to_all_v(_raw)      per source j, the first min(send_j, recv_j) rows R sends j, zero-padded
                             to recv_j
     copy_to_region, reduce_from_region   x
     scatter_to_region / gather_from_region, the sequence-parallel pair: as reduce_scatter / all_gather
@@ -49,7 +49,8 @@ from moetrain.distributed.topology import Group
 REPLACED = {"all_reduce": "identity", "broadcast": "identity", "copy_to_region": "identity",
             "reduce_from_region": "identity", "all_gather": "gather", "gather_from_region": "gather",
             "gather_from_sequence": "gather", "reduce_scatter": "scatter", "scatter_to_region": "scatter",
-            "reduce_scatter_to_sequence": "scatter", "all_to_all": "all_to_all", "all_to_all_v": "all_to_all_v"}
+            "reduce_scatter_to_sequence": "scatter", "all_to_all": "all_to_all", "all_to_all_v": "all_to_all_v",
+            "all_to_all_v_raw": "all_to_all_v"}
 
 _RECORDS: List[Tuple[str, str, int, int]] = []
 _ACTIVE: List["SoloComm"] = []
@@ -152,6 +153,11 @@ def _stand_in(op: str):
             return x
         return _solo_op(op, group, x.shape, x.dtype, (tuple(send_counts), tuple(recv_counts)))(x)
 
+    def all_to_all_v_raw(x, send_counts: Sequence[int], recv_counts: Sequence[int], group: Group,
+                         max_count: Optional[int] = None):
+        # one return statement, as comm's (it runs inside a hand-written bprop)
+        return _solo_op(op, group, x.shape, x.dtype, (send_counts, recv_counts))(x)
+
     def broadcast(x, src_rank_in_group: int, group: Group):
         if group.size == 1:
             return x
@@ -159,6 +165,8 @@ def _stand_in(op: str):
 
     if op == "broadcast":
         return broadcast
+    if op == "all_to_all_v_raw":
+        return all_to_all_v_raw
     if op in ("scatter_to_region", "gather_from_region"):
         return along_last_axis
     return {"identity": identity, "gather": along_axis, "scatter": along_axis, "all_to_all": all_to_all,
