@@ -280,6 +280,48 @@ def test_ring_attention_equals_full_attention(ms, monkeypatch, cp, tile, packed)
         assert error <= 2 * plain_error + 1e-6, f"{name}, cp={cp}, float32: {error:.2e} vs plain {plain_error:.2e}"
 
 
+@pytest.mark.parametrize("form, cp, tile, packed", [("all_gather", 3, 2, False), ("p2p", 3, 2, False),
+                                                     ("p2p", 4, None, True)])
+def test_fused_kernel_steps_equal_the_plain_steps(ms, monkeypatch, kernel_ops, form, cp, tile, packed):
+    """The blockwise cells' fp32 steps on the fused CPU kernel (`kernels/block_attention.cc`: one call a
+    step each way, the merge by log-sum-exp inside it) and on the plain ops (`FUSED = False`, what
+    `MOETRAIN_DISABLE_KERNELS=1` runs): forward and backward against the whole sequence's float64
+    attention, each no further from it than plain float32 attention (the tolerance of
+    `test_blockwise_attention_equals_full_attention`), and the two paths within float32 rounding of
+    each other. cp 3 in tiles of 2 and 1 rows (causal offsets inside a chunk), `TiledAttention` and the
+    ring; cp 4's ring with packed documents (rows that see no key of a block)."""
+    from moetrain.parallel import context_parallel as cpmod
+
+    if tile:
+        monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
+    rng = np.random.default_rng(cp)
+    batch, seq, heads, kv_heads, dim = 2, 2 * cp * 3, 4, 2, 8
+    arrays = [rng.normal(0, 1, (batch, seq, n, dim)) for n in (heads, kv_heads, kv_heads)]
+    weights = rng.normal(0, 1, (batch, seq, heads * dim))
+    docs = np.array([[0] * 5 + [1] * 9 + [2] * 10, [0] * 14 + [1] * 10], np.int32) if packed else None
+    full = lambda q, k, v: reference_attention(ms, q, k, v, docs)            # noqa: E731
+    truth = attention_and_grads(ms, full, arrays, weights, "float64")
+    plain32 = attention_and_grads(ms, full, arrays, weights, "float32")
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(cpmod, "FUSED", fused)
+        if form == "p2p":
+            results[fused] = ring_attention_and_grads(ms, monkeypatch, cp, arrays, weights, "float32", docs)
+        else:
+            split = lambda q, k, v: split_attention(ms, q, k, v, cp)        # noqa: E731
+            results[fused] = attention_and_grads(ms, split, arrays, weights, "float32")
+        plan = cpmod.balanced_plan(seq // cp, 0, cp)
+        cell = cpmod.tiled_cell(plan, packed, 1)                         # the cells this pass built
+        assert (cell.kernel is not None) == fused
+    for name, fused, plain, plain_ops, want in zip(("out", "dq", "dk", "dv"), results[True], results[False],
+                                                   plain32, truth):
+        bound = 2 * np.abs(plain_ops - want).max() + 1e-6
+        for path, got in (("fused", fused), ("plain", plain)):
+            error = np.abs(got - want).max()
+            assert error <= bound, f"{name}, {form} cp={cp}, {path}: {error:.2e} vs plain attention's {bound:.2e}"
+        np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=2e-6, err_msg=f"{name}, {form} cp={cp}")
+
+
 def test_key_ranges_merge_to_the_softmax_over_their_union(ms):
     """One query range against two key ranges in one `TiledAttention` cell (each its own step,
     combined by their log-sum-exp) gives attention over both as one range, forward (out, lse) and
