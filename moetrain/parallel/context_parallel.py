@@ -39,7 +39,9 @@ bound on one step's transient, `tiling.tile_rows`) against one key chunk at a ti
 every rank runs the same number of equal steps. The cell's hand-written backward keeps only q, the
 gathered k and v, the merged output and its log-sum-exp, and recomputes each step's probabilities
 from them (FlashAttention style; exact): a layer keeps O(S/cp·dv) for the backward, no query-key
-pairs and no per-block outputs.
+pairs and no per-block outputs. Where the CPU kernels run (fp32), each step is one call of the block
+kernel each way (`kernels.ops.BlockAttention`: the step's (out, lse) merged into the running one inside
+it); `FUSED = False` or `MOETRAIN_DISABLE_KERNELS=1` runs the plain ops.
 Ring attention (`cp_comm_type: p2p`, `RingAttention`, as Megatron-Core runs it) passes the blocks
 around the ring instead, inside one cell: each step sends the block in hand to the next rank and
 receives the previous rank's (an all-to-all-v with one row each way: Ascend's AlltoAllV moves just
