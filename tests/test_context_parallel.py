@@ -347,7 +347,19 @@ def test_key_ranges_merge_to_the_softmax_over_their_union(ms):
         np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-12, atol=1e-12, err_msg=name)
 
 
-def test_blockwise_attention_keeps_no_block_probabilities(ms):
+def use_path(monkeypatch, fused):
+    """Run the blockwise cells' fp32 steps on the fused kernel (`fused`; skip where it cannot be built)
+    or on the plain ops."""
+    from moetrain import kernels
+    from moetrain.parallel import context_parallel as cpmod
+
+    if fused and not kernels.available():
+        pytest.skip("moetrain.kernels cannot be built here")
+    monkeypatch.setattr(cpmod, "FUSED", fused)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_blockwise_attention_keeps_no_block_probabilities(ms, monkeypatch, fused):
     """The blockwise path (all_gather / p2p) keeps O(rows·d) for the backward, as the fused kernel
     and FlashAttention do, not the fp32 scores, exponentials and probabilities of its query-key
     pairs (12 bytes each, l² (cp+1)/2 of them per head: 15 MiB here). One cp4 rank's attention,
@@ -355,9 +367,10 @@ def test_blockwise_attention_keeps_no_block_probabilities(ms):
     measurement) stays under half of those bytes, and under twice one step's working set as
     `tiling.step_bytes` models it (here a whole 256-row chunk a step, 3.5 MiB; measured 4.3 MiB;
     at cp 2 with 64-row steps 1.5 MiB, with a cell per block and 128-row tiles 3.0 MiB; the autodiff
-    of the plain ops held 12.3 MiB)."""
+    of the plain ops held 12.3 MiB). The same on the fused kernel's steps: 0.8 MiB (plain 3.9)."""
     from mindspore import Tensor
 
+    use_path(monkeypatch, fused)
     from moetrain.parallel.context_parallel import blockwise_attention
     from moetrain.parallel.tiling import step_bytes, tile_rows
     from moetrain.planner.dryrun import PoolRecorder
@@ -378,16 +391,19 @@ def test_blockwise_attention_keeps_no_block_probabilities(ms):
     assert pool.peak_above_start < 2 * working, (pool.peak_above_start / 2 ** 20, working / 2 ** 20)
 
 
-def test_blockwise_attention_keeps_no_block_outputs(ms):
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_blockwise_attention_keeps_no_block_outputs(ms, monkeypatch, fused):
     """The blockwise path keeps, for the backward, its L rows' merged output and log-sum-exp (one
     `TiledAttention` cell for all the blocks, recomputing the probabilities from the merged lse), not
     each block's output and the merges' terms, which cover the whole sequence's rows whatever cp is
     (about 3.5 fp32 copies of `[S, g, dv]` on the last rank). cp 4, rank 3 (its lower blocks are
     attended by all its rows), wide values (dv 256) so that those outputs dominate: the memory pool's
     peak over forward and backward stays under 2 copies (measured 2.4 MiB of the 4 allowed; the
-    per-block path with autodiff merges held 7.0 MiB and fails it, checked by mutation)."""
+    per-block path with autodiff merges held 7.0 MiB and fails it, checked by mutation). On the fused
+    kernel's steps 1.3 MiB (plain 2.4)."""
     from mindspore import Tensor
 
+    use_path(monkeypatch, fused)
     from moetrain.parallel.context_parallel import blockwise_attention
     from moetrain.planner.dryrun import PoolRecorder
 
