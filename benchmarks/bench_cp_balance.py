@@ -88,8 +88,12 @@ def main():
     def medians(runs):
         """Median time of each of `runs`, the repeats interleaved (run 0, 1, ..., then again), so that
         the other jobs' load drifting over the minutes falls on every rank alike."""
-        for run in runs:
-            run()                                           # warm-up
+        first = []
+        for run in runs:                                    # warm-up (with --jit: the compilation)
+            start = clock()
+            run()
+            first.append(clock() - start)
+        warmups.append(first)
         samples = [[] for _ in runs]
         for _ in range(args.repeats):
             for run, times in zip(runs, samples):
@@ -102,6 +106,7 @@ def main():
         return ("per rank " + " / ".join(f"{t * 1e3:.0f}" for t in times)
                 + f" ms, slowest / fastest {max(times) / min(times):.2f}")
 
+    warmups = []
     for name, make in (("balanced", balanced), ("contiguous", contiguous)):
         if name not in args.splits.split(","):
             continue
@@ -124,6 +129,10 @@ def main():
         print(f"   forward:            {ratio(forward)}", flush=True)
         backward = [b - f for b, f in zip(both, forward)]
         print(f"   backward (difference): {ratio(backward)}", flush=True)
+        if args.jit:
+            print("   first call (compilation + one run), per rank: forward "
+                  + " / ".join(f"{t:.1f}" for t in warmups[-2]) + " s, forward + backward "
+                  + " / ".join(f"{t:.1f}" for t in warmups[-1]) + " s", flush=True)
 
 
 if __name__ == "__main__":
