@@ -1,6 +1,6 @@
 """Per-rank attention time of context parallelism, load-balanced split against a contiguous one.
 
-    python benchmarks/bench_cp_balance.py [--cp 4] [--seq 2048] [--repeats 5] [--splits balanced]
+    python benchmarks/bench_cp_balance.py [--cp 4] [--seq 2048] [--repeats 5] [--splits balanced] [--jit]
 
 Each rank's share of one causal attention layer (batch 1, 8 query / 4 K/V heads of 64), forward +
 backward and the forward alone (their difference is printed as the backward), timed in this process
@@ -15,7 +15,10 @@ fastest ratio of each.
 Clock: `--clock thread` (default) is the calling thread's CPU time (`time.thread_time`), with
 MindSpore's ops run on that thread (MS_DEV_HOST_BLOCKING_RUN=1) and its CPU kernels on one thread
 (`runtime_num_threads=1`), so what other jobs on a loaded machine do moves it little (wall time
-would count their share of the cores); `--clock process` is the whole process's CPU time.
+would count their share of the cores); `--clock process` is the whole process's CPU time. With the
+thread clock set MOETRAIN_KERNEL_THREADS=1 where the fused kernels run (their pool's other threads
+are not the calling thread); MOETRAIN_DISABLE_KERNELS=1 times the plain ops. `--jit`: forward and
+forward + backward each compiled (`ms.jit`, as the training step runs them), the compilation not timed.
 """
 import argparse
 import os
@@ -34,12 +37,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clock", choices=("thread", "process"), default="thread")
     parser.add_argument("--splits", default="balanced,contiguous", help="splits to time, comma-separated")
+    parser.add_argument("--jit", action="store_true", help="time the compiled forward and forward + backward")
     args = parser.parse_args()
     os.environ["MS_DEV_HOST_BLOCKING_RUN"] = "1"             # ops on the calling thread (read at the first op)
     import mindspore as ms
     from mindspore import Tensor
 
-    from moetrain.parallel.context_parallel import blockwise_attention, chunk_order, chunk_plan, tiled_attention
+    from moetrain.parallel.context_parallel import (_NO_DOCS, balanced_plan, blockwise_attention, chunk_order,
+                                                    chunk_plan, tiled_attention, tiled_cell)
 
     ms.set_device("CPU")
     if args.clock == "thread":
@@ -65,11 +70,30 @@ def main():
         return (Tensor(q[:, :, :, rows]), Tensor(k), Tensor(v)), \
             lambda q_, k_, v_: tiled_attention(plan, q_, k_, v_)[0]
 
+    def make_plan(name, r):
+        """The rank's `TiledAttention` plan of split `name`."""
+        if name == "balanced":
+            return balanced_plan(local, r, cp)
+        chunk = local // 2
+        return chunk_plan((2 * r, 2 * r + 1), lambda j: j * chunk, chunk)
+
+    def summed(attend, cell=False):
+        """`(q, k, v) -> attend(q, k, v).sum()`; `cell`: `attend` is a TiledAttention cell."""
+        def total(q_, k_, v_):
+            if cell:
+                return attend(q_, k_, v_, _NO_DOCS, _NO_DOCS)[0].sum()
+            return attend(q_, k_, v_).sum()
+        return total
+
     def medians(runs):
         """Median time of each of `runs`, the repeats interleaved (run 0, 1, ..., then again), so that
         the other jobs' load drifting over the minutes falls on every rank alike."""
-        for run in runs:
-            run()                                           # warm-up
+        first = []
+        for run in runs:                                    # warm-up (with --jit: the compilation)
+            start = clock()
+            run()
+            first.append(clock() - start)
+        warmups.append(first)
         samples = [[] for _ in runs]
         for _ in range(args.repeats):
             for run, times in zip(runs, samples):
@@ -82,21 +106,33 @@ def main():
         return ("per rank " + " / ".join(f"{t * 1e3:.0f}" for t in times)
                 + f" ms, slowest / fastest {max(times) / min(times):.2f}")
 
+    warmups = []
     for name, make in (("balanced", balanced), ("contiguous", contiguous)):
         if name not in args.splits.split(","):
             continue
         forward_runs, both_runs = [], []
         for r in range(cp):
             inputs, attend = make(r)
-            step = ms.value_and_grad(lambda *x, f=attend: f(*x).sum(), grad_position=(0, 1, 2))
-            forward_runs.append(lambda f=attend, x=inputs: float(f(*x).sum().asnumpy()))
+            total = summed(attend)
+            if args.jit:   # the rank's cell itself (ms.jit cannot run the Python look-up of the cell)
+                total = summed(tiled_cell(make_plan(name, r), False, q.shape[1] * q.shape[2]), cell=True)
+            step = ms.value_and_grad(total, grad_position=(0, 1, 2))
+            forward = total
+            if args.jit:
+                step, forward = ms.jit(step), ms.jit(total)
+            forward_runs.append(lambda f=forward, x=inputs: float(f(*x).asnumpy()))
             both_runs.append(lambda s=step, x=inputs: float(s(*x)[0].asnumpy()))
         forward, both = medians(forward_runs), medians(both_runs)
-        print(f"{name:>10} cp {cp} seq {seq} ({args.clock} CPU time, median of {args.repeats})", flush=True)
+        mode = ", ms.jit" if args.jit else ""
+        print(f"{name:>10} cp {cp} seq {seq} ({args.clock} CPU time, median of {args.repeats}{mode})", flush=True)
         print(f"   forward + backward: {ratio(both)}", flush=True)
         print(f"   forward:            {ratio(forward)}", flush=True)
         backward = [b - f for b, f in zip(both, forward)]
         print(f"   backward (difference): {ratio(backward)}", flush=True)
+        if args.jit:
+            print("   first call (compilation + one run), per rank: forward "
+                  + " / ".join(f"{t:.1f}" for t in warmups[-2]) + " s, forward + backward "
+                  + " / ".join(f"{t:.1f}" for t in warmups[-1]) + " s", flush=True)
 
 
 if __name__ == "__main__":

@@ -280,6 +280,48 @@ def test_ring_attention_equals_full_attention(ms, monkeypatch, cp, tile, packed)
         assert error <= 2 * plain_error + 1e-6, f"{name}, cp={cp}, float32: {error:.2e} vs plain {plain_error:.2e}"
 
 
+@pytest.mark.parametrize("form, cp, tile, packed", [("all_gather", 3, 2, False), ("p2p", 4, 2, True)])
+def test_fused_kernel_steps_equal_the_plain_steps(ms, monkeypatch, kernel_ops, form, cp, tile, packed):
+    """The blockwise cells' fp32 steps on the fused CPU kernel (`kernels/block_attention.cc`: one call a
+    step each way, the merge by log-sum-exp inside it) and on the plain ops (`FUSED = False`, what
+    `MOETRAIN_DISABLE_KERNELS=1` runs): forward and backward against the whole sequence's float64
+    attention, each no further from it than plain float32 attention (the tolerance of
+    `test_blockwise_attention_equals_full_attention`), and the two paths within float32 rounding of
+    each other. Tiles of 2 and 1 rows of each 3-row chunk (causal offsets inside a chunk): cp 3's
+    `TiledAttention` (all_gather) and cp 4's ring with packed documents (rows that see no key of a
+    block)."""
+    from moetrain.parallel import context_parallel as cpmod
+
+    if tile:
+        monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
+    rng = np.random.default_rng(cp)
+    batch, seq, heads, kv_heads, dim = 2, 2 * cp * 3, 4, 2, 8
+    arrays = [rng.normal(0, 1, (batch, seq, n, dim)) for n in (heads, kv_heads, kv_heads)]
+    weights = rng.normal(0, 1, (batch, seq, heads * dim))
+    docs = np.array([[0] * 5 + [1] * 9 + [2] * 10, [0] * 14 + [1] * 10], np.int32) if packed else None
+    full = lambda q, k, v: reference_attention(ms, q, k, v, docs)            # noqa: E731
+    truth = attention_and_grads(ms, full, arrays, weights, "float64")
+    plain32 = attention_and_grads(ms, full, arrays, weights, "float32")
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(cpmod, "FUSED", fused)
+        if form == "p2p":
+            results[fused] = ring_attention_and_grads(ms, monkeypatch, cp, arrays, weights, "float32", docs)
+        else:
+            split = lambda q, k, v: split_attention(ms, q, k, v, cp)        # noqa: E731
+            results[fused] = attention_and_grads(ms, split, arrays, weights, "float32")
+        plan = cpmod.balanced_plan(seq // cp, 0, cp)
+        cell = cpmod.tiled_cell(plan, packed, 1)                         # the cells this pass built
+        assert (cell.kernel is not None) == fused
+    for name, fused, plain, plain_ops, want in zip(("out", "dq", "dk", "dv"), results[True], results[False],
+                                                   plain32, truth):
+        bound = 2 * np.abs(plain_ops - want).max() + 1e-6
+        for path, got in (("fused", fused), ("plain", plain)):
+            error = np.abs(got - want).max()
+            assert error <= bound, f"{name}, {form} cp={cp}, {path}: {error:.2e} vs plain attention's {bound:.2e}"
+        np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=2e-6, err_msg=f"{name}, {form} cp={cp}")
+
+
 def test_key_ranges_merge_to_the_softmax_over_their_union(ms):
     """One query range against two key ranges in one `TiledAttention` cell (each its own step,
     combined by their log-sum-exp) gives attention over both as one range, forward (out, lse) and
@@ -305,7 +347,19 @@ def test_key_ranges_merge_to_the_softmax_over_their_union(ms):
         np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=1e-12, atol=1e-12, err_msg=name)
 
 
-def test_blockwise_attention_keeps_no_block_probabilities(ms):
+def use_path(monkeypatch, fused):
+    """Run the blockwise cells' fp32 steps on the fused kernel (`fused`; skip where it cannot be built)
+    or on the plain ops."""
+    from moetrain import kernels
+    from moetrain.parallel import context_parallel as cpmod
+
+    if fused and not kernels.available():
+        pytest.skip("moetrain.kernels cannot be built here")
+    monkeypatch.setattr(cpmod, "FUSED", fused)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_blockwise_attention_keeps_no_block_probabilities(ms, monkeypatch, fused):
     """The blockwise path (all_gather / p2p) keeps O(rows·d) for the backward, as the fused kernel
     and FlashAttention do, not the fp32 scores, exponentials and probabilities of its query-key
     pairs (12 bytes each, l² (cp+1)/2 of them per head: 15 MiB here). One cp4 rank's attention,
@@ -313,9 +367,10 @@ def test_blockwise_attention_keeps_no_block_probabilities(ms):
     measurement) stays under half of those bytes, and under twice one step's working set as
     `tiling.step_bytes` models it (here a whole 256-row chunk a step, 3.5 MiB; measured 4.3 MiB;
     at cp 2 with 64-row steps 1.5 MiB, with a cell per block and 128-row tiles 3.0 MiB; the autodiff
-    of the plain ops held 12.3 MiB)."""
+    of the plain ops held 12.3 MiB). The same on the fused kernel's steps: 0.8 MiB (plain 3.9)."""
     from mindspore import Tensor
 
+    use_path(monkeypatch, fused)
     from moetrain.parallel.context_parallel import blockwise_attention
     from moetrain.parallel.tiling import step_bytes, tile_rows
     from moetrain.planner.dryrun import PoolRecorder
@@ -336,16 +391,19 @@ def test_blockwise_attention_keeps_no_block_probabilities(ms):
     assert pool.peak_above_start < 2 * working, (pool.peak_above_start / 2 ** 20, working / 2 ** 20)
 
 
-def test_blockwise_attention_keeps_no_block_outputs(ms):
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_blockwise_attention_keeps_no_block_outputs(ms, monkeypatch, fused):
     """The blockwise path keeps, for the backward, its L rows' merged output and log-sum-exp (one
     `TiledAttention` cell for all the blocks, recomputing the probabilities from the merged lse), not
     each block's output and the merges' terms, which cover the whole sequence's rows whatever cp is
     (about 3.5 fp32 copies of `[S, g, dv]` on the last rank). cp 4, rank 3 (its lower blocks are
     attended by all its rows), wide values (dv 256) so that those outputs dominate: the memory pool's
     peak over forward and backward stays under 2 copies (measured 2.4 MiB of the 4 allowed; the
-    per-block path with autodiff merges held 7.0 MiB and fails it, checked by mutation)."""
+    per-block path with autodiff merges held 7.0 MiB and fails it, checked by mutation). On the fused
+    kernel's steps 1.3 MiB (plain 2.4)."""
     from mindspore import Tensor
 
+    use_path(monkeypatch, fused)
     from moetrain.parallel.context_parallel import blockwise_attention
     from moetrain.planner.dryrun import PoolRecorder
 

@@ -503,6 +503,96 @@ def test_fused_rope_attention_matches_numpy(ms, kernel_ops, jit, batch, seq, q_h
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def reference_block_attention(q, k, v, ranges, r0, tile, query_docs, key_docs, d_out, d_lse):
+    """float64 numpy: the tile's query rows `[r0, r0 + tile)` of q `[B, H, G, R, D]` against the union of
+    the key `ranges` `((k0, keys, causal, offset), ...)` of k, v `[B, H, K, ·]` (a causal range: row i sees
+    range key j only if j <= offset + i; documents: only keys of its own) -> out, lse of the tile and the
+    gradients of sum(out * d_out) + sum(lse * d_lse) for q (the tile's rows), k and v."""
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+    keys_total, rows = k.shape[2], np.arange(tile)
+    seen = np.zeros((q.shape[0], tile, keys_total), bool)
+    for k0, keys, causal, offset in ranges:
+        j = np.arange(keys)
+        ok = (j[None, :] <= offset + rows[:, None]) if causal else np.ones((tile, keys), bool)
+        seen[:, :, k0:k0 + keys] |= ok[None]
+    if query_docs is not None:
+        seen &= query_docs[:, r0:r0 + tile, None] == key_docs[:, None, :]
+    mask = seen[:, None, None]                                         # [B, 1, 1, T, K]
+    qt = q64[:, :, :, r0:r0 + tile]
+    scores = np.where(mask, np.einsum("bhgid,bhjd->bhgij", qt, k64), -np.inf)
+    top = scores.max(-1, keepdims=True)
+    lse = top + np.log(np.exp(scores - top).sum(-1, keepdims=True))
+    probs = np.exp(scores - lse)
+    out = np.einsum("bhgij,bhjd->bhgid", probs, v64)
+    d_probs = np.einsum("bhgid,bhjd->bhgij", d_out, v64)
+    d_scores = probs * (d_probs - (d_out * out).sum(-1, keepdims=True) + d_lse)
+    dq = np.einsum("bhgij,bhjd->bhgid", d_scores, k64)
+    dk = np.einsum("bhgij,bhgid->bhjd", d_scores, qt)
+    dv = np.einsum("bhgij,bhgid->bhjd", probs, d_out)
+    return out, lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_block_attention_steps_merge_to_attention_over_their_union(ms, kernel_ops, documents):
+    """`BlockAttention`'s kernels (context parallelism's steps, kernels/block_attention.cc) against
+    float64 numpy: a tile of query rows `[4, 9)` of 12 against two key ranges, a whole one and a causal
+    one at offset 3 (row i sees its keys j <= 3 + i), each a step returning (out, lse), the second merged
+    into the first by their log-sum-exp: the output and lse of attention over both ranges; then the
+    backward of each step, from the merged out and lse with an lse gradient too, accumulated: dq, and
+    dk, dv of each range (none beyond the causal range's last visible key). GQA (2 query heads a K/V
+    head), dv != d. With documents a row of the tile sees no key of the first range (its lse -1e30,
+    nothing merged from it)."""
+    from mindspore import Tensor, ops
+
+    rng = np.random.default_rng(7)
+    batch, heads, group, rows, dim, vdim, keys_total, r0, tile = 2, 2, 2, 12, 8, 6, 20, 4, 5
+    q = rng.standard_normal((batch, heads, group, rows, dim)).astype(np.float32) * 0.7
+    k = rng.standard_normal((batch, heads, keys_total, dim)).astype(np.float32)
+    v = rng.standard_normal((batch, heads, keys_total, vdim)).astype(np.float32)
+    ranges = ((1, 7, False, 0), (9, 10, True, 3))                       # keys [1, 8) and [9, 19), causal
+    query_docs = key_docs = None
+    if documents:   # rows 6.. of doc 1 see nothing in [1, 8); in [9, 19) doc 1 starts at key 12
+        query_docs = np.array([[0] * 6 + [1] * 6, [0] * 8 + [1] * 4], np.float32)
+        key_docs = np.array([[0] * 12 + [1] * 8, [0] * 10 + [1] * 10], np.float32)
+    d_out = rng.standard_normal((batch, heads, group, tile, vdim))
+    d_lse = rng.standard_normal((batch, heads, group, tile, 1))
+    want = reference_block_attention(q, k, v, ranges, r0, tile, query_docs, key_docs, d_out, d_lse)
+
+    op = kernel_ops.BlockAttention()
+    placeholder = Tensor(np.zeros((1, 1), np.float32))
+    qd = placeholder if query_docs is None else Tensor(query_docs)
+    kd = placeholder if key_docs is None else Tensor(key_docs)
+    metas = [kernel_ops.block_meta(r0, k0, keys, causal, offset, documents, prior=i > 0)
+             for i, (k0, keys, causal, offset) in enumerate(ranges)]
+    qt, kt, vt = Tensor(q), Tensor(k), Tensor(v)
+    out = ops.zeros((batch, heads, group, tile, vdim), ms.float32)
+    lse = ops.zeros((batch, heads, group, tile, 1), ms.float32)
+    for meta in metas:
+        out, lse = op(qt, kt, vt, qd, kd, out, lse, meta)
+    np.testing.assert_allclose(out.asnumpy(), want[0], rtol=1e-5, atol=2e-6, err_msg="out")
+    np.testing.assert_allclose(lse.asnumpy(), want[1], rtol=1e-6, atol=1e-6, err_msg="lse")
+
+    def whole_rows(x):   # the tile's rows of a [B, H, G, R, .] tensor, zeros elsewhere
+        full = np.zeros((batch, heads, group, rows, x.shape[-1]), np.float32)
+        full[:, :, :, r0:r0 + tile] = x
+        return Tensor(full)
+    merged = [whole_rows(x) for x in (out.asnumpy(), lse.asnumpy(), d_out, d_lse)]
+    dq = ops.zeros((batch, heads, group, tile, dim), ms.float32)
+    dk_want, dv_want = np.zeros(k.shape), np.zeros(v.shape)
+    for meta, (k0, keys, causal, offset) in zip(metas, ranges):
+        zeros = [ops.zeros((batch, heads, keys, n), ms.float32) for n in (dim, vdim)]
+        dq, dk, dv = op.backward(qt, kt, vt, qd, kd, *merged, dq, *zeros, meta)
+        dk_want[:, :, k0:k0 + keys] = want[3][:, :, k0:k0 + keys]
+        dv_want[:, :, k0:k0 + keys] = want[4][:, :, k0:k0 + keys]
+        if causal:   # keys after the tile's last row: untouched (the accumulators' zeros)
+            assert not dk.asnumpy()[:, :, offset + tile:].any() and not dv.asnumpy()[:, :, offset + tile:].any()
+        np.testing.assert_allclose(dk.asnumpy(), dk_want[:, :, k0:k0 + keys], rtol=1e-4, atol=2e-5,
+                                   err_msg=f"dk [{k0}, {k0 + keys})")
+        np.testing.assert_allclose(dv.asnumpy(), dv_want[:, :, k0:k0 + keys], rtol=1e-4, atol=2e-5,
+                                   err_msg=f"dv [{k0}, {k0 + keys})")
+    np.testing.assert_allclose(dq.asnumpy(), want[2], rtol=1e-4, atol=2e-5, err_msg="dq")
+
+
 @MODES
 def test_attention_layer_fused_equals_plain(ms, kernel_ops, jit):
     """The Attention layer with the fused kernel (RoPE inside) and with the plain ops (RoPE ops,

@@ -35,7 +35,8 @@ EXACT_FLAGS = ("-march=native", "-fno-math-errno")
 GEMM_FLAGS = ("-march=native",)
 SOURCES = {"grouped_gemm.cc": GEMM_FLAGS, "linear.cc": GEMM_FLAGS, "swiglu.cc": ELEMENTWISE_FLAGS, "rmsnorm.cc": ELEMENTWISE_FLAGS,
            "attention.cc": ELEMENTWISE_FLAGS, "lm_head_loss.cc": ELEMENTWISE_FLAGS, "router.cc": ELEMENTWISE_FLAGS,
-           "adamw.cc": EXACT_FLAGS, "permute.cc": ELEMENTWISE_FLAGS, "pool.cc": (), "bf16.cc": ELEMENTWISE_FLAGS}
+           "adamw.cc": EXACT_FLAGS, "permute.cc": ELEMENTWISE_FLAGS, "pool.cc": (), "bf16.cc": ELEMENTWISE_FLAGS,
+           "block_attention.cc": ELEMENTWISE_FLAGS}
 HEADERS = ("common.h", "bf16.h")
 # -z nodelete: the library stays mapped until the process ends, whoever dlcloses it (MindSpore does
 # when a custom op's kernel is destroyed): its thread pool's workers (common.h) sleep inside its code

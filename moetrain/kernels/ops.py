@@ -334,6 +334,39 @@ class FusedCausalAttention(nn.Cell):
         return self.documents_forward(q, k, v, cos, sin, positions, document_ids)
 
 
+def block_meta(r0: int, k0: int, keys: int, causal: bool, offset: int, documents: bool, prior: bool) -> Tensor:
+    """The int32 `[7]` step description `BlockAttention`'s kernels read (`kernels/block_attention.cc`):
+    query rows `[r0, r0 + T)` against keys `[k0, k0 + keys)`; `causal`: row i sees range key j only if
+    `j <= offset + i`; `documents`: only keys of its document; `prior`: merge with the running result."""
+    return Tensor(np.array([r0, k0, keys, int(causal), offset, int(documents), int(prior)], np.int32))
+
+
+class BlockAttention(nn.Cell):
+    """One step of blockwise attention and its backward, fp32, as the kernels of
+    `kernels/block_attention.cc` (no bprop of their own: `TiledAttention` / `RingAttention` call both
+    from their hand-written forward and backward, moetrain/parallel/context_parallel.py).
+
+    `forward(q [B, H, G, R, D] pre-scaled, k [B, H, K, D], v [B, H, K, Dv], query_docs [B, R],
+    key_docs [B, K], prev_out [B, H, G, T, Dv], prev_lse [B, H, G, T, 1], meta)` -> `(out, lse)`: the
+    softmax attention of query rows `[r0, r0 + T)` against keys `[k0, k0 + keys)` (`block_meta`; the G
+    query heads of K/V head h side by side), merged by log-sum-exp with `(prev_out, prev_lse)` when the
+    meta says `prior` (else those are not read); fp32 document ids (placeholders without documents). A
+    row that sees no key gets lse -1e30 and output 0 from the step.
+
+    `backward(q, k, v, query_docs, key_docs, out, lse, dout, dlse, dq_acc [B, H, G, T, D], dk_acc
+    [B, H, keys, D], dv_acc [B, H, keys, Dv], meta)` -> the accumulators plus this step's dq, dk, dv,
+    from the merged `out`, `lse` `[B, H, G, R, ·]` of all the steps and their gradients (FlashAttention's:
+    the probabilities recomputed as exp(S − lse))."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward = _custom("BlockAttentionForward", (F32,) * 7 + (I32,), output_dtypes=(F32, F32))
+        self.backward = _custom("BlockAttentionBackward", (F32,) * 12 + (I32,), output_dtypes=(F32,) * 3)
+
+    def construct(self, q, k, v, query_docs, key_docs, prev_out, prev_lse, meta):
+        return self.forward(q, k, v, query_docs, key_docs, prev_out, prev_lse, meta)
+
+
 class FusedLMHeadCrossEntropy(nn.Cell):
     """`construct(h [N, H], weight [V, H], labels [N] int32) -> mean_n CE(h_n weight^T, labels_n)`, fp32,
     without ever storing the `[N, V]` logits (rows go through in chunks of a few MB).

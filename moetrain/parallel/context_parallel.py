@@ -39,7 +39,9 @@ bound on one step's transient, `tiling.tile_rows`) against one key chunk at a ti
 every rank runs the same number of equal steps. The cell's hand-written backward keeps only q, the
 gathered k and v, the merged output and its log-sum-exp, and recomputes each step's probabilities
 from them (FlashAttention style; exact): a layer keeps O(S/cp·dv) for the backward, no query-key
-pairs and no per-block outputs.
+pairs and no per-block outputs. Where the CPU kernels run (fp32), each step is one call of the block
+kernel each way (`kernels.ops.BlockAttention`: the step's (out, lse) merged into the running one inside
+it); `FUSED = False` or `MOETRAIN_DISABLE_KERNELS=1` runs the plain ops.
 Ring attention (`cp_comm_type: p2p`, `RingAttention`, as Megatron-Core runs it) passes the blocks
 around the ring instead, inside one cell: each step sends the block in hand to the next rank and
 receives the previous rank's (an all-to-all-v with one row each way: Ascend's AlltoAllV moves just
@@ -65,6 +67,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from moetrain import kernels
 from moetrain.distributed import comm
 from moetrain.layers import CausalAttention
 from moetrain.layout import LayoutError
@@ -138,6 +141,14 @@ def _softmax_dtype(x):
 
 
 TILE_ROWS = None        # query rows attended at a time: None, by `tiling.tile_rows`; a number fixes it (tests)
+FUSED = None            # the steps on the fused CPU kernel: None, where `kernels.available()`; False: plain ops
+
+
+def use_fused() -> bool:
+    """Whether new `TiledAttention` / `RingAttention` cells run their fp32 steps on the fused kernel
+    (`kernels/block_attention.cc`): `FUSED` when set, else `kernels.available()`
+    (`MOETRAIN_DISABLE_KERNELS=1` turns it off)."""
+    return kernels.available() if FUSED is None else bool(FUSED)
 
 
 class TiledAttention(nn.Cell):
@@ -167,9 +178,13 @@ class TiledAttention(nn.Cell):
 
     Every step is one tile of rows against one key range: with the load-balanced split's plan
     (`balanced_plan`) every rank runs the same number of equal steps (the balance of
-    benchmarks/bench_cp_balance.py)."""
+    benchmarks/bench_cp_balance.py).
 
-    def __init__(self, plan, documents: bool, rows: int):
+    `fused`: fp32 steps run on the fused CPU kernel (`kernels.ops.BlockAttention`: one op a step each
+    way, the merge by log-sum-exp inside it, the mask from the step's offsets and the document ids, no
+    slice of q, k or v; then lse is fp32); fp64 inputs and `fused=False` run the plain ops above."""
+
+    def __init__(self, plan, documents: bool, rows: int, fused: bool = False):
         super().__init__()
         self.plan, self.documents, self.rows = plan, documents, rows
         slots = sorted({(k0, k1) for _, _, ranges in plan for k0, k1, _ in ranges})
@@ -188,6 +203,62 @@ class TiledAttention(nn.Cell):
             for r0 in range(q0, q1, rows):
                 tiles.append((r0, min(r0 + rows, q1), r0 - q0, steps))
         self.tiles = tuple(tiles)
+        self.kernel = None
+        if fused:
+            from moetrain.kernels.ops import BlockAttention, shared   # built only where the kernels are
+            self.kernel = shared(BlockAttention)
+            # per tile, per step: the kernel's step description (query rows, key range, mask, merge)
+            self.metas = tuple(tuple(self.meta(r0, offset, step, prior=i > 0) for i, step in enumerate(steps))
+                               for r0, _, offset, steps in self.tiles)
+
+    def meta(self, r0, offset, step, prior: bool):
+        """The fused kernel's description of a step (`kernels.ops.block_meta`): tile rows from r0, the
+        key range of `step`, causal at the tile's `offset` within its query range."""
+        from moetrain.kernels.ops import block_meta
+        k0, k1, causal, _ = step
+        return block_meta(r0, k0, k1 - k0, causal, offset, self.documents, prior)
+
+    def fused_on(self, q, k, v):
+        """Whether this call runs on the fused kernel: the cell has it and q, k, v are fp32."""
+        return self.kernel is not None and q.dtype == ms.float32 and k.dtype == ms.float32 and \
+            v.dtype == ms.float32
+
+    def fused_forward(self, q, k, v, query_docs, key_docs):
+        """`construct` on the fused kernel: per tile, one kernel call a step, each merged into the last."""
+        batch, heads, group = q.shape[0], q.shape[1], q.shape[2]
+        outs, lses = [], []
+        for index in range(len(self.tiles)):                  # (no enumerate: ms.jit cannot unroll it here)
+            r0, r1, _, steps = self.tiles[index]
+            shape = (batch, heads, group, r1 - r0)
+            out, lse = ops.zeros(shape + (v.shape[3],), ms.float32), ops.zeros(shape + (1,), ms.float32)
+            for i in range(len(steps)):
+                out, lse = self.kernel(q, k, v, query_docs, key_docs, out, lse, self.metas[index][i])
+            outs.append(out)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return ops.concat(outs, 3), ops.concat(lses, 3)
+
+    def fused_backward(self, q, k, v, query_docs, key_docs, out, dout):
+        """`bprop` on the fused kernel: per step one call adding its dq to the tile's and its dk, dv to
+        the key range's (from the merged output and lse, FlashAttention's)."""
+        batch, heads, group, _, dim = q.shape
+        dq_tiles, dks, dvs = [], (None,) * len(self.slots), (None,) * len(self.slots)
+        for index in range(len(self.tiles)):
+            r0, r1, _, steps = self.tiles[index]
+            dq = ops.zeros((batch, heads, group, r1 - r0, dim), ms.float32)
+            for i in range(len(steps)):
+                k0, k1, _, slot = steps[i]
+                dk = ops.zeros((batch, heads, k1 - k0, dim), ms.float32) if dks[slot] is None else dks[slot]
+                dv = ops.zeros((batch, heads, k1 - k0, v.shape[3]), ms.float32) if dvs[slot] is None else dvs[slot]
+                dq, dk, dv = self.kernel.backward(q, k, v, query_docs, key_docs, out[0], out[1], dout[0], dout[1],
+                                                  dq, dk, dv, self.metas[index][i])
+                dks = dks[:slot] + (dk,) + dks[slot + 1:]
+                dvs = dvs[:slot] + (dv,) + dvs[slot + 1:]
+            dq_tiles.append(dq)
+        dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
+        dk, dv = self.whole_keys(dks, k.shape, ms.float32), self.whole_keys(dvs, v.shape, ms.float32)
+        return dq, dk, dv, ops.zeros_like(query_docs), ops.zeros_like(key_docs)
 
     def exponentials(self, q_tile, k, query_docs, key_docs, r0, offset, step, dtype):
         """`(e [B, h, g·t, kc], row max m [B, h, g, t, 1], kc)` of one step: the masked fp32 (fp64)
@@ -221,6 +292,8 @@ class TiledAttention(nn.Cell):
         return value.reshape(batch, heads, group, rows, v.shape[-1]), top.astype(ms.float64), total
 
     def construct(self, q, k, v, query_docs, key_docs):
+        if self.fused_on(q, k, v):
+            return self.fused_forward(q, k, v, query_docs, key_docs)
         dtype = _softmax_dtype(q)
         outs, lses = [], []
         for r0, r1, offset, steps in self.tiles:
@@ -243,6 +316,8 @@ class TiledAttention(nn.Cell):
         return ops.concat(outs, 3), ops.concat(lses, 3)
 
     def bprop(self, q, k, v, query_docs, key_docs, out, dout):
+        if self.fused_on(q, k, v):
+            return self.fused_backward(q, k, v, query_docs, key_docs, out, dout)
         dtype = _softmax_dtype(q)
         o, lse, d_out, d_lse = out[0], out[1], dout[0], dout[1]
         batch, heads, group, _, dim = q.shape
@@ -340,8 +415,8 @@ class RingAttention(TiledAttention):
     `(out [B, h, g, L, dv], lse [B, h, g, L, 1])` as `TiledAttention`. `shift`: one ring step, `block`
     to the next rank of `group`, the previous rank's back (`_RingShift`: one row each way)."""
 
-    def __init__(self, plan, documents: bool, rows: int, group, block: int):
-        super().__init__(plan, documents, rows)
+    def __init__(self, plan, documents: bool, rows: int, group, block: int, fused: bool = False):
+        super().__init__(plan, documents, rows, fused)
         self.group, self.cp, self.rank, self.block = group, group.size, group.rank_in_group, block
         nxt, prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
         self.send_counts = tuple(1 if r == nxt else 0 for r in range(self.cp))
@@ -365,6 +440,15 @@ class RingAttention(TiledAttention):
             raise ValueError("RingAttention: every query tile must read its own block (its causal keys)")
         self.owners, self.block_slots, self.block_steps = tuple(owners), tuple(block_slots), tuple(block_steps)
         self.shifter = _RingShift(group, self.send_counts, self.recv_counts)
+        if fused:   # per ring step, per step on its block: the kernel's description (a tile's first merges nothing)
+            started, metas = set(), []
+            for steps in self.block_steps:
+                row = []
+                for tile, step in steps:
+                    row.append(self.meta(self.tiles[tile][0], self.tiles[tile][2], step, prior=tile in started))
+                    started.add(tile)
+                metas.append(tuple(row))
+            self.ring_metas = tuple(metas)
 
     def shift(self, block):
         """One ring step: `block` to the next rank, the previous rank's back (its backward: the other way)."""
@@ -378,6 +462,8 @@ class RingAttention(TiledAttention):
         return key_docs[:, at:at + self.block]
 
     def construct(self, q, k, v, query_docs, key_docs):
+        if self.fused_on(q, k, v):
+            return self.fused_ring_forward(q, k, v, query_docs, key_docs)
         dtype = _softmax_dtype(q)
         states = (None,) * len(self.tiles)            # per tile: its running (e·V, max, sum)
         k_b, v_b, last = k, v, q
@@ -404,6 +490,56 @@ class RingAttention(TiledAttention):
         if len(outs) == 1:
             return outs[0], lses[0]
         return ops.concat(outs, 3), ops.concat(lses, 3)
+
+    def fused_ring_forward(self, q, k, v, query_docs, key_docs):
+        """`construct` on the fused kernel: each step one call, merged into its tile's running (out, lse)."""
+        batch, heads, group = q.shape[0], q.shape[1], q.shape[2]
+        states = (None,) * len(self.tiles)            # per tile: its running (out, lse)
+        k_b, v_b, last = k, v, q
+        for t in range(self.cp):
+            if t:                                     # after the steps on the block before; k, then v
+                k_b = self.shift(_after(k_b, last))
+                v_b = self.shift(_after(v_b, k_b))
+            docs = self.block_docs(key_docs, t)
+            for i in range(len(self.block_steps[t])):
+                tile = self.block_steps[t][i][0]
+                r0, r1, _, _ = self.tiles[tile]
+                state = states[tile]
+                if state is None:                     # the kernel does not read these (its meta: no prior)
+                    shape = (batch, heads, group, r1 - r0)
+                    state = (ops.zeros(shape + (v.shape[3],), ms.float32), ops.zeros(shape + (1,), ms.float32))
+                state = self.kernel(_after(q, v_b), k_b, v_b, query_docs, docs, state[0], state[1],
+                                    self.ring_metas[t][i])
+                states = states[:tile] + (state,) + states[tile + 1:]
+                last = state[0]
+        outs, lses = [state[0] for state in states], [state[1] for state in states]
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return ops.concat(outs, 3), ops.concat(lses, 3)
+
+    def fused_block_grads(self, t, q, k_b, v_b, query_docs, key_docs, out, dout, dq_tiles, last):
+        """`block_grads` on the fused kernel: one call a step, adding to its tile's dQ and its range's dK, dV."""
+        batch, heads, group, _, dim = q.shape
+        docs = self.block_docs(key_docs, t)
+        dks = dvs = (None,) * len(self.block_slots[t])
+        for i in range(len(self.block_steps[t])):
+            tile, (k0, k1, _, slot) = self.block_steps[t][i]
+            r0, r1, _, _ = self.tiles[tile]
+            dq = dq_tiles[tile]
+            if dq is None:
+                dq = ops.zeros((batch, heads, group, r1 - r0, dim), ms.float32)
+            dk = ops.zeros((batch, heads, k1 - k0, dim), ms.float32) if dks[slot] is None else dks[slot]
+            dv = ops.zeros((batch, heads, k1 - k0, v_b.shape[3]), ms.float32) if dvs[slot] is None else dvs[slot]
+            dq, dk, dv = self.kernel.backward(_after(q, last), k_b, v_b, query_docs, docs, out[0], out[1], dout[0],
+                                              dout[1], dq, dk, dv, self.ring_metas[t][i])
+            dq_tiles = dq_tiles[:tile] + (dq,) + dq_tiles[tile + 1:]
+            dks = dks[:slot] + (dk,) + dks[slot + 1:]
+            dvs = dvs[:slot] + (dv,) + dvs[slot + 1:]
+            last = dv
+        shape = (batch, heads, self.block, dim)
+        dk = self.whole_keys(dks, shape, ms.float32, self.block_slots[t])
+        dv = self.whole_keys(dvs, shape[:3] + (v_b.shape[3],), ms.float32, self.block_slots[t])
+        return dq_tiles, dk, dv
 
     def block_grads(self, t, q, k_b, v_b, query_docs, key_docs, out, dout, delta_all, dq_tiles, last):
         """Ring step t of the backward: dQ of every tile reading block r − t added to `dq_tiles`, and
@@ -444,11 +580,20 @@ class RingAttention(TiledAttention):
         dv = self.whole_keys(dvs, shape[:3] + (v_b.shape[3],), dtype, self.block_slots[t])
         return dq_tiles, dk, dv
 
+    def grads_of_block(self, fused, t, q, k_b, v_b, query_docs, key_docs, out, dout, delta_all, dq_tiles, last):
+        """Ring step t's `block_grads`, on the fused kernel when `fused` (which forms its own rowsums)."""
+        if fused:
+            return self.fused_block_grads(t, q, k_b, v_b, query_docs, key_docs, out, dout, dq_tiles, last)
+        return self.block_grads(t, q, k_b, v_b, query_docs, key_docs, out, dout, delta_all, dq_tiles, last)
+
     def bprop(self, q, k, v, query_docs, key_docs, out, dout):
         dtype = _softmax_dtype(q)
-        # rowsum(dO ∘ O) − dlse of every local row: [B, h, g, L, 1], small
-        delta_all = (dout[0].astype(dtype) * out[0].astype(dtype)).sum(axis=-1, keepdims=True) \
-            - dout[1].astype(dtype)
+        fused = self.fused_on(q, k, v)
+        # rowsum(dO ∘ O) − dlse of every local row: [B, h, g, L, 1], small (the fused kernel forms its own)
+        delta_all = dout[0]
+        if not fused:
+            delta_all = (dout[0].astype(dtype) * out[0].astype(dtype)).sum(axis=-1, keepdims=True) \
+                - dout[1].astype(dtype)
         dq_tiles = (None,) * len(self.tiles)
         k_b, v_b, dk_sum, dv_sum, last = k, v, None, None, delta_all
         for t in range(1, self.cp):                   # the other ranks' blocks; this rank's own last
@@ -457,16 +602,16 @@ class RingAttention(TiledAttention):
             if t > 1:                                 # the sums of block r − t from rank r − 1
                 dk_sum = self.shift(_after(dk_sum, v_b))
                 dv_sum = self.shift(_after(dv_sum, dk_sum))
-            dq_tiles, dk, dv = self.block_grads(t, q, k_b, v_b, query_docs, key_docs, out, dout, delta_all,
-                                                dq_tiles, v_b if t == 1 else dv_sum)
+            dq_tiles, dk, dv = self.grads_of_block(fused, t, q, k_b, v_b, query_docs, key_docs, out, dout, delta_all,
+                                                   dq_tiles, v_b if t == 1 else dv_sum)
             dk_sum = dk if t == 1 else dk_sum + dk
             dv_sum = dv if t == 1 else dv_sum + dv
             last = dv_sum
         # the sums' last hop, to their owners (this rank gets its own block's), then this rank's part of it
         dk_sum = self.shift(_after(dk_sum, last))
         dv_sum = self.shift(_after(dv_sum, dk_sum))
-        dq_tiles, dk, dv = self.block_grads(0, q, k, v, query_docs, key_docs, out, dout, delta_all, dq_tiles,
-                                            dv_sum)
+        dq_tiles, dk, dv = self.grads_of_block(fused, 0, q, k, v, query_docs, key_docs, out, dout, delta_all,
+                                               dq_tiles, dv_sum)
         dk, dv = dk_sum + dk, dv_sum + dv
         dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), ops.zeros_like(query_docs),
@@ -523,19 +668,19 @@ def plan_tile_rows(plan, lanes: float) -> int:
 def tiled_cell(plan, documents: bool, lanes: float = 1) -> TiledAttention:
     """The shared `TiledAttention` of `plan` for `lanes` = batch x query heads (its tile size; made
     here, in Python: ms.jit cannot make a cell)."""
-    rows = plan_tile_rows(plan, lanes)
-    key = (plan, documents, rows)
+    rows, fused = plan_tile_rows(plan, lanes), use_fused()
+    key = (plan, documents, rows, fused)
     if key not in _CELLS:
-        _CELLS[key] = TiledAttention(plan, documents, rows)
+        _CELLS[key] = TiledAttention(plan, documents, rows, fused)
     return _CELLS[key]
 
 
 def ring_cell(plan, documents: bool, lanes: float, group, block: int) -> RingAttention:
     """The shared `RingAttention` of `plan` on `group` (`block`: the local rows, one rank's keys)."""
-    rows = plan_tile_rows(plan, lanes)
-    key = ("ring", plan, documents, rows, group, block)
+    rows, fused = plan_tile_rows(plan, lanes), use_fused()
+    key = ("ring", plan, documents, rows, group, block, fused)
     if key not in _CELLS:
-        _CELLS[key] = RingAttention(plan, documents, rows, group, block)
+        _CELLS[key] = RingAttention(plan, documents, rows, group, block, fused)
     return _CELLS[key]
 
 
