@@ -619,7 +619,7 @@ class CrossEntropy(nn.Cell):
 class LMHeadCrossEntropy(nn.Cell):
     """Mean cross-entropy of the LM head's logits `h @ weight.T` against `labels`, fused: the
     `[tokens, vocab]` logits are never stored (`moetrain.kernels`, fp32; rows go through the head
-    in chunks of a few MB, and in training mode one pass yields the loss and both gradients).
+    in chunks of a few MB; the backward recomputes them and makes the weight gradient there).
 
     `construct(h [..., H] fp32, weight [V, H], labels [...] int) -> fp32 scalar`. The head weight is
     an input, so a tied head passes the embedding table. Build it only where `supported(...)`;
@@ -637,7 +637,13 @@ class LMHeadCrossEntropy(nn.Cell):
         return fused_for(compute_dtype)
 
     def construct(self, h, weight, labels):
+        return self.row_losses(h, weight, labels).mean()
+
+    def row_losses(self, h, weight, labels):
+        """`[N]` fp32, the loss of each of the N rows of `h` (flattened): heads that share `weight`
+        (DeepSeek's main and MTP heads) concatenate their rows into one call, whose backward makes
+        one weight gradient, not one per head and their sum."""
         h = h.reshape(-1, h.shape[-1]).astype(ms.float32)
         if self.emulated is not None and not self.fused.bf16:   # bf16 operands, fp32 logits and loss
             h, weight = self.emulated(h), self.emulated(weight)
-        return self.fused(h, weight, labels.reshape(-1).astype(ms.int32))
+        return self.fused.row_losses(h, weight, labels.reshape(-1).astype(ms.int32))

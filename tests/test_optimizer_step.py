@@ -187,7 +187,8 @@ def _zero2_step(params, bucket_mb, world=4, rank=1):
 
 def test_zero2_buckets_give_each_rank_its_row_exactly(ms):
     """ZeRO-2 packs and reduce-scatters bucket by bucket (here 4 KB: several buckets in each of the
-    two buffers, decay and no decay; the last, one larger parameter, in two column pieces) in
+    two buffers, decay and no decay; the first, the LM head, and the last, one larger parameter
+    each, in two column pieces) in
     backward order; rank 1 of dp 4 (SoloComm: the reduce-scatter
     keeps this rank's chunk) must get exactly its row, the second ceil(n / 4) elements of every
     parameter, zero-padded, as when each buffer is packed whole (one bucket). The master rows'
@@ -197,10 +198,13 @@ def test_zero2_buckets_give_each_rank_its_row_exactly(ms):
     from moetrain.testing.solo import SoloComm
 
     rng = np.random.default_rng(3)
+    from moetrain.distributed.sharding import mark_role
+
     shapes = {"a.weight": (40, 40), "a.bias": (701,), "b.weight": (29, 31), "b.norm": (901,), "c.weight": (5, 7, 3),
-              "d.weight": (33, 17), "d.bias": (333,)}
+              "head.weight": (37, 41), "d.weight": (33, 17), "d.bias": (333,)}
     grads = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
     params = [Parameter(Tensor(np.zeros(s, np.float32)), name=k) for k, s in shapes.items()]
+    mark_role(params[5], lm_head=True)     # an LM head before blocks (DeepSeek's MTP): its bucket goes first
     rows, gathered = {}, {}
     with SoloComm():
         for bucket_mb in (4 / 1024, 1e6):
@@ -220,10 +224,12 @@ def test_zero2_buckets_give_each_rank_its_row_exactly(ms):
                 assert len(step.buffers) == 2 and all(len(b.buckets) > 1 for b in step.buffers)
                 firsts = [step.params[step.buffers[i].start + start].name for i, start, *_ in step.bucket_order]
                 model_order = [p.name for p in params]
-                assert [model_order.index(n) for n in firsts] == sorted((model_order.index(n) for n in firsts),
-                                                                        reverse=True)
-                # the last bucket, a.weight alone (6.4 KB of [4, 400]), goes in column pieces
+                assert [model_order.index(n) for n in firsts[1:]] == sorted((model_order.index(n) for n in firsts[1:]),
+                                                                            reverse=True)
+                # the last bucket, a.weight alone (6.4 KB of [4, 400]), goes in column pieces, and so
+                # does the first, head.weight alone (6.1 KB of [4, 380]), the LM head, first wherever it sits
                 assert firsts[-1] == "a.weight" and len(step.bucket_order[-1][-1]) == 2
+                assert firsts[0] == "head.weight" and len(step.bucket_order[0][-1]) == 2
     for b, whole, bucketed in zip(step.buffers, rows[1e6], rows[4 / 1024]):
         expected = []
         for p, n, s in zip(step.params[b.start:b.end], b.numels, b.shards):

@@ -290,48 +290,79 @@ class DeepSeekV3(MoEGPT):
         stack's output before the final norm `[B, S, H]`; `labels [B, S]`; `context`: the main
         stack's attention context `[B, S]` (None: causal), cut to the first S-k-1 positions. Under context
         parallelism (`hold_positions`): h stays `[B, L, H]`, the logits are those of the counted positions."""
+        h, counted, stats = self.mtp_depth_hidden(k, h, labels, context)
+        return h, self.head_logits(counted), stats
+
+    def mtp_depth_hidden(self, k: int, h, labels, context=None):
+        """`mtp_depth_step` without the head: `(normed h, its counted positions (the head's input), moe_stats)`."""
         if self.held is not None:   # context parallelism: every local position, `labels` [B, 1 + D, L]
             valid = self.held[k][0]
             h, stats = self.mtp[k](h, self.embed(labels[:, k]), context, valid)
-            return h, self.head_logits(h[:, :valid]), stats
+            return h, h[:, :valid], stats
         n = labels.shape[1] - k - 1
         if context is not None:
             context = (context[0][:, :n], context[1][:, :n])
         h, stats = self.mtp[k](h[:, :n], self.embed(labels[:, k:k + n]), context)
-        return h, self.head_logits(h), stats
+        return h, h, stats
 
     def head_loss(self, h, labels, context=None):
         """lm_loss, and with MTP: `mtp_loss` (mean over depths) weighted into the loss, the MTP
         blocks' MoE stats (their aux terms weighted in too) and their rows of every per-layer stat
         (`expert_load`, and `dispatch_rows` / `dispatch_load`: the dispatch invariant and the adaptive
-        capacities cover the MTP blocks as they do the stack's layers)."""
+        capacities cover the MTP blocks as they do the stack's layers). With the fused head, the main
+        head's rows and every depth's go through one `row_losses` call (they share the head weight):
+        one weight gradient in the backward, not one per head and their sum."""
         if (labels.ndim == 3) != (self.held is not None):
             raise ValueError(f"DeepSeekV3: labels of shape {labels.shape}: [B, S] on one process, [B, 1 + mtp_depth, "
                              f"S/cp] under context parallelism (ContextParallelRunner)")
-        loss, stats = super().head_loss(h, labels if self.held is None else labels[:, 0], context)
-        if self.mtp_depth:
-            summed, stacked = self.layer_stats
-            zero = ops.zeros((), ms.float32)
-            totals = {name: zero for name in summed}
-            rows, mtp_loss = {name: [] for name in stacked}, zero
+        main_labels = labels if self.held is None else labels[:, 0]
+        if not self.mtp_depth:
+            return super().head_loss(h, main_labels, context)
+        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
+        joint = self.fused_head_loss is not None and weight.shape[0] == self.vocab_size
+        summed, stacked = self.layer_stats
+        zero = ops.zeros((), ms.float32)
+        totals = {name: zero for name in summed}
+        rows, mtp_loss, aux = {name: [] for name in stacked}, zero, zero
+        head_rows, head_labels, depth_weights = [self.final_norm(h)], [main_labels], []
+        depth_h = h
+        for k in range(self.mtp_depth):
+            depth_h, counted, mtp_stats = self.mtp_depth_hidden(k, depth_h, labels, context)
+            if self.held is None:
+                target, weight_k = labels[:, k + 1:], 1.0
+            else:   # this rank's share of the mean over all S-k-1 positions (hold_positions)
+                valid, weight_k = self.held[k]
+                target = labels[:, k + 1, :valid]
+                mtp_stats["z_loss"] = mtp_stats["z_loss"] * weight_k
+            if joint:
+                head_rows.append(counted)
+                head_labels.append(target)
+                depth_weights.append(weight_k)
+            else:
+                mtp_loss = mtp_loss + self.cross_entropy(self.head_logits(counted), target) * weight_k
+            for name in summed:
+                totals[name] = totals[name] + mtp_stats[name].astype(ms.float32)
+            for name in stacked:   # expert_load, and the dispatch rows / loads the trainer checks and sizes by
+                rows[name].append(mtp_stats[name].astype(ms.float32))
+            aux = aux + self.mtp[k].block.moe.weighted_aux(mtp_stats)
+        if joint:   # one call over every head's rows, split back into the per-head means
+            hidden = ops.cat([x.reshape(-1, x.shape[-1]) for x in head_rows])
+            row_loss = self.fused_head_loss.row_losses(hidden, weight, ops.cat([t.reshape(-1) for t in head_labels]))
+            sizes = [t.shape[0] * t.shape[1] for t in head_labels]
+            start = sizes[0]
+            lm_loss = row_loss[:start].mean()
             for k in range(self.mtp_depth):
-                h, logits, mtp_stats = self.mtp_depth_step(k, h, labels, context)
-                if self.held is None:
-                    mtp_loss = mtp_loss + self.cross_entropy(logits, labels[:, k + 1:])
-                else:   # this rank's share of the mean over all S-k-1 positions (hold_positions)
-                    valid, weight = self.held[k]
-                    mtp_loss = mtp_loss + self.cross_entropy(logits, labels[:, k + 1, :valid]) * weight
-                    mtp_stats["z_loss"] = mtp_stats["z_loss"] * weight
-                for name in summed:
-                    totals[name] = totals[name] + mtp_stats[name].astype(ms.float32)
-                for name in stacked:   # expert_load, and the dispatch rows / loads the trainer checks and sizes by
-                    rows[name].append(mtp_stats[name].astype(ms.float32))
-                loss = loss + self.mtp[k].block.moe.weighted_aux(mtp_stats)
-            for name in stacked:
-                totals[name] = ops.stack(rows[name])
-            totals["mtp_loss"] = mtp_loss / self.mtp_depth
-            loss = loss + self.mtp_loss_weight * totals["mtp_loss"]
-            stats = merge_stats(stats, totals, stacked)
+                mtp_loss = mtp_loss + row_loss[start:start + sizes[k + 1]].mean() * depth_weights[k]
+                start += sizes[k + 1]
+            loss, stats = lm_loss, {"lm_loss": lm_loss}
+        else:
+            loss, stats = super().head_loss(h, main_labels, context)
+        loss = loss + aux
+        for name in stacked:
+            totals[name] = ops.stack(rows[name])
+        totals["mtp_loss"] = mtp_loss / self.mtp_depth
+        loss = loss + self.mtp_loss_weight * totals["mtp_loss"]
+        stats = merge_stats(stats, totals, stacked)
         return loss, stats
 
     def moe_modules(self) -> List:

@@ -21,6 +21,7 @@ from typing import Optional
 import mindspore as ms
 from mindspore import nn, ops
 
+from moetrain.distributed.sharding import mark_role
 from moetrain.layers import (COMPUTE_DTYPES, Attention, CrossEntropy, Embedding, Linear, LMHeadCrossEntropy,
                              RMSNorm, SwiGLUMLP, bf16_rounder, compute_dtype_of, fp32,
                              to_compute)
@@ -137,6 +138,8 @@ class GPT(nn.Cell):
             self.tied_head_matmul = ops.MatMul(transpose_b=True)
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, cfg.init_std, cfg.compute_dtype) if head else None
+            if head:
+                mark_role(self.lm_head.weight, lm_head=True)
         self.compute_dtype = compute_dtype_of(cfg.compute_dtype)
         self.emulated = bf16_rounder(cfg.compute_dtype)
         self.cross_entropy = CrossEntropy()

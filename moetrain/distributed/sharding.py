@@ -100,6 +100,8 @@ class ParamRole:
     sequence_parallel: bool = False    # gradient partial over tp (used on this rank's sequence chunk, or
                                        # feeding only its heads): summed over tp
     tied_group: str = ""               # group kind of the ranks that hold this same (tied) parameter
+    lm_head: bool = False              # the LM head's weight: its gradient is complete when the backward
+                                       # begins, wherever it sits in the model's order (ZeRO-2's first bucket)
 
 
 def param_role(param) -> ParamRole:

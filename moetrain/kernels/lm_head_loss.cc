@@ -1,10 +1,6 @@
 // LM head + softmax cross-entropy without the [N, V] logits: rows are processed in chunks whose logits
 // live only in a per-thread scratch buffer (a few MB), fp32.
 //
-//   LMHeadLossGrad            h [N, H], w [V, H], labels [N] int32 -> loss [1] (mean over rows),
-//                             dh [N, H], dw [V, H]: the gradients of that mean, computed in the same pass
-//                             (per chunk: z = h w^T, softmax, dz = (softmax - onehot) / N, dh = dz w,
-//                             dw += dz^T h), so training pays three GEMMs and no recompute.
 //   LMHeadLogitStats          h [N, H], w [Vs, H], labels [N] -> m [N], s [N], t [N]: over this vocabulary
 //                             slice, m = max_j z_j, s = sum_j exp(z_j - m), t = z_label, or 0 when the
 //                             label is outside [0, Vs). The partials a vocabulary-parallel loss reduces
@@ -14,12 +10,17 @@
 //                             ds, dt of s and t (m is a shift that no loss depends on): recomputes z per
 //                             chunk, dz = ds exp(z - m) + dt onehot(label).
 //
+// Training uses the stats and their backward (one GEMM forward, three backward): the head weight's
+// gradient is made in the backward, where it is the gradient itself, not a [V, H] tensor returned by
+// the forward and kept to the backward (which, for the main head and again for DeepSeek's MTP head,
+// held two head-sized fp32 tensors through the whole pass, docs/plan.md).
+//
 // The gradients go through the rows in groups of a few hundred, each in three sets of tasks on the
 // thread pool (common.h): by vocabulary block, the group's logits z[:, block] = h w[block]^T into one
 // [group, V] buffer; by row chunk, z -> dz = dloss/dz (whole rows: the softmax); by vocabulary block
 // again, dw[block] (+)= dz[:, block]^T h and the block's share of dh, dz[:, block] w[block], which are
 // then added in block order. Every element is summed in a fixed order (groups in row order, blocks
-// in vocabulary order, the loss per row in row order), so results do not depend on which thread ran
+// in vocabulary order), so results do not depend on which thread ran
 // what; a block of w is read twice per group and dw once.
 #include <algorithm>
 #include <cmath>
@@ -156,12 +157,6 @@ int LogitStats(int nparam, void **params, int *ndims, int64_t **shapes, const ch
 
 }  // namespace
 
-extern "C" std::vector<std::vector<int64_t>> LMHeadLossGradInferShape(int *ndims, int64_t **shapes, void *extra) {
-  return {{1}, {shapes[0][0], shapes[0][1]}, {shapes[1][0], shapes[1][1]}};
-}
-extern "C" std::vector<int> LMHeadLossGradInferType(std::vector<int> type_ids, void *extra) {
-  return {type_ids[0], type_ids[0], type_ids[0]};
-}
 extern "C" std::vector<std::vector<int64_t>> LMHeadLogitStatsInferShape(int *ndims, int64_t **shapes, void *extra) {
   return {{shapes[0][0]}, {shapes[0][0]}, {shapes[0][0]}};
 }
@@ -181,38 +176,6 @@ extern "C" std::vector<std::vector<int64_t>> LMHeadLogitStatsBackwardInferShape(
 }
 extern "C" std::vector<int> LMHeadLogitStatsBackwardInferType(std::vector<int> type_ids, void *extra) {
   return {type_ids[0], type_ids[0]};
-}
-
-extern "C" int LMHeadLossGrad(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                              void *stream, void *extra) {
-  Problem p;
-  if (nparam != 6 || !ReadProblem(ndims, shapes, dtypes, params, &p) || p.rows == 0) return 1;
-  float *loss = static_cast<float *>(params[3]), *dh = static_cast<float *>(params[4]);
-  float *dw = static_cast<float *>(params[5]);
-  std::vector<double> row_loss(p.rows, 0.0);
-  std::vector<char> bad(p.rows, 0);
-  const float inv_rows = 1.0f / static_cast<float>(p.rows);
-  HeadGradients(p, dh, dw, [&](int64_t r0, int64_t c, float *z) {
-    for (int64_t i = 0; i < c; ++i) {
-      float *zi = z + i * p.vocab;
-      const int64_t label = p.labels[r0 + i];
-      if (label < 0 || label >= p.vocab) {
-        bad[r0 + i] = 1;
-        std::memset(zi, 0, p.vocab * sizeof(float));
-        continue;
-      }
-      const float target = zi[label], m = RowMax(zi, p.vocab);
-      const float s = ExpInPlace(zi, p.vocab, m);
-      row_loss[r0 + i] = std::log(static_cast<double>(s)) + m - target;
-      const float scale = inv_rows / s;
-      for (int64_t j = 0; j < p.vocab; ++j) zi[j] *= scale;
-      zi[label] -= inv_rows;
-    }
-  });
-  double total = 0.0;
-  for (double v : row_loss) total += v;
-  *loss = static_cast<float>(total / static_cast<double>(p.rows));
-  return std::any_of(bad.begin(), bad.end(), [](char v) { return v; }) ? 2 : 0;
 }
 
 extern "C" int LMHeadLogitStats(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
@@ -246,9 +209,16 @@ extern "C" int LMHeadLogitStatsBackward(int nparam, void **params, int *ndims, i
   return 0;
 }
 
-// bf16 (bf16.h): h and the head weight read as bf16 values in the kernel (no rounded copies of them);
-// the logits, the loss and the gradients stay fp32 (the caller rounds the gradients after scaling).
-MOETRAIN_BF16_KERNEL(LMHeadLossGrad, "ww-|---")
-extern "C" std::vector<int> LMHeadLossGradBF16InferType(std::vector<int> type_ids, void *extra) {
-  return LMHeadLossGradInferType(type_ids, extra);
+// bf16 (bf16.h): h and the head weight read as bf16 values (an fp32 copy of each, rounded, for the call);
+// the logits, the statistics and the loss stay fp32; the gradients (already scaled by the upstream ones)
+// are rounded to bf16 values, as the rounding casts' backward rounds them.
+MOETRAIN_BF16_KERNEL(LMHeadLogitStats, "ww-|---")
+extern "C" std::vector<int> LMHeadLogitStatsBF16InferType(std::vector<int> type_ids, void *extra) {
+  return LMHeadLogitStatsInferType(type_ids, extra);
 }
+MOETRAIN_BF16_KERNEL(LMHeadLogitStatsStrict, "ww-|---")
+extern "C" std::vector<int> LMHeadLogitStatsStrictBF16InferType(std::vector<int> type_ids, void *extra) {
+  return LMHeadLogitStatsInferType(type_ids, extra);
+}
+MOETRAIN_BF16_KERNEL(LMHeadLogitStatsBackward, "ww----|ww")
+MOETRAIN_BF16_TYPES(LMHeadLogitStatsBackward, 0, 1)

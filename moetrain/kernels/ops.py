@@ -371,39 +371,28 @@ class FusedLMHeadCrossEntropy(nn.Cell):
     """`construct(h [N, H], weight [V, H], labels [N] int32) -> mean_n CE(h_n weight^T, labels_n)`, fp32,
     without ever storing the `[N, V]` logits (rows go through in chunks of a few MB).
 
-    In training mode (the default of this cell) one kernel returns the loss and its gradients for
-    `h` and `weight` (three GEMMs, the backward only scales them by the upstream gradient); after
-    `set_train(False)` a loss-only kernel (one GEMM) runs, whose backward recomputes the logits.
-    Every label must lie in `[0, V)`: one outside fails the op. `bf16=True`: h and weight are used
-    as their bf16 values (rounded inside the training kernel, no rounded copies), logits and loss fp32,
-    the gradients rounded to bf16 values (as the rounding casts' backward rounds them)."""
+    The forward keeps only three fp32 numbers a row (`LMHeadLogitStats`, one GEMM); the backward
+    recomputes the logits and makes `dh` and `d weight` (three GEMMs), so the head weight's gradient
+    exists only as the gradient itself, never as a `[V, H]` tensor kept from the forward (a step pays
+    one GEMM more than a kernel returning both gradients from its forward, docs/performance.md).
+    `row_losses` gives the per-row losses, so several heads sharing one weight (DeepSeek's main
+    and MTP heads) make one call, one weight gradient. Every label must lie in `[0, V)`: one outside
+    fails the op. `bf16=True`: h and weight are used as their bf16 values (rounded inside the kernels,
+    no rounded copies kept), logits and loss fp32, the gradients rounded to bf16 values (as the
+    rounding casts' backward rounds them)."""
 
     def __init__(self, bf16: bool = False):
         super().__init__()
         self.bf16 = bf16
-        if bf16:   # the training kernel reads h and weight as bf16 values; their gradients are stored as bf16
-            round_bf16 = _custom("RoundBF16", (F32,))
+        self.stats = LMHeadLogitStats(strict=True, bf16=bf16)
 
-            def loss_grad_bprop(h, weight, labels, out, dout):
-                return round_bf16(out[1] * dout[0]), round_bf16(out[2] * dout[0]), ops.zeros_like(labels)
-
-            self.loss_grad = _custom("LMHeadLossGradBF16", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
-            self.round_bf16 = RoundBF16()
-        else:
-            def loss_grad_bprop(h, weight, labels, out, dout):
-                return out[1] * dout[0], out[2] * dout[0], ops.zeros_like(labels)
-
-            self.loss_grad = _custom("LMHeadLossGrad", (F32, F32, I32), loss_grad_bprop, (F32,) * 3)
-        self.stats = LMHeadLogitStats(strict=True)
-        self.set_train(True)
+    def row_losses(self, h, weight, labels):
+        """`[N]` fp32: the cross-entropy of each row (the row max is a shift the loss does not depend on)."""
+        row_max, sum_exp, target = self.stats(h, weight, labels)
+        return ops.log(sum_exp) + ops.stop_gradient(row_max) - target
 
     def construct(self, h, weight, labels):
-        if self.training:
-            return self.loss_grad(h, weight, labels)[0].reshape(())
-        if self.bf16:
-            h, weight = self.round_bf16(h), self.round_bf16(weight)
-        row_max, sum_exp, target = self.stats(h, weight, labels)
-        return (ops.log(sum_exp) + row_max - target).mean()
+        return self.row_losses(h, weight, labels).mean()
 
 
 class LMHeadLogitStats(nn.Cell):
@@ -414,17 +403,19 @@ class LMHeadLogitStats(nn.Cell):
     The partials of a vocabulary-parallel cross-entropy: with `M = max_r m_r` over the slices,
     `loss_n = log(sum_r s_r exp(m_r - M)) + M - sum_r t_r`, where `m` is a shift the loss does not
     depend on (use it under `stop_gradient`). Gradients flow from `s` and `t` to `h` and `weight`
-    (the backward recomputes the logits chunk by chunk)."""
+    (the backward recomputes the logits chunk by chunk). `bf16=True`: h and weight read as their
+    bf16 values, their gradients rounded to bf16 values."""
 
-    def __init__(self, strict: bool = False):
+    def __init__(self, strict: bool = False, bf16: bool = False):
         super().__init__()
-        backward = _custom("LMHeadLogitStatsBackward", (F32, F32, I32, F32, F32, F32), output_dtypes=(F32, F32))
+        suffix = "BF16" if bf16 else ""
+        backward = _custom("LMHeadLogitStatsBackward" + suffix, (F32, F32, I32, F32, F32, F32), output_dtypes=(F32, F32))
 
         def bprop(h, weight, labels, out, dout):
             dh, dweight = backward(h, weight, labels, out[0], dout[1], dout[2])
             return dh, dweight, ops.zeros_like(labels)
 
-        name = "LMHeadLogitStatsStrict" if strict else "LMHeadLogitStats"
+        name = ("LMHeadLogitStatsStrict" if strict else "LMHeadLogitStats") + suffix
         self.forward = _custom(name, (F32, F32, I32), bprop, (F32,) * 3)
 
     def construct(self, h, weight, labels):

@@ -258,26 +258,33 @@ class OptimizerStep:
     def _bucket_order(self, given: List[Parameter]) -> Tuple[tuple, ...]:
         """ZeRO-2's buckets as (buffer, start, end, pads, columns) in the order the backward completes
         them: by descending position of their first parameter in `given` (the model's order, which
-        its backward runs in reverse). The same on every rank of a group, so are its collectives.
+        its backward runs in reverse), the LM head's first (`ParamRole.lm_head`: its gradient is the
+        backward's first, though DeepSeek's MTP blocks come after it; ordered by place it waited
+        for theirs, 3.45 GiB held through the MTP block's backward on the 671B last stage). The
+        same on every rank of a group, so are its collectives.
 
-        `columns`: the last bucket, when it is one parameter over `grad_bucket_mb` (the first stage's
-        embedding), is reduce-scattered a few columns of its [G, s] matrix at a time, (first, count)
-        ranges computed here, not in the graph (`piece_sizes`): its collective's output is then a
-        piece, not the parameter's size. Only the last: MindSpore runs a chain of such pieces behind
-        the backward's pending work, so chunking a bucket with layers still to go held their
-        gradients longer (measured: 12 layers chunked in 4 peaked at 35.7 MB against 13.4 MB)."""
-        position = {id(p): i for i, p in enumerate(given)}
+        `columns`: the first and the last bucket, when one parameter over `grad_bucket_mb` (the last
+        stage's LM head, the first stage's embedding), are reduce-scattered a few columns of their
+        [G, s] matrix at a time, (first, count) ranges computed here, not in the graph
+        (`piece_sizes`): the collective's output is then a piece, not the parameter's size (the CPU's
+        reduce-scatter is an all-reduce and a slice). Only those two: MindSpore runs a chain of such
+        pieces behind the backward's pending work, so chunking a bucket in the middle held the
+        gradients of the layers around it longer (measured: 12 layers chunked in 4 peaked at 35.7 MB
+        against 13.4 MB); a head of 32 MiB chunked before 12 layers of 4 MiB peaked 3.5 MiB (about a
+        layer) above it unchunked, with the solo stand-in whose reduce-scatter holds no full output."""
+        # the LM head's gradient is complete first (DeepSeek's MTP blocks follow it in the model's order)
+        position = {id(p): len(given) if param_role(p).lm_head else i for i, p in enumerate(given)}
         found = []
         for i, b in enumerate(self.buffers):
             for start, end in b.buckets:
                 found.append((position[id(self.params[b.start + start])], i, start, end, b.pads[start:end], ()))
         found = [entry[1:] for entry in sorted(found, key=lambda f: -f[0])]
-        if found:
-            i, start, end, pads, _ = found[-1]
+        for k in sorted({0, len(found) - 1}) if found else ():
+            i, start, end, pads, _ = found[k]
             b = self.buffers[i]
             if end - start == 1 and b.rows * b.shards[start] * 4 > self.bucket_bytes:
                 widths = piece_sizes(b.shards[start], max(4, self.bucket_bytes // b.rows))   # at most 64
-                found[-1] = (i, start, end, pads, tuple(zip(np.cumsum((0,) + widths[:-1]).tolist(), widths)))
+                found[k] = (i, start, end, pads, tuple(zip(np.cumsum((0,) + widths[:-1]).tolist(), widths)))
         return tuple(found)
 
     def _gather_layout(self, b: FlatBuffer):
@@ -337,7 +344,7 @@ class OptimizerStep:
         for i, start, end, pads, columns in self.bucket_order:
             b = self.buffers[i]
             part = grads[b.start + start:b.start + end]
-            if columns:     # the last bucket, one large parameter: its [G, s] matrix a few columns at a time
+            if columns:     # the first or last bucket, one large parameter: its [G, s] matrix a few columns at a time
                 matrix = _as_rows(part[0], pads[0], b.rows)
                 pieces = ()
                 for first, count in columns:

@@ -333,8 +333,8 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
         head = h + (arch.vocab * h / t if not arch.tied or L.pp > 1 else 0)
         dense += head
         units.append(head)
-    if last and head > h:     # the first stage's embedding is the last bucket, reduce-scattered in pieces
-        largest = max(largest, arch.vocab * h / t)
+    # the embedding (the first stage's last bucket) and the LM head (the last stage's first bucket,
+    # `ParamRole.lm_head`) are reduce-scattered a few columns at a time: no collective output of their size
     zero_grads = (dp, edp) if L.zero >= 2 else (1, 1)
     zero_states = (dp, edp) if L.zero >= 1 else (1, 1)
     memory = {
@@ -379,8 +379,10 @@ def stage_cost(job: Job, arch: Arch, layout: Layout, device: DeviceProfile, stag
 
     if job.megatron_memory:   # the residual stream is 16-bit; fused cross-entropy: 16-bit logits, fp32 row stats
         layer_input = d * tokens * h / outside
-    if fused and t == 1:      # fused LM head + loss: dh and d(head weight) kept from the forward, no logits
-        head, head_grad = FP32 * tokens * h + FP32 * arch.vocab * h, 0.0
+    if fused and t == 1:      # fused LM head + loss: 3 numbers a row kept, dh and the rows concatenated (every
+        # head's in one call); no logits, and d(head weight) is made in the backward, once for every head
+        # (DeepSeek's MTP heads share the weight): the gradient itself, booked with the parameters' gradients
+        head, head_grad = 2 * FP32 * tokens * h + 3 * FP32 * tokens, 0.0
     else:                     # fp32 logits and their gradient at the loss (+ both in the compute dtype);
         lower = d if d < FP32 else 0      # once a step, the head weight's gradient (measured at moe_1b width)
         head = (2 * FP32 + 2 * lower) * tokens * arch.vocab / t
