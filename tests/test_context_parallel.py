@@ -147,6 +147,29 @@ def attention_and_grads(ms, attention, arrays, weights, dtype):
     return [attention(q, k, v).asnumpy()] + [g.asnumpy() for g in grads]
 
 
+# documents of 5, 9 and 10 tokens; 14 and 10 (a cp 4 case's 24 tokens: chunks of 3)
+PACKED_DOCS = np.array([[0] * 5 + [1] * 9 + [2] * 10, [0] * 14 + [1] * 10], np.int32)
+
+
+def blockwise_case(monkeypatch, cp, tile):
+    """The blockwise tests' inputs: q, k, v `[2, 6·cp, heads, 8]` (4 query heads, 2 K/V heads) and the
+    weights of the loss `sum(attention * weights)`, seeded by cp; `tile` rows a tile when given."""
+    if tile:
+        from moetrain.parallel import context_parallel as cpmod
+        monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
+    rng = np.random.default_rng(cp)
+    batch, seq, heads, kv_heads, dim = 2, 2 * cp * 3, 4, 2, 8
+    arrays = [rng.normal(0, 1, (batch, seq, n, dim)) for n in (heads, kv_heads, kv_heads)]
+    return arrays, rng.normal(0, 1, (batch, seq, heads * dim))
+
+
+def assert_no_further_than_plain_fp32(got32, plain32, truth, cp):
+    """Each of out, dq, dk, dv in float32 no further from the float64 truth than plain float32 attention."""
+    for name, got, plain, want in zip(("out", "dq", "dk", "dv"), got32, plain32, truth):
+        error, plain_error = np.abs(got - want).max(), np.abs(plain - want).max()
+        assert error <= 2 * plain_error + 1e-6, f"{name}, cp={cp}, float32: {error:.2e} vs plain {plain_error:.2e}"
+
+
 @pytest.mark.parametrize("cp, tile", [(2, None), (3, None), (3, 2)])
 def test_blockwise_attention_equals_full_attention(ms, monkeypatch, cp, tile):
     """Forward and backward against the whole sequence's causal attention: in float64 to 1e-12; in
@@ -157,13 +180,7 @@ def test_blockwise_attention_equals_full_attention(ms, monkeypatch, cp, tile):
     rows taken from 0 instead of it fails that case alone (checked by mutation); the backward's dO
     sliced at 0 instead of the tile's row fails every cp 3 case.
     """
-    if tile:
-        from moetrain.parallel import context_parallel as cpmod
-        monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
-    rng = np.random.default_rng(cp)
-    batch, seq, heads, kv_heads, dim = 2, 2 * cp * 3, 4, 2, 8
-    arrays = [rng.normal(0, 1, (batch, seq, n, dim)) for n in (heads, kv_heads, kv_heads)]
-    weights = rng.normal(0, 1, (batch, seq, heads * dim))
+    arrays, weights = blockwise_case(monkeypatch, cp, tile)
     full = lambda q, k, v: reference_attention(ms, q, k, v)            # noqa: E731
     split = lambda q, k, v: split_attention(ms, q, k, v, cp)          # noqa: E731
     truth = attention_and_grads(ms, full, arrays, weights, "float64")
@@ -175,9 +192,7 @@ def test_blockwise_attention_equals_full_attention(ms, monkeypatch, cp, tile):
         return
     plain32 = attention_and_grads(ms, full, arrays, weights, "float32")
     split32 = attention_and_grads(ms, split, arrays, weights, "float32")
-    for name, got, plain, want in zip(names, split32, plain32, truth):
-        error, plain_error = np.abs(got - want).max(), np.abs(plain - want).max()
-        assert error <= 2 * plain_error + 1e-6, f"{name}, cp={cp}, float32: {error:.2e} vs plain {plain_error:.2e}"
+    assert_no_further_than_plain_fp32(split32, plain32, truth, cp)
 
 
 def ring_attention_and_grads(ms, monkeypatch, cp, arrays, weights, dtype, docs=None):
@@ -255,16 +270,8 @@ def test_ring_attention_equals_full_attention(ms, monkeypatch, cp, tile, packed)
     documents (document masks crossing the chunks), where the next and the previous rank differ: the
     dK|dV sums sent the wrong way round fail it (checked by mutation), as does a block's own part left
     out, or the sums' last hop."""
-    if tile:
-        from moetrain.parallel import context_parallel as cpmod
-        monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
-    rng = np.random.default_rng(cp)
-    batch, seq, heads, kv_heads, dim = 2, 2 * cp * 3, 4, 2, 8
-    arrays = [rng.normal(0, 1, (batch, seq, n, dim)) for n in (heads, kv_heads, kv_heads)]
-    weights = rng.normal(0, 1, (batch, seq, heads * dim))
-    docs = None
-    if packed:   # documents of 5, 9 and 10 tokens; 14 and 10: chunks of 3 tokens
-        docs = np.array([[0] * 5 + [1] * 9 + [2] * 10, [0] * 14 + [1] * 10], np.int32)
+    arrays, weights = blockwise_case(monkeypatch, cp, tile)
+    docs = PACKED_DOCS if packed else None
     full = lambda q, k, v: reference_attention(ms, q, k, v, docs)            # noqa: E731
     truth = attention_and_grads(ms, full, arrays, weights, "float64")
     names = ("out", "dq", "dk", "dv")
@@ -275,9 +282,7 @@ def test_ring_attention_equals_full_attention(ms, monkeypatch, cp, tile, packed)
         return
     plain32 = attention_and_grads(ms, full, arrays, weights, "float32")
     ring32 = ring_attention_and_grads(ms, monkeypatch, cp, arrays, weights, "float32", docs)
-    for name, got, plain, want in zip(names, ring32, plain32, truth):
-        error, plain_error = np.abs(got - want).max(), np.abs(plain - want).max()
-        assert error <= 2 * plain_error + 1e-6, f"{name}, cp={cp}, float32: {error:.2e} vs plain {plain_error:.2e}"
+    assert_no_further_than_plain_fp32(ring32, plain32, truth, cp)
 
 
 @pytest.mark.parametrize("form, cp, tile, packed", [("all_gather", 3, 2, False), ("p2p", 4, 2, True)])
@@ -292,13 +297,9 @@ def test_fused_kernel_steps_equal_the_plain_steps(ms, monkeypatch, kernel_ops, f
     block)."""
     from moetrain.parallel import context_parallel as cpmod
 
-    if tile:
-        monkeypatch.setattr(cpmod, "TILE_ROWS", tile)
-    rng = np.random.default_rng(cp)
-    batch, seq, heads, kv_heads, dim = 2, 2 * cp * 3, 4, 2, 8
-    arrays = [rng.normal(0, 1, (batch, seq, n, dim)) for n in (heads, kv_heads, kv_heads)]
-    weights = rng.normal(0, 1, (batch, seq, heads * dim))
-    docs = np.array([[0] * 5 + [1] * 9 + [2] * 10, [0] * 14 + [1] * 10], np.int32) if packed else None
+    arrays, weights = blockwise_case(monkeypatch, cp, tile)
+    seq = arrays[0].shape[1]
+    docs = PACKED_DOCS if packed else None
     full = lambda q, k, v: reference_attention(ms, q, k, v, docs)            # noqa: E731
     truth = attention_and_grads(ms, full, arrays, weights, "float64")
     plain32 = attention_and_grads(ms, full, arrays, weights, "float32")

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from background import child_only, heavy_tests_in_child, wait_for_background  # noqa: E402
+from background import child_only, heavy_tests_in_child, run_patiently, wait_for_background, wait_patiently  # noqa: E402
 from moetrain.config import load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -915,6 +915,7 @@ def test_a_hang_is_named_from_the_ranks_reports_whichever_timeout_fires_first(tm
 # 9. SIGTERM at any moment
 # ---------------------------------------------------------------------------------------------
 SIGTERM_SEED = 37
+CPU_LIMIT = 240     # one 400-step MNIST run takes ~10 CPU s: far past it is a runaway
 
 
 @pytest.mark.background_child
@@ -936,10 +937,10 @@ def test_sigterm_at_ten_seeded_moments(tiny_mnist, tmp_path):
         return [sys.executable, "-m", "moetrain.cli", "train", MNIST, *sets_args(sets + [f"train.output_dir={out}"])]
 
     # a warm start first (MindSpore's files in the page cache), so the clean run's lifetime is the trials'
-    subprocess.run([sys.executable, "-c", "import moetrain.trainer"], env=ENV, capture_output=True, timeout=300)
+    # (this child runs at idle priority beside the suite: each process is timed by its own CPU, not the wall)
+    run_patiently([sys.executable, "-c", "import moetrain.trainer"], CPU_LIMIT, env=ENV)
     start = time.time()
-    clean = subprocess.run(command(tmp_path / "clean"), env=ENV, cwd=str(tmp_path), capture_output=True, text=True,
-                           timeout=300)
+    clean = run_patiently(command(tmp_path / "clean"), CPU_LIMIT, env=ENV, cwd=str(tmp_path))
     lifetime = time.time() - start
     assert clean.returncode == 0, clean.stderr[-2000:]
     reference = losses(str(tmp_path / "clean"))
@@ -953,7 +954,7 @@ def test_sigterm_at_ten_seeded_moments(tiny_mnist, tmp_path):
                                 stderr=subprocess.PIPE, text=True)
         time.sleep(moment)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=300)
+        _, err = wait_patiently(proc, CPU_LIMIT)
         where = f"trial {i}: SIGTERM at {moment:.2f} s of {lifetime:.2f}: exit {proc.returncode}\n{err[-2000:]}"
         assert "Traceback" not in err, where
         if proc.returncode == -signal.SIGTERM:             # before moetrain's handler: nothing written
@@ -971,15 +972,13 @@ def test_sigterm_at_ten_seeded_moments(tiny_mnist, tmp_path):
             else:
                 assert re.search(r"[Nn]othing to resume: run the same command", err), where
                 outcome = "stopped in set-up"
-            resumed = subprocess.run(command(run) + ["--resume"], env=ENV, cwd=str(tmp_path), capture_output=True,
-                                     text=True, timeout=300)
+            resumed = run_patiently(command(run) + ["--resume"], CPU_LIMIT, env=ENV, cwd=str(tmp_path))
             assert resumed.returncode == 0, where + "\nresume:\n" + resumed.stderr[-2000:]
             if not saved:
                 assert f"nothing to resume in {run} (no checkpoint yet): starting again from step 0" in \
                     resumed.stdout + resumed.stderr, where
         if outcome == "killed at start-up":
-            again = subprocess.run(command(run) + ["--resume"], env=ENV, cwd=str(tmp_path), capture_output=True,
-                                   text=True, timeout=300)
+            again = run_patiently(command(run) + ["--resume"], CPU_LIMIT, env=ENV, cwd=str(tmp_path))
             assert again.returncode == 0 and "starting again from step 0" in again.stdout + again.stderr, \
                 where + again.stderr[-2000:]
         assert losses(str(run)) == reference, where      # bitwise: as if never stopped

@@ -235,9 +235,7 @@ class TiledAttention(nn.Cell):
                 out, lse = self.kernel(q, k, v, query_docs, key_docs, out, lse, self.metas[index][i])
             outs.append(out)
             lses.append(lse)
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return ops.concat(outs, 3), ops.concat(lses, 3)
+        return _joined(outs), _joined(lses)
 
     def fused_backward(self, q, k, v, query_docs, key_docs, out, dout):
         """`bprop` on the fused kernel: per step one call adding its dq to the tile's and its dk, dv to
@@ -256,7 +254,7 @@ class TiledAttention(nn.Cell):
                 dks = dks[:slot] + (dk,) + dks[slot + 1:]
                 dvs = dvs[:slot] + (dv,) + dvs[slot + 1:]
             dq_tiles.append(dq)
-        dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
+        dq = _joined(dq_tiles)
         dk, dv = self.whole_keys(dks, k.shape, ms.float32), self.whole_keys(dvs, v.shape, ms.float32)
         return dq, dk, dv, ops.zeros_like(query_docs), ops.zeros_like(key_docs)
 
@@ -311,9 +309,7 @@ class TiledAttention(nn.Cell):
                 peak = new_peak
             outs.append(acc / norm.astype(dtype))
             lses.append(peak + ops.log(norm))
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return ops.concat(outs, 3), ops.concat(lses, 3)
+        return _joined(outs), _joined(lses)
 
     def bprop(self, q, k, v, query_docs, key_docs, out, dout):
         if self.fused_on(q, k, v):
@@ -355,7 +351,7 @@ class TiledAttention(nn.Cell):
                 dks = _accumulate(dks, slot, dk_part)
                 dvs = _accumulate(dvs, slot, dv_part)
             dq_tiles.append(dq)
-        dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
+        dq = _joined(dq_tiles)
         dk, dv = self.whole_keys(dks, k.shape, dtype), self.whole_keys(dvs, v.shape, dtype)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), ops.zeros_like(query_docs),
                 ops.zeros_like(key_docs))
@@ -454,6 +450,14 @@ class RingAttention(TiledAttention):
         """One ring step: `block` to the next rank, the previous rank's back (its backward: the other way)."""
         return self.shifter(block)
 
+    def next_block(self, t: int, k_b, v_b, key_docs, last):
+        """Ring step t's keys, values and their document ids: from step 1 on, the block before passed
+        on (k after `last`, the steps on the block before; then v)."""
+        if t:
+            k_b = self.shift(_after(k_b, last))
+            v_b = self.shift(_after(v_b, k_b))
+        return k_b, v_b, self.block_docs(key_docs, t)
+
     def block_docs(self, key_docs, t: int):
         """The document ids of ring step t's keys (placeholders without documents)."""
         if not self.documents:
@@ -468,10 +472,7 @@ class RingAttention(TiledAttention):
         states = (None,) * len(self.tiles)            # per tile: its running (e·V, max, sum)
         k_b, v_b, last = k, v, q
         for t in range(self.cp):
-            if t:                                     # after the steps on the block before; k, then v
-                k_b = self.shift(_after(k_b, last))
-                v_b = self.shift(_after(v_b, k_b))
-            docs = self.block_docs(key_docs, t)
+            k_b, v_b, docs = self.next_block(t, k_b, v_b, key_docs, last)
             for tile, step in self.block_steps[t]:
                 r0, r1, offset, _ = self.tiles[tile]
                 q_tile = _after(_after(q[:, :, :, r0:r1], last), v_b)
@@ -487,9 +488,7 @@ class RingAttention(TiledAttention):
                 last = value
         outs = [acc / norm.astype(dtype) for acc, _, norm in states]
         lses = [peak + ops.log(norm) for _, peak, norm in states]
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return ops.concat(outs, 3), ops.concat(lses, 3)
+        return _joined(outs), _joined(lses)
 
     def fused_ring_forward(self, q, k, v, query_docs, key_docs):
         """`construct` on the fused kernel: each step one call, merged into its tile's running (out, lse)."""
@@ -497,10 +496,7 @@ class RingAttention(TiledAttention):
         states = (None,) * len(self.tiles)            # per tile: its running (out, lse)
         k_b, v_b, last = k, v, q
         for t in range(self.cp):
-            if t:                                     # after the steps on the block before; k, then v
-                k_b = self.shift(_after(k_b, last))
-                v_b = self.shift(_after(v_b, k_b))
-            docs = self.block_docs(key_docs, t)
+            k_b, v_b, docs = self.next_block(t, k_b, v_b, key_docs, last)
             for i in range(len(self.block_steps[t])):
                 tile = self.block_steps[t][i][0]
                 r0, r1, _, _ = self.tiles[tile]
@@ -513,9 +509,7 @@ class RingAttention(TiledAttention):
                 states = states[:tile] + (state,) + states[tile + 1:]
                 last = state[0]
         outs, lses = [state[0] for state in states], [state[1] for state in states]
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return ops.concat(outs, 3), ops.concat(lses, 3)
+        return _joined(outs), _joined(lses)
 
     def fused_block_grads(self, t, q, k_b, v_b, query_docs, key_docs, out, dout, dq_tiles, last):
         """`block_grads` on the fused kernel: one call a step, adding to its tile's dQ and its range's dK, dV."""
@@ -613,9 +607,14 @@ class RingAttention(TiledAttention):
         dq_tiles, dk, dv = self.grads_of_block(fused, 0, q, k, v, query_docs, key_docs, out, dout, delta_all,
                                                dq_tiles, dv_sum)
         dk, dv = dk_sum + dk, dv_sum + dv
-        dq = dq_tiles[0] if len(dq_tiles) == 1 else ops.concat(dq_tiles, 3)
+        dq = _joined(dq_tiles)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), ops.zeros_like(query_docs),
                 ops.zeros_like(key_docs))
+
+
+def _joined(tiles):
+    """The per-tile results along the rows (axis 3): one tile as it is."""
+    return tiles[0] if len(tiles) == 1 else ops.concat(tiles, 3)
 
 
 def _after(x, event):
