@@ -80,7 +80,7 @@ def test_mtp_loss_needs_only_the_final_hidden_state_and_labels(ms):
                                                     rel=1e-5)
 
 
-def test_deepseek_fused_heads_equal_the_plain_path(ms):
+def test_deepseek_fused_heads_equal_the_plain_path(ms, kernel_ops):
     """The main and MTP heads through one fused `row_losses` call (they share the head weight) against
     the plain head and cross-entropy of each: the same loss, stats and gradient of every parameter."""
     from moetrain.models.deepseek_v3 import DeepSeekV3
@@ -105,7 +105,7 @@ def test_deepseek_fused_heads_equal_the_plain_path(ms):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=p.name)
 
 
-def test_deepseek_heads_hold_one_head_weight_gradient(ms):
+def test_deepseek_heads_hold_one_head_weight_gradient(ms, kernel_ops):
     """The head's weight gradient is made once, in the backward, for the main and the MTP heads
     together: in a step of `head_loss` (PyNative: a jitted one compiles for ~20 s, and holds the same)
     the pool peaks at about the weight's size (measured 1.01x). Before, the fused kernel returned

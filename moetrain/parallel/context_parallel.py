@@ -68,6 +68,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from moetrain import kernels
+from moetrain.kernels.ops import BlockAttention, block_meta, shared
 from moetrain.distributed import comm
 from moetrain.layers import CausalAttention
 from moetrain.layout import LayoutError
@@ -205,7 +206,6 @@ class TiledAttention(nn.Cell):
         self.tiles = tuple(tiles)
         self.kernel = None
         if fused:
-            from moetrain.kernels.ops import BlockAttention, shared   # built only where the kernels are
             self.kernel = shared(BlockAttention)
             # per tile, per step: the kernel's step description (query rows, key range, mask, merge)
             self.metas = tuple(tuple(self.meta(r0, offset, step, prior=i > 0) for i, step in enumerate(steps))
@@ -214,7 +214,6 @@ class TiledAttention(nn.Cell):
     def meta(self, r0, offset, step, prior: bool):
         """The fused kernel's description of a step (`kernels.ops.block_meta`): tile rows from r0, the
         key range of `step`, causal at the tile's `offset` within its query range."""
-        from moetrain.kernels.ops import block_meta
         k0, k1, causal, _ = step
         return block_meta(r0, k0, k1 - k0, causal, offset, self.documents, prior)
 
