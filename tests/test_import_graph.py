@@ -269,3 +269,28 @@ def test_the_zoo_installs_inside_the_package(tmp_path):
     assert out.returncode == 0, out.stderr
     zoo, top_level = out.stdout.split("\n")[:2]
     assert os.path.basename(zoo) == "models" and top_level == "None", out.stdout    # editable: ROOT/models
+
+
+SLICE_KERNEL_CALLS = ("ops.slice(", "ops.narrow(", "ops.Slice(", "P.Slice(")
+
+
+def slice_kernel_calls(modules: Dict[str, str]) -> List[str]:
+    """Where the package calls MindSpore's `Slice` kernel."""
+    found = []
+    for module, path in sorted(modules.items()):
+        with open(path) as fh:
+            for number, line in enumerate(fh, 1):
+                code = line.split("#", 1)[0]
+                found += [f"{module}:{number} {call}" for call in SLICE_KERNEL_CALLS if call in code]
+    return found
+
+
+def test_no_slice_kernel_where_a_tensor_may_pass_2_gib(tmp_path):
+    """MindSpore 2.10's CPU Slice kernel refuses inputs over 2**31 - 1 bytes (the 671B head's 3.7 GB
+    gradient, sliced in column pieces by ZeRO-2, stopped its dry run: docs/parallel_engine.md); the
+    package slices with `x[a:b]` (StridedSlice), which takes them. The scan sees a call it is shown."""
+    assert not slice_kernel_calls(package_modules()), slice_kernel_calls(package_modules())
+    planted = tmp_path / "moetrain" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text("def f(x, ops):\n    return ops.slice(x, (0,), (2,))  # a piece\n")
+    assert slice_kernel_calls(package_modules(str(tmp_path))) == ["moetrain.planted:2 ops.slice("]

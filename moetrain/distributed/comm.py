@@ -447,7 +447,7 @@ class _AllToAllV(_GroupOp):
         the same ops on every rank whatever arrives (see "Same graph on every rank")."""
         y = ops.Reshape()(self.prim(ops.Reshape()(x, (elements,)), send_numel, recv_numel), (-1,))
         arrived = rows * int(np.prod(self.rest, dtype=np.int64))
-        return ops.Reshape()(ops.Slice()(y, (0,), (arrived,)), (rows,) + self.rest)
+        return ops.Reshape()(y[:arrived], (rows,) + self.rest)    # not Slice: it refuses inputs over 2 GiB
 
     def construct(self, x):
         if self.use_native_v:

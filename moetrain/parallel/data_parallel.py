@@ -59,6 +59,8 @@ from moetrain.distributed.sharding import MASTER_PREFIX, param_role, reduction_g
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 
+# Slices below are `x[a:b]` (StridedSlice), never `ops.slice`: MindSpore 2.10's CPU Slice kernel refuses
+# an input over 2**31 - 1 bytes (the 671B head and embedding, 3.7 GB: docs/parallel_engine.md).
 # ---- per-parameter pieces of the graph (ops.HyperMap applies them over tuples, linearly) ----------
 _FLATTEN = ops.MultitypeFuncGraph("flatten")
 _AS_ROWS = ops.MultitypeFuncGraph("as_rows")
@@ -82,7 +84,7 @@ def _as_rows(grad, pad, rows):
 
 @_TAKE.register("Tensor", "Number", "Number", "Tuple")
 def _take(flat, offset, size, shape):
-    return ops.slice(flat, (offset,), (size,)).reshape(shape)
+    return flat[offset:offset + size].reshape(shape)
 
 
 @_ASSIGN_COLUMNS.register("Tensor", "Number", "Number", "Number", "Tensor")
@@ -91,9 +93,9 @@ def _assign_columns(matrix, offset, shard, numel, param):
     rows = matrix.shape[0]
     if matrix.shape[1] == shard and rows * shard == numel and matrix.dtype == param.dtype:
         return ops.assign(param, matrix.reshape(param.shape))     # the whole matrix: no sliced copy
-    full = ops.slice(matrix, (0, offset), (rows, shard)).reshape(-1)
+    full = matrix[:, offset:offset + shard].reshape(-1)
     if rows * shard != numel:
-        full = ops.slice(full, (0,), (numel,))
+        full = full[:numel]
     return ops.assign(param, full.reshape(param.shape).astype(param.dtype))
 
 
@@ -349,7 +351,7 @@ class OptimizerStep:
                 pieces = ()
                 for first, count in columns:
                     previous = pieces if pieces else reduced
-                    flat = ops.slice(matrix, (0, first), (b.rows, count)).reshape(-1)
+                    flat = matrix[:, first:first + count].reshape(-1)
                     pieces += (self._reduce(flat, b, "reduce_scatter", previous),)
                 reduced += (ops.concat(pieces),)
                 continue
@@ -494,7 +496,7 @@ class OptimizerStep:
         gathered = None
         for b, master, params, buckets in zip(self.buffers, self.masters, self.param_tuples, self._gather_buckets):
             for lo, width, offsets, shards, numels, members in buckets:
-                row = master if width == b.row else ops.slice(master, (lo,), (width,))
+                row = master if width == b.row else master[lo:lo + width]
                 row = row if gathered is None else ops.depend(row, gathered)
                 gathered = comm.all_gather(row, b.group) if b.group.size > 1 else row
                 matrix = gathered.reshape(b.rows, width)
