@@ -280,6 +280,27 @@ class TiledAttention(nn.Cell):
         weights = ops.exp(scores - top)
         return weights.reshape(batch, heads, group * rows, keys), top, keys
 
+    def step_grads(self, q_tile, q_rows, do_rows, delta, lse_tile, k, k_c, v_c, query_docs, key_docs, r0, offset,
+                   step, dtype):
+        """One step's backward from its recomputed probabilities (FlashAttention's): `(dq [B, h, g, t, d],
+        dk [B, h, k1 − k0, d], dv [B, h, k1 − k0, dv])`; `q_rows`, `do_rows`, `delta` (rowsum(dO ∘ O) −
+        dlse) and `lse_tile` are the tile's rows, `k_c`, `v_c` the keys and values in `dtype`."""
+        k0, k1 = step[0], step[1]
+        batch, heads, group, rows, dim = q_tile.shape
+        e, top, keys = self.exponentials(q_tile, k, query_docs, key_docs, r0, offset, step, dtype)
+        scale = ops.exp(top.astype(ms.float64) - lse_tile).astype(dtype).reshape(batch, heads, group * rows, 1)
+        probs = e * scale                                                    # [B, h, g·t, kc]
+        # after P: else the graph may compute every step's dP first, all their transients at once
+        d_probs = _BMM_NT(ops.depend(do_rows, probs), _after(v_c, probs)[:, :, k0:k0 + keys])
+        d_scores = probs * (d_probs - delta)
+        dq = _BMM(d_scores, _after(k_c, d_scores)[:, :, k0:k0 + keys]).reshape(batch, heads, group, rows, dim)
+        dk = _BMM_TN(d_scores, q_rows)                                       # [B, h, kc, d]
+        dv = _BMM_TN(probs, do_rows)                                         # [B, h, kc, dv]
+        if keys < k1 - k0:                                                   # a causal tile: keys [k0, k0 + kc)
+            dk = ops.pad(dk, (0, 0, 0, k1 - k0 - keys))
+            dv = ops.pad(dv, (0, 0, 0, k1 - k0 - keys))
+        return dq, dk, dv
+
     def step_forward(self, q_tile, k, v, query_docs, key_docs, r0, offset, step, dtype):
         """One step's `(e·V [B, h, g, t, dv], m, l)`, m and l (the sum of e) `[B, h, g, t, 1]` fp64."""
         batch, heads, group, rows, _ = q_tile.shape
@@ -332,21 +353,11 @@ class TiledAttention(nn.Cell):
             q_rows = q_tile.reshape(batch, heads, group * t, dim).astype(dtype)
             dq = None
             for step in steps:
-                k0, k1, _, slot = step
+                slot = step[3]
                 q_step = q_tile if dq is None else ops.depend(q_tile, dq)
-                e, top, keys = self.exponentials(q_step, k, query_docs, key_docs, r0, offset, step, dtype)
-                scale = ops.exp(top.astype(ms.float64) - lse_tile).astype(dtype).reshape(batch, heads, group * t, 1)
-                probs = e * scale                                                    # [B, h, g·t, kc]
-                # after P: else the graph may compute every step's dP first, all their transients at once
-                d_probs = _BMM_NT(ops.depend(do_rows, probs), _after(v_c, probs)[:, :, k0:k0 + keys])
-                d_scores = probs * (d_probs - delta)
-                dq_part = _BMM(d_scores, _after(k_c, d_scores)[:, :, k0:k0 + keys]).reshape(batch, heads, group, t, dim)
+                dq_part, dk_part, dv_part = self.step_grads(q_step, q_rows, do_rows, delta, lse_tile, k, k_c, v_c,
+                                                            query_docs, key_docs, r0, offset, step, dtype)
                 dq = dq_part if dq is None else dq + dq_part
-                dk_part = _BMM_TN(d_scores, q_rows)                                  # [B, h, kc, d]
-                dv_part = _BMM_TN(probs, do_rows)                                    # [B, h, kc, dv]
-                if keys < k1 - k0:                                                   # a causal tile: keys [k0, k0 + kc)
-                    dk_part = ops.pad(dk_part, (0, 0, 0, k1 - k0 - keys))
-                    dv_part = ops.pad(dv_part, (0, 0, 0, k1 - k0 - keys))
                 dks = _accumulate(dks, slot, dk_part)
                 dvs = _accumulate(dvs, slot, dv_part)
             dq_tiles.append(dq)
@@ -546,25 +557,16 @@ class RingAttention(TiledAttention):
         dks = dvs = (None,) * len(self.block_slots[t])
         for tile, step in self.block_steps[t]:
             r0, r1, offset, _ = self.tiles[tile]
-            k0, k1, _, slot = step
+            slot = step[3]
             rows = r1 - r0
             q_tile = _after(q[:, :, :, r0:r1], last)
             do_rows = _after(d_out, q_tile)[:, :, :, r0:r1].astype(dtype).reshape(batch, heads, group * rows, -1)
             delta = _after(delta_all, q_tile)[:, :, :, r0:r1].reshape(batch, heads, group * rows, 1)
             lse_tile = _after(lse, q_tile)[:, :, :, r0:r1].astype(ms.float64)
             q_rows = q_tile.reshape(batch, heads, group * rows, dim).astype(dtype)
-            e, top, keys = self.exponentials(q_tile, k_b, query_docs, docs, r0, offset, step, dtype)
-            scale = ops.exp(top.astype(ms.float64) - lse_tile).astype(dtype).reshape(batch, heads, group * rows, 1)
-            probs = e * scale                                                    # [B, h, g·t, kc]
-            d_probs = _BMM_NT(ops.depend(do_rows, probs), _after(v_c, probs)[:, :, k0:k0 + keys])
-            d_scores = probs * (d_probs - delta)
-            dq_part = _BMM(d_scores, _after(k_c, d_scores)[:, :, k0:k0 + keys]).reshape(batch, heads, group, rows, dim)
+            dq_part, dk_part, dv_part = self.step_grads(q_tile, q_rows, do_rows, delta, lse_tile, k_b, k_c, v_c,
+                                                        query_docs, docs, r0, offset, step, dtype)
             dq_tiles = _accumulate(dq_tiles, tile, dq_part)
-            dk_part = _BMM_TN(d_scores, q_rows)                                  # [B, h, kc, d]
-            dv_part = _BMM_TN(probs, do_rows)                                    # [B, h, kc, dv]
-            if keys < k1 - k0:                                                   # a causal tile
-                dk_part = ops.pad(dk_part, (0, 0, 0, k1 - k0 - keys))
-                dv_part = ops.pad(dv_part, (0, 0, 0, k1 - k0 - keys))
             dks = _accumulate(dks, slot, dk_part)
             dvs = _accumulate(dvs, slot, dv_part)
             last = ops.depend(dvs[slot], ops.depend(dks[slot], dq_tiles[tile]))
