@@ -111,8 +111,7 @@ def _descendants(pid: int) -> List[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+                parents[int(entry)] = int(_stat(int(entry))[1])
             except (OSError, IndexError, ValueError):
                 pass
     found, frontier = [], [pid]
@@ -126,13 +125,11 @@ def _descendants(pid: int) -> List[int]:
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of a process, its ended (waited) children and its live descendants (Linux /proc)."""
     total = 0.0
-    for index, member in enumerate([pid] + _descendants(pid)):
+    for member in [pid] + _descendants(pid):
         try:
-            with open(f"/proc/{member}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
+            total += sum(int(f) for f in _stat(member)[11:15]) / os.sysconf("SC_CLK_TCK")
+        except OSError:     # it ended meanwhile
             continue
-        total += sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")   # utime stime cutime cstime
     return total
 
 
@@ -178,11 +175,16 @@ def child_only(module: str):
                                                            "(tests/background.py); a test here reads its outcome")
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (all its threads), from /proc (Linux)."""
+def _stat(pid: int) -> List[str]:
+    """The fields of /proc/PID/stat after the command name (Linux): [1] the parent, [11:15] utime,
+    stime, cutime, cstime in clock ticks."""
     with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return fh.read().rsplit(")", 1)[1].split()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (all its threads)."""
+    return sum(int(f) for f in _stat(pid)[11:13]) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_patiently(proc: subprocess.Popen, cpu_limit: float, stall_s: float = 180.0, poll_s: float = 1.0):

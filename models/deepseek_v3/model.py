@@ -318,8 +318,8 @@ class DeepSeekV3(MoEGPT):
         main_labels = labels if self.held is None else labels[:, 0]
         if not self.mtp_depth:
             return super().head_loss(h, main_labels, context)
-        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
-        joint = self.fused_head_loss is not None and weight.shape[0] == self.vocab_size
+        weight = self.fused_head_weight()
+        joint = weight is not None
         summed, stacked = self.layer_stats
         zero = ops.zeros((), ms.float32)
         totals = {name: zero for name in summed}

@@ -198,10 +198,16 @@ class GPT(nn.Cell):
         """Final norm, LM head and mean cross-entropy of the last hidden state `[B, S, H]`: fused where
         the kernel exists and the head holds the whole vocabulary; a vocabulary-parallel head (tp > 1)
         takes the plain path, whose loss is reduced over the tp group."""
-        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
-        if self.fused_head_loss is not None and weight.shape[0] == self.vocab_size:
+        weight = self.fused_head_weight()
+        if weight is not None:
             return self.fused_head_loss(self.final_norm(h), weight, labels)
         return self.cross_entropy(self.output_logits(h), labels)
+
+    def fused_head_weight(self):
+        """The head weight (tied or not) where the fused LM head + loss runs: the kernel exists and
+        the head holds the whole vocabulary (a vocabulary-parallel head, tp > 1, does not); else None."""
+        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
+        return weight if self.fused_head_loss is not None and weight.shape[0] == self.vocab_size else None
 
     def output_logits(self, h):
         """Final norm and LM head: fp32 hidden `[B, S, H]` -> fp32 logits `[B, S, V]`."""

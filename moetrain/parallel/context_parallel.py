@@ -246,12 +246,11 @@ class TiledAttention(nn.Cell):
             dq = ops.zeros((batch, heads, group, r1 - r0, dim), ms.float32)
             for i in range(len(steps)):
                 k0, k1, _, slot = steps[i]
-                dk = ops.zeros((batch, heads, k1 - k0, dim), ms.float32) if dks[slot] is None else dks[slot]
-                dv = ops.zeros((batch, heads, k1 - k0, v.shape[3]), ms.float32) if dvs[slot] is None else dvs[slot]
+                dk = _or_zeros(dks[slot], (batch, heads, k1 - k0, dim))
+                dv = _or_zeros(dvs[slot], (batch, heads, k1 - k0, v.shape[3]))
                 dq, dk, dv = self.kernel.backward(q, k, v, query_docs, key_docs, out[0], out[1], dout[0], dout[1],
                                                   dq, dk, dv, self.metas[index][i])
-                dks = dks[:slot] + (dk,) + dks[slot + 1:]
-                dvs = dvs[:slot] + (dv,) + dvs[slot + 1:]
+                dks, dvs = _replaced(dks, slot, dk), _replaced(dvs, slot, dv)
             dq_tiles.append(dq)
         dq = _joined(dq_tiles)
         dk, dv = self.whole_keys(dks, k.shape, ms.float32), self.whole_keys(dvs, v.shape, ms.float32)
@@ -494,7 +493,7 @@ class RingAttention(TiledAttention):
                     value = state[0] * old_w.astype(dtype) + value * new_w.astype(dtype)
                     total = state[2] * old_w + total * new_w
                     top = peak
-                states = states[:tile] + ((value, top, total),) + states[tile + 1:]
+                states = _replaced(states, tile, (value, top, total))
                 last = value
         outs = [acc / norm.astype(dtype) for acc, _, norm in states]
         lses = [peak + ops.log(norm) for _, peak, norm in states]
@@ -516,7 +515,7 @@ class RingAttention(TiledAttention):
                     state = (ops.zeros(shape + (v.shape[3],), ms.float32), ops.zeros(shape + (1,), ms.float32))
                 state = self.kernel(_after(q, v_b), k_b, v_b, query_docs, docs, state[0], state[1],
                                     self.ring_metas[t][i])
-                states = states[:tile] + (state,) + states[tile + 1:]
+                states = _replaced(states, tile, state)
                 last = state[0]
         outs, lses = [state[0] for state in states], [state[1] for state in states]
         return _joined(outs), _joined(lses)
@@ -529,16 +528,13 @@ class RingAttention(TiledAttention):
         for i in range(len(self.block_steps[t])):
             tile, (k0, k1, _, slot) = self.block_steps[t][i]
             r0, r1, _, _ = self.tiles[tile]
-            dq = dq_tiles[tile]
-            if dq is None:
-                dq = ops.zeros((batch, heads, group, r1 - r0, dim), ms.float32)
-            dk = ops.zeros((batch, heads, k1 - k0, dim), ms.float32) if dks[slot] is None else dks[slot]
-            dv = ops.zeros((batch, heads, k1 - k0, v_b.shape[3]), ms.float32) if dvs[slot] is None else dvs[slot]
+            dq = _or_zeros(dq_tiles[tile], (batch, heads, group, r1 - r0, dim))
+            dk = _or_zeros(dks[slot], (batch, heads, k1 - k0, dim))
+            dv = _or_zeros(dvs[slot], (batch, heads, k1 - k0, v_b.shape[3]))
             dq, dk, dv = self.kernel.backward(_after(q, last), k_b, v_b, query_docs, docs, out[0], out[1], dout[0],
                                               dout[1], dq, dk, dv, self.ring_metas[t][i])
-            dq_tiles = dq_tiles[:tile] + (dq,) + dq_tiles[tile + 1:]
-            dks = dks[:slot] + (dk,) + dks[slot + 1:]
-            dvs = dvs[:slot] + (dv,) + dvs[slot + 1:]
+            dq_tiles = _replaced(dq_tiles, tile, dq)
+            dks, dvs = _replaced(dks, slot, dk), _replaced(dvs, slot, dv)
             last = dv
         shape = (batch, heads, self.block, dim)
         dk = self.whole_keys(dks, shape, ms.float32, self.block_slots[t])
@@ -623,10 +619,19 @@ def _after(x, event):
     return ops.depend(x, event)
 
 
+def _replaced(parts, slot: int, value):
+    """`parts` (a tuple) with `value` at `slot` (a tuple rebuilt: no list item assignment under ms.jit)."""
+    return parts[:slot] + (value,) + parts[slot + 1:]
+
+
 def _accumulate(parts, slot: int, value):
-    """`parts` (a tuple) with `value` added at `slot` (a tuple rebuilt: no list item assignment under ms.jit)."""
-    now = value if parts[slot] is None else parts[slot] + value
-    return parts[:slot] + (now,) + parts[slot + 1:]
+    """`parts` with `value` added at `slot` (set there if it holds None)."""
+    return _replaced(parts, slot, value if parts[slot] is None else parts[slot] + value)
+
+
+def _or_zeros(part, shape):
+    """`part`, or fp32 zeros of `shape` where it is None (a fused kernel's accumulator not started yet)."""
+    return ops.zeros(shape, ms.float32) if part is None else part
 
 
 def chunk_plan(held: Sequence[int], key_offset, chunk: int):
